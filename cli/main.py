@@ -1,0 +1,222 @@
+"""``fedpose`` command line: a thin layer that parses arguments and calls plain functions.
+
+Every sub-command imports what it needs inside its handler, so ``fedpose --help``
+is instant and a CPU-only machine never imports GPU-only packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fedpose")
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("matplotlib", "PIL", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    from shared.config import load_config
+
+    return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+
+
+# ---------------------------------------------------------------------------
+# core commands
+# ---------------------------------------------------------------------------
+
+
+def cmd_data_synth(args: argparse.Namespace) -> int:
+    from shared.data.synth import WardSpec, generate_ward
+
+    spec = WardSpec(
+        sites=args.sites, per_site=args.per_site, public=args.public, val=args.val, seed=args.seed,
+        image_size=args.image_size,
+    )
+    root = generate_ward(Path(args.out), spec, progress=not args.quiet)
+    print(f"synthetic ward written to {root}: public={args.public}, val={args.val}, "
+          f"{args.sites} sites x {args.per_site} (MPII json layout)")
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from shared.metrics import pckh_table
+    from shared.runs import run_pretrain
+
+    cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data})
+    metrics = run_pretrain(cfg, args.out, progress=not args.quiet)
+    print(pckh_table({"pretrained (public)": metrics["pckh"]}))
+    print(f"PCKh@0.1 mean: {metrics['pckh@0.1']['mean']:.2f}")
+    print(f"weights: {Path(args.out or cfg.pretrain.out) / 'model.pt'}  ({metrics['seconds']:.0f} s)")
+    print(f"claim: {metrics['claim']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shared.metrics import pckh_table
+    from shared.runs import run_train
+
+    cfg = _load(
+        args,
+        {
+            "train.method": args.method,
+            "train.strategy": args.strategy,
+            "privacy.epsilon": args.epsilon,
+            "privacy.clip_norm": args.clip,
+            "train.seed": args.seed,
+            "train.epochs": args.epochs,
+            "data.root": args.data,
+            "train.out": args.out,
+        },
+    )
+    metrics = run_train(cfg, args.out, progress=not args.quiet)
+    print()
+    print(pckh_table({f"{metrics['method']} ({metrics['strategy']})": metrics["pckh"]}))
+    print(f"PCKh@0.1 mean: {metrics['pckh@0.1']['mean']:.2f}")
+    if metrics["epsilon"] is not None:
+        print(
+            f"privacy: epsilon spent = {metrics['epsilon']:.4f} (target {metrics['target_epsilon']}), "
+            f"delta = {metrics['delta']:g}, sigma = {metrics['sigma']:.4f}, q = {metrics['sample_rate']:.4f}, "
+            f"steps = {metrics['steps']}, C = {metrics['clip']}, accountant = {metrics['accountant']}"
+        )
+    print(f"claim: {metrics['claim']}")
+    print(f"wrote {Path(args.out) / 'model.pt'} and {Path(args.out) / 'metrics.json'} ({metrics['seconds']:.0f} s)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from shared.data.mpii import load_mpii
+    from shared.metrics import pckh_table
+    from shared.model.posenet import load_checkpoint
+    from shared.train import evaluate, write_json
+
+    data = Path(args.data)
+    ann = data / "annotations.json"
+    if not ann.is_file():
+        raise FileNotFoundError(f"{ann} not found: --data must be a split directory in the MPII json layout")
+    heads = args.headboxes or (data / "headboxes.json")
+    records = load_mpii(ann, data / "images", headboxes=heads if Path(heads).exists() else None)
+    model, _ = load_checkpoint(args.checkpoint)
+    report, keypoints, scores = evaluate(model, records, progress=not args.quiet and not args.json)
+    if args.predictions:
+        preds = [
+            {"image": r.image.name, "joints": kp.round(2).tolist(), "scores": sc.round(4).tolist()}
+            for r, kp, sc in zip(records, keypoints, scores)
+        ]
+        write_json(args.predictions, preds)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(pckh_table({Path(args.checkpoint).parent.name or "model": report["pckh"]}))
+        print(f"PCKh@0.1 mean: {report['pckh@0.1']['mean']:.2f}  ({len(records)} people)")
+        if args.predictions:
+            print(f"predictions: {args.predictions}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
+    if config:
+        p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shared.config import METHODS, STRATEGIES
+
+    parser = argparse.ArgumentParser(
+        prog="fedpose", description="Federated, differentially private 2D human pose estimation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    synth = data.add_parser("synth", help="generate the synthetic ward (MPII json layout)")
+    synth.add_argument("--out", required=True)
+    synth.add_argument("--sites", type=int, default=3)
+    synth.add_argument("--per-site", type=int, default=400)
+    synth.add_argument("--public", type=int, default=600)
+    synth.add_argument("--val", type=int, default=240)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--image-size", type=int, default=128)
+    _add_common(synth, config=False)
+    synth.set_defaults(func=cmd_data_synth)
+
+    pre = sub.add_parser("pretrain", help="non-private pretraining on the public split")
+    pre.add_argument("--out", default=None, help="output directory (default: the config's pretrain.out)")
+    pre.add_argument("--data", default=None, help="data root (default: the config's data.root)")
+    _add_common(pre)
+    pre.set_defaults(func=cmd_pretrain)
+
+    tr = sub.add_parser("train", help="train with one of the five methods and evaluate")
+    tr.add_argument("--method", choices=METHODS, default=None)
+    tr.add_argument("--strategy", choices=STRATEGIES, default=None)
+    tr.add_argument("--epsilon", type=float, default=None)
+    tr.add_argument("--clip", type=float, default=None)
+    tr.add_argument("--epochs", type=int, default=None)
+    tr.add_argument("--seed", type=int, default=None, help="reproducible noise (NOT for production)")
+    tr.add_argument("--data", default=None)
+    tr.add_argument("--out", required=True)
+    _add_common(tr)
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="PCKh of a checkpoint on a split in the MPII json layout")
+    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--data", required=True, help="split directory (annotations.json, images/)")
+    ev.add_argument("--headboxes", default=None, help="headboxes.json or the official mpii_gt_val.mat")
+    ev.add_argument("--predictions", default=None, help="write predictions (MPII json layout) here")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(ev, config=False)
+    ev.set_defaults(func=cmd_eval)
+
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions() -> list[Callable[[Any], None]]:
+    """Sub-command groups of the federation and the edge (added by their own modules)."""
+    out = []
+    for module in ("cli.fed", "cli.edge"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            continue
+        out.append(mod.register)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
+        log.debug("command failed", exc_info=True)
+        print(f"fedpose {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""Typed, frozen run configuration loaded from YAML and validated at the boundary.
+
+Every section is a frozen dataclass; ``load_config`` rejects unknown keys and
+wrong types naming the dotted key path (``train.lr: expected float, got str``).
+Flower's run config only holds flat scalars, so ``flatten``/``unflatten``
+convert to and from dotted keys at that boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
+Strategy = Literal["finetune", "full", "scratch"]
+METHODS: tuple[str, ...] = get_args(Method)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type/range."""
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """The embedded synthetic ward (generated when ``data.root`` is absent)."""
+
+    sites: int = 3
+    per_site: int = 400
+    public: int = 600
+    val: int = 240
+    seed: int = 0
+    image_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("sites", "per_site", "public", "val", "image_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.synth.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the MPII-layout splits live and how images are cropped."""
+
+    root: str = "runs/data/ward"
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    # Private training splits (pooled for a centralized run; one per site in a federation).
+    train_splits: tuple[str, ...] = ("site-0", "site-1", "site-2")
+    public_split: str = "public"
+    val_split: str = "val"
+    input_size: tuple[int, int] = (64, 48)  # (H, W)
+    augment: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.input_size) != 2 or min(self.input_size) < 32:
+            raise ConfigError(f"data.input_size: expected [H, W] with both >= 32, got {list(self.input_size)}")
+        if not self.train_splits:
+            raise ConfigError("data.train_splits: name at least one private split")
+        if self.public_split in self.train_splits:
+            raise ConfigError(
+                f"data.public_split {self.public_split!r} is also a private training split: "
+                "public and private data must be disjoint (P2)"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    variant: Literal["tinyvit-small", "tinyvit-5m"] = "tinyvit-small"
+    split_ratio: float = 2.0
+    # Standard deviation of the SimCC Gaussian labels, in bins, for (x, y).
+    sigma: tuple[float, float] = (2.0, 2.0)
+    joint_channels: int = 16
+    hidden: int = 128
+    task_uncertainty: bool = True
+    vis_weight: float = 0.1  # used only when task_uncertainty is off
+
+    def __post_init__(self) -> None:
+        if self.split_ratio <= 0:
+            raise ConfigError(f"model.split_ratio: must be > 0, got {self.split_ratio}")
+        if len(self.sigma) != 2 or min(self.sigma) <= 0:
+            raise ConfigError(f"model.sigma: expected two positive numbers, got {list(self.sigma)}")
+        if self.joint_channels < 1 or self.hidden < 1:
+            raise ConfigError("model.joint_channels and model.hidden must be >= 1")
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Non-private training on the public split only (the starting point for finetune/full)."""
+
+    out: str = "runs/pretrained"
+    epochs: int = 6
+    batch_size: int = 32
+    lr: float = 2e-3
+    weight_decay: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ConfigError("pretrain.epochs and pretrain.batch_size must be >= 1 and pretrain.lr > 0")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    epsilon: float = 0.8
+    delta: float = 1e-5
+    clip_norm: float = 1.0
+    accountant: Literal["rdp", "prv"] = "rdp"
+    psi: Literal["blur", "pixelate"] = "blur"
+    # blur: sigma as a fraction of min(H, W); pixelate: block size in input px.
+    psi_param: float = 0.06
+    k: int = 50  # projection rank
+    m: int = 100  # public samples for the basis
+    basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
+    chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
+
+    def __post_init__(self) -> None:
+        if self.epsilon <= 0:
+            raise ConfigError(f"privacy.epsilon: must be > 0, got {self.epsilon}; pick a positive budget")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta: must be in (0, 1), got {self.delta}")
+        if self.clip_norm <= 0:
+            raise ConfigError(f"privacy.clip_norm: must be > 0, got {self.clip_norm}")
+        if self.k < 1 or self.m < 1:
+            raise ConfigError("privacy.k and privacy.m must be >= 1")
+        if self.k > self.m:
+            raise ConfigError(
+                f"privacy.k = {self.k} > privacy.m = {self.m}: the basis has at most m directions; "
+                "lower k or raise m"
+            )
+        if self.psi_param <= 0:
+            raise ConfigError(f"privacy.psi_param: must be > 0, got {self.psi_param}")
+        if self.basis_every < 1 or self.chunk_size < 1:
+            raise ConfigError("privacy.basis_every and privacy.chunk_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: Method = "fpdp"
+    strategy: Strategy = "finetune"
+    epochs: int = 3
+    # Expected private batch size B = q * n (Poisson sampling with q = B / n).
+    batch_size: int = 64
+    public_batch_size: int = 32
+    optimizer: Literal["sgd", "adam"] = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int | None = None  # None: noise from OS entropy (production); an int: reproducible, not for production
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    out: str = "runs/train"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.public_batch_size < 1:
+            raise ConfigError("train.epochs, train.batch_size and train.public_batch_size must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------
+# building from plain data
+# ---------------------------------------------------------------------------
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check/convert one YAML value against a type hint, naming ``path`` on failure."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError("; ".join(errors))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover - schema bug
+
+
+def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError(str(err)) from err
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain data (as parsed from YAML)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at top level, got {type(data).__name__}")
+    return _build(Config, data)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config file, apply dotted-key overrides, validate everything."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if overrides:
+        data = unflatten({**flatten_plain(data), **overrides})
+    return config_from_dict(data)
+
+
+def replace(cfg: Config, **dotted: Any) -> Config:
+    """Return a copy of ``cfg`` with dotted keys replaced, re-validated (``replace(cfg, **{"train.lr": 0.1})``)."""
+    return config_from_dict(unflatten({**flatten(cfg), **dotted}))
+
+
+# ---------------------------------------------------------------------------
+# flat (Flower run config) view
+# ---------------------------------------------------------------------------
+
+
+def flatten_plain(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(flatten_plain(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict (tuples as lists) of a config dataclass."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def flatten(cfg: Config) -> dict[str, Any]:
+    """Dotted-key view; lists stay lists (callers needing scalars join them)."""
+    return flatten_plain(to_dict(cfg))
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"config key {key}: {part} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

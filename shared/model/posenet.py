@@ -1,0 +1,213 @@
+"""PoseNet: TinyViT trunk + SimCC head, its per-sample loss, strategies and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from shared.config import ConfigError, ModelConfig, Strategy
+from shared.data.joints import NUM_JOINTS
+from shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
+from shared.model.tinyvit import ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, is_fused
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CHECKPOINT_FORMAT = 1
+
+
+class PoseNet(TinyVit):
+    """(B, 3, H, W) RGB in [0, 1] -> SimCC logits x (B, K, W*s), y (B, K, H*s), visibility (B, K).
+
+    Inherits the trunk so the state_dict reads ``patch_embed.*``, ``stages.*``,
+    ``head.norm.*`` exactly like timm's TinyViT. Input normalisation is part of
+    the model, so edge pre-processing is only crop + scale to [0, 1].
+    """
+
+    def __init__(self, cfg: ModelConfig, input_size: tuple[int, int]) -> None:
+        super().__init__(ARCHS[cfg.variant])
+        self.cfg = cfg
+        self.input_size = tuple(input_size)
+        h, w = input_size
+        feature_size = (math.ceil(h / 32), math.ceil(w / 32))
+        self.head = SimCCHead(
+            self.num_features,
+            feature_size,
+            (h, w),
+            num_joints=NUM_JOINTS,
+            split_ratio=cfg.split_ratio,
+            joint_channels=cfg.joint_channels,
+            hidden=cfg.hidden,
+            task_uncertainty=cfg.task_uncertainty,
+        )
+        self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = (images - self.pixel_mean) / self.pixel_std
+        return self.head(self.forward_features(x))
+
+    def losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample total loss (B,) on ``batch`` ("image", "joints", "visible")."""
+        x_logits, y_logits, vis_logits = self(batch["image"])
+        task = simcc_losses(
+            x_logits,
+            y_logits,
+            vis_logits,
+            batch["joints"],
+            batch["visible"],
+            split_ratio=self.cfg.split_ratio,
+            sigma=self.cfg.sigma,
+        )
+        return combine_task_losses(task, self.head.log_task_scale, vis_weight=self.cfg.vis_weight)
+
+
+def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseNet:
+    """A fresh PoseNet with BatchNorm already folded (ready for DP training)."""
+    return fuse_batchnorm(PoseNet(cfg, input_size))
+
+
+# ---------------------------------------------------------------------------
+# training strategies
+# ---------------------------------------------------------------------------
+
+
+def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
+    """Names of the parameters a strategy trains.
+
+    finetune: stages 1-3 (``stages.0-2``) and the patch embedding frozen except
+    every LayerNorm; stage 4 (``stages.3``), all LayerNorms and the head train.
+    full / scratch: everything (scratch differs only in not loading weights).
+    """
+    names = [n for n, _ in model.named_parameters()]
+    if strategy in ("full", "scratch"):
+        return names
+    if strategy != "finetune":
+        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full or scratch")
+    norm_params = {
+        f"{mod_name}.{p_name}" if mod_name else p_name
+        for mod_name, mod in model.named_modules()
+        if isinstance(mod, nn.LayerNorm)
+        for p_name, _ in mod.named_parameters(recurse=False)
+    }
+    return [n for n in names if n.startswith(("stages.3.", "head.")) or n in norm_params]
+
+
+def apply_strategy(model: nn.Module, strategy: Strategy) -> list[str]:
+    """Set ``requires_grad`` per strategy; returns the trainable names."""
+    keep = set(trainable_names(model, strategy))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in keep)
+    return [n for n, _ in model.named_parameters() if n in keep]
+
+
+def make_loss_fn(
+    model: PoseNet, trainable: list[str]
+) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
+    """Functional per-sample loss ``loss_fn(params, batch) -> (B,)`` over the trainable params.
+
+    Frozen parameters and buffers are closed over (detached), so
+    ``torch.func.grad`` differentiates only what the strategy trains.
+    """
+    keep = set(trainable)
+    unknown = keep - {n for n, _ in model.named_parameters()}
+    if unknown:
+        raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
+    wrapper = _LossModule(model)
+    frozen = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n not in keep}
+    buffers = {f"m.{n}": b for n, b in model.named_buffers()}
+
+    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        tensors = {**frozen, **buffers, **{f"m.{n}": p for n, p in params.items()}}
+        return functional_call(wrapper, tensors, (batch,))
+
+    return loss_fn
+
+
+class _LossModule(nn.Module):
+    """Routes ``functional_call`` to ``PoseNet.losses`` instead of ``forward``."""
+
+    def __init__(self, model: PoseNet) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.m.losses(batch)
+
+
+# ---------------------------------------------------------------------------
+# checkpoints
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | Path, model: PoseNet, meta: dict[str, Any] | None = None) -> None:
+    """Write weights + the model config + input size (+ free-form meta) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "model_config": asdict(model.cfg),
+        "input_size": list(model.input_size),
+        "fused": is_fused(model),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "meta": meta or {},
+    }
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[PoseNet, dict[str, Any]]:
+    """Rebuild a PoseNet from a fedpose checkpoint; returns (model, meta). Always returns a fused model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises several types for corrupt files
+        raise ValueError(f"checkpoint {path} is not a readable fedpose checkpoint: {err}") from err
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint {path} is not a fedpose checkpoint (format {CHECKPOINT_FORMAT})")
+    mc = payload["model_config"]
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in mc.items()})
+    model = PoseNet(cfg, tuple(payload["input_size"]))
+    if payload.get("fused", True):
+        fuse_batchnorm(model)
+        model.load_state_dict(payload["state_dict"])
+    else:
+        model.load_state_dict(payload["state_dict"])
+        fuse_batchnorm(model)
+    return model, payload.get("meta", {})
+
+
+def load_tinyvit_weights(model: PoseNet, path: str | Path) -> list[str]:
+    """Initialise the trunk from a TinyViT checkpoint (timm or original layout).
+
+    The model must not be fused yet (BatchNorm statistics are loaded, then
+    folded by the caller). Returns the names of parameters left at their
+    initial values (the pose head).
+    """
+    if is_fused(model):
+        raise ConfigError("load TinyViT weights into an unfused PoseNet, then call fuse_batchnorm")
+    try:
+        sd = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"cannot read TinyViT checkpoint {path}: {err}") from err
+    filtered = checkpoint_filter_fn(sd, model)
+    result = model.load_state_dict(filtered, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"TinyViT checkpoint {path} has keys this model lacks: {result.unexpected_keys[:5]}")
+    missing_trunk = [k for k in result.missing_keys if not k.startswith("head.")]
+    if missing_trunk:
+        raise ValueError(f"TinyViT checkpoint {path} lacks trunk keys: {missing_trunk[:5]}")
+    log.info("loaded TinyViT trunk from %s (%d tensors)", path, len(filtered))
+    return result.missing_keys

@@ -1,0 +1,230 @@
+"""Centralized runs: data on first use, cached public pretraining, private training, evaluation.
+
+These are the plain functions behind ``fedpose data synth``, ``pretrain``,
+``train`` and ``eval``; the federation reuses ``ensure_data`` and
+``ensure_pretrained`` so a fresh clone needs no manual preparation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import Config, ConfigError, dump_config
+from shared.data.mpii import load_split
+from shared.data.records import PoseRecord
+from shared.data.split import check_disjoint
+from shared.data.synth import WardSpec, ensure_ward
+from shared.model.posenet import PoseNet, build_model, load_checkpoint, save_checkpoint
+from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from shared.privacy.claims import privacy_claim
+from shared.privacy.noise import make_generator
+from shared.train import (
+    PRIVATE,
+    config_fingerprint,
+    evaluate,
+    local_train,
+    make_dataset,
+    select_device,
+    steps_per_epoch,
+    write_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+def ward_spec(cfg: Config) -> WardSpec:
+    s = cfg.data.synth
+    return WardSpec(sites=s.sites, per_site=s.per_site, public=s.public, val=s.val, seed=s.seed, image_size=s.image_size)
+
+
+def ensure_data(cfg: Config) -> Path:
+    """The data root; generates the synthetic ward there when the directory is absent (cached).
+
+    A directory that exists but was not made by the generator is used as is
+    (real MPII in the json layout), so it is never overwritten.
+    """
+    root = Path(cfg.data.root)
+    if root.exists() and not (root / "manifest.json").exists():
+        return root
+    return ensure_ward(root, ward_spec(cfg))
+
+
+def load_records(cfg: Config, split: str) -> list[PoseRecord]:
+    root = ensure_data(cfg)
+    records = load_split(root, split)
+    if not records:
+        raise ValueError(f"split {split!r} under {root} is empty: a site needs at least one record")
+    return records
+
+
+def private_records(cfg: Config) -> list[PoseRecord]:
+    """The pooled private training splits (a centralized run's single private dataset)."""
+    out: list[PoseRecord] = []
+    for split in cfg.data.train_splits:
+        out.extend(load_records(cfg, split))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# pretraining (non-private, public split only)
+# ---------------------------------------------------------------------------
+
+
+def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """Train from scratch, non-privately, on the public split only; writes model.pt + metrics.json."""
+    out = Path(out or cfg.pretrain.out)
+    t0 = time.perf_counter()
+    device = select_device(cfg.train.device)
+    torch.manual_seed(cfg.pretrain.seed)
+    public = load_records(cfg, cfg.data.public_split)
+    val = load_records(cfg, cfg.data.val_split)
+    model = build_model(cfg.model, cfg.data.input_size).to(device)
+    dataset = make_dataset(public, cfg, train=True, seed=cfg.pretrain.seed)
+    train = dataclasses.replace(
+        cfg.train, method="nonprivate", strategy="scratch", optimizer="adam", lr=cfg.pretrain.lr,
+        batch_size=cfg.pretrain.batch_size, weight_decay=cfg.pretrain.weight_decay,
+    )
+    steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
+    generator, _ = make_generator(cfg.pretrain.seed, "cpu")
+    result = local_train(
+        model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=steps,
+        generator=generator, progress=progress, desc="pretrain (public)",
+    )
+    report, _, _ = evaluate(model, val, progress=progress)
+    meta = {"kind": "pretrain", "fingerprint": config_fingerprint(cfg, "data", "model", "pretrain")}
+    save_checkpoint(out / "model.pt", model, meta)
+    metrics = {
+        "kind": "pretrain",
+        "data": cfg.data.public_split,
+        "steps": result.steps,
+        **report,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "claim": "non-private training on the public split only; no private data was used",
+    }
+    write_json(out / "metrics.json", metrics)
+    dump_config(cfg, out / "config.yaml")
+    return metrics
+
+
+def ensure_pretrained(cfg: Config, *, progress: bool = True) -> Path:
+    """Path of public pretrained weights matching this config, pretraining first when absent (cached)."""
+    path = Path(cfg.pretrain.out) / "model.pt"
+    want = json.loads(json.dumps(config_fingerprint(cfg, "data", "model", "pretrain")))
+    if path.exists():
+        _, meta = load_checkpoint(path)
+        if meta.get("fingerprint") == want:
+            return path
+        log.warning("pretrained weights at %s were made with another config: pretraining again", path)
+    log.info("no pretrained weights at %s: pretraining on the public split first", path)
+    run_pretrain(cfg, progress=progress)
+    return path
+
+
+def initial_model(cfg: Config, *, progress: bool = True) -> PoseNet:
+    """The starting point of a strategy: public-pretrained weights, or a fresh model for scratch."""
+    if cfg.train.strategy == "scratch":
+        torch.manual_seed(cfg.train.seed if cfg.train.seed is not None else 0)
+        return build_model(cfg.model, cfg.data.input_size)
+    model, _ = load_checkpoint(ensure_pretrained(cfg, progress=progress))
+    if tuple(model.input_size) != tuple(cfg.data.input_size):
+        raise ConfigError(
+            f"pretrained weights are for input {model.input_size}, the config asks for {cfg.data.input_size}"
+        )
+    return model
+
+
+# ---------------------------------------------------------------------------
+# private training (centralized)
+# ---------------------------------------------------------------------------
+
+
+def plan_sigma(cfg: Config, *, n: int, steps: int) -> float:
+    """Noise multiplier meeting the target over the whole plan (calibrated once, never overshooting)."""
+    if cfg.train.method == "nonprivate":
+        return 0.0
+    check_delta(cfg.privacy.delta, n)
+    q = min(1.0, cfg.train.batch_size / n)
+    return calibrate_sigma(
+        target_epsilon=cfg.privacy.epsilon,
+        delta=cfg.privacy.delta,
+        sample_rate=q,
+        steps=steps,
+        accountant=cfg.privacy.accountant,
+    )
+
+
+def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """Train with ``cfg.train.method`` on the pooled private splits, evaluate on val, write results.
+
+    Writes ``out/model.pt`` and ``out/metrics.json``; epsilon in the metrics
+    comes from the accountant applied to what ran (P5), the claim from P8.
+    """
+    out = Path(out or cfg.train.out)
+    t0 = time.perf_counter()
+    method = cfg.train.method
+    device = select_device(cfg.train.device)
+    private = private_records(cfg)
+    public = load_records(cfg, cfg.data.public_split)
+    val = load_records(cfg, cfg.data.val_split)
+    check_disjoint(public, private)  # P2: S_pub and private data share no image
+    n = len(private)
+    steps = cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size)
+    sigma = plan_sigma(cfg, n=n, steps=steps)
+    generator, seeded = make_generator(cfg.train.seed, "cpu")
+    model = initial_model(cfg, progress=progress).to(device)
+    if cfg.train.seed is not None:
+        torch.manual_seed(cfg.train.seed)
+    dataset = make_dataset(private, cfg, train=True, seed=cfg.train.seed)
+    public_eval = make_dataset(public, cfg, train=False)
+    log.info("training %s/%s on %d private records: %d steps, q=%.4f, sigma=%.4f", method,
+             cfg.train.strategy, n, steps, min(1.0, cfg.train.batch_size / n), sigma)
+    result = local_train(
+        model, dataset, method=method, train=cfg.train, privacy=cfg.privacy, sigma=sigma, steps=steps,
+        generator=generator, public_basis=public_eval, progress=progress, desc=f"train {method}",
+    )
+    epsilon = None
+    if method in PRIVATE:
+        epsilon = epsilon_spent(
+            [StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)],
+            delta=cfg.privacy.delta,
+            accountant=cfg.privacy.accountant,
+        )
+    psi_name = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if method in ("fdp", "fpdp") else None
+    claim = privacy_claim(
+        method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
+        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant,
+    )
+    report, _, _ = evaluate(model, val, progress=progress)
+    metrics = {
+        "method": method,
+        "strategy": cfg.train.strategy,
+        "epsilon": epsilon,
+        "target_epsilon": cfg.privacy.epsilon if method in PRIVATE else None,
+        "delta": cfg.privacy.delta if method in PRIVATE else None,
+        "sigma": result.sigma,
+        "sample_rate": result.sample_rate,
+        "steps": result.steps,
+        "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
+        "accountant": cfg.privacy.accountant if method in PRIVATE else None,
+        "psi": psi_name,
+        "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
+        "n": n,
+        "mean_batch": result.mean_batch,
+        "seeded": seeded,
+        "claim": claim,
+        **report,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "seconds_basis": round(result.seconds_basis, 2),
+    }
+    save_checkpoint(out / "model.pt", model, {"kind": "train", "metrics": metrics})
+    write_json(out / "metrics.json", metrics)
+    dump_config(cfg, out / "config.yaml")
+    return metrics

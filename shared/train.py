@@ -1,0 +1,274 @@
+"""One local-training loop, used by centralized runs (``fedpose train``) and by sites.
+
+``local_train`` runs the FP-DP step of DESIGN.md section 3 (Algorithm 1 of the
+paper) or one of its four comparison methods for a number of steps on one
+private dataset and reports what actually ran (sigma, q, steps) so that the
+caller's accountant, not the plan, produces every epsilon.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig, to_dict
+from shared.data.dataset import PoseDataset
+from shared.data.records import PoseRecord
+from shared.data.transforms import Augment
+from shared.metrics import pckh_report
+from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
+from shared.model.simcc import decode_simcc
+from shared.privacy.fpdp import DPSpec, dp_gradient
+from shared.privacy.psi import apply_psi, make_psi
+from shared.privacy.sampling import poisson_sample
+from shared.privacy.subspace import compute_basis
+
+log = logging.getLogger(__name__)
+
+PROJECTED = ("proj", "fpdp")
+WITH_PUBLIC = ("fdp", "fpdp")
+PRIVATE = ("dpsgd", "proj", "fdp", "fpdp")
+
+
+def select_device(name: str) -> torch.device:
+    """``auto``: CUDA when a GPU is present (hospital GPU boxes), else CPU; one code path for both."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def make_psi_from(privacy: PrivacyConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """psi of the config: Gaussian blur (sigma = psi_param * min(H, W)) or pixelation (block psi_param px)."""
+    if privacy.psi == "blur":
+        return make_psi("blur", sigma_frac=privacy.psi_param)
+    return make_psi("pixelate", block=int(privacy.psi_param))
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "index"}
+
+
+def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:
+    if train.optimizer == "adam":
+        return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+
+
+@dataclass
+class LocalResult:
+    """What one call of ``local_train`` actually ran (the accountant's input) and how it went."""
+
+    method: str
+    sigma: float
+    sample_rate: float
+    steps: int
+    clip_norm: float
+    n: int
+    mean_batch: float
+    seconds: float
+    seconds_basis: float
+    losses: list[float] = field(default_factory=list)
+
+
+def local_train(
+    model: PoseNet,
+    private: PoseDataset,
+    *,
+    method: Method,
+    train: TrainConfig,
+    privacy: PrivacyConfig,
+    sigma: float,
+    steps: int,
+    generator: torch.Generator,
+    public_basis: PoseDataset | None = None,
+    basis: torch.Tensor | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: bool = True,
+    desc: str = "train",
+) -> LocalResult:
+    """Run ``steps`` optimizer steps of ``method`` on ``private``; the model is updated in place.
+
+    Per step (DESIGN.md section 3):
+      private batch ~ Poisson(q) from raw images, q = train.batch_size / n   (P4)
+      g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n)                 (P1)
+      g = V (V^T g) for proj / fpdp, V from public data only                (P2)
+      + g_pub = mean grad on psi(x) of a site batch for fdp / fpdp          (P3)
+    The basis is either given (federated: broadcast by the server) or, when
+    ``public_basis`` is given, recomputed every ``privacy.basis_every`` steps
+    from ``privacy.m`` public samples at the current weights.
+    """
+    n = len(private)
+    if n == 0:
+        raise ValueError("the private dataset is empty: a site needs at least one record to train")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = next(model.parameters()).device
+    q = min(1.0, train.batch_size / n)
+    trainable = apply_strategy(model, train.strategy)
+    named = dict(model.named_parameters())
+    params = [named[name] for name in trainable]
+    loss_fn = make_loss_fn(model, trainable)
+    opt = optimizer or make_optimizer(params, train)
+    spec = DPSpec(
+        method=method,
+        clip_norm=privacy.clip_norm,
+        sigma=sigma if method != "nonprivate" else 0.0,
+        sample_rate=q,
+        n_private=n,
+        chunk_size=privacy.chunk_size,
+    )
+    psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
+    # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
+    pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+    if method in PROJECTED and basis is None and public_basis is None:
+        raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
+
+    model.train()
+    t0 = time.perf_counter()
+    t_basis = 0.0
+    batch_sizes: list[int] = []
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
+    for step in bar:
+        if method in PROJECTED and public_basis is not None and step % privacy.basis_every == 0:
+            tb = time.perf_counter()
+            basis = public_basis_at(model, loss_fn, trainable, public_basis, privacy, device)
+            t_basis += time.perf_counter() - tb
+        if method == "nonprivate":
+            idx = torch.from_numpy(pub_rng.choice(n, size=min(train.batch_size, n), replace=False))
+        else:
+            idx = poisson_sample(n, sample_rate=q, generator=generator)
+        batch = to_device(private.batch(idx.tolist()), device)
+        batch_sizes.append(int(idx.numel()))
+        psi_batch = None
+        if psi is not None:
+            pub_idx = pub_rng.choice(n, size=min(train.public_batch_size, n), replace=False)
+            psi_batch = apply_psi(psi, to_device(private.batch(pub_idx.tolist()), device))
+        current = {name: named[name].detach() for name in trainable}
+        grads, info = dp_gradient(
+            loss_fn,
+            current,
+            spec=spec,
+            private_batch=batch,
+            psi_batch=psi_batch,
+            generator=generator,
+            basis=basis,
+        )
+        for name in trainable:
+            named[name].grad = grads[name].to(named[name].dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if "loss" in info:
+            losses.append(float(info["loss"]))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", B=batch_sizes[-1])
+    return LocalResult(
+        method=method,
+        sigma=spec.sigma,
+        sample_rate=q,
+        steps=steps,
+        clip_norm=privacy.clip_norm,
+        n=n,
+        mean_batch=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+        seconds=time.perf_counter() - t0,
+        seconds_basis=t_basis,
+        losses=losses,
+    )
+
+
+def public_basis_at(
+    model: PoseNet,
+    loss_fn: Callable,
+    trainable: list[str],
+    public: PoseDataset,
+    privacy: PrivacyConfig,
+    device: torch.device,
+) -> torch.Tensor:
+    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
+    m = min(privacy.m, len(public))
+    if privacy.k > m:
+        raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
+    batch = to_device(public.batch(list(range(m))), device)
+    named = dict(model.named_parameters())
+    current = {name: named[name].detach() for name in trainable}
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size)
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Expected steps for one pass over n records at expected batch size B: ceil(n / B)."""
+    return max(1, math.ceil(n / batch_size))
+
+
+# ---------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order."""
+    device = next(model.parameters()).device
+    model.eval()
+    pts, scores = [], []
+    n = len(dataset)
+    for start in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
+        idx = list(range(start, min(start + batch_size, n)))
+        batch = dataset.batch(idx)
+        x_logits, y_logits, _ = model(batch["image"].to(device))
+        kp, sc = decode_simcc(x_logits.cpu().numpy(), y_logits.cpu().numpy(), split_ratio=model.cfg.split_ratio)
+        pts.append(kp)
+        scores.append(sc)
+    model.train()
+    if not pts:
+        return np.zeros((0, 16, 2), np.float32), np.zeros((0, 16), np.float32)
+    return np.concatenate(pts), np.concatenate(scores)
+
+
+def evaluate(
+    model: PoseNet, records: list[PoseRecord], *, batch_size: int = 64, progress: bool = False
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores)."""
+    from shared.data.dataset import inverse_transform
+
+    if not records:
+        raise ValueError("nothing to evaluate: the split has no records")
+    if any(r.headbox is None for r in records):
+        raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
+    dataset = PoseDataset(records, input_size=model.input_size, augment=None)
+    kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress)
+    kp_image = inverse_transform(kp_input, records, model.input_size)
+    gt = np.stack([r.joints for r in records])
+    vis = np.stack([r.visible for r in records])
+    heads = np.stack([r.headbox for r in records])
+    return pckh_report(kp_image, gt, vis, heads), kp_image, scores
+
+
+def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:
+    augment = Augment() if (train and cfg.data.augment) else None
+    return PoseDataset(records, input_size=cfg.data.input_size, augment=augment, seed=seed)
+
+
+def config_fingerprint(cfg: Config, *sections: str) -> dict[str, Any]:
+    """The config sections that determine a cached artefact (compared on reuse)."""
+    d = to_dict(cfg)
+    return {s: d[s] for s in sections}
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False))
+    tmp.replace(path)
