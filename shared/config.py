@@ -163,12 +163,32 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class FederationConfig:
+    """The federated run: rounds, local work per round, participation, basis transport."""
+
+    rounds: int = 5
+    local_steps: int = 10  # private optimizer steps per site per round
+    min_sites: int = 2  # a round needs at least this many valid replies, else it is not aggregated
+    basis_mode: Literal["broadcast", "site"] = "broadcast"
+    basis_dtype: Literal["float32", "float16"] = "float16"
+    round_timeout: float = 900.0  # seconds to wait for replies before going on without a site
+    out: str = "runs/federation"
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.local_steps < 1 or self.min_sites < 1:
+            raise ConfigError("federation.rounds, federation.local_steps and federation.min_sites must be >= 1")
+        if self.round_timeout <= 0:
+            raise ConfigError(f"federation.round_timeout: must be > 0, got {self.round_timeout}")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
 
 
 # ---------------------------------------------------------------------------
