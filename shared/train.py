@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +51,8 @@ def select_device(name: str) -> torch.device:
 def make_psi_from(privacy: PrivacyConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """psi of the config: Gaussian blur (sigma = psi_param * min(H, W)) or pixelation (block psi_param px)."""
     if privacy.psi == "blur":
-        return make_psi("blur", sigma_frac=privacy.psi_param)
-    return make_psi("pixelate", block=int(privacy.psi_param))
+        return make_psi("gaussian_blur", blur_sigma_frac=privacy.psi_param)
+    return make_psi("pixelate", block_size=int(privacy.psi_param))
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -78,7 +78,6 @@ class LocalResult:
     mean_batch: float
     seconds: float
     seconds_basis: float
-    losses: list[float] = field(default_factory=list)
 
 
 def local_train(
@@ -138,7 +137,6 @@ def local_train(
     t0 = time.perf_counter()
     t_basis = 0.0
     batch_sizes: list[int] = []
-    losses: list[float] = []
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     for step in bar:
         if method in PROJECTED and public_basis is not None and step % privacy.basis_every == 0:
@@ -169,9 +167,8 @@ def local_train(
             named[name].grad = grads[name].to(named[name].dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if "loss" in info:
-            losses.append(float(info["loss"]))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", B=batch_sizes[-1])
+        if progress and method != "nonprivate":
+            bar.set_postfix(B=batch_sizes[-1], norm=f"{float(info['mean_norm']):.3f}")
     return LocalResult(
         method=method,
         sigma=spec.sigma,
@@ -182,7 +179,6 @@ def local_train(
         mean_batch=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
         seconds=time.perf_counter() - t0,
         seconds_basis=t_basis,
-        losses=losses,
     )
 
 

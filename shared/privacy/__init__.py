@@ -1,0 +1,10 @@
+"""Privacy machinery of fedpose (DESIGN.md sections 3 and 4).
+
+Modules: ``persample`` (per-sample gradients, clipped sums), ``noise``
+(entropy-seeded generators, Gaussian noise), ``sampling`` (Poisson batches),
+``subspace`` (projection basis V, flatten order), ``psi`` (feature maps for
+Feature-DP), ``fpdp`` (the FP-DP gradient of Algorithm 1), ``accountant``
+(Opacus RDP/PRV wrappers, sigma calibration) and ``claims`` (the honest
+claim text). Import the module you need; nothing is re-exported here so that
+importing the package stays cheap.
+"""

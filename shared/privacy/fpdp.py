@@ -1,0 +1,277 @@
+"""The feature-projective DP-SGD gradient (DESIGN.md section 3, FP-DP Algorithm 1).
+
+    private batch B_priv ~ Poisson(q) from the site's raw images x
+      g_i   = grad l(w, x_i)                              per sample
+      g     = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n)
+      g     = V (V^T g)                                   post-processing
+    public batch B_psi: psi(x)
+      g_pub = mean_x grad l(w, psi(x))                    no clip, no noise
+    update  w <- optimizer(w, g_pub + g)
+
+Methods: nonprivate (plain mean gradient), dpsgd (no V, no g_pub), proj (V,
+no g_pub), fdp (g_pub, no V), fpdp (both).
+
+Invariants enforced here:
+- P1: noise is drawn once per step and added to the SUM of clipped
+  per-sample gradients; the projection is applied after the noise.
+- P3: the public gradient only accepts a ``PsiBatch`` (built by
+  ``psi.apply_psi``), never raw images.
+- P4: normalisation by the expected batch size q n, not the realised
+  Poisson batch size (which is itself private: dividing by it would leak it
+  and break the sensitivity bound the accountant assumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from shared.privacy.noise import gaussian_noise_like
+from shared.privacy.persample import (
+    LossFn,
+    batch_size_of,
+    check_params,
+    clipped_grad_sum,
+    mean_grad,
+)
+from shared.privacy.psi import PsiBatch
+from shared.privacy.subspace import flatten, project, unflatten
+
+log = logging.getLogger(__name__)
+
+Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
+METHODS: tuple[str, ...] = ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
+PROJECTED_METHODS: tuple[str, ...] = ("proj", "fpdp")
+FEATURE_METHODS: tuple[str, ...] = ("fdp", "fpdp")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPSpec:
+    """What one private step does. Keyword-only so C, sigma and q cannot be swapped.
+
+    clip_norm: per-sample L2 bound C. sigma: noise multiplier (noise std / C),
+    calibrated by ``accountant.calibrate_sigma``. sample_rate: Poisson q.
+    n_private: the site's number of private records n (q n is the expected
+    batch size). chunk_size: per-sample gradients computed at a time (memory).
+    """
+
+    method: Method
+    clip_norm: float
+    sigma: float
+    sample_rate: float
+    n_private: int
+    chunk_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is unknown; choose one of {METHODS}")
+        clip = self.clip_norm
+        if not _is_number(clip) or not (clip > 0 and math.isfinite(clip)):
+            raise ValueError(
+                f"clip_norm={self.clip_norm!r} must be a positive finite number (per-sample L2 "
+                "bound C)"
+            )
+        if not _is_number(self.sigma) or not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"sigma={self.sigma!r} must be a non-negative finite number")
+        if self.method != "nonprivate" and self.sigma == 0:
+            raise ValueError(
+                f"sigma=0 with method={self.method!r} adds no noise and gives no privacy; "
+                "calibrate sigma with accountant.calibrate_sigma or use method='nonprivate'"
+            )
+        if not _is_number(self.sample_rate) or not 0 < self.sample_rate <= 1:
+            raise ValueError(
+                f"sample_rate={self.sample_rate!r} must be in (0, 1] (expected batch size / n)"
+            )
+        if isinstance(self.n_private, bool) or not isinstance(self.n_private, int):
+            raise ValueError(f"n_private={self.n_private!r} must be an int (site size n)")
+        if self.n_private < 1:
+            raise ValueError(
+                f"n_private={self.n_private}: the site is empty; give it data or leave it out"
+            )
+        chunk = self.chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive int")
+
+    @property
+    def projects(self) -> bool:
+        """True when the private gradient is projected onto span(V)."""
+        return self.method in PROJECTED_METHODS
+
+    @property
+    def uses_public(self) -> bool:
+        """True when the public gradient on psi(x) is added (Feature-DP)."""
+        return self.method in FEATURE_METHODS
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q n: the normaliser of the private gradient (P4)."""
+        return self.sample_rate * self.n_private
+
+
+def _check_basis(basis: Tensor, params: Mapping[str, Tensor]) -> None:
+    total = sum(value.numel() for value in params.values())
+    if not isinstance(basis, Tensor) or basis.dim() != 2 or basis.shape[0] != total:
+        shape = tuple(basis.shape) if isinstance(basis, Tensor) else type(basis).__name__
+        raise ValueError(
+            f"basis has shape {shape} but must be (p, k) with p={total} trainable parameters; "
+            "it was computed for other trainable parameters (check the training strategy)"
+        )
+
+
+def _noisy_private_sum(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    private_batch: Mapping[str, Tensor],
+    *,
+    spec: DPSpec,
+    generator: torch.Generator,
+    basis: Tensor | None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms)."""
+    if spec.method == "nonprivate":
+        raise ValueError("private_gradient is the DP path; method='nonprivate' uses mean_grad")
+    if spec.projects:
+        if basis is None:
+            raise ValueError(
+                f"method={spec.method!r} projects the gradient but no basis V was given; "
+                "pass the server's V (compute_basis on public data)"
+            )
+        _check_basis(basis, params)
+    elif basis is not None:
+        raise ValueError(
+            f"method={spec.method!r} does not project, but a basis was given; pass basis=None "
+            "or use method='proj'/'fpdp'"
+        )
+    # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
+    summed, norms = clipped_grad_sum(
+        loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
+    )
+    # P1: N(0, sigma^2 C^2 I) drawn once and added to the sum, before any projection.
+    noise = gaussian_noise_like(summed, std=spec.sigma * spec.clip_norm, generator=generator)
+    scale = 1.0 / spec.expected_batch_size  # P4: 1 / (q n), not 1 / |B_priv|
+    grads = {name: (summed[name] + noise[name]).mul_(scale) for name in summed}
+    if spec.projects:
+        # g = V (V^T g): post-processing of the noisy gradient, no privacy cost.
+        flat = project(basis, flatten(grads))  # (p,)
+        grads = {name: value.clone() for name, value in unflatten(flat, like=grads).items()}
+    return grads, norms
+
+
+def private_gradient(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    private_batch: Mapping[str, Tensor],
+    *,
+    spec: DPSpec,
+    generator: torch.Generator,
+    basis: Tensor | None,
+) -> dict[str, Tensor]:
+    """g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n), then V (V^T g) if projecting.
+
+    ``private_batch`` must be a Poisson sample with rate spec.sample_rate
+    (``sampling.poisson_sample``); it may be empty. ``basis`` is required for
+    proj/fpdp and refused otherwise. Shapes of the result match ``params``.
+    """
+    grads, _ = _noisy_private_sum(
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis
+    )
+    return grads
+
+
+def public_gradient(
+    loss_fn: LossFn, params: Mapping[str, Tensor], psi_batch: PsiBatch
+) -> dict[str, Tensor]:
+    """g_pub = mean gradient of the loss on psi(x) and the labels: no clip, no noise.
+
+    Takes only a ``PsiBatch`` (from ``psi.apply_psi``), so raw images cannot
+    reach this gradient (P3).
+    """
+    if not isinstance(psi_batch, PsiBatch):
+        raise TypeError(
+            f"public_gradient takes a PsiBatch, got {type(psi_batch).__name__}: build it with "
+            "psi.apply_psi(psi, batch) so that only psi(x) and the labels are used (P3)"
+        )
+    if batch_size_of(psi_batch.tensors) == 0:
+        raise ValueError("the psi batch is empty; the public gradient needs at least one sample")
+    return mean_grad(loss_fn, params, psi_batch.tensors)
+
+
+def dp_gradient(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    *,
+    spec: DPSpec,
+    private_batch: Mapping[str, Tensor],
+    psi_batch: PsiBatch | None,
+    generator: torch.Generator | None,
+    basis: Tensor | None,
+) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
+    """The update direction of one step for ``spec.method``, plus diagnostics.
+
+    nonprivate: mean gradient of the private batch. dpsgd: private only.
+    proj: projected private. fdp: private + public. fpdp: projected private
+    + public. Inputs a method does not use (basis, psi batch) are refused
+    rather than silently ignored.
+
+    ``info`` keys (always the same): method, batch_size (realised private),
+    expected_batch_size (q n), public_batch_size, mean_norm / max_norm /
+    clipped_fraction of the pre-clipping per-sample norms (NaN for
+    nonprivate, which does not compute them; 0 for an empty batch), and
+    noise_std, the per-coordinate noise std of the private gradient before
+    projection (sigma C / (q n)).
+    These are private statistics of the site: log them locally, do not send them.
+    """
+    check_params(params)
+    size = batch_size_of(private_batch)
+    if spec.uses_public:
+        if psi_batch is None:
+            raise ValueError(
+                f"method={spec.method!r} adds the public gradient on psi(x) but psi_batch is "
+                "None; build one with psi.apply_psi"
+            )
+    elif psi_batch is not None:
+        raise ValueError(
+            f"method={spec.method!r} does not use psi(x), but a psi_batch was given; pass None "
+            "or use method='fdp'/'fpdp'"
+        )
+    nan = float("nan")
+    info: dict[str, float | int | str] = {
+        "method": spec.method,
+        "batch_size": size,
+        "expected_batch_size": spec.expected_batch_size,
+        "public_batch_size": psi_batch.batch_size if psi_batch is not None else 0,
+        "mean_norm": nan,
+        "max_norm": nan,
+        "clipped_fraction": nan,
+        "noise_std": 0.0,
+    }
+    if spec.method == "nonprivate":
+        if basis is not None:
+            raise ValueError("method='nonprivate' does not project; pass basis=None")
+        return mean_grad(loss_fn, params, private_batch), info
+    if generator is None:
+        raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
+    grads, norms = _noisy_private_sum(
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis
+    )
+    if norms.numel() > 0:
+        info["mean_norm"] = float(norms.mean())
+        info["max_norm"] = float(norms.max())
+        info["clipped_fraction"] = float((norms > spec.clip_norm).float().mean())
+    else:
+        info["mean_norm"] = info["max_norm"] = info["clipped_fraction"] = 0.0
+    info["noise_std"] = spec.sigma * spec.clip_norm / spec.expected_batch_size
+    if spec.uses_public:
+        public = public_gradient(loss_fn, params, psi_batch)
+        grads = {name: grads[name] + public[name] for name in grads}
+    return grads, info

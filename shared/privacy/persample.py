@@ -1,0 +1,264 @@
+"""Per-sample gradients and their clipped sum, generic over any functional loss.
+
+DP-SGD (Abadi et al. 2016; FP-DP Algorithm 1, line "g_i = grad l(w, x_i)")
+needs the gradient of every sample separately so that each one can be clipped
+to norm C before they are summed: that bounds one record's influence on the
+sum (the L2 sensitivity) by C, which is what the accountant assumes.
+
+The loss interface shared with the model and the training loop is
+
+    loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor (B,)
+
+where ``params`` are the trainable parameters (the caller closes over frozen
+ones, e.g. with ``torch.func.functional_call``) and ``batch`` holds batched
+tensors that share their leading dimension B. A per-sample call is the same
+function with B = 1: we ``vmap`` over ``grad`` of that single-sample loss.
+
+Memory: per-sample gradients cost B x p floats. ``clipped_grad_sum`` works in
+chunks of ``chunk_size`` samples and only ever holds one chunk's gradients,
+so peak memory is chunk_size x p regardless of the (Poisson, hence random)
+batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Tensor]
+
+# Added to the norm before dividing, as in Opacus, so that a zero gradient
+# gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
+NORM_EPS = 1e-6
+
+
+def batch_size_of(batch: Mapping[str, Tensor]) -> int:
+    """Return the common leading dimension B of a batch dict, validating it.
+
+    Every value must be a tensor with at least one dimension, and all must
+    agree on B, otherwise per-sample slicing would silently pair sample i of
+    one tensor with sample j of another.
+    """
+    if not isinstance(batch, Mapping) or len(batch) == 0:
+        raise ValueError(
+            f"batch must be a non-empty dict of batched tensors, got {type(batch).__name__} "
+            f"of length {len(batch) if isinstance(batch, Mapping) else 'n/a'}"
+        )
+    sizes = {}
+    for name, value in batch.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"batch[{name!r}] is a {type(value).__name__}, not a Tensor: "
+                "keep only batched tensors in the batch dict"
+            )
+        if value.dim() == 0:
+            raise ValueError(
+                f"batch[{name!r}] is a 0-d tensor: every batch tensor needs a leading "
+                "batch dimension"
+            )
+        sizes[name] = int(value.shape[0])
+    distinct = set(sizes.values())
+    if len(distinct) != 1:
+        raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
+    return distinct.pop()
+
+
+def check_params(params: Mapping[str, Tensor]) -> None:
+    """Refuse anything but a non-empty dict of floating point tensors."""
+    if not isinstance(params, Mapping) or len(params) == 0:
+        raise ValueError("params must be a non-empty dict of trainable tensors")
+    for name, value in params.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            found = value.dtype if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"params[{name!r}] must be a floating point Tensor, got {found}: pass "
+                "only the trainable parameters"
+            )
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size={chunk_size!r} must be a positive int (samples per vmap call; "
+            "lower it to save memory)"
+        )
+
+
+def _detached(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    # torch.func.grad differentiates w.r.t. its own inputs; detaching keeps the
+    # caller's autograd graph (if any) out of the per-sample computation.
+    return {name: value.detach() for name, value in params.items()}
+
+
+def _per_sample_grad_fn(loss_fn: LossFn, randomness: str) -> Callable:
+    """vmap(grad(single-sample loss)) over the batch dimension of ``batch``."""
+
+    def single_loss(params: dict[str, Tensor], sample: dict[str, Tensor]) -> Tensor:
+        # Under vmap a "sample" has lost its batch dimension: give it back a
+        # batch of one so the model sees the usual (1, ...) shapes.
+        one = {name: value.unsqueeze(0) for name, value in sample.items()}
+        losses = loss_fn(params, one)  # (1,)
+        if losses.dim() != 1 or losses.shape[0] != 1:
+            raise ValueError(
+                "loss_fn must return per-sample losses of shape (B,); for B = 1 it "
+                f"returned shape {tuple(losses.shape)}"
+            )
+        return losses.sum()
+
+    return torch.func.vmap(
+        torch.func.grad(single_loss), in_dims=(None, 0), randomness=randomness
+    )
+
+
+def _chunks(batch: Mapping[str, Tensor], size: int, chunk_size: int):
+    for start in range(0, size, chunk_size):
+        stop = min(start + chunk_size, size)
+        yield {name: value[start:stop] for name, value in batch.items()}
+
+
+def iter_per_sample_grads(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    *,
+    chunk_size: int,
+    randomness: str = "different",
+) -> Iterator[dict[str, Tensor]]:
+    """Yield per-sample gradients chunk by chunk, {name: (b, *param.shape)}, b <= chunk_size.
+
+    Lets callers consume the gradients (clip and sum, or copy into a
+    preallocated matrix) without ever holding all B of them.
+    """
+    check_params(params)
+    _check_chunk_size(chunk_size)
+    size = batch_size_of(batch)
+    if size == 0:
+        return
+    detached = _detached(params)
+    fn = _per_sample_grad_fn(loss_fn, randomness)
+    for chunk in _chunks(batch, size, chunk_size):
+        yield fn(detached, chunk)
+
+
+def per_sample_grads(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    *,
+    chunk_size: int,
+    randomness: str = "different",
+) -> dict[str, Tensor]:
+    """Unclipped per-sample gradients, {name: (B, *param.shape)}.
+
+    This materialises all B gradients (B x p floats): use it for tests and
+    small batches, never for the private step, which uses
+    ``clipped_grad_sum``. ``randomness`` is passed to vmap ("different":
+    independent dropout masks per sample).
+    """
+    check_params(params)
+    parts: dict[str, list[Tensor]] = {name: [] for name in params}
+    for grads in iter_per_sample_grads(
+        loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness
+    ):
+        for name in parts:
+            parts[name].append(grads[name])
+    if not next(iter(parts.values())):  # empty batch
+        return {name: value.new_zeros((0, *value.shape)) for name, value in params.items()}
+    return {name: torch.cat(chunks, dim=0) for name, chunks in parts.items()}
+
+
+def per_sample_norms(grads: Mapping[str, Tensor]) -> Tensor:
+    """Flat L2 norm over ALL parameters of each sample's gradient: (B,).
+
+    The clipping bound C applies to the whole gradient vector of a sample
+    (flat clipping), which is the sensitivity the accountant assumes.
+    """
+    per_param = [g.reshape(g.shape[0], -1).norm(dim=1) for g in grads.values()]  # each (B,)
+    return torch.stack(per_param, dim=0).norm(dim=0)  # (B,)
+
+
+def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
+    """min(1, C / (||g_i|| + 1e-6)) per sample: (B,)."""
+    return (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+
+
+def _check_clip_norm(clip_norm: float) -> float:
+    try:
+        value = float(clip_norm)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"clip_norm={clip_norm!r} must be a positive number") from err
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            f"clip_norm={clip_norm!r} must be a positive finite number (the per-sample "
+            "L2 bound C; the paper uses C in {0.01, 0.1, 1.0})"
+        )
+    return value
+
+
+def clipped_grad_sum(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    *,
+    clip_norm: float,
+    chunk_size: int,
+    randomness: str = "different",
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
+
+    FP-DP Algorithm 1: sum_i clip(g_i, C) with clip(g, C) = g min(1, C/||g||).
+    Works chunk by chunk (only ``chunk_size`` per-sample gradients are alive
+    at any time). Returns ``(summed, norms)``: ``summed`` has the shapes of
+    ``params``; ``norms`` (B,) are the pre-clipping per-sample norms (for
+    diagnostics only - they are private data, never send them anywhere).
+    An empty batch (B = 0) gives zero sums and an empty ``norms``.
+    """
+    clip = _check_clip_norm(clip_norm)
+    check_params(params)
+    summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
+    norms_parts: list[Tensor] = []
+    for grads in iter_per_sample_grads(
+        loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness
+    ):
+        norms = per_sample_norms(grads)  # (b,)
+        factors = clip_factors(norms, clip)  # (b,)
+        for name, grad in grads.items():
+            # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
+            flat = factors.to(grad.dtype) @ grad.reshape(grad.shape[0], -1)
+            summed[name].add_(flat.view_as(summed[name]))
+        norms_parts.append(norms)
+        del grads
+    if not norms_parts:  # empty batch: zero sum, no norms
+        return summed, next(iter(summed.values())).new_zeros((0,))
+    return summed, torch.cat(norms_parts)
+
+
+def mean_grad(
+    loss_fn: LossFn, params: Mapping[str, Tensor], batch: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Plain (non-private) gradient of the mean loss over the batch.
+
+    Used for the non-private baseline and for the public gradient on psi(x).
+    An empty batch gives zeros (no samples, no signal) rather than NaN.
+    """
+    check_params(params)
+    size = batch_size_of(batch)
+    detached = _detached(params)
+    if size == 0:
+        return {name: torch.zeros_like(value) for name, value in detached.items()}
+
+    def mean_loss(p: dict[str, Tensor]) -> Tensor:
+        losses = loss_fn(p, batch)
+        if losses.dim() != 1 or losses.shape[0] != size:
+            raise ValueError(
+                f"loss_fn must return per-sample losses of shape ({size},), got "
+                f"{tuple(losses.shape)}"
+            )
+        return losses.mean()
+
+    return torch.func.grad(mean_loss)(detached)

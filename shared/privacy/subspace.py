@@ -1,0 +1,200 @@
+"""Gradient subspace for projected DP-SGD (FP-DP Algorithm 1, "g = V (V^T g)").
+
+The server computes per-sample gradients of the full loss on the public set
+S_pub at the current global weights (invariant P2: nothing from any site),
+stacks them as G (m x p, one row per public sample), and sends the top-k
+left singular vectors V (p x k, orthonormal columns) of G^T. Projecting the
+noisy private gradient onto span(V) keeps k of the p noise dimensions, which
+is the k/p noise-variance reduction of the paper. The projection is
+post-processing of the already-noised gradient, so it costs no privacy (P1).
+
+We never form a p x p matrix: with K = G G^T (m x m) = U S^2 U^T we get the
+right singular vectors of G, i.e. the left singular vectors of G^T, as
+V = G^T U_k S_k^{-1}. The Gram matrix is accumulated in float64 over column
+blocks of G, so memory is m x p (float32, G itself) + m x m.
+
+Everyone who turns a parameter dict into a vector uses ``flatten`` /
+``unflatten`` here, with the parameters in sorted-name order, so the server's
+V and the sites' gradients agree coordinate by coordinate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from shared.privacy.persample import (
+    LossFn,
+    batch_size_of,
+    check_params,
+    iter_per_sample_grads,
+)
+
+log = logging.getLogger(__name__)
+
+# Columns of G processed at a time when forming the Gram matrix and V in
+# float64: bounds the float64 temporaries to m x _COLUMN_BLOCK.
+_COLUMN_BLOCK = 1 << 18
+
+# Eigenvalues of G G^T below DEFAULT_RTOL * max are treated as zero (rank
+# deficiency): those directions have singular value < 1e-3 of the top one,
+# i.e. they are numerical noise of float32 gradients, not signal.
+DEFAULT_RTOL = 1e-6
+
+
+def flatten(tensors: Mapping[str, Tensor]) -> Tensor:
+    """Concatenate a parameter dict into one vector (p,), names in sorted order."""
+    if not isinstance(tensors, Mapping) or len(tensors) == 0:
+        raise ValueError("flatten needs a non-empty dict of tensors")
+    return torch.cat([tensors[name].reshape(-1) for name in sorted(tensors)])
+
+
+def flatten_per_sample(tensors: Mapping[str, Tensor]) -> Tensor:
+    """{name: (B, *shape)} -> (B, p), same sorted-name order as ``flatten``."""
+    if not isinstance(tensors, Mapping) or len(tensors) == 0:
+        raise ValueError("flatten_per_sample needs a non-empty dict of tensors")
+    names = sorted(tensors)
+    size = tensors[names[0]].shape[0]
+    return torch.cat([tensors[name].reshape(size, -1) for name in names], dim=1)
+
+
+def unflatten(vector: Tensor, *, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of ``flatten``: split a (p,) vector into tensors shaped like ``like``."""
+    if not isinstance(like, Mapping) or len(like) == 0:
+        raise ValueError("unflatten needs a non-empty template dict `like`")
+    if vector.dim() != 1:
+        raise ValueError(f"unflatten expects a 1-d vector, got shape {tuple(vector.shape)}")
+    names = sorted(like)
+    total = sum(like[name].numel() for name in names)
+    if vector.numel() != total:
+        raise ValueError(
+            f"vector has {vector.numel()} entries but the parameters have {total}: the basis "
+            "or gradient was built for a different set of trainable parameters"
+        )
+    out: dict[str, Tensor] = {}
+    start = 0
+    for name in names:
+        count = like[name].numel()
+        out[name] = vector[start : start + count].view(like[name].shape)
+        start += count
+    return out
+
+
+def _check_basis_request(k: int, m: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k={k!r} must be a positive int (dimension of the gradient subspace)")
+    if k > m:
+        raise ValueError(
+            f"k={k} exceeds the number of public samples m={m}: the basis has rank <= m; "
+            "lower k or use more public samples"
+        )
+
+
+def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Tensor:
+    """Top-k left singular vectors of G^T from G (m x p): V (p x k), orthonormal columns.
+
+    Uses the m x m Gram matrix and ``torch.linalg.eigh`` in float64 (see the
+    module docstring). Refuses k > m, k <= 0 and rank deficiency (fewer than
+    k eigenvalues above ``rtol`` * max): a basis with made-up directions
+    would silently project away signal, so we ask for a smaller k or more
+    public samples instead. Returns float32 with the device of ``grads``.
+    """
+    if grads.dim() != 2:
+        raise ValueError(f"grads must be a 2-d (m, p) matrix, got shape {tuple(grads.shape)}")
+    m, p = grads.shape
+    _check_basis_request(k, m)
+    if k > p:
+        raise ValueError(f"k={k} exceeds the number of parameters p={p}; lower k")
+    if not torch.isfinite(grads).all():
+        raise ValueError("public per-sample gradients contain NaN/inf; cannot build a basis")
+    gram = torch.zeros((m, m), dtype=torch.float64, device=grads.device)  # (m, m)
+    for start in range(0, p, _COLUMN_BLOCK):
+        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float64)  # (m, b)
+        gram.addmm_(block, block.T)
+    eigvals, eigvecs = torch.linalg.eigh(gram)  # ascending, (m,), (m, m)
+    top = eigvals[-1].item()
+    if not top > 0:
+        raise ValueError("all public per-sample gradients are zero; cannot build a basis")
+    kept = int((eigvals > rtol * top).sum().item())
+    if kept < k:
+        raise ValueError(
+            f"public gradients have numerical rank {kept} < k={k} (eigenvalues of G G^T below "
+            f"{rtol:g} x max dropped); lower k to at most {kept} or use more diverse public samples"
+        )
+    order = torch.arange(m - 1, m - 1 - k, -1, device=grads.device)  # top-k, descending
+    lam = eigvals[order]  # (k,)
+    coeffs = eigvecs[:, order] / lam.sqrt()  # (m, k) = U_k S_k^{-1}
+    basis = torch.empty((p, k), dtype=torch.float32, device=grads.device)  # (p, k)
+    for start in range(0, p, _COLUMN_BLOCK):
+        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float64)  # (m, b)
+        basis[start : start + block.shape[1]] = (block.T @ coeffs).to(torch.float32)
+    return basis
+
+
+def check_orthonormal(basis: Tensor, tol: float = 1e-3) -> None:
+    """Raise ValueError unless ``basis`` (p x k) has orthonormal columns.
+
+    Sites call this on every received V: a non-orthonormal V would make
+    V (V^T g) something other than a projection (it could amplify the
+    noise-free part of the gradient), so the site refuses it.
+    """
+    if not isinstance(basis, Tensor) or basis.dim() != 2:
+        shape = tuple(basis.shape) if isinstance(basis, Tensor) else type(basis).__name__
+        raise ValueError(f"basis must be a 2-d (p, k) tensor, got {shape}")
+    p, k = basis.shape
+    if k == 0 or k > p:
+        raise ValueError(f"basis shape ({p}, {k}) must satisfy 0 < k <= p")
+    if not torch.isfinite(basis).all():
+        raise ValueError("basis contains NaN/inf")
+    as64 = basis.to(torch.float64)
+    error = (as64.T @ as64 - torch.eye(k, dtype=torch.float64, device=basis.device)).abs().max()
+    if error.item() > tol:
+        raise ValueError(
+            f"basis columns are not orthonormal: max |V^T V - I| = {error.item():.3g} > {tol:g}; "
+            "refusing it (recompute V on the server)"
+        )
+
+
+def project(basis: Tensor, vector: Tensor) -> Tensor:
+    """V (V^T g): orthogonal projection of g (p,) onto span(V), V (p x k)."""
+    if basis.dim() != 2 or vector.dim() != 1 or basis.shape[0] != vector.shape[0]:
+        raise ValueError(
+            f"cannot project a vector of shape {tuple(vector.shape)} with a basis of shape "
+            f"{tuple(basis.shape)}: need V (p, k) and g (p,)"
+        )
+    coords = basis.T @ vector.to(basis.dtype)  # (k,)
+    return (basis @ coords).to(vector.dtype)  # (p,)
+
+
+def compute_basis(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    public_batch: Mapping[str, Tensor],
+    *,
+    k: int,
+    chunk_size: int,
+    rtol: float = DEFAULT_RTOL,
+) -> Tensor:
+    """V (p x k) from per-sample gradients of the full loss on PUBLIC data at ``params``.
+
+    Invariant P2: the only data argument is the public batch (S_pub, never a
+    site's records), so V is a function of S_pub and the current global
+    weights alone. Memory: m x p float32 for G plus the per-chunk gradients.
+    """
+    check_params(params)
+    size = batch_size_of(public_batch)
+    _check_basis_request(k, size)
+    total = sum(value.numel() for value in params.values())
+    first = next(iter(params.values()))
+    matrix = torch.empty((size, total), dtype=first.dtype, device=first.device)  # (m, p)
+    row = 0
+    for grads in iter_per_sample_grads(loss_fn, params, public_batch, chunk_size=chunk_size):
+        block = flatten_per_sample(grads)  # (b, p)
+        matrix[row : row + block.shape[0]] = block
+        row += block.shape[0]
+    basis = projection_basis(matrix, k, rtol=rtol)
+    log.info("projection basis from %d public samples: p=%d, k=%d", size, total, k)
+    return basis

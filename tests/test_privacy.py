@@ -1,0 +1,659 @@
+"""Tests of the privacy package: per-sample gradients, noise, sampling, basis, psi,
+the FP-DP step and the claim texts (invariants P1-P4, P7, P8).
+
+Everything runs on a tiny toy model (conv + LayerNorm + linear, no BatchNorm)
+through the same functional loss interface the pose model uses:
+loss_fn(params, batch) -> (B,) per-sample losses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from shared.privacy.claims import privacy_claim
+from shared.privacy.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
+from shared.privacy.noise import gaussian_noise_like, make_generator
+from shared.privacy.persample import (
+    clip_factors,
+    clipped_grad_sum,
+    mean_grad,
+    per_sample_grads,
+    per_sample_norms,
+)
+from shared.privacy.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
+from shared.privacy.sampling import poisson_sample
+from shared.privacy.subspace import (
+    check_orthonormal,
+    compute_basis,
+    flatten,
+    flatten_per_sample,
+    project,
+    projection_basis,
+    unflatten,
+)
+
+H = W = 8
+JOINTS = 16
+
+
+class ToyPose(nn.Module):
+    """conv -> LayerNorm -> ReLU -> linear to (B, 16, 2) joint coordinates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, kernel_size=3, stride=2, padding=1)
+        self.norm = nn.LayerNorm([4, H // 2, W // 2])
+        self.head = nn.Linear(4 * (H // 2) * (W // 2), JOINTS * 2)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.conv(image)))  # (B, 4, 4, 4)
+        return self.head(hidden.flatten(1)).view(-1, JOINTS, 2)  # (B, 16, 2)
+
+
+@pytest.fixture
+def toy():
+    """(loss_fn, trainable params); conv.bias is frozen to exercise the closure path."""
+    torch.manual_seed(0)
+    model = ToyPose()
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if n != "conv.bias"}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if n == "conv.bias"}
+
+    def loss_fn(params, batch):
+        pred = functional_call(model, {**frozen, **params}, (batch["image"],))  # (B, 16, 2)
+        err = ((pred - batch["joints"]) ** 2).sum(-1) * batch["visible"]  # (B, 16)
+        return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
+
+    return loss_fn, trainable
+
+
+def make_batch(size: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "image": torch.rand(size, 3, H, W, generator=gen),
+        "joints": torch.rand(size, JOINTS, 2, generator=gen) * 4 - 2,
+        "visible": (torch.rand(size, JOINTS, generator=gen) > 0.2).float(),
+    }
+
+
+def loop_grads(loss_fn, params, batch):
+    """Reference: one autograd call per example."""
+    size = batch["image"].shape[0]
+    out = {n: [] for n in params}
+    for i in range(size):
+        leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        sample = {k: v[i : i + 1] for k, v in batch.items()}
+        loss = loss_fn(leaves, sample).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        for n, g in zip(leaves, grads):
+            out[n].append(g)
+    return {n: torch.stack(gs) for n, gs in out.items()}
+
+
+def projector(basis: torch.Tensor) -> torch.Tensor:
+    b = basis.double()
+    return b @ b.T
+
+
+# ---------------------------------------------------------------- per-sample
+
+
+def test_per_sample_grads_match_per_example_loop(toy):
+    loss_fn, params = toy
+    batch = make_batch(7)
+    fast = per_sample_grads(loss_fn, params, batch, chunk_size=3)
+    slow = loop_grads(loss_fn, params, batch)
+    assert set(fast) == set(params)
+    for name in params:
+        assert fast[name].shape == (7, *params[name].shape)
+        torch.testing.assert_close(fast[name], slow[name], rtol=1e-5, atol=1e-6)
+    # samples really differ, so a broadcast of one gradient would fail above
+    assert not torch.allclose(fast["head.weight"][0], fast["head.weight"][1])
+
+
+def test_clipping_bounds_every_per_sample_norm(toy):
+    loss_fn, params = toy
+    batch = make_batch(12)
+    grads = per_sample_grads(loss_fn, params, batch, chunk_size=12)
+    norms = per_sample_norms(grads)
+    flat = flatten_per_sample(grads)
+    torch.testing.assert_close(norms, flat.norm(dim=1))  # flat norm over ALL params
+    clip = float(norms.median())  # about half the samples get clipped
+    factors = clip_factors(norms, clip)
+    clipped = flat * factors[:, None]  # (B, p)
+    assert (clipped.norm(dim=1) <= clip * (1 + 1e-6)).all()
+    assert (norms > clip).any() and (norms < clip).any()
+    small = norms < clip
+    torch.testing.assert_close(clipped[small], flat[small])  # small ones untouched
+    summed, returned_norms = clipped_grad_sum(
+        loss_fn, params, batch, clip_norm=clip, chunk_size=5
+    )
+    torch.testing.assert_close(returned_norms, norms)
+    torch.testing.assert_close(flatten(summed), clipped.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_chunking_gives_the_same_sum(toy):
+    loss_fn, params = toy
+    batch = make_batch(11)
+    reference, ref_norms = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.5, chunk_size=11)
+    for chunk in (1, 4, 64):
+        summed, norms = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.5, chunk_size=chunk)
+        torch.testing.assert_close(norms, ref_norms)
+        for name in params:
+            torch.testing.assert_close(summed[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch_gives_zero_sum_and_no_norms(toy):
+    loss_fn, params = toy
+    empty = make_batch(0)
+    summed, norms = clipped_grad_sum(loss_fn, params, empty, clip_norm=1.0, chunk_size=4)
+    assert norms.shape == (0,)
+    for name, value in params.items():
+        assert summed[name].shape == value.shape
+        assert not summed[name].any()
+    grads = per_sample_grads(loss_fn, params, empty, chunk_size=4)
+    assert grads["head.weight"].shape == (0, *params["head.weight"].shape)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0, float("inf")])
+def test_clip_norm_must_be_positive(toy, clip):
+    loss_fn, params = toy
+    with pytest.raises(ValueError, match="clip_norm"):
+        clipped_grad_sum(loss_fn, params, make_batch(2), clip_norm=clip, chunk_size=2)
+
+
+def test_batch_with_mismatched_sizes_is_refused(toy):
+    loss_fn, params = toy
+    batch = make_batch(3)
+    batch["joints"] = batch["joints"][:2]
+    with pytest.raises(ValueError, match="disagree"):
+        clipped_grad_sum(loss_fn, params, batch, clip_norm=1.0, chunk_size=2)
+
+
+# ---------------------------------------------------------------- noise, P7
+
+
+def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
+    sigma, clip = 1.4, 0.5
+    like = {"a": torch.zeros(300, 400), "b": torch.zeros(50_000)}  # 170k coordinates
+    gen, seeded = make_generator(1234, "cpu")
+    assert seeded
+    noise = gaussian_noise_like(like, std=sigma * clip, generator=gen)
+    values = flatten(noise)
+    count = values.numel()
+    expected = sigma * clip
+    # std of the sample std is about expected / sqrt(2 N): 0.17 % here; allow ~6 of them
+    assert abs(values.std().item() - expected) < 0.01 * expected
+    assert abs(values.mean().item()) < 5 * expected / count**0.5
+    assert noise["a"].shape == (300, 400)
+    again = gaussian_noise_like(like, std=sigma * clip, generator=make_generator(1234, "cpu")[0])
+    assert all(torch.equal(noise[k], again[k]) for k in like)
+    # insertion order does not change the draws
+    reordered = gaussian_noise_like(
+        {"b": like["b"], "a": like["a"]}, std=sigma * clip, generator=make_generator(1234, "cpu")[0]
+    )
+    assert all(torch.equal(noise[k], reordered[k]) for k in like)
+    one, seeded_one = make_generator(None, "cpu")
+    two, _ = make_generator(None, "cpu")
+    assert not seeded_one
+    first = gaussian_noise_like(like, std=1.0, generator=one)
+    second = gaussian_noise_like(like, std=1.0, generator=two)
+    assert not torch.equal(first["b"], second["b"])
+
+
+def test_seeded_generator_warns_not_for_production(caplog):
+    with caplog.at_level(logging.WARNING, logger="shared.privacy.noise"):
+        make_generator(None, "cpu")
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="shared.privacy.noise"):
+        make_generator(7, "cpu")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and "not for production" in warnings[0].getMessage().lower()
+
+
+def test_noise_std_validation():
+    gen, _ = make_generator(0, "cpu")
+    with pytest.raises(ValueError, match="std"):
+        gaussian_noise_like({"a": torch.zeros(3)}, std=-1.0, generator=gen)
+
+
+# ---------------------------------------------------------------- sampling, P4
+
+
+def test_poisson_sampling_rate_and_independence():
+    gen, _ = make_generator(5, "cpu")
+    n, q = 400_000, 0.05
+    idx = poisson_sample(n, sample_rate=q, generator=gen)
+    assert idx.dtype == torch.long
+    assert torch.equal(idx, torch.unique(idx))  # sorted, no repeats
+    assert idx.min() >= 0 and idx.max() < n
+    sd = (n * q * (1 - q)) ** 0.5
+    assert abs(idx.numel() - n * q) < 5 * sd
+    sizes = {poisson_sample(1000, sample_rate=0.1, generator=gen).numel() for _ in range(30)}
+    assert len(sizes) > 1  # the batch size is random, not fixed
+
+
+@pytest.mark.parametrize(
+    ("n", "q", "match"),
+    [
+        (0, 0.1, "empty"),
+        (10, 0.0, "sample_rate"),
+        (10, 1.5, "sample_rate"),
+        (10, float("nan"), "sample_rate"),
+    ],
+)
+def test_poisson_sampling_validation(n, q, match):
+    gen, _ = make_generator(0, "cpu")
+    with pytest.raises(ValueError, match=match):
+        poisson_sample(n, sample_rate=q, generator=gen)
+
+
+# ---------------------------------------------------------------- subspace, P2
+
+
+def test_flatten_order_is_sorted_names_and_roundtrips():
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(6.0, 10.0)
+    one = flatten({"b": b, "a": a})
+    two = flatten({"a": a, "b": b})
+    assert torch.equal(one, two)
+    assert torch.equal(one, torch.cat([a.reshape(-1), b]))
+    back = unflatten(one, like={"b": b, "a": a})
+    assert torch.equal(back["a"], a) and torch.equal(back["b"], b)
+    with pytest.raises(ValueError, match="entries"):
+        unflatten(torch.zeros(9), like={"a": a, "b": b})
+
+
+def test_projection_basis_spans_top_singular_subspace():
+    gen = torch.Generator().manual_seed(3)
+    m, p, k = 6, 50, 3
+    left = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))[0]
+    right = torch.linalg.qr(torch.randn(p, m, generator=gen, dtype=torch.float64))[0]
+    spectrum = torch.tensor([10.0, 7.0, 5.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    grads = (left * spectrum) @ right.T  # (m, p) with known singular values
+    basis = projection_basis(grads.float(), k)
+    assert basis.shape == (p, k) and basis.dtype == torch.float32
+    check_orthonormal(basis)
+    svd_u = torch.linalg.svd(grads.T, full_matrices=False)[0][:, :k]  # (p, k)
+    torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-5)
+    # project() is that projector, and idempotent
+    vec = torch.randn(p, generator=gen)
+    once = project(basis, vec)
+    torch.testing.assert_close(once.double(), projector(basis) @ vec.double(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(project(basis, once), once, rtol=0, atol=1e-5)
+
+
+def test_projection_basis_refuses_bad_k_and_rank_deficiency():
+    gen = torch.Generator().manual_seed(4)
+    grads = torch.randn(4, 30, generator=gen)
+    with pytest.raises(ValueError, match="exceeds the number of public samples"):
+        projection_basis(grads, 5)
+    with pytest.raises(ValueError, match="positive int"):
+        projection_basis(grads, 0)
+    rank_two = torch.randn(4, 2, generator=gen) @ torch.randn(2, 30, generator=gen)
+    with pytest.raises(ValueError, match="numerical rank 2"):
+        projection_basis(rank_two, 3)
+    assert projection_basis(rank_two, 2).shape == (30, 2)
+
+
+def test_check_orthonormal_refuses_bad_bases():
+    basis = torch.linalg.qr(torch.randn(20, 4, generator=torch.Generator().manual_seed(0)))[0]
+    check_orthonormal(basis)
+    with pytest.raises(ValueError, match="not orthonormal"):
+        check_orthonormal(basis * 1.1)
+    skewed = basis.clone()
+    skewed[:, 1] += 0.05 * skewed[:, 0]
+    with pytest.raises(ValueError, match="not orthonormal"):
+        check_orthonormal(skewed)
+    with pytest.raises(ValueError, match="2-d"):
+        check_orthonormal(basis[:, 0])
+
+
+def test_compute_basis_depends_only_on_public_batch_and_weights(toy):
+    loss_fn, params = toy
+    names = list(inspect.signature(compute_basis).parameters)
+    assert names == ["loss_fn", "params", "public_batch", "k", "chunk_size", "rtol"]
+    public = make_batch(8, seed=10)
+    basis = compute_basis(loss_fn, params, public, k=4, chunk_size=3)
+    assert basis.shape == (sum(v.numel() for v in params.values()), 4)
+    check_orthonormal(basis)
+    copy = {name: value.clone() for name, value in public.items()}
+    same = compute_basis(loss_fn, params, copy, k=4, chunk_size=5)
+    torch.testing.assert_close(same, basis, rtol=0, atol=1e-6)
+    # it is the top-k subspace of the public per-sample gradients (reference: loop + SVD)
+    matrix = flatten_per_sample(loop_grads(loss_fn, params, public)).double()  # (m, p)
+    svd_u = torch.linalg.svd(matrix.T, full_matrices=False)[0][:, :4]
+    torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-4)
+    # other public data or other weights give another subspace
+    other = compute_basis(loss_fn, params, make_batch(8, seed=11), k=4, chunk_size=3)
+    assert (projector(other) - projector(basis)).abs().max() > 1e-2
+    moved = {n: v + 0.3 for n, v in params.items()}
+    at_new_weights = compute_basis(loss_fn, moved, public, k=4, chunk_size=3)
+    assert (projector(at_new_weights) - projector(basis)).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- psi
+
+
+def test_gaussian_blur_scales_with_input_and_smooths():
+    blur = GaussianBlur(blur_sigma_frac=0.05)
+    sigma, radius = blur.kernel_size(256, 192)
+    assert sigma == pytest.approx(9.6) and radius == 29  # odd kernel 59 ~ 6 sigma
+    sigma_small, _ = blur.kernel_size(64, 48)
+    assert sigma_small == pytest.approx(2.4)
+    constant = torch.full((2, 3, 32, 24), 0.3)
+    torch.testing.assert_close(blur(constant), constant)  # normalised kernel, reflect pad
+    checker = ((torch.arange(32)[:, None] + torch.arange(24)[None, :]) % 2).float()
+    images = checker.expand(2, 3, 32, 24).contiguous()
+    out = blur(images)
+    assert out.shape == images.shape
+    assert out.std() < 0.05 * images.std()  # high frequencies removed
+    assert torch.equal(out, blur(images))  # deterministic
+    assert blur.name == "gaussian_blur" and "0.05" in blur.describe()
+
+
+def test_pixelate_block_means_and_partial_blocks():
+    image = torch.arange(25.0).view(1, 1, 5, 5)
+    out = Pixelate(block_size=2)(image)
+    assert out.shape == image.shape
+    assert out[0, 0, 0, 0] == out[0, 0, 1, 1] == (0 + 1 + 5 + 6) / 4
+    assert out[0, 0, 0, 4] == (4 + 9) / 2  # partial block: valid pixels only
+    assert out[0, 0, 4, 4] == 24
+
+
+def test_make_psi_and_validation():
+    assert isinstance(make_psi("gaussian_blur", blur_sigma_frac=0.02), GaussianBlur)
+    assert make_psi("pixelate", block_size=4) == Pixelate(block_size=4)
+    with pytest.raises(ValueError, match="unknown psi"):
+        make_psi("jpeg")
+    with pytest.raises(ValueError, match="blur_sigma_frac"):
+        GaussianBlur(blur_sigma_frac=0.0)
+    with pytest.raises(ValueError, match="block_size"):
+        Pixelate(block_size=1)
+    with pytest.raises(ValueError, match="float"):
+        Pixelate(block_size=2)(torch.zeros(1, 3, 4, 4, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- FP-DP step
+
+
+def spec_for(method: str, **overrides) -> DPSpec:
+    values = dict(
+        method=method, clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=20, chunk_size=4
+    )
+    values.update(overrides)
+    return DPSpec(**values)
+
+
+def test_p1_noise_added_once_to_the_sum_then_projected(toy):
+    loss_fn, params = toy
+    batch = make_batch(5)
+    basis = compute_basis(loss_fn, params, make_batch(8, seed=20), k=3, chunk_size=8)
+    spec = spec_for("proj")
+    got = private_gradient(
+        loss_fn, params, batch, spec=spec, generator=make_generator(99, "cpu")[0], basis=basis
+    )
+    # manual Algorithm 1 with the same generator: one draw, added to the clipped sum
+    summed, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.5, chunk_size=5)
+    noise = gaussian_noise_like(summed, std=1.3 * 0.5, generator=make_generator(99, "cpu")[0])
+    noisy = (flatten(summed) + flatten(noise)) / (0.25 * 20)
+    torch.testing.assert_close(flatten(got), project(basis, noisy), rtol=1e-5, atol=1e-6)
+    # adding the noise after projecting would leave an out-of-span component
+    wrong = project(basis, flatten(summed)) / 5.0 + flatten(noise) / 5.0
+    assert (flatten(got) - wrong).abs().max() > 1e-2
+
+
+def test_p1_with_empty_batch_the_step_is_projected_noise_only(toy):
+    loss_fn, params = toy
+    basis = compute_basis(loss_fn, params, make_batch(8, seed=20), k=3, chunk_size=8)
+    got = private_gradient(
+        loss_fn, params, make_batch(0), spec=spec_for("proj"),
+        generator=make_generator(5, "cpu")[0], basis=basis,
+    )
+    flat = flatten(got)
+    assert flat.norm() > 0  # the noise is there even with no samples
+    residual = flat - project(basis, flat)
+    assert residual.norm() < 1e-5 * flat.norm()  # entirely in span(V)
+    noise = gaussian_noise_like(params, std=0.65, generator=make_generator(5, "cpu")[0])
+    torch.testing.assert_close(flat, project(basis, flatten(noise) / 5.0), rtol=1e-5, atol=1e-6)
+
+
+def test_dpsgd_is_clipped_sum_plus_one_noise_draw_over_qn(toy):
+    loss_fn, params = toy
+    batch = make_batch(6)
+    got = private_gradient(
+        loss_fn, params, batch, spec=spec_for("dpsgd"), generator=make_generator(8, "cpu")[0],
+        basis=None,
+    )
+    summed, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.5, chunk_size=6)
+    gen = make_generator(8, "cpu")[0]
+    first = gaussian_noise_like(summed, std=0.65, generator=gen)
+    second = gaussian_noise_like(summed, std=0.65, generator=gen)
+    expected = (flatten(summed) + flatten(first)) / 5.0
+    torch.testing.assert_close(flatten(got), expected, rtol=1e-5, atol=1e-6)
+    twice = (flatten(summed) + flatten(first) + flatten(second)) / 5.0
+    assert (flatten(got) - twice).abs().max() > 1e-2
+
+
+def test_p4_normalisation_uses_expected_batch_size(toy):
+    loss_fn, params = toy
+    one = make_batch(1, seed=30)
+    three = {k: v.repeat(3, *([1] * (v.dim() - 1))) for k, v in one.items()}
+    seven = {k: v.repeat(7, *([1] * (v.dim() - 1))) for k, v in one.items()}
+    spec = spec_for("dpsgd", clip_norm=0.1)
+    g3, g7 = (
+        private_gradient(
+            loss_fn, params, batch, spec=spec, generator=make_generator(1, "cpu")[0], basis=None
+        )
+        for batch in (three, seven)
+    )
+    clipped_one, _ = clipped_grad_sum(loss_fn, params, one, clip_norm=0.1, chunk_size=1)
+    # same noise, so the difference is 4 clipped gradients over q n = 5, not over 3 or 7
+    torch.testing.assert_close(
+        flatten(g7) - flatten(g3), 4 * flatten(clipped_one) / 5.0, rtol=1e-4, atol=1e-6
+    )
+    _, info = dp_gradient(
+        loss_fn, params, spec=spec, private_batch=three, psi_batch=None,
+        generator=make_generator(1, "cpu")[0], basis=None,
+    )
+    assert info["batch_size"] == 3 and info["expected_batch_size"] == pytest.approx(5.0)
+    assert info["noise_std"] == pytest.approx(1.3 * 0.1 / 5.0)
+    assert info["clipped_fraction"] == 1.0  # C = 0.1 is below this sample's norm
+
+
+def dyadic_images(size: int, seed: int) -> torch.Tensor:
+    """Pixel values k/64: block sums are exact in float32, so pixel order cannot matter."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 65, (size, 3, H, W), generator=gen).float() / 64
+
+
+def permute_within_blocks(images: torch.Tensor, block: int) -> torch.Tensor:
+    """Reverse the pixel order inside every block x block cell."""
+    b, c, h, w = images.shape
+    cells = images.view(b, c, h // block, block, w // block, block)
+    flipped = cells.flip(3).flip(5)
+    return flipped.reshape(b, c, h, w).contiguous()
+
+
+def test_p3_public_gradient_depends_on_x_only_through_psi(toy):
+    loss_fn, params = toy
+    psi = Pixelate(block_size=4)
+    base = make_batch(4, seed=40)
+    raw_one = {**base, "image": dyadic_images(4, seed=41)}
+    raw_two = {**base, "image": permute_within_blocks(raw_one["image"], 4)}
+    assert not torch.equal(raw_one["image"], raw_two["image"])
+    psi_one, psi_two = apply_psi(psi, raw_one), apply_psi(psi, raw_two)
+    assert torch.equal(psi_one.tensors["image"], psi_two.tensors["image"])
+    g_one = public_gradient(loss_fn, params, psi_one)
+    g_two = public_gradient(loss_fn, params, psi_two)
+    assert all(torch.equal(g_one[n], g_two[n]) for n in params)  # bit-identical
+    # the full fdp step too, with the same private batch and noise seed
+    private = make_batch(3, seed=42)
+    full_one, _ = dp_gradient(
+        loss_fn, params, spec=spec_for("fdp"), private_batch=private, psi_batch=psi_one,
+        generator=make_generator(3, "cpu")[0], basis=None,
+    )
+    full_two, _ = dp_gradient(
+        loss_fn, params, spec=spec_for("fdp"), private_batch=private, psi_batch=psi_two,
+        generator=make_generator(3, "cpu")[0], basis=None,
+    )
+    assert all(torch.equal(full_one[n], full_two[n]) for n in params)
+    # ... while a change that psi does see changes g_pub (so the check above can fail)
+    shifted = apply_psi(psi, {**base, "image": raw_one["image"].roll(1, dims=3)})
+    g_shifted = public_gradient(loss_fn, params, shifted)
+    assert not torch.equal(flatten(g_shifted), flatten(g_one))
+    # raw batches are refused outright
+    with pytest.raises(TypeError, match="PsiBatch"):
+        public_gradient(loss_fn, params, raw_one)
+
+
+def test_public_gradient_is_plain_mean_gradient_on_psi(toy):
+    loss_fn, params = toy
+    psi = GaussianBlur()
+    raw = make_batch(5, seed=50)
+    psi_batch = apply_psi(psi, raw)
+    assert isinstance(psi_batch, PsiBatch) and psi_batch.psi_name == "gaussian_blur"
+    assert torch.equal(psi_batch.tensors["joints"], raw["joints"])
+    got = public_gradient(loss_fn, params, psi_batch)
+    blurred = {**raw, "image": psi(raw["image"])}
+    expected = loop_grads(loss_fn, params, blurred)
+    for n in params:
+        torch.testing.assert_close(got[n], expected[n].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_dp_gradient_combines_per_method(toy):
+    loss_fn, params = toy
+    private = make_batch(6, seed=60)
+    psi_batch = apply_psi(GaussianBlur(), make_batch(4, seed=61))
+    basis = compute_basis(loss_fn, params, make_batch(8, seed=62), k=3, chunk_size=8)
+    public = public_gradient(loss_fn, params, psi_batch)
+
+    def run(method, psi=None, v=None):
+        return dp_gradient(
+            loss_fn, params, spec=spec_for(method), private_batch=private, psi_batch=psi,
+            generator=make_generator(11, "cpu")[0], basis=v,
+        )
+
+    def priv(method, v=None):
+        return private_gradient(
+            loss_fn, params, private, spec=spec_for(method),
+            generator=make_generator(11, "cpu")[0], basis=v,
+        )
+
+    nonprivate, info = run("nonprivate")
+    reference = mean_grad(loss_fn, params, private)
+    loop_mean = {n: g.mean(0) for n, g in loop_grads(loss_fn, params, private).items()}
+    for n in params:
+        torch.testing.assert_close(nonprivate[n], loop_mean[n], rtol=1e-5, atol=1e-6)
+        assert torch.equal(nonprivate[n], reference[n])
+    assert info["noise_std"] == 0.0
+    dpsgd, info = run("dpsgd")
+    assert torch.equal(flatten(dpsgd), flatten(priv("dpsgd")))
+    assert info["batch_size"] == 6 and info["max_norm"] >= info["mean_norm"] > 0
+    proj, _ = run("proj", v=basis)
+    assert torch.equal(flatten(proj), flatten(priv("proj", basis)))
+    fdp, _ = run("fdp", psi=psi_batch)
+    torch.testing.assert_close(flatten(fdp), flatten(priv("fdp")) + flatten(public))
+    fpdp, info = run("fpdp", psi=psi_batch, v=basis)
+    torch.testing.assert_close(flatten(fpdp), flatten(priv("fpdp", basis)) + flatten(public))
+    assert info["public_batch_size"] == 4
+    # the public part is not projected: fpdp - g_pub lies in span(V), fpdp does not
+    private_part = flatten(fpdp) - flatten(public)
+    assert (private_part - project(basis, private_part)).norm() < 1e-4 * private_part.norm()
+    assert (flatten(fpdp) - project(basis, flatten(fpdp))).norm() > 1e-3
+
+
+def test_dp_gradient_refuses_missing_or_unused_inputs(toy):
+    loss_fn, params = toy
+    private = make_batch(3)
+    psi_batch = apply_psi(GaussianBlur(), make_batch(2))
+    basis = compute_basis(loss_fn, params, make_batch(4, seed=3), k=2, chunk_size=4)
+    gen = make_generator(0, "cpu")[0]
+
+    def run(method, psi=None, v=None):
+        return dp_gradient(
+            loss_fn, params, spec=spec_for(method), private_batch=private, psi_batch=psi,
+            generator=gen, basis=v,
+        )
+
+    for method in ("proj", "fpdp"):
+        with pytest.raises(ValueError, match="no basis"):
+            run(method, psi=psi_batch if method == "fpdp" else None)
+    for method in ("fdp", "fpdp"):
+        with pytest.raises(ValueError, match="psi_batch is"):
+            run(method, v=basis if method == "fpdp" else None)
+    with pytest.raises(ValueError, match="does not project"):
+        run("dpsgd", v=basis)
+    with pytest.raises(ValueError, match="does not use psi"):
+        run("dpsgd", psi=psi_batch)
+    with pytest.raises(ValueError, match="p=.*trainable"):
+        run("proj", v=basis[:-1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"clip_norm": 0.0}, "clip_norm"),
+        ({"clip_norm": -0.1}, "clip_norm"),
+        ({"n_private": 0}, "empty"),
+        ({"sample_rate": 0.0}, "sample_rate"),
+        ({"sample_rate": 1.2}, "sample_rate"),
+        ({"sigma": 0.0}, "no privacy"),
+        ({"method": "dp"}, "unknown"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_dpspec_validation(overrides, match):
+    values = {"method": "dpsgd", **overrides}
+    with pytest.raises(ValueError, match=match):
+        spec_for(**values)
+
+
+def test_dpspec_is_keyword_only():
+    with pytest.raises(TypeError):
+        DPSpec("dpsgd", 1.0, 1.0, 0.1, 10)  # type: ignore[misc]
+    assert spec_for("nonprivate", sigma=0.0).projects is False
+
+
+# ---------------------------------------------------------------- claims, P8
+
+
+def test_claims_state_the_right_guarantee():
+    for method in ("fdp", "fpdp"):
+        text = privacy_claim(
+            method=method, epsilon=0.8, delta=1e-5, psi="Gaussian blur", seeded=False,
+            accountant="rdp",
+        )
+        assert "(eps=0.8, delta=1e-05)-Feature-DP" in text
+        assert "psi(x)" in text and "pose labels are treated as public" in text
+        assert "not record-level DP" in text and "Gaussian blur" in text
+    for method in ("dpsgd", "proj"):
+        text = privacy_claim(
+            method=method, epsilon=2.0, delta=1e-5, psi=None, seeded=False, accountant="prv"
+        )
+        assert text.startswith("record-level (eps=2, delta=1e-05)-DP per site")
+        assert "Feature" not in text and "Poisson" in text and "add/remove" in text
+        assert "PRV" in text
+    assert "public data only" in privacy_claim(
+        method="proj", epsilon=1.0, delta=1e-5, psi=None, seeded=False, accountant="rdp"
+    )
+    text = privacy_claim(
+        method="nonprivate", epsilon=None, delta=None, psi=None, seeded=False, accountant="rdp"
+    )
+    assert text.startswith("no privacy guarantee")
+    seeded = privacy_claim(
+        method="dpsgd", epsilon=1.0, delta=1e-5, psi=None, seeded=True, accountant="rdp"
+    )
+    assert seeded.endswith("seeded noise: not for production")
+    with pytest.raises(ValueError, match="psi"):
+        privacy_claim(
+            method="fdp", epsilon=1.0, delta=1e-5, psi=None, seeded=False, accountant="rdp"
+        )
+    with pytest.raises(ValueError, match="epsilon and delta"):
+        privacy_claim(
+            method="dpsgd", epsilon=None, delta=1e-5, psi=None, seeded=False, accountant="rdp"
+        )
