@@ -57,19 +57,18 @@ def ensure_data(cfg: Config) -> Path:
     return ensure_ward(root, ward_spec(cfg))
 
 
-def load_records(cfg: Config, split: str) -> list[PoseRecord]:
-    root = ensure_data(cfg)
+def load_records(root: Path, split: str) -> list[PoseRecord]:
     records = load_split(root, split)
     if not records:
         raise ValueError(f"split {split!r} under {root} is empty: a site needs at least one record")
     return records
 
 
-def private_records(cfg: Config) -> list[PoseRecord]:
+def private_records(root: Path, cfg: Config) -> list[PoseRecord]:
     """The pooled private training splits (a centralized run's single private dataset)."""
     out: list[PoseRecord] = []
     for split in cfg.data.train_splits:
-        out.extend(load_records(cfg, split))
+        out.extend(load_records(root, split))
     return out
 
 
@@ -84,8 +83,9 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     t0 = time.perf_counter()
     device = select_device(cfg.train.device)
     torch.manual_seed(cfg.pretrain.seed)
-    public = load_records(cfg, cfg.data.public_split)
-    val = load_records(cfg, cfg.data.val_split)
+    root = ensure_data(cfg)
+    public = load_records(root, cfg.data.public_split)
+    val = load_records(root, cfg.data.val_split)
     model = build_model(cfg.model, cfg.data.input_size).to(device)
     dataset = make_dataset(public, cfg, train=True, seed=cfg.pretrain.seed)
     train = dataclasses.replace(
@@ -93,7 +93,8 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
         batch_size=cfg.pretrain.batch_size, weight_decay=cfg.pretrain.weight_decay,
     )
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
-    generator, _ = make_generator(cfg.pretrain.seed, "cpu")
+    # Non-private: the generator only draws batches (no noise), so a fixed seed is harmless here.
+    generator = torch.Generator().manual_seed(cfg.pretrain.seed)
     result = local_train(
         model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=steps,
         generator=generator, progress=progress, desc="pretrain (public)",
@@ -171,9 +172,10 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     t0 = time.perf_counter()
     method = cfg.train.method
     device = select_device(cfg.train.device)
-    private = private_records(cfg)
-    public = load_records(cfg, cfg.data.public_split)
-    val = load_records(cfg, cfg.data.val_split)
+    root = ensure_data(cfg)
+    private = private_records(root, cfg)
+    public = load_records(root, cfg.data.public_split)
+    val = load_records(root, cfg.data.val_split)
     check_disjoint(public, private)  # P2: S_pub and private data share no image
     n = len(private)
     steps = cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size)

@@ -234,7 +234,7 @@ def evaluate(
     model: PoseNet, records: list[PoseRecord], *, batch_size: int = 64, progress: bool = False
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores)."""
-    from shared.data.dataset import inverse_transform
+    from shared.data.transforms import inverse_transform, record_boxes
 
     if not records:
         raise ValueError("nothing to evaluate: the split has no records")
@@ -242,7 +242,7 @@ def evaluate(
         raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
     dataset = PoseDataset(records, input_size=model.input_size, augment=None)
     kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress)
-    kp_image = inverse_transform(kp_input, records, model.input_size)
+    kp_image = inverse_transform(kp_input, *record_boxes(records), model.input_size)
     gt = np.stack([r.joints for r in records])
     vis = np.stack([r.visible for r in records])
     heads = np.stack([r.headbox for r in records])
