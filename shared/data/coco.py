@@ -1,0 +1,147 @@
+"""COCO keypoints reader, mapped to the 16 MPII joints for public pretraining.
+
+COCO-17 order: 0 nose, 1 l_eye, 2 r_eye, 3 l_ear, 4 r_ear, 5 l_shoulder,
+6 r_shoulder, 7 l_elbow, 8 r_elbow, 9 l_wrist, 10 r_wrist, 11 l_hip,
+12 r_hip, 13 l_knee, 14 r_knee, 15 l_ankle, 16 r_ankle.
+
+Limbs map one to one. MPII's four trunk/head joints do not exist in COCO:
+- pelvis = midpoint of the hips, thorax = midpoint of the shoulders, each
+  only when both ends are labelled;
+- upper_neck and head_top are an APPROXIMATION from the face points: with
+  h = mean of the labelled ears (both), else of the labelled nose/eyes/ears,
+  and d = h - thorax, head_top = thorax + 1.6 d (thorax-to-ear is about 0.11
+  body heights, ear to crown about 0.065 in standard anthropometry,
+  1 + 0.065 / 0.11 ~ 1.6) and upper_neck = thorax + 0.16 d (MPII annotators
+  put the upper neck about a tenth of the way from thorax to head top). This
+  ignores head tilt relative to the neck, so head_top can be off by a few
+  percent of the head size; both are left invisible unless the thorax and at
+  least one face point are labelled. Do not evaluate PCKh head accuracy on
+  COCO-derived records.
+
+COCO visibility v=1 (labelled, occluded) and v=2 both count as annotated, like
+MPII's ``joints_vis``. The box is the COCO bbox (x, y, w, h) centre, side
+max(w, h) * 1.25, as mmpose's ``bbox_xywh2cs`` with padding 1.25.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from shared.data.joints import JOINT_NAMES, NUM_JOINTS
+from shared.data.mpii import image_size
+from shared.data.records import PIXEL_STD, PoseRecord, sanitize_joints
+
+log = logging.getLogger(__name__)
+
+BBOX_PADDING = 1.25
+NECK_FRACTION = 0.16
+HEAD_TOP_FRACTION = 1.6
+
+# MPII joint name -> COCO keypoint index, for joints present in both.
+COCO_DIRECT: dict[str, int] = {
+    "r_ankle": 16,
+    "r_knee": 14,
+    "r_hip": 12,
+    "l_hip": 11,
+    "l_knee": 13,
+    "l_ankle": 15,
+    "r_wrist": 10,
+    "r_elbow": 8,
+    "r_shoulder": 6,
+    "l_shoulder": 5,
+    "l_elbow": 7,
+    "l_wrist": 9,
+}
+_FACE = (0, 1, 2, 3, 4)
+_EARS = (3, 4)
+
+
+def coco_to_mpii(keypoints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(17, 3) COCO (x, y, v) -> (16, 2) MPII joints and (16,) bool annotated flags.
+
+    See the module docstring for the derived trunk and head joints.
+    """
+    kp = np.asarray(keypoints, dtype=np.float64)
+    if kp.shape != (17, 3):
+        raise ValueError(f"COCO keypoints must have shape (17, 3), got {kp.shape}")
+    xy, labelled = kp[:, :2], kp[:, 2] > 0
+    joints = np.zeros((NUM_JOINTS, 2))
+    vis = np.zeros(NUM_JOINTS, dtype=bool)
+    index = {name: i for i, name in enumerate(JOINT_NAMES)}
+    for name, k in COCO_DIRECT.items():
+        if labelled[k]:
+            joints[index[name]], vis[index[name]] = xy[k], True
+
+    def midpoint(a: int, b: int) -> np.ndarray | None:
+        return (xy[a] + xy[b]) / 2.0 if labelled[a] and labelled[b] else None
+
+    pelvis, thorax = midpoint(11, 12), midpoint(5, 6)
+    if pelvis is not None:
+        joints[index["pelvis"]], vis[index["pelvis"]] = pelvis, True
+    if thorax is not None:
+        joints[index["thorax"]], vis[index["thorax"]] = thorax, True
+        face = list(_EARS) if labelled[list(_EARS)].all() else [k for k in _FACE if labelled[k]]
+        if face:
+            d = xy[face].mean(axis=0) - thorax
+            joints[index["upper_neck"]], vis[index["upper_neck"]] = thorax + NECK_FRACTION * d, True
+            joints[index["head_top"]], vis[index["head_top"]] = thorax + HEAD_TOP_FRACTION * d, True
+    return joints, vis
+
+
+def bbox_to_box(bbox: np.ndarray) -> tuple[np.ndarray, float]:
+    """COCO bbox (x, y, w, h) -> (center (2,), scale) of a padded square box."""
+    x, y, w, h = (float(v) for v in bbox)
+    center = np.array([x + w / 2.0, y + h / 2.0])
+    return center, max(w, h) * BBOX_PADDING / PIXEL_STD
+
+
+def load_coco(ann_file: str | Path, image_dir: str | Path) -> list[PoseRecord]:
+    """Person keypoint annotations -> records in MPII-16 order.
+
+    Crowd annotations, annotations with no labelled keypoints and boxes of
+    zero size are skipped. Every referenced image must exist.
+    """
+    from pycocotools.coco import COCO
+
+    ann_path = Path(ann_file)
+    if not ann_path.is_file():
+        raise FileNotFoundError(f"COCO annotation file not found: {ann_path}")
+    root = Path(image_dir).resolve()
+    # pycocotools prints progress to stdout; keep library output in logging.
+    with contextlib.redirect_stdout(io.StringIO()) as captured:
+        coco = COCO(str(ann_path))
+    log.debug("pycocotools: %s", captured.getvalue().strip())
+
+    records: list[PoseRecord] = []
+    skipped = dropped = 0
+    for image_id in sorted(coco.getImgIds()):
+        info = coco.loadImgs(image_id)[0]
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=image_id, iscrowd=None))
+        usable = [
+            a for a in anns
+            if not a.get("iscrowd", 0) and a.get("num_keypoints", 0) > 0 and min(a["bbox"][2:]) > 0
+        ]
+        skipped += len(anns) - len(usable)
+        if not usable:
+            continue
+        path = root / info["file_name"]
+        size = image_size(path)  # also checks that the file exists and is readable
+        if "height" in info and (info["height"], info["width"]) != size:
+            raise ValueError(
+                f"{path} is {size[1]}x{size[0]} but {ann_path} says {info['width']}x{info['height']}"
+            )
+        for ann in usable:
+            joints, vis = coco_to_mpii(np.asarray(ann["keypoints"], dtype=np.float64).reshape(17, 3))
+            clean, visible = sanitize_joints(joints, vis, size)
+            dropped += int(vis.sum() - visible.sum())
+            center, scale = bbox_to_box(np.asarray(ann["bbox"]))
+            records.append(PoseRecord(path, center, scale, clean, visible, None))
+    if dropped:
+        log.info("%s: %d mapped joint(s) fell outside their image and are marked invisible", ann_path, dropped)
+    log.info("loaded %d COCO person records from %s (skipped %d crowd/empty)", len(records), ann_path, skipped)
+    return records

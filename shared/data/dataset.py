@@ -1,0 +1,139 @@
+"""Top-down pose dataset: record -> cropped, augmented input tensor and joints.
+
+Targets stay as coordinates; the SimCC head builds its own 1-d labels from
+``joints`` and ``visible``. DP training draws Poisson batches of arbitrary
+index sets, hence ``batch(indices)``, which also handles the empty batch a
+Poisson draw can produce.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from shared.data.joints import NUM_JOINTS
+from shared.data.records import PoseRecord, inside
+from shared.data.transforms import Augment, affine_matrix, flip_horizontal, sample_augment, warp_image, warp_points
+
+log = logging.getLogger(__name__)
+
+KEYS = ("image", "joints", "visible", "index")
+
+
+def read_image(path: str) -> np.ndarray:
+    """(H, W, 3) uint8 BGR; missing or unreadable files raise with the file named."""
+    image = cv2.imread(str(path), cv2.IMREAD_COLOR)
+    if image is None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"image file not found: {path}")
+        raise OSError(f"cannot decode image file {path}")
+    return image
+
+
+def collate(items: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack a non-empty list of dataset items into a batch (use ``PoseDataset.batch`` for empty ones)."""
+    if not items:
+        raise ValueError("collate needs at least one item; PoseDataset.batch([]) returns an empty batch")
+    return {key: torch.stack([item[key] for item in items]) for key in KEYS}
+
+
+class PoseDataset(Dataset):
+    """Records -> dict(image (3, H, W) float32 RGB in [0, 1], joints (16, 2), visible (16,), index).
+
+    ``joints`` are in input-pixel coordinates after crop and augmentation;
+    ``visible`` is 0 for joints that are unannotated or fall outside the crop
+    (those joints are also set to 0). Augmentation draws from a numpy
+    Generator owned by the dataset (``seed``; OS entropy when None), not from
+    global state. With DataLoader workers pass ``worker_init_fn=
+    PoseDataset.worker_init`` so that workers do not repeat one stream.
+
+    cache_images keeps decoded images in memory (fine for the 128 px ward; for
+    full-size MPII/COCO it costs ~2.7 MB per image).
+    """
+
+    def __init__(
+        self,
+        records: Sequence[PoseRecord],
+        *,
+        input_size: tuple[int, int],
+        augment: Augment | None,
+        seed: int | None = None,
+        cache_images: bool = True,
+    ) -> None:
+        if len(input_size) != 2 or min(input_size) < 1:
+            raise ValueError(f"input_size must be (H, W) with positive entries, got {input_size}")
+        if augment is not None and not isinstance(augment, Augment):
+            raise ValueError(f"augment must be an Augment or None, got {type(augment).__name__}")
+        self.records = list(records)
+        self.input_size = (int(input_size[0]), int(input_size[1]))
+        self.augment = augment
+        self.rng = np.random.default_rng(seed)
+        self.cache_images = cache_images
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _image(self, index: int) -> np.ndarray:
+        if index in self._cache:
+            return self._cache[index]
+        image = read_image(str(self.records[index].image))
+        if self.cache_images:
+            self._cache[index] = image
+        return image
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Numpy view of one item: (crop (H, W, 3) uint8 BGR, joints (16, 2) float32, visible (16,) bool)."""
+        if not 0 <= index < len(self.records):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self.records)} records")
+        record = self.records[index]
+        scale, rotation, flip = record.scale, 0.0, False
+        if self.augment is not None:
+            scale_mult, rotation, flip = sample_augment(self.rng, self.augment)
+            scale *= scale_mult
+        matrix = affine_matrix(record.center, scale, self.input_size, rotation=rotation)
+        crop = warp_image(self._image(index), matrix, self.input_size)  # (H, W, 3)
+        joints = warp_points(record.joints, matrix)  # (16, 2) input px
+        visible = record.visible.copy()
+        if flip:
+            crop, joints, visible = flip_horizontal(crop, joints, visible, self.input_size[1])
+        visible &= inside(joints, self.input_size)
+        joints[~visible] = 0.0
+        return crop, joints, visible
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        crop, joints, visible = self.sample(int(index))
+        rgb = cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
+        image = torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0)  # (3, H, W)
+        return {
+            "image": image,
+            "joints": torch.from_numpy(joints),
+            "visible": torch.from_numpy(visible.astype(np.float32)),
+            "index": torch.tensor(int(index), dtype=torch.int64),
+        }
+
+    def batch(self, indices: Sequence[int]) -> dict[str, Tensor]:
+        """Items at ``indices`` stacked; an empty list gives correctly shaped empty tensors."""
+        if len(indices) == 0:
+            height, width = self.input_size
+            return {
+                "image": torch.empty((0, 3, height, width), dtype=torch.float32),
+                "joints": torch.empty((0, NUM_JOINTS, 2), dtype=torch.float32),
+                "visible": torch.empty((0, NUM_JOINTS), dtype=torch.float32),
+                "index": torch.empty((0,), dtype=torch.int64),
+            }
+        return collate([self[int(i)] for i in indices])
+
+    @staticmethod
+    def worker_init(worker_id: int) -> None:
+        """DataLoader ``worker_init_fn``: reseed the worker's copy of the dataset generator."""
+        info = torch.utils.data.get_worker_info()
+        if info is not None and isinstance(info.dataset, PoseDataset):
+            info.dataset.rng = np.random.default_rng([info.seed % (2**63), worker_id])

@@ -1,0 +1,42 @@
+"""Public/private disjointness by image content (privacy invariant P2).
+
+The public set S_pub feeds the server's gradient basis V without any noise,
+so an image that is also in a site's private data would leak through V.
+Names are not enough (a copy can be renamed), hence the content hash.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.data.records import PoseRecord, content_hash
+
+log = logging.getLogger(__name__)
+
+
+def _hashes(records: Iterable[PoseRecord]) -> dict[str, Path]:
+    """content hash -> first file with that content (each file hashed once)."""
+    seen: dict[str, Path] = {}
+    for path in dict.fromkeys(r.image for r in records):
+        seen.setdefault(content_hash(path), path)
+    return seen
+
+
+def check_disjoint(public_records: Iterable[PoseRecord], private_records: Iterable[PoseRecord]) -> None:
+    """Raise ValueError if any image content occurs on both sides (P2).
+
+    Several people in one image are fine on one side; the same image bytes on
+    both sides are not, whatever the file names.
+    """
+    public = _hashes(public_records)
+    private = _hashes(private_records)
+    shared = sorted(set(public) & set(private))
+    if shared:
+        first = shared[0]
+        raise ValueError(
+            f"public and private data share {len(shared)} image(s) by content (invariant P2), e.g. "
+            f"public {public[first]} == private {private[first]}; remove them from the public set"
+        )
+    log.info("P2 check: %d public and %d private images are disjoint by content", len(public), len(private))

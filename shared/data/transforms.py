@@ -1,0 +1,194 @@
+"""Top-down affine crop, flip and augmentation sampling (HRNet / mmpose convention).
+
+A person box of side ``200 * scale`` centred at ``center`` is mapped onto the
+network input of (H, W) pixels. The box is first widened or heightened to
+the input's aspect ratio W / H, never shrunk, so the whole box stays in view
+(mmpose's ``fix_aspect_ratio``). The box centre goes to (W / 2, H / 2).
+Rotation is in degrees; positive turns the image content counter-clockwise
+in the output, as in HRNet's ``get_affine_transform``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+from shared.data.joints import NUM_JOINTS, flip_permutation
+from shared.data.records import PIXEL_STD, PoseRecord
+
+
+def _check_size(output_size: Sequence[int]) -> tuple[int, int]:
+    if len(output_size) != 2 or min(output_size) < 1:
+        raise ValueError(f"output_size must be (H, W) with positive entries, got {tuple(output_size)}")
+    return int(output_size[0]), int(output_size[1])
+
+
+def affine_matrix(
+    center: Sequence[float] | np.ndarray,
+    scale: float,
+    output_size: Sequence[int],
+    *,
+    rotation: float = 0.0,
+    pixel_std: float = PIXEL_STD,
+) -> np.ndarray:
+    """(2, 3) float64 matrix mapping original-image pixels to output pixels.
+
+    Args:
+        center: (2,) box centre in the original image.
+        scale: box side / pixel_std.
+        output_size: (H, W) of the output.
+        rotation: degrees, positive = content turns counter-clockwise.
+    """
+    height, width = _check_size(output_size)
+    cx, cy = (float(v) for v in np.asarray(center, dtype=np.float64).reshape(2))
+    side = float(scale) * float(pixel_std)
+    if not math.isfinite(side) or side <= 0:
+        raise ValueError(f"scale * pixel_std must be finite and > 0, got scale={scale}, pixel_std={pixel_std}")
+    # Box width/height with the output's aspect, containing the square box.
+    box_w = max(side, side * width / height)
+    zoom = width / box_w  # == height / box_h
+    theta = math.radians(float(rotation))
+    cos, sin = math.cos(theta) * zoom, math.sin(theta) * zoom
+    # y points down: [[cos, sin], [-sin, cos]] turns content counter-clockwise on screen.
+    linear = np.array([[cos, sin], [-sin, cos]], dtype=np.float64)
+    shift = np.array([width / 2.0, height / 2.0]) - linear @ np.array([cx, cy])
+    return np.hstack([linear, shift[:, None]])
+
+
+def invert_affine(matrix: np.ndarray) -> np.ndarray:
+    """(2, 3) -> (2, 3) inverse of an affine map."""
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape != (2, 3):
+        raise ValueError(f"affine matrix must have shape (2, 3), got {m.shape}")
+    linear_inv = np.linalg.inv(m[:, :2])
+    return np.hstack([linear_inv, (-linear_inv @ m[:, 2])[:, None]])
+
+
+def warp_image(image: np.ndarray, matrix: np.ndarray, output_size: Sequence[int]) -> np.ndarray:
+    """(h, w, C) image -> (H, W, C) crop: bilinear, constant border 0."""
+    height, width = _check_size(output_size)
+    return cv2.warpAffine(
+        image,
+        np.asarray(matrix, dtype=np.float64),
+        (width, height),
+        flags=cv2.INTER_LINEAR,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=0,
+    )
+
+
+def warp_points(points: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """(..., 2) points -> (..., 2) float32 points under the (2, 3) affine map."""
+    pts = np.asarray(points, dtype=np.float64)
+    m = np.asarray(matrix, dtype=np.float64)
+    if pts.shape[-1] != 2 or m.shape != (2, 3):
+        raise ValueError(f"warp_points expects (..., 2) points and a (2, 3) matrix, got {pts.shape}, {m.shape}")
+    return (pts @ m[:, :2].T + m[:, 2]).astype(np.float32)
+
+
+def flip_horizontal(
+    image: np.ndarray, joints: np.ndarray, visible: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mirror an image of the given width and its joints.
+
+    x -> width - 1 - x (pixel centres map onto pixel centres) and left/right
+    joints swap places (``flip_permutation``), since the mirrored person's
+    right wrist is where the left one was. Invisible joints stay 0.
+
+    Returns (image (h, width, C) copy, joints (16, 2) float32, visible (16,) bool).
+    """
+    if image.shape[1] != width:
+        raise ValueError(f"flip_horizontal: image width {image.shape[1]} != width argument {width}")
+    pts = np.array(joints, dtype=np.float32)
+    vis = np.array(visible).astype(bool)
+    if pts.shape != (NUM_JOINTS, 2) or vis.shape != (NUM_JOINTS,):
+        raise ValueError(f"flip_horizontal expects joints (16, 2) and visible (16,), got {pts.shape}, {vis.shape}")
+    perm = flip_permutation()
+    flipped = np.ascontiguousarray(image[:, ::-1])
+    pts[:, 0] = (width - 1) - pts[:, 0]
+    pts, vis = pts[perm], vis[perm]
+    pts[~vis] = 0.0
+    return flipped, pts, vis
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Training augmentation of the top-down crop (HRNet MPII defaults).
+
+    scale_factor: the box is scaled by clip(1 + N(0, 1) * f, 1 - f, 1 + f).
+    rotation: degrees; the angle is clip(N(0, 1) * r, -2r, 2r) ...
+    rotation_prob: ... applied with this probability, else 0.
+    flip_prob: probability of a horizontal flip.
+    """
+
+    scale_factor: float = 0.25
+    rotation: float = 30.0
+    rotation_prob: float = 0.6
+    flip_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.scale_factor < 1.0:
+            raise ValueError(f"Augment.scale_factor must be in [0, 1), got {self.scale_factor}")
+        if not 0.0 <= self.rotation <= 90.0:
+            raise ValueError(f"Augment.rotation must be in [0, 90] degrees, got {self.rotation}")
+        for name in ("rotation_prob", "flip_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"Augment.{name} must be a probability in [0, 1], got {value}")
+
+
+def sample_augment(rng: np.random.Generator, augment: Augment) -> tuple[float, float, bool]:
+    """Draw (scale multiplier, rotation in degrees, flip) from the generator."""
+    sf, rf = augment.scale_factor, augment.rotation
+    scale_mult = float(np.clip(rng.standard_normal() * sf + 1.0, 1.0 - sf, 1.0 + sf))
+    rotate = rng.random() < augment.rotation_prob
+    rotation = float(np.clip(rng.standard_normal() * rf, -2.0 * rf, 2.0 * rf)) if rotate else 0.0
+    flip = bool(rng.random() < augment.flip_prob)
+    return scale_mult, rotation, flip
+
+
+def record_boxes(records: Sequence[PoseRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Records -> (centers (N, 2) float64, scales (N,) float64) for ``inverse_transform``."""
+    centers = np.array([r.center for r in records], dtype=np.float64).reshape(len(records), 2)
+    scales = np.array([r.scale for r in records], dtype=np.float64).reshape(len(records))
+    return centers, scales
+
+
+def inverse_transform(
+    joints_input: np.ndarray,
+    centers: np.ndarray,
+    scales: np.ndarray,
+    input_size: Sequence[int],
+) -> np.ndarray:
+    """Map predictions from input-crop pixels back to original-image pixels.
+
+    Predictions are reported in original pixels so PCKh/OKS compare against
+    the untouched annotations. Assumes the un-augmented crop (evaluation).
+
+    Args:
+        joints_input: (N, K, 2) coordinates in the (H, W) input.
+        centers: (N, 2) box centres; scales: (N,) box scales (see ``record_boxes``).
+        input_size: (H, W).
+
+    Returns:
+        (N, K, 2) float32 original-image coordinates.
+    """
+    pts = np.asarray(joints_input, dtype=np.float64)
+    centers = np.asarray(centers, dtype=np.float64)
+    scales = np.asarray(scales, dtype=np.float64)
+    if pts.ndim != 3 or pts.shape[2] != 2:
+        raise ValueError(f"joints_input must have shape (N, K, 2), got {pts.shape}")
+    n = pts.shape[0]
+    if centers.shape != (n, 2) or scales.shape != (n,):
+        raise ValueError(
+            f"centers must be ({n}, 2) and scales ({n},) to match joints_input, got {centers.shape}, {scales.shape}"
+        )
+    out = np.empty_like(pts)
+    for i in range(n):
+        inv = invert_affine(affine_matrix(centers[i], scales[i], input_size))
+        out[i] = pts[i] @ inv[:, :2].T + inv[:, 2]
+    return out.astype(np.float32)
