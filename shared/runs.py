@@ -22,7 +22,8 @@ from shared.data.mpii import load_split
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint
 from shared.data.synth import WardSpec, ensure_ward
-from shared.model.posenet import PoseNet, build_model, load_checkpoint, save_checkpoint
+from shared.model.posenet import PoseNet, build_model, build_pretrain_model, load_checkpoint, save_checkpoint
+from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 from shared.privacy.claims import privacy_claim
 from shared.privacy.noise import make_generator
@@ -31,6 +32,7 @@ from shared.train import (
     config_fingerprint,
     evaluate,
     local_train,
+    pretrain_loop,
     make_dataset,
     select_device,
     steps_per_epoch,
@@ -86,26 +88,22 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     root = ensure_data(cfg)
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)
-    model = build_model(cfg.model, cfg.data.input_size).to(device)
+    model = build_pretrain_model(cfg.model, cfg.data.input_size).to(device)
     dataset = make_dataset(public, cfg, train=True, seed=cfg.pretrain.seed)
-    train = dataclasses.replace(
-        cfg.train, method="nonprivate", strategy="scratch", optimizer="adam", lr=cfg.pretrain.lr,
-        batch_size=cfg.pretrain.batch_size, weight_decay=cfg.pretrain.weight_decay,
-    )
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
-    # Non-private: the generator only draws batches (no noise), so a fixed seed is harmless here.
-    generator = torch.Generator().manual_seed(cfg.pretrain.seed)
-    result = local_train(
-        model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=steps,
-        generator=generator, progress=progress, desc="pretrain (public)",
+    final_loss = pretrain_loop(
+        model, dataset, steps=steps, batch_size=cfg.pretrain.batch_size, lr=cfg.pretrain.lr,
+        weight_decay=cfg.pretrain.weight_decay, seed=cfg.pretrain.seed, progress=progress,
     )
+    fuse_batchnorm(model)  # fold BatchNorm before the model can ever meet private data
     report, _, _ = evaluate(model, val, progress=progress)
     meta = {"kind": "pretrain", "fingerprint": config_fingerprint(cfg, "data", "model", "pretrain")}
     save_checkpoint(out / "model.pt", model, meta)
     metrics = {
         "kind": "pretrain",
         "data": cfg.data.public_split,
-        "steps": result.steps,
+        "steps": steps,
+        "final_loss": round(final_loss, 4),
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
         "claim": "non-private training on the public split only; no private data was used",
@@ -213,7 +211,8 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "delta": cfg.privacy.delta if method in PRIVATE else None,
         "sigma": result.sigma,
         "sample_rate": result.sample_rate,
-        "steps": result.steps,
+        "steps": steps,
+        "final_loss": round(final_loss, 4),
         "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": psi_name,

@@ -16,7 +16,7 @@ from torch.func import functional_call
 from shared.config import ConfigError, ModelConfig, Strategy
 from shared.data.joints import NUM_JOINTS
 from shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
-from shared.model.tinyvit import ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, is_fused
+from shared.model.tinyvit import ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, init_fused_convs, is_fused
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,17 @@ class PoseNet(TinyVit):
 
 
 def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseNet:
-    """A fresh PoseNet with BatchNorm already folded (ready for DP training)."""
-    return fuse_batchnorm(PoseNet(cfg, input_size))
+    """A fresh PoseNet with BatchNorm already folded (ready for DP training from scratch)."""
+    return init_fused_convs(fuse_batchnorm(PoseNet(cfg, input_size)))
+
+
+def build_pretrain_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseNet:
+    """A fresh PoseNet *with* BatchNorm, for non-private pretraining on public data only.
+
+    BatchNorm couples the samples of a batch, which is fine without privacy;
+    it is folded (``fuse_batchnorm``) before the model ever sees private data.
+    """
+    return PoseNet(cfg, input_size)
 
 
 # ---------------------------------------------------------------------------

@@ -360,6 +360,25 @@ def fuse_batchnorm(model: nn.Module) -> nn.Module:
     return model
 
 
+@torch.no_grad()
+def init_fused_convs(model: nn.Module) -> nn.Module:
+    """He-normal init of every folded conv, keeping zero-initialised residual outputs at zero.
+
+    A fresh folded model has no BatchNorm to restore the activation scale
+    after each conv, and PyTorch's default conv init shrinks it by ~1/sqrt(3)
+    per layer: after the 30-odd convs of the trunk the features are too small
+    to train (observed: a from-scratch model that cannot fit 32 images).
+    Variance-preserving init fixes that; it matters only for training from
+    scratch under DP, since non-private pretraining trains with BatchNorm.
+    """
+    for m in model.modules():
+        if isinstance(m, ConvNorm) and m.fused and m.conv.weight.abs().sum() > 0:
+            fan_in = m.conv.weight[0].numel()
+            nn.init.normal_(m.conv.weight, 0.0, math.sqrt(2.0 / fan_in))
+            nn.init.zeros_(m.conv.bias)
+    return model
+
+
 def is_fused(model: nn.Module) -> bool:
     convs = [m for m in model.modules() if isinstance(m, ConvNorm)]
     return bool(convs) and all(m.fused for m in convs)

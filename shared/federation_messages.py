@@ -1,0 +1,289 @@
+"""What server and sites say to each other, in Flower records (DESIGN.md section 2).
+
+Client and server never import each other, so the wire format lives here:
+record keys, refusal codes, the train request, the site's self-description
+and (de)serialisation of weights and of the projection basis V.
+
+Messages (Flower Message API, one RecordDict each):
+
+- query (server -> site, before the first round): ``config`` = the training
+  shape the server proposes (batch size, local steps) and the content hashes
+  of the server's public images (the site checks P2 against its own images
+  without revealing them); reply ``info`` =
+  ``SiteInfo`` (site name, n, its own budget, max rounds, the minimum sigma it
+  will accept for that shape). The server plans sigma from this.
+- train (server -> site): ``arrays`` = the full global state_dict (float32),
+  ``config`` = ``TrainRequest``, and ``basis`` = V (p x k, float16 by
+  default) plus its version, only when the site does not hold that version.
+  Reply: ``arrays`` = the trainable parameters after local training (the
+  frozen ones cannot change, so they are not sent back), ``metrics`` = what
+  actually ran (sigma, q, steps) and the site's own cumulative epsilon.
+- a refusal is an ``Error`` reply with one of the ``RefusalCode`` values
+  (nothing was trained, nothing was spent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.config import Config, config_from_dict, to_dict
+
+log = logging.getLogger(__name__)
+
+# RecordDict keys
+ARRAYS = "arrays"
+CONFIG = "config"
+BASIS = "basis"
+METRICS = "metrics"
+INFO = "info"
+
+# Keys inside the basis ArrayRecord
+BASIS_MATRIX = "V"
+BASIS_VERSION = "version"
+
+BASIS_MODES = ("broadcast", "site")
+BASIS_DTYPES = ("float16", "float32")
+
+
+class RefusalCode(IntEnum):
+    """Error codes of a site's refusal (Flower's own codes are < 1000)."""
+
+    WEAKER_NOISE = 1001  # sigma below the site's own minimum (P6)
+    BUDGET = 1002  # the round would exceed the site's epsilon or its max rounds (P6)
+    BAD_BASIS = 1003  # V has the wrong shape or is not orthonormal
+    BAD_REQUEST = 1004  # malformed request, weights that do not fit, unknown site
+    NEED_BASIS = 1005  # the site does not hold the requested basis version: send V
+    POLICY = 1006  # the method is not allowed by the site's policy
+    PUBLIC_OVERLAP = 1007  # the server's public set contains images of this site (P2)
+
+
+class Refusal(Exception):
+    """A site declines a request; becomes ``Message(Error(code, reason))`` in the ClientApp."""
+
+    def __init__(self, code: RefusalCode, reason: str) -> None:
+        super().__init__(f"[{int(code)} {code.name}] {reason}")
+        self.code = RefusalCode(code)
+        self.reason = reason
+
+
+# Metrics every train reply must carry (validated by the server).
+REPLY_METRICS: tuple[str, ...] = (
+    "num-examples",
+    "sigma",
+    "sample-rate",
+    "steps",
+    "site-epsilon",
+    "site-delta",
+    "site-rounds",
+    "seeded",
+    "seconds-train",
+    "seconds-basis",
+)
+
+
+def _require(rec: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in rec:
+        raise ValueError(f"{what}: missing key {key!r}")
+    value = rec[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ValueError(f"{what}: {key}={value!r} must be {kind}, not a bool")
+    if not isinstance(value, kind):
+        raise ValueError(f"{what}: {key}={value!r} has type {type(value).__name__}, expected {kind}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRequest:
+    """One round of local training, as asked by the server.
+
+    ``config`` is the federation's training protocol (model, input size,
+    method, strategy, batch sizes, optimizer, clip norm, psi, k, m). The
+    site takes its privacy budget (epsilon, delta, accountant) from its own
+    policy, never from here (P6).
+    """
+
+    federation: str
+    round: int
+    site: str
+    sigma: float
+    steps: int
+    basis_version: int  # 0: the method does not project
+    basis_mode: str
+    config: Config
+
+    def __post_init__(self) -> None:
+        if not self.federation or not self.site:
+            raise ValueError("train request: federation and site must be non-empty")
+        if self.round < 1 or self.steps < 1:
+            raise ValueError(f"train request: round={self.round} and steps={self.steps} must be >= 1")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"train request: sigma={self.sigma!r} must be finite and >= 0")
+        if self.basis_version < 0:
+            raise ValueError(f"train request: basis_version={self.basis_version} must be >= 0")
+        if self.basis_mode not in BASIS_MODES:
+            raise ValueError(f"train request: basis_mode={self.basis_mode!r} not in {BASIS_MODES}")
+
+    def to_record(self) -> Any:
+        from flwr.app import ConfigRecord
+
+        return ConfigRecord(
+            {
+                "federation": self.federation,
+                "round": self.round,
+                "site": self.site,
+                "sigma": float(self.sigma),
+                "steps": self.steps,
+                "basis-version": self.basis_version,
+                "basis-mode": self.basis_mode,
+                "fedpose-config": json.dumps(to_dict(self.config)),
+            }
+        )
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> TrainRequest:
+        """Parse and validate; any problem raises ValueError naming the field."""
+        what = "train request"
+        try:
+            data = json.loads(_require(rec, "fedpose-config", str, what))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{what}: fedpose-config is not JSON: {err}") from err
+        return cls(
+            federation=_require(rec, "federation", str, what),
+            round=_require(rec, "round", int, what),
+            site=_require(rec, "site", str, what),
+            sigma=float(_require(rec, "sigma", (int, float), what)),
+            steps=_require(rec, "steps", int, what),
+            basis_version=_require(rec, "basis-version", int, what),
+            basis_mode=_require(rec, "basis-mode", str, what),
+            config=config_from_dict(data),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteInfo:
+    """A site's answer to the server's query: who it is and what it accepts.
+
+    ``min_sigma`` is the smallest noise multiplier the site accepts for the
+    proposed batch size and local steps (its own derivation, P6); the
+    server plans at least that much. ``epsilon_spent`` is cumulative over the
+    site's whole ledger (all federations).
+    """
+
+    site: str
+    n: int
+    epsilon: float
+    delta: float
+    max_rounds: int
+    rounds_done: int
+    epsilon_spent: float
+    min_sigma: float
+    accountant: str
+    methods: tuple[str, ...]
+
+    def to_record(self) -> Any:
+        from flwr.app import ConfigRecord
+
+        return ConfigRecord(
+            {
+                "site": self.site,
+                "n": self.n,
+                "epsilon": float(self.epsilon),
+                "delta": float(self.delta),
+                "max-rounds": self.max_rounds,
+                "rounds-done": self.rounds_done,
+                "epsilon-spent": float(self.epsilon_spent),
+                "min-sigma": float(self.min_sigma),
+                "accountant": self.accountant,
+                "methods": list(self.methods),
+            }
+        )
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> SiteInfo:
+        what = "site info"
+        methods = _require(rec, "methods", list, what)
+        if not all(isinstance(m, str) for m in methods):
+            raise ValueError(f"{what}: methods must be a list of strings, got {methods!r}")
+        info = cls(
+            site=_require(rec, "site", str, what),
+            n=_require(rec, "n", int, what),
+            epsilon=float(_require(rec, "epsilon", (int, float), what)),
+            delta=float(_require(rec, "delta", (int, float), what)),
+            max_rounds=_require(rec, "max-rounds", int, what),
+            rounds_done=_require(rec, "rounds-done", int, what),
+            epsilon_spent=float(_require(rec, "epsilon-spent", (int, float), what)),
+            min_sigma=float(_require(rec, "min-sigma", (int, float), what)),
+            accountant=_require(rec, "accountant", str, what),
+            methods=tuple(methods),
+        )
+        if info.n < 1 or info.max_rounds < 0 or not info.epsilon > 0 or not 0 < info.delta < 1:
+            raise ValueError(f"{what}: implausible values {info}")
+        return info
+
+
+# ---------------------------------------------------------------------------
+# arrays
+# ---------------------------------------------------------------------------
+
+
+def weights_record(tensors: Mapping[str, torch.Tensor]) -> Any:
+    """ArrayRecord of float32 CPU copies, keyed by parameter name."""
+    from flwr.app import ArrayRecord
+
+    return ArrayRecord({k: v.detach().cpu() for k, v in tensors.items()})
+
+
+def record_tensors(rec: Any) -> dict[str, torch.Tensor]:
+    """ArrayRecord -> {name: tensor} (numpy deserialisation, never pickle)."""
+    return {k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in rec.items()}
+
+
+def basis_record(basis: torch.Tensor, *, version: int, dtype: str) -> Any:
+    """V (p x k) as an ArrayRecord {"V": (p, k) dtype, "version": (1,) int64}.
+
+    float16 halves the downlink; its rounding (relative 2^-11) keeps
+    V^T V within about 1e-3 of I, which the site checks.
+    """
+    from flwr.app import Array, ArrayRecord
+
+    if dtype not in BASIS_DTYPES:
+        raise ValueError(f"basis dtype {dtype!r} not in {BASIS_DTYPES}")
+    if basis.dim() != 2:
+        raise ValueError(f"basis must be (p, k), got shape {tuple(basis.shape)}")
+    matrix = basis.detach().cpu().numpy().astype(np.dtype(dtype))  # (p, k)
+    return ArrayRecord(
+        {BASIS_MATRIX: Array(matrix), BASIS_VERSION: Array(np.array([version], dtype=np.int64))}
+    )
+
+
+def record_basis(rec: Any) -> tuple[int, torch.Tensor]:
+    """ArrayRecord -> (version, V as float32 (p, k)); malformed records raise ValueError."""
+    keys = set(rec.keys())
+    if keys != {BASIS_MATRIX, BASIS_VERSION}:
+        raise ValueError(f"basis record must hold exactly {BASIS_MATRIX!r} and {BASIS_VERSION!r}, got {sorted(keys)}")
+    version = rec[BASIS_VERSION].numpy()
+    if version.shape != (1,) or version.dtype.kind not in "iu":
+        raise ValueError(f"basis version must be one integer, got {version!r}")
+    matrix = rec[BASIS_MATRIX].numpy()
+    if matrix.dtype.name not in BASIS_DTYPES:
+        raise ValueError(f"basis dtype {matrix.dtype} not in {BASIS_DTYPES}")
+    return int(version[0]), torch.from_numpy(matrix.astype(np.float32))
+
+
+def payload_bytes(content: Any) -> int:
+    """Bytes of a RecordDict as serialised: arrays (ArrayRecord.count_bytes) + configs/metrics (JSON)."""
+    total = 0
+    for rec in content.array_records.values():
+        total += rec.count_bytes()
+    for rec in list(content.config_records.values()) + list(content.metric_records.values()):
+        total += len(json.dumps(dict(rec), default=str).encode())
+    return total

@@ -1,0 +1,94 @@
+"""Durable SQLite ledgers of privacy spend: what both the site and the server ledgers share.
+
+A ledger is the memory of P5 (epsilon composed over ALL rounds, never reset)
+and P6 (a site's guarantee lives in its own durable file). SQLite in WAL mode
+with ``synchronous=FULL`` makes each committed transaction survive a killed
+process or a power cut; a process killed inside a transaction leaves nothing
+of it behind (the WAL is rolled back on the next open).
+
+Ledgers compose like dp_accounting's: validate first, then mutate, so a
+rejected entry never leaves a half-written row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from shared.privacy.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
+
+log = logging.getLogger(__name__)
+
+# Seconds a writer waits for another writer's transaction (a site trains inside one).
+DEFAULT_BUSY_TIMEOUT = 600.0
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def connect(path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> sqlite3.Connection:
+    """Open (creating if needed) a ledger database in WAL mode with full fsync.
+
+    ``isolation_level=None``: no implicit transactions; every write goes
+    through ``transaction`` so one round is exactly one transaction.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        conn = sqlite3.connect(str(path), timeout=busy_timeout, isolation_level=None)
+    except sqlite3.Error as err:
+        raise ValueError(f"cannot open ledger {path}: {err}") from err
+    conn.row_factory = sqlite3.Row
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        conn.close()
+        raise ValueError(f"ledger {path}: SQLite refused WAL mode (got {mode}); use a local filesystem")
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception.
+
+    IMMEDIATE takes the write lock at the start, so a check made inside the
+    transaction (e.g. "does this round fit the budget?") still holds when
+    the row is written: two concurrent requests cannot both pass it.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def check_entry(*, sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> StepRecord:
+    """Validate one spend entry before anything is written; returns its StepRecord."""
+    record = StepRecord(sigma=sigma, sample_rate=sample_rate, steps=steps)  # raises on bad values
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ValueError(f"delta={delta!r} must be in (0, 1)")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant={accountant!r} is not one of {ACCOUNTANTS}")
+    return record
+
+
+def cumulative_epsilon(history: Sequence[StepRecord], *, delta: float, accountant: str) -> float:
+    """Epsilon of the whole history (P5): the accountant's composition, never a sum of per-round values."""
+    return epsilon_spent(list(history), delta=delta, accountant=accountant)
+
+
+def integrity_ok(conn: sqlite3.Connection) -> bool:
+    """SQLite's own consistency check (pages, indexes) of an open ledger."""
+    return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
