@@ -47,7 +47,7 @@ def ward_spec(cfg: Config) -> WardSpec:
     return WardSpec(sites=s.sites, per_site=s.per_site, public=s.public, val=s.val, seed=s.seed, image_size=s.image_size)
 
 
-def ensure_data(cfg: Config) -> Path:
+def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
     """The data root; generates the synthetic ward there when the directory is absent (cached).
 
     A directory that exists but was not made by the generator is used as is
@@ -56,7 +56,7 @@ def ensure_data(cfg: Config) -> Path:
     root = Path(cfg.data.root)
     if root.exists() and not (root / "manifest.json").exists():
         return root
-    return ensure_ward(root, ward_spec(cfg))
+    return ensure_ward(root, ward_spec(cfg), progress=progress)
 
 
 def load_records(root: Path, split: str) -> list[PoseRecord]:
@@ -85,7 +85,7 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     t0 = time.perf_counter()
     device = select_device(cfg.train.device)
     torch.manual_seed(cfg.pretrain.seed)
-    root = ensure_data(cfg)
+    root = ensure_data(cfg, progress=progress)
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)
     model = build_pretrain_model(cfg.model, cfg.data.input_size).to(device)
@@ -170,7 +170,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     t0 = time.perf_counter()
     method = cfg.train.method
     device = select_device(cfg.train.device)
-    root = ensure_data(cfg)
+    root = ensure_data(cfg, progress=progress)
     private = private_records(root, cfg)
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)

@@ -221,9 +221,9 @@ def pretrain_loop(
         opt.step()
         sched.step()
         if step >= steps - max(1, steps // 10):
-            tail.append(float(loss))
+            tail.append(float(loss.detach()))
         if progress and step % 10 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
     return float(np.mean(tail))
 
 
