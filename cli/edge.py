@@ -1,0 +1,373 @@
+"""``fedpose edge ...``: export, TensorRT build, camera pipeline, demo clip, DP pixelization.
+
+``register(subparsers)`` is called by ``cli.main``; every handler imports its
+modules lazily so ``fedpose --help`` never loads onnx, TensorRT or torch.
+Handlers raise ValueError / FileNotFoundError / ImportError / RuntimeError
+with a message; ``cli.main`` prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fedpose.edge")
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov")
+
+
+# ---------------------------------------------------------------------------
+# export / build
+# ---------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from edge.export import INPUT_NAME, export_onnx, parse_batch, parse_input_size
+    from shared.model.posenet import load_checkpoint
+
+    batch = parse_batch(args.batch)
+    input_size = parse_input_size(args.input) if args.input else None
+    out = Path(args.out)
+    model, _ = load_checkpoint(args.checkpoint)
+    report = export_onnx(
+        model, out, batch=batch, opset=args.opset, input_size=input_size, fp16=args.fp16, tolerance=args.tolerance
+    )
+    print(f"wrote {report.path}: input {INPUT_NAME} (N={report.batch}, 3, {report.input_size[0]}, "
+          f"{report.input_size[1]}), opset {report.opset}{', fp16' if report.fp16 else ''}")
+    print(f"ops: {', '.join(f'{k} x{v}' for k, v in report.ops.items())}")
+    print("all ops are in the TensorRT 10 ONNX parser's support list; pad amounts are constants")
+    print(f"onnxruntime vs PyTorch: max abs diff {report.max_abs_diff:.3g} (limit {args.tolerance:g})")
+    if args.int8:
+        _export_int8(args, model, report.path)
+    return 0
+
+
+def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
+    import numpy as np
+
+    from edge.quantize import compare_precisions, quantize_int8, record_crops
+    from shared.config import load_config, replace
+    from shared.data.mpii import load_split
+    from shared.runs import ensure_data
+
+    cfg = load_config(args.config)
+    if args.data:
+        cfg = replace(cfg, **{"data.root": args.data})
+    root = ensure_data(cfg)  # the synthetic ward is generated on first use
+    public = load_split(root, cfg.data.public_split)
+    if not public:
+        raise ValueError(f"the public split {cfg.data.public_split!r} under {root} is empty: nothing to calibrate on")
+    if args.calib_count < 1:
+        raise ValueError(f"--calib-count must be >= 1, got {args.calib_count}")
+    chosen = sorted(np.random.default_rng(0).permutation(len(public))[: args.calib_count].tolist())
+    calib = record_crops([public[i] for i in chosen], tuple(model.input_size))
+    int8_path = fp32_path.with_name(fp32_path.stem + ".int8.onnx")
+    quantize_int8(fp32_path, int8_path, calib, method=args.calib_method, target=args.int8_target)
+    layout = ("symmetric INT8, zero points 0: for TensorRT" if args.int8_target == "tensorrt"
+              else "UINT8 activations x INT8 weights: for onnxruntime on CPU, not buildable by TensorRT")
+    print(f"wrote {int8_path}: Q/DQ ({layout}), calibrated on {len(calib)} public images")
+    val = load_split(root, cfg.data.val_split)
+    if args.val_count:
+        val = val[: args.val_count]
+    rep = compare_precisions(fp32_path, int8_path, val)
+    print(f"PCKh@0.5 on {rep.records} val people: fp32 {rep.fp32['pckh']['mean']:.2f}, "
+          f"int8 {rep.int8['pckh']['mean']:.2f}, drop {rep.drop:+.2f}")
+    print(f"PCKh@0.1: fp32 {rep.fp32['pckh@0.1']['mean']:.2f}, int8 {rep.int8['pckh@0.1']['mean']:.2f}, "
+          f"drop {rep.drop_at_0_1:+.2f}")
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from edge.trt_build import build_engine, check_build_request, parse_profile, trtexec_command
+
+    profile = parse_profile(args.batch) if args.batch else None
+    request = check_build_request(
+        args.onnx, args.out, precision=args.precision, workspace_mb=args.workspace, batch=profile
+    )
+    print(f"equivalent trtexec (TensorRT 10.x): {trtexec_command(request)}")
+    print(f"equivalent trtexec (TensorRT 11.x): {trtexec_command(request, trt_major=11)}")
+    out = build_engine(args.onnx, args.out, precision=args.precision, workspace_mb=args.workspace, batch=profile)
+    print(f"wrote {out} (engines are tied to this GPU and TensorRT version: build on the device that runs it)")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# run / demo video
+# ---------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from edge.pipeline import FrameSource, PipelineOptions, ReconnectPolicy, parse_pixelize, parse_roi, run_pipeline
+    from edge.runtime import make_runtime
+
+    pix = parse_pixelize(args.pixelize)
+    options = PipelineOptions(
+        out_dir=Path(args.out_dir),
+        roi=parse_roi(args.roi),
+        max_frames=args.max_frames,
+        write_video=args.video,
+        show=args.show,
+        pixelize=pix[0] if pix else None,
+        pixelize_color=pix[1] if pix else False,
+        score_threshold=args.threshold,
+        seed=args.seed,
+    )
+    source = FrameSource(args.source, policy=ReconnectPolicy(tries=args.reconnect_tries))
+    with make_runtime(args.model, args.backend, threads=args.threads) as runtime:
+        print(f"model {args.model} ({runtime.backend}, input {runtime.input_size[0]}x{runtime.input_size[1]}), "
+              f"source {args.source}")
+        report = run_pipeline(runtime, source, options)
+    print(report.summary())
+    if report.claim:
+        print("privacy of the published frames:")
+        print(report.claim)
+    if report.frames == 0:
+        raise RuntimeError(f"no frame could be read from {args.source}")
+    return 0
+
+
+def cmd_demo_video(args: argparse.Namespace) -> int:
+    from edge.demo_video import DemoSpec, parse_size, write_demo_video
+
+    spec = DemoSpec(frames=args.frames, size=parse_size(args.size), seed=args.seed, fps=args.fps, style=args.style)
+    sidecar = write_demo_video(args.out, spec)
+    print(f"wrote {args.out} ({spec.frames} frames, {spec.size[0]}x{spec.size[1]}, {spec.fps:g} fps) "
+          f"and ground truth {sidecar}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# pixelize / restore
+# ---------------------------------------------------------------------------
+
+
+def _read_inputs(path: Path, gray: bool) -> tuple[str, list[tuple[str, Any]]]:
+    """(kind, [(name, image)]) for an image file, a directory of images or a video."""
+    import cv2
+
+    def load(p: Path) -> Any:
+        img = cv2.imread(str(p), cv2.IMREAD_UNCHANGED)
+        if img is None:
+            raise ValueError(f"cannot decode image {p}")
+        if img.dtype != "uint8":
+            raise ValueError(f"{p}: only 8-bit images can be pixelized, got {img.dtype}")
+        if img.ndim == 3 and img.shape[2] == 4:
+            img = cv2.cvtColor(img, cv2.COLOR_BGRA2BGR)
+        if gray and img.ndim == 3:
+            img = cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
+        return img
+
+    if not path.exists():
+        raise FileNotFoundError(f"--in {path} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"--in {path} contains no images ({', '.join(IMAGE_SUFFIXES)})")
+        return "dir", [(p.stem, load(p)) for p in files]
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        cap = cv2.VideoCapture(str(path))
+        if not cap.isOpened():
+            raise ValueError(f"cannot open video {path}")
+        frames = []
+        try:
+            while True:
+                ok, frame = cap.read()
+                if not ok:
+                    break
+                frames.append((f"frame_{len(frames):06d}", cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY) if gray else frame))
+        finally:
+            cap.release()
+        if not frames:
+            raise ValueError(f"no frame could be decoded from {path}")
+        return "video", frames
+    return "image", [(path.stem, load(path))]
+
+
+def cmd_pixelize(args: argparse.Namespace) -> int:
+    import cv2
+    import numpy as np
+
+    from edge.pixelize import PixelizeSpec, load_mask, pixelize, pixelize_claim, save_npz
+
+    spec = PixelizeSpec(eps=args.eps, b=args.b, m=args.m, n=args.n, noise=args.noise)
+    kind, items = _read_inputs(Path(args.input), args.gray)
+    out = Path(args.out)
+    single = kind == "image"
+    if single:
+        want = ".npz" if args.store == "npz" else None
+        if want and out.suffix != want:
+            raise ValueError(f"--store npz writes one NPZ file: --out must end in .npz, got {out}")
+        if not want and out.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ValueError(f"--out must be an image file ({', '.join(IMAGE_SUFFIXES)}) for a single image, got {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+
+    mask_source, fixed_mask, runtime = "none", None, None
+    if args.mask == "pose":
+        if not args.model:
+            raise ValueError("--mask pose estimates the body region with a pose model: pass --model model.onnx|.pt")
+        from edge.runtime import make_runtime
+
+        runtime = make_runtime(args.model)
+        mask_source = "keypoints"
+    elif args.mask:
+        fixed_mask = load_mask(args.mask)
+        mask_source = "file"
+    if args.seed is not None:
+        log.warning("pixelization noise seeded with %d: reproducible, NOT for production", args.seed)
+    rng = np.random.default_rng(args.seed)
+    try:
+        for name, image in items:
+            mask = fixed_mask
+            if runtime is not None:
+                mask = _pose_mask(runtime, image)
+            if mask is not None and mask.shape != image.shape[:2]:
+                raise ValueError(f"mask {args.mask} is {mask.shape[1]}x{mask.shape[0]}, image {name} is "
+                                 f"{image.shape[1]}x{image.shape[0]}: they must match")
+            frame = pixelize(image, spec, mask=mask, rng=rng)
+            if args.store == "npz":
+                save_npz(frame, out if single else out / f"{name}.npz")
+            else:
+                target = out if single else out / f"{name}.png"
+                if not cv2.imwrite(str(target), frame.render()):
+                    raise ValueError(f"OpenCV cannot write {target}")
+    finally:
+        if runtime is not None:
+            runtime.close()
+    print(f"pixelized {len(items)} {'frame' if len(items) == 1 else 'frames'} -> {out}"
+          + (" (NPZ: noisy means only; rebuild with `fedpose edge restore`)" if args.store == "npz" else ""))
+    print(pixelize_claim(spec, mask_source=mask_source, frames=len(items)))
+    return 0
+
+
+def _pose_mask(runtime: Any, image: Any) -> Any:
+    """Body mask of the (single) person in an image from a full-frame pose estimate."""
+    import cv2
+    import numpy as np
+
+    from edge.pixelize import body_mask_from_keypoints
+    from edge.prepost import postprocess, preprocess
+
+    bgr = image if image.ndim == 3 else cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
+    h, w = image.shape[:2]
+    batch, mats = preprocess(bgr, np.array([[0.0, 0.0, w, h]]), runtime.input_size)
+    sx, sy = runtime.infer(batch)
+    kps, scores = postprocess(sx, sy, mats, runtime.input_size)
+    return body_mask_from_keypoints((h, w), kps[0], scores[0], score_threshold=0.05)
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    import cv2
+
+    from edge.pixelize import restore
+
+    src = Path(args.input)
+    if not src.is_file():
+        raise FileNotFoundError(f"--in {src} does not exist")
+    image = restore(src)
+    out = Path(args.out)
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        raise ValueError(f"--out must be an image file ({', '.join(IMAGE_SUFFIXES)}), got {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not cv2.imwrite(str(out), image):
+        raise ValueError(f"OpenCV cannot write {out}")
+    print(f"restored {src} -> {out} ({image.shape[1]}x{image.shape[0]}, "
+          f"{'grayscale' if image.ndim == 2 else 'colour'}; identical to the released frame)")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``edge`` command group to the main parser."""
+    edge = subparsers.add_parser("edge", help="deployment on cameras: export, TensorRT, pipeline, DP pixelization")
+    sub = edge.add_subparsers(dest="edge_command", required=True)
+
+    ex = sub.add_parser("export", help="checkpoint -> ONNX (BatchNorm folded, TensorRT-checked, verified)")
+    ex.add_argument("--checkpoint", required=True, help="fedpose checkpoint (model.pt)")
+    ex.add_argument("--out", required=True, help="output .onnx file")
+    ex.add_argument("--input", default=None, help="HxW; must match the checkpoint's input size")
+    ex.add_argument("--batch", default="1", help="fixed batch size N or 'dynamic' (default 1)")
+    ex.add_argument("--opset", type=int, default=17)
+    ex.add_argument("--fp16", action="store_true", help="half-precision ONNX (TensorRT 11 strongly typed FP16)")
+    ex.add_argument("--int8", action="store_true", help="also write <out>.int8.onnx (Q/DQ) and report its PCKh drop")
+    ex.add_argument("--config", default="configs/default.yaml", help="config naming the data (for --int8)")
+    ex.add_argument("--data", default=None, help="data root (default: the config's data.root)")
+    ex.add_argument("--calib-count", type=int, default=64, help="public images used for INT8 calibration")
+    ex.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax")
+    ex.add_argument("--int8-target", choices=("tensorrt", "cpu"), default="tensorrt",
+                    help="tensorrt: symmetric Q/DQ TensorRT can build (default); cpu: fast on onnxruntime x86")
+    ex.add_argument("--val-count", type=int, default=None, help="evaluate INT8 vs FP32 on the first N val people")
+    ex.add_argument("--tolerance", type=float, default=1e-4, help=argparse.SUPPRESS)
+    _common(ex)
+    ex.set_defaults(func=cmd_export)
+
+    bd = sub.add_parser("build", help="ONNX -> TensorRT engine (run on the target device)")
+    bd.add_argument("--onnx", required=True)
+    bd.add_argument("--out", required=True, help="engine file (.plan or .engine)")
+    bd.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp16")
+    bd.add_argument("--workspace", type=int, default=1024, help="builder workspace in MB (default 1024)")
+    bd.add_argument("--batch", default=None, help="min,opt,max batch for a dynamic-batch ONNX (default 1,1,4)")
+    _common(bd)
+    bd.set_defaults(func=cmd_build)
+
+    rn = sub.add_parser("run", help="camera pipeline: frames -> keypoints.jsonl (+ video, + DP pixelized frames)")
+    rn.add_argument("--model", required=True, help="model.onnx | model.plan | model.pt")
+    rn.add_argument("--source", required=True, help="camera index (0), video file or rtsp:// URL")
+    rn.add_argument("--out-dir", required=True)
+    rn.add_argument("--roi", default=None, help="x,y,w,h region where the person is (e.g. the bed)")
+    rn.add_argument("--max-frames", type=int, default=None)
+    rn.add_argument("--pixelize", default=None, help="publish DP pixelized frames: eps=..,b=..,m=..,n=..[,color=1]")
+    rn.add_argument("--video", action="store_true", help="write annotated.mp4 (skeleton over the published frame)")
+    rn.add_argument("--show", action="store_true", help="display frames (needs OpenCV with GUI support)")
+    rn.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default=None,
+                    help="default: from the model file suffix")
+    rn.add_argument("--threads", type=int, default=None, help="CPU threads for inference")
+    rn.add_argument("--threshold", type=float, default=0.05, help="keypoint score for tracking/drawing")
+    rn.add_argument("--reconnect-tries", type=int, default=6, help="reopen attempts for a dropped camera/stream")
+    rn.add_argument("--seed", type=int, default=None, help="seed the pixelization noise (NOT for production)")
+    _common(rn)
+    rn.set_defaults(func=cmd_run)
+
+    dv = sub.add_parser("demo-video", help="render a synthetic ward clip with ground truth (F.mp4 + F.mp4.json)")
+    dv.add_argument("--out", required=True)
+    dv.add_argument("--frames", type=int, default=120)
+    dv.add_argument("--size", default="320x240", help="WxH (default 320x240)")
+    dv.add_argument("--seed", type=int, default=0)
+    dv.add_argument("--fps", type=float, default=25.0)
+    dv.add_argument("--style", default="public", help="'public' or a site index (0, 1, ...)")
+    _common(dv)
+    dv.set_defaults(func=cmd_demo_video)
+
+    px = sub.add_parser("pixelize", help="DP pixelization of an image, a directory of images or a video")
+    px.add_argument("--in", dest="input", required=True, help="IMG | DIR | VIDEO")
+    px.add_argument("--out", required=True, help="image/NPZ file for one image, else a directory")
+    px.add_argument("--eps", type=float, required=True, help="per-frame privacy budget")
+    px.add_argument("--b", type=int, required=True, help="cell side in pixels")
+    px.add_argument("--m", type=int, required=True, help="pixels that may differ between neighbouring images")
+    px.add_argument("--n", type=int, default=1, help="split complex cells into n x n subcells (n divides b)")
+    px.add_argument("--mask", default=None, help="complex-region mask PNG, or 'pose' (needs --model)")
+    px.add_argument("--model", default=None, help="pose model for --mask pose")
+    px.add_argument("--store", choices=("png", "npz"), default="png", help="npz: keep only the noisy means")
+    px.add_argument("--noise", choices=("discrete", "laplace"), default="discrete")
+    px.add_argument("--gray", action="store_true", help="convert colour input to grayscale first")
+    px.add_argument("--seed", type=int, default=None, help="seed the noise (NOT for production)")
+    _common(px)
+    px.set_defaults(func=cmd_pixelize)
+
+    rs = sub.add_parser("restore", help="rebuild a pixelized frame from its NPZ (bit-identical)")
+    rs.add_argument("--in", dest="input", required=True)
+    rs.add_argument("--out", required=True)
+    _common(rs)
+    rs.set_defaults(func=cmd_restore)
