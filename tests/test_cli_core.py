@@ -1,0 +1,100 @@
+"""End to end through the CLI on a tiny synthetic ward: synth, pretrain, all five methods, eval."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cli.main import main
+
+METRIC_KEYS = {
+    "method", "strategy", "epsilon", "target_epsilon", "delta", "sigma", "sample_rate", "steps", "clip",
+    "accountant", "claim", "pckh", "pckh@0.1", "seconds",
+}
+PCKH_KEYS = {"head", "shoulder", "elbow", "wrist", "hip", "knee", "ankle", "mean"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    cfg = {
+        "data": {
+            "root": str(root / "ward"),
+            "synth": {"sites": 2, "per_site": 24, "public": 40, "val": 12, "seed": 3, "image_size": 64},
+            "train_splits": ["site-0", "site-1"],
+            "input_size": [32, 32],
+        },
+        "model": {"joint_channels": 4, "hidden": 32},
+        "pretrain": {"out": str(root / "pre"), "epochs": 1, "batch_size": 16},
+        "privacy": {"k": 4, "m": 12, "basis_every": 2, "chunk_size": 8, "delta": 1.0e-3},
+        "train": {"epochs": 1, "batch_size": 16, "public_batch_size": 8},
+    }
+    (root / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return root
+
+
+def test_data_synth_command_writes_mpii_layout(tmp_path, capsys):
+    out = tmp_path / "w"
+    assert main(["data", "synth", "--out", str(out), "--sites", "2", "--per-site", "3", "--public", "4",
+                 "--val", "2", "--image-size", "64", "--quiet"]) == 0
+    for split in ("public", "val", "site-0", "site-1"):
+        ann = json.loads((out / split / "annotations.json").read_text())
+        heads = json.loads((out / split / "headboxes.json").read_text())
+        assert len(ann) == len(heads) > 0
+        assert {"image", "center", "scale", "joints", "joints_vis"} <= set(ann[0])
+        assert (out / split / "images" / ann[0]["image"]).is_file()
+    assert "synthetic ward written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
+def test_train_every_method_from_a_fresh_directory(tiny, method, capsys):
+    out = tiny / f"run-{method}"
+    code = main(["train", "--config", str(tiny / "cfg.yaml"), "--method", method, "--epsilon", "2.0",
+                 "--seed", "5", "--out", str(out), "--quiet"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert METRIC_KEYS <= set(metrics)
+    assert set(metrics["pckh"]) == PCKH_KEYS and "mean" in metrics["pckh@0.1"]
+    assert (out / "model.pt").is_file()
+    printed = capsys.readouterr().out
+    assert "claim:" in printed and "Mean" in printed
+    if method == "nonprivate":
+        assert metrics["epsilon"] is None and "no privacy guarantee" in metrics["claim"]
+    else:
+        assert 0 < metrics["epsilon"] <= 2.0 and metrics["sigma"] > 0
+        assert "not for production" in metrics["claim"]  # seeded run (P7)
+    if method in ("fdp", "fpdp"):
+        assert "Feature-DP" in metrics["claim"] and "not record-level" in metrics["claim"]
+    if method in ("dpsgd", "proj"):
+        assert "record-level" in metrics["claim"] and "Feature-DP" not in metrics["claim"]
+
+
+def test_eval_prints_json_and_writes_predictions_in_order(tiny, capsys):
+    if not (tiny / "run-fpdp" / "model.pt").exists():
+        main(["train", "--config", str(tiny / "cfg.yaml"), "--method", "fpdp", "--seed", "5",
+              "--out", str(tiny / "run-fpdp"), "--quiet"])
+    capsys.readouterr()
+    preds = tiny / "preds.json"
+    code = main(["eval", "--checkpoint", str(tiny / "run-fpdp" / "model.pt"), "--data", str(tiny / "ward" / "val"),
+                 "--predictions", str(preds), "--json", "--quiet"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["pckh"]) == PCKH_KEYS
+    ann = json.loads((tiny / "ward" / "val" / "annotations.json").read_text())
+    rows = json.loads(preds.read_text())
+    assert [r["image"] for r in rows] == [a["image"] for a in ann]
+    assert all(len(r["joints"]) == 16 and len(r["joints"][0]) == 2 and len(r["scores"]) == 16 for r in rows)
+    assert all(math.isfinite(v) for r in rows for j in r["joints"] for v in j)
+
+
+def test_bad_input_is_refused_with_a_message(tiny, capsys):
+    assert main(["train", "--config", str(tiny / "cfg.yaml"), "--epsilon", "-1", "--out", str(tiny / "x")]) == 2
+    assert "privacy.epsilon" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny / "ward" / "val")]) == 2
+    assert "missing.pt" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny)]) == 2
+    assert "annotations.json" in capsys.readouterr().err
