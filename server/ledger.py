@@ -1,0 +1,289 @@
+"""The server's SQLite ledger: per site and round, what ran and what it cost (P5).
+
+For every site reply that says what it ran (sigma, q, steps), the server
+recomputes the site's cumulative epsilon with its own accountant from the
+whole recorded history of that site (never a per-round sum, never reset),
+stores it next to the epsilon the site reported, logs a mismatch and counts
+the larger value. Refusals and rejected replies are recorded as events.
+
+Rows are never deleted. A row whose round was not checkpointed (the server
+died between the ledger commit and the checkpoint rename) is kept and marked
+``interrupted`` on resume: that spend happened at the site, so it still
+counts; the round is then run again and recorded again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.plan import SitePlan
+from shared.privacy.accountant import StepRecord
+from shared.privacy.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+# Relative difference between server and site epsilon that is reported as a mismatch.
+MISMATCH_RTOL = 1e-6
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS sites (
+        site TEXT PRIMARY KEY,
+        n INTEGER NOT NULL,
+        budget REAL NOT NULL,
+        delta REAL NOT NULL,
+        sigma REAL NOT NULL,
+        sample_rate REAL NOT NULL,
+        steps_per_round INTEGER NOT NULL,
+        rounds INTEGER NOT NULL,
+        accountant TEXT NOT NULL,
+        site_min_sigma REAL NOT NULL,
+        status TEXT NOT NULL DEFAULT 'active',   -- active | exhausted | refused
+        reason TEXT NOT NULL DEFAULT ''
+    )""",
+    """CREATE TABLE IF NOT EXISTS spend (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        round INTEGER NOT NULL,
+        site TEXT NOT NULL REFERENCES sites(site),
+        sigma REAL NOT NULL,
+        sample_rate REAL NOT NULL,
+        steps INTEGER NOT NULL,
+        delta REAL NOT NULL,
+        epsilon REAL NOT NULL,            -- cumulative, recomputed by the server's accountant
+        site_epsilon REAL,                -- cumulative, as reported by the site
+        counted_epsilon REAL NOT NULL,    -- max of the two
+        mismatch INTEGER NOT NULL,
+        budget REAL NOT NULL,
+        aggregated INTEGER NOT NULL,      -- 1: the weights went into the average
+        state TEXT NOT NULL DEFAULT 'completed',  -- completed | interrupted
+        recorded_at TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        round INTEGER NOT NULL,
+        site TEXT NOT NULL,
+        kind TEXT NOT NULL,               -- refused | rejected | error | missing
+        code INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        recorded_at TEXT NOT NULL
+    )""",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spend:
+    """What one site reports it ran in one round."""
+
+    site: str
+    sigma: float
+    sample_rate: float
+    steps: int
+    site_epsilon: float | None
+    aggregated: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    site: str
+    kind: str
+    code: int
+    reason: str
+
+
+class ServerLedger:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.conn = connect(self.path)
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise ValueError(f"server ledger {self.path} has schema {version}, this fedpose reads {SCHEMA_VERSION}")
+        if version == 0:
+            with transaction(self.conn):
+                for statement in _SCHEMA:
+                    self.conn.execute(statement)
+                self.conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ServerLedger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ meta / plans
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with transaction(self.conn):
+            self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def save_plans(self, plans: list[SitePlan]) -> None:
+        with transaction(self.conn):
+            for p in plans:
+                self.conn.execute(
+                    "INSERT INTO sites (site, n, budget, delta, sigma, sample_rate, steps_per_round, rounds,"
+                    " accountant, site_min_sigma) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(site) DO UPDATE SET n=excluded.n, budget=excluded.budget, delta=excluded.delta,"
+                    " sigma=excluded.sigma, sample_rate=excluded.sample_rate,"
+                    " steps_per_round=excluded.steps_per_round, rounds=excluded.rounds,"
+                    " accountant=excluded.accountant, site_min_sigma=excluded.site_min_sigma",
+                    (p.site, p.n, p.epsilon, p.delta, p.sigma, p.sample_rate, p.steps_per_round, p.rounds,
+                     p.accountant, p.site_min_sigma),
+                )
+
+    def plans(self) -> dict[str, SitePlan]:
+        out = {}
+        for r in self.conn.execute("SELECT * FROM sites ORDER BY site"):
+            out[r["site"]] = SitePlan(
+                site=r["site"], n=r["n"], epsilon=r["budget"], delta=r["delta"], sample_rate=r["sample_rate"],
+                steps_per_round=r["steps_per_round"], rounds=r["rounds"], sigma=r["sigma"],
+                accountant=r["accountant"], site_min_sigma=r["site_min_sigma"],
+            )
+        return out
+
+    def set_statuses(self, statuses: dict[str, tuple[str, str]]) -> None:
+        with transaction(self.conn):
+            for site, (status, reason) in statuses.items():
+                self.conn.execute("UPDATE sites SET status = ?, reason = ? WHERE site = ?", (status, reason, site))
+
+    def statuses(self) -> dict[str, tuple[str, str]]:
+        rows = self.conn.execute("SELECT site, status, reason FROM sites")
+        return {r["site"]: (r["status"], r["reason"]) for r in rows}
+
+    # ------------------------------------------------------------------ spend
+
+    def history(self, site: str) -> list[StepRecord]:
+        rows = self.conn.execute(
+            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? ORDER BY id", (site,)
+        ).fetchall()
+        return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
+
+    def server_epsilon(self, site: str) -> float:
+        plan = self.plans()[site]
+        return cumulative_epsilon(self.history(site), delta=plan.delta, accountant=plan.accountant)
+
+    def site_epsilon(self, site: str) -> float:
+        row = self.conn.execute("SELECT MAX(site_epsilon) FROM spend WHERE site = ?", (site,)).fetchone()
+        return float(row[0]) if row and row[0] is not None else 0.0
+
+    def counted_epsilon(self, site: str) -> float:
+        """What counts for the site: the larger of the server's recomputation and the site's report."""
+        return max(self.server_epsilon(site), self.site_epsilon(site))
+
+    def record_round(self, round: int, spends: list[Spend], events: list[Event],
+                     statuses: dict[str, tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+        """Write one round (spend rows, events, site statuses) in one transaction.
+
+        Everything is validated and every epsilon computed before the first
+        write, so a bad entry leaves the ledger untouched.
+        """
+        plans = self.plans()
+        prepared = []
+        histories: dict[str, list[StepRecord]] = {}
+        for s in spends:
+            if s.site not in plans:
+                raise ValueError(f"no plan for site {s.site!r}: record_round needs a planned site")
+            plan = plans[s.site]
+            entry = check_entry(sigma=s.sigma, sample_rate=s.sample_rate, steps=s.steps, delta=plan.delta,
+                                accountant=plan.accountant)
+            history = histories.setdefault(s.site, self.history(s.site))
+            history.append(entry)
+            eps = cumulative_epsilon(history, delta=plan.delta, accountant=plan.accountant)
+            site_eps = s.site_epsilon
+            if site_eps is not None and not (isinstance(site_eps, (int, float)) and math.isfinite(site_eps)):
+                raise ValueError(f"site {s.site}: reported epsilon {site_eps!r} is not a finite number")
+            mismatch = site_eps is not None and abs(eps - site_eps) > MISMATCH_RTOL * max(1.0, abs(eps))
+            if mismatch:
+                log.warning("site %s round %d: server epsilon %.6f != site epsilon %.6f; counting the larger",
+                            s.site, round, eps, site_eps)
+            counted = max(eps, site_eps or 0.0, self.site_epsilon(s.site))
+            prepared.append((round, s.site, s.sigma, s.sample_rate, s.steps, plan.delta, eps, site_eps, counted,
+                             int(mismatch), plan.epsilon, int(s.aggregated)))
+        now = utc_now()
+        with transaction(self.conn):
+            for row in prepared:
+                self.conn.execute(
+                    "INSERT INTO spend (round, site, sigma, sample_rate, steps, delta, epsilon, site_epsilon,"
+                    " counted_epsilon, mismatch, budget, aggregated, recorded_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, now),
+                )
+            for e in events:
+                self.conn.execute(
+                    "INSERT INTO events (round, site, kind, code, reason, recorded_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (round, e.site, e.kind, int(e.code), e.reason[:2000], now),
+                )
+            for site, (status, reason) in (statuses or {}).items():
+                self.conn.execute("UPDATE sites SET status = ?, reason = ? WHERE site = ?", (status, reason, site))
+        return [dict(zip(("round", "site", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_epsilon",
+                          "counted_epsilon", "mismatch", "budget", "aggregated"), row)) for row in prepared]
+
+    # ------------------------------------------------------------------ views
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Spend rows for ``fedpose ledger``: epsilon is cumulative and server-computed."""
+        return [dict(r) for r in self.conn.execute(
+            "SELECT site, round, sigma, sample_rate, steps, delta, epsilon, site_epsilon, counted_epsilon,"
+            " mismatch, budget, aggregated, state, recorded_at FROM spend ORDER BY id")]
+
+    def events(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM events ORDER BY id")]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the checkpoint stores to verify/restore the ledger on resume."""
+        return {
+            "spend": [dict(r) for r in self.conn.execute("SELECT * FROM spend ORDER BY id")],
+            "events": self.events(),
+            "sites": [dict(r) for r in self.conn.execute("SELECT * FROM sites ORDER BY site")],
+            "meta": {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta")},
+        }
+
+    def reconcile(self, snapshot: dict[str, Any], *, through_round: int) -> int:
+        """Make the ledger agree with a checkpoint taken after ``through_round``; returns rows marked interrupted.
+
+        Rows the checkpoint holds must be present and identical; if the
+        database lost them (deleted, replaced), they are restored from the
+        checkpoint. Rows of later rounds (committed, never checkpointed) are
+        kept and marked ``interrupted``: that spend happened.
+        """
+        stored = {r["id"]: r for r in snapshot["spend"]}
+        with transaction(self.conn):
+            for site in snapshot["sites"]:
+                cols = ", ".join(site)
+                marks = ", ".join("?" for _ in site)
+                self.conn.execute(f"INSERT OR REPLACE INTO sites ({cols}) VALUES ({marks})", tuple(site.values()))
+            for key, value in snapshot["meta"].items():
+                self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+            restored = 0
+            for row_id, row in stored.items():
+                have = self.conn.execute("SELECT * FROM spend WHERE id = ?", (row_id,)).fetchone()
+                if have is None or dict(have) != row:
+                    cols = ", ".join(row)
+                    marks = ", ".join("?" for _ in row)
+                    self.conn.execute(f"INSERT OR REPLACE INTO spend ({cols}) VALUES ({marks})", tuple(row.values()))
+                    restored += 1
+            if restored:
+                log.warning("ledger %s: restored %d spend rows from the checkpoint", self.path, restored)
+            for event in snapshot["events"]:
+                if self.conn.execute("SELECT 1 FROM events WHERE id = ?", (event["id"],)).fetchone() is None:
+                    cols = ", ".join(event)
+                    marks = ", ".join("?" for _ in event)
+                    self.conn.execute(f"INSERT INTO events ({cols}) VALUES ({marks})", tuple(event.values()))
+            cur = self.conn.execute(
+                "UPDATE spend SET state = 'interrupted' WHERE round > ? AND state = 'completed'", (through_round,)
+            )
+            interrupted = cur.rowcount
+        if interrupted:
+            log.warning("ledger %s: %d spend rows of an interrupted round (> %d) kept as spent",
+                        self.path, interrupted, through_round)
+        return interrupted

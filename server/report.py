@@ -1,0 +1,126 @@
+"""Results of a federation: rounds.jsonl (one line per round), report.md and a PNG plot.
+
+A round record holds: round, PCKh mean on validation (and PCKh@0.1), the
+counted epsilon per site (max of server recomputation and site report),
+bytes sent to and received from each site (serialised record sizes), and
+seconds spent in training (waiting for sites), basis computation on the
+server, aggregation and evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def write_rounds(path: str | Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Rewrite rounds.jsonl from the records (atomic; used on resume to match the checkpoint)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    tmp.replace(path)
+
+
+def append_round(path: str | Path, record: Mapping[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_rounds(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: Mapping[str, float], *,
+               initial_pckh: float | None = None) -> Path:
+    """Two panels: PCKh mean over rounds; epsilon per site over rounds with each site's budget line.
+
+    Round 0 is the starting model (public pretraining only): PCKh ``initial_pckh``, nothing spent.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [r["round"] for r in records]
+    pckh = [r["pckh_mean"] for r in records]
+    if initial_pckh is not None:
+        rounds, pckh = [0, *rounds], [initial_pckh, *pckh]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(rounds, pckh, marker="o")
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("PCKh@0.5 mean (validation)")
+    ax1.set_title("global model")
+    ax1.grid(alpha=0.3)
+    sites = sorted({s for r in records for s in r["epsilon"]} | set(budgets))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, site in enumerate(sites):
+        colour = colours[i % len(colours)]
+        xs = [0] + [r["round"] for r in records if site in r["epsilon"]]
+        ys = [0.0] + [r["epsilon"][site] for r in records if site in r["epsilon"]]
+        ax2.plot(xs, ys, marker="o", color=colour, label=site)
+        if site in budgets:
+            ax2.axhline(budgets[site], color=colour, linestyle="--", linewidth=1)
+    ax2.set_xlabel("round")
+    ax2.set_ylabel("epsilon spent (cumulative)")
+    ax2.set_title("privacy spent per site (dashed: budget)")
+    ax2.grid(alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if sites:
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any],
+                 plans: Mapping[str, Mapping[str, Any]], events: Sequence[Mapping[str, Any]], plot: str) -> Path:
+    """A markdown summary: claim, final accuracy, per-site plan and spend, per-round table, events."""
+    lines = ["# Federation report", ""]
+    lines += [f"- federation: `{metrics['federation']}`", f"- rounds completed: {metrics['rounds']}",
+              f"- method: {metrics['method']} ({metrics['strategy']}), basis mode: {metrics['basis_mode']}",
+              f"- PCKh@0.5 mean (validation): {metrics['pckh_mean']:.2f} after the federation, "
+              f"{metrics['initial_pckh_mean'] if metrics.get('initial_pckh_mean') is not None else float('nan'):.2f} "
+              "before (public pretraining only)",
+              f"- global claim (max over sites): {metrics['claim']}", ""]
+    lines += ["## Sites", "", "| site | n | sigma | q | steps/round | planned rounds | budget eps | delta | "
+              "eps spent (server) | eps spent (site) | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for site, plan in sorted(plans.items()):
+        spent = metrics["sites"].get(site, {})
+        lines.append(
+            f"| {site} | {plan['n']} | {plan['sigma']:.4f} | {plan['sample_rate']:.4f} | {plan['steps_per_round']} | "
+            f"{plan['rounds']} | {plan['epsilon']:g} | {plan['delta']:g} | {spent.get('epsilon_server', 0):.4f} | "
+            f"{spent.get('epsilon_site', 0):.4f} | {spent.get('status', '')} |"
+        )
+    lines += ["", "## Rounds", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
+              + " | MB down | MB up | s train | s basis | s aggregate |",
+              "|---" * (7 + len(plans)) + "|"]
+    for r in records:
+        eps = " | ".join(f"{r['epsilon'].get(s, 0):.4f}" for s in sorted(plans))
+        down = sum(r["bytes_down"].values()) / 1e6
+        up = sum(r["bytes_up"].values()) / 1e6
+        sec = r["seconds"]
+        lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {down:.2f} | {up:.2f} | "
+                     f"{sec['train']:.1f} | {sec['basis']:.1f} | {sec['aggregation']:.2f} |")
+    lines += ["", f"![PCKh and privacy per round]({plot})", ""]
+    if events:
+        lines += ["## Refusals and rejected replies", "", "| round | site | kind | code | reason |",
+                  "|---|---|---|---|---|"]
+        for e in events:
+            reason = str(e["reason"]).replace("|", "/").replace("\n", " ")[:200]
+            lines.append(f"| {e['round']} | {e['site']} | {e['kind']} | {e['code']} | {reason} |")
+        lines.append("")
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,448 @@
+"""The server's round loop over a Flower Grid (DESIGN.md section 2).
+
+Per round: choose the sites that can still afford a planned round, refresh
+V if due, send each site the global weights (+ V if it lacks that version)
+and its own request, validate replies, record every spend in the ledger
+(server-recomputed epsilon next to the site's own), FedAvg the valid
+replies (if at least ``min_sites``), evaluate on the validation split and
+checkpoint weights + ledger + round atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.basis import BasisKeeper
+from server.checkpoint import ServerState, load_state, save_state
+from server.ledger import Event, ServerLedger, Spend
+from server.plan import SitePlan, can_afford, plan_site
+from server.report import append_round, write_plot, write_report, write_rounds
+from server.validate import parse_ran, parse_weights
+from shared.config import Config, ConfigError, dump_config
+from shared.federation_messages import (
+    ARRAYS,
+    BASIS,
+    CONFIG,
+    INFO,
+    RefusalCode,
+    SiteInfo,
+    TrainRequest,
+    payload_bytes,
+    weights_record,
+)
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT = 300.0  # seconds for the sites' first answer (includes ClientApp start-up)
+
+
+@dataclass
+class Reply:
+    """A site's answer, independent of Flower's Message (so it can be processed and tested as data)."""
+
+    site: str
+    content: Any = None  # RecordDict, or None for an error reply
+    error_code: int | None = None
+    error_reason: str = ""
+    bytes_up: int = 0
+
+
+@dataclass
+class RoundOutcome:
+    updates: list[tuple[dict[str, torch.Tensor], int]] = field(default_factory=list)
+    spends: list[Spend] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    statuses: dict[str, tuple[str, str]] = field(default_factory=dict)
+    need_basis: list[str] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)
+    site_basis_seconds: float = 0.0
+    seeded: bool = False  # a site ran with a fixed noise seed (P7: not for production)
+
+
+def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], plans: dict[str, SitePlan],
+                    keeper: BasisKeeper | None = None) -> RoundOutcome:
+    """Sort replies into updates to average, spends to record, refusals and rejections (logged, never averaged)."""
+    out = RoundOutcome()
+    for r in replies:
+        if r.error_code is not None:
+            code = r.error_code
+            kind = "refused" if code >= 1000 else "error"
+            log.warning("site %s: %s (code %d): %s", r.site, kind, code, r.error_reason[:300])
+            if code == RefusalCode.NEED_BASIS:
+                out.need_basis.append(r.site)
+                if keeper is not None:
+                    keeper.forget(r.site)
+                continue
+            out.events.append(Event(site=r.site, kind=kind, code=code, reason=r.error_reason))
+            if code == RefusalCode.BUDGET:
+                out.statuses[r.site] = ("exhausted", r.error_reason)
+            elif code in (RefusalCode.WEAKER_NOISE, RefusalCode.POLICY):
+                out.statuses[r.site] = ("refused", r.error_reason)
+            elif code == RefusalCode.BAD_BASIS and keeper is not None:
+                keeper.forget(r.site)
+            continue
+        try:
+            ran = parse_ran(r.content)
+        except ValueError as err:
+            log.warning("site %s: reply rejected, spend unknown: %s", r.site, err)
+            out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
+            continue
+        plan = plans[r.site]
+        if (ran.sigma, ran.sample_rate, ran.steps) != (plan.sigma, plan.sample_rate, plan.steps_per_round):
+            log.warning("site %s ran sigma=%g q=%g steps=%d, planned %g/%g/%d: recording what ran", r.site,
+                        ran.sigma, ran.sample_rate, ran.steps, plan.sigma, plan.sample_rate, plan.steps_per_round)
+        try:
+            weights = parse_weights(r.content, expected)
+        except ValueError as err:
+            log.warning("site %s: reply rejected, not averaged (its spend is recorded): %s", r.site, err)
+            out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
+            weights = None
+        out.spends.append(Spend(site=r.site, sigma=ran.sigma, sample_rate=ran.sample_rate, steps=ran.steps,
+                                site_epsilon=ran.site_epsilon, aggregated=weights is not None))
+        if weights is not None:
+            out.updates.append((weights, ran.num_examples))
+            out.accepted.append(r.site)
+            out.site_basis_seconds = max(out.site_basis_seconds, float(r.content["metrics"]["seconds-basis"]))
+            out.seeded = out.seeded or bool(r.content["metrics"]["seeded"])
+            if keeper is not None:
+                keeper.mark_held(r.site)
+    return out
+
+
+def fedavg(updates: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
+    """Average of the sites' trainable tensors weighted by their number of examples."""
+    if not updates:
+        raise ValueError("fedavg needs at least one update")
+    total = float(sum(n for _, n in updates))
+    names = updates[0][0].keys()
+    return {name: sum(w[name].to(torch.float64) * (n / total) for w, n in updates).to(torch.float32) for name in names}
+
+
+# ---------------------------------------------------------------------------
+# talking to the grid
+# ---------------------------------------------------------------------------
+
+
+def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = sorted(grid.get_node_ids())
+        if len(ids) >= count:
+            return ids
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(ids)} of the {count} sites needed (federation.min_sites) connected "
+                               f"within {timeout:.0f} s")
+        time.sleep(1.0)
+
+
+def query_sites(grid: Any, nodes: list[int], cfg: Config, public: list) -> dict[str, tuple[int, SiteInfo]]:
+    """Ask every node who it is; returns site -> (node id, info). Nodes that fail to answer are left out.
+
+    The query carries the content hashes of the public images so that each site can check
+    P2 (public and private data disjoint) against its own images.
+    """
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from shared.data.records import content_hash
+
+    hashes = sorted({content_hash(path) for path in dict.fromkeys(r.image for r in public)})
+    proposal = ConfigRecord({"batch-size": cfg.train.batch_size, "local-steps": cfg.federation.local_steps,
+                             "public-hashes": hashes})
+    msgs = [Message(RecordDict({CONFIG: proposal}), dst_node_id=nid, message_type=MessageType.QUERY)
+            for nid in nodes]
+    sites: dict[str, tuple[int, SiteInfo]] = {}
+    for m in grid.send_and_receive(msgs, timeout=min(QUERY_TIMEOUT, cfg.federation.round_timeout)):
+        nid = m.metadata.src_node_id
+        if m.has_error():
+            log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, m.error.reason[:300])
+            continue
+        try:
+            info = SiteInfo.from_record(m.content[INFO])
+        except (KeyError, ValueError) as err:
+            log.warning("node %d sent a malformed site description: %s", nid, err)
+            continue
+        if info.site in sites:
+            log.warning("node %d claims site %s, already held by node %d: ignored", nid, info.site, sites[info.site][0])
+            continue
+        sites[info.site] = (nid, info)
+    log.info("sites: %s", {s: (nid, i.n) for s, (nid, i) in sorted(sites.items())})
+    return sites
+
+
+def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: int, timeout: float) -> list[Reply]:
+    """Send each site its RecordDict, collect replies (missing ones become 'missing' errors)."""
+    from flwr.app import Message, MessageType
+    from flwr.common.constant import ErrorCode
+
+    by_node = {nodes[s]: s for s in contents}
+    msgs = [Message(content, dst_node_id=nodes[site], message_type=MessageType.TRAIN, group_id=str(round))
+            for site, content in contents.items()]
+    replies = []
+    for m in grid.send_and_receive(msgs, timeout=timeout):
+        site = by_node.get(m.metadata.src_node_id)
+        if site is None:
+            continue
+        if m.has_error():
+            replies.append(Reply(site=site, error_code=int(m.error.code), error_reason=str(m.error.reason),
+                                 bytes_up=len(str(m.error.reason))))
+        else:
+            replies.append(Reply(site=site, content=m.content, bytes_up=payload_bytes(m.content)))
+    answered = {r.site for r in replies}
+    for site in contents:
+        if site not in answered:
+            replies.append(Reply(site=site, error_code=int(ErrorCode.NODE_UNAVAILABLE),
+                                 error_reason=f"no reply within {timeout:.0f} s"))
+    return replies
+
+
+# ---------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Paths:
+    out: Path
+
+    @property
+    def ledger(self) -> Path:
+        return self.out / "ledger.sqlite"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    @property
+    def rounds(self) -> Path:
+        return self.out / "rounds.jsonl"
+
+
+def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out``."""
+    from shared.data.mpii import load_split
+    from shared.model.posenet import apply_strategy
+    from shared.runs import ensure_data, initial_model
+    from shared.train import evaluate
+
+    t_start = time.perf_counter()
+    paths = Paths(Path(out))
+    paths.out.mkdir(parents=True, exist_ok=True)
+    if cfg.train.method == "nonprivate":
+        raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
+    root = ensure_data(cfg, progress=False)
+    public = load_split(root, cfg.data.public_split)
+    val = load_split(root, cfg.data.val_split)
+    model = initial_model(cfg, progress=False)
+    trainable = apply_strategy(model, cfg.train.strategy)
+    named = dict(model.named_parameters())
+    expected = {name: named[name].shape for name in trainable}
+
+    ledger = ServerLedger(paths.ledger)
+    if resume:
+        state = load_state(paths.checkpoint)
+        model.load_state_dict(state.weights)
+        federation, history, start = state.federation, state.history, state.round + 1
+        ledger.reconcile(state.ledger, through_round=state.round)
+        write_rounds(paths.rounds, history)
+        log.info("resuming federation %s at round %d", federation, start)
+    else:
+        if paths.checkpoint.exists() or ledger.rows():
+            raise ValueError(f"{paths.out} already holds a federation (checkpoint or ledger): "
+                             "resume it with --resume or choose another --out")
+        federation, history, start = uuid.uuid4().hex[:12], [], 1
+        ledger.set_meta("federation", federation)
+        initial, _, _ = evaluate(model, val)
+        ledger.set_meta("initial_pckh_mean", repr(float(initial["pckh"]["mean"])))
+        write_rounds(paths.rounds, [])
+    dump_config(cfg, paths.out / "config.yaml")
+
+    nodes = wait_for_nodes(grid, cfg.federation.min_sites, cfg.federation.round_timeout)
+    sites = query_sites(grid, nodes, cfg, public)
+    plans = ledger.plans()
+    new_plans = [p for s, (_, info) in sorted(sites.items()) if s not in plans and (p := plan_site(info, cfg))]
+    if new_plans:
+        ledger.save_plans(new_plans)
+        plans = ledger.plans()
+    node_of = {s: nid for s, (nid, _) in sites.items()}
+    usable = sorted(s for s in plans if s in node_of)
+    if len(usable) < cfg.federation.min_sites:
+        raise RuntimeError(f"only {len(usable)} sites ({usable}) answered and can take part, fewer than "
+                           f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
+    keeper = BasisKeeper(cfg, public)
+
+    for rnd in range(start, cfg.federation.rounds + 1):
+        statuses = ledger.statuses()
+        newly: dict[str, tuple[str, str]] = {}
+        active = []
+        for site in sorted(plans):
+            if site not in node_of or statuses[site][0] != "active":
+                continue
+            if can_afford(plans[site], ledger.history(site), site_epsilon=ledger.site_epsilon(site)):
+                active.append(site)
+            else:
+                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
+                log.info("site %s is exhausted: not sampled again", site)
+        if newly:
+            ledger.set_statuses(newly)
+        if len(active) < cfg.federation.min_sites:
+            log.info("round %d: %d sites can still train (< min_sites %d): stopping", rnd, len(active),
+                     cfg.federation.min_sites)
+            break
+
+        seconds_basis = keeper.refresh(rnd, model, trainable)
+        arrays = weights_record(model.state_dict())
+
+        def content_for(site: str, force_basis: bool = False) -> Any:
+            from flwr.app import RecordDict
+
+            request = TrainRequest(federation=federation, round=rnd, site=site, sigma=plans[site].sigma,
+                                   steps=plans[site].steps_per_round, basis_version=keeper.version,
+                                   basis_mode=cfg.federation.basis_mode, config=cfg)
+            content = RecordDict({ARRAYS: arrays, CONFIG: request.to_record()})
+            if force_basis:
+                keeper.forget(site)
+            basis = keeper.attach_for(site)
+            if basis is not None:
+                content[BASIS] = basis
+            return content
+
+        t0 = time.perf_counter()
+        contents = {site: content_for(site) for site in active}
+        down = {site: payload_bytes(c) for site, c in contents.items()}
+        replies = exchange(grid, contents, node_of, rnd, cfg.federation.round_timeout)
+        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper)
+        if outcome.need_basis:  # a site lost its cached V: send it once more, with V
+            retry = {site: content_for(site, force_basis=True) for site in outcome.need_basis}
+            for site, c in retry.items():
+                down[site] += payload_bytes(c)
+            again = exchange(grid, retry, node_of, rnd, cfg.federation.round_timeout)
+            more = process_replies(again, expected=expected, plans=plans, keeper=keeper)
+            for name in ("updates", "spends", "events", "need_basis", "accepted"):
+                getattr(outcome, name).extend(getattr(more, name))
+            outcome.statuses.update(more.statuses)
+            outcome.site_basis_seconds = max(outcome.site_basis_seconds, more.site_basis_seconds)
+            outcome.seeded = outcome.seeded or more.seeded
+            replies += again
+        seconds_train = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        aggregated = len(outcome.updates) >= cfg.federation.min_sites
+        if aggregated:
+            with torch.no_grad():
+                for name, value in fedavg(outcome.updates).items():
+                    named[name].copy_(value)
+        else:
+            log.warning("round %d: %d valid replies < min_sites %d: global model unchanged", rnd,
+                        len(outcome.updates), cfg.federation.min_sites)
+        seconds_agg = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report, _, _ = evaluate(model, val)
+        seconds_eval = time.perf_counter() - t0
+
+        ledger.record_round(rnd, outcome.spends, outcome.events, outcome.statuses)
+        if outcome.seeded and ledger.get_meta("seeded") != "1":
+            log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
+            ledger.set_meta("seeded", "1")
+        up: dict[str, int] = {}
+        for r in replies:
+            up[r.site] = up.get(r.site, 0) + r.bytes_up
+        record = {
+            "round": rnd,
+            "pckh_mean": float(report["pckh"]["mean"]),
+            "pckh@0.1_mean": float(report["pckh@0.1"]["mean"]),
+            "aggregated": aggregated,
+            "sites": sorted(active),
+            "accepted": sorted(outcome.accepted),
+            "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
+            "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
+            "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
+            "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.history(s)},
+            "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
+            "bytes_down": down,
+            "bytes_up": up,
+            "basis_version": keeper.version,
+            "seconds": {"train": seconds_train, "basis": seconds_basis, "site_basis": outcome.site_basis_seconds,
+                        "aggregation": seconds_agg, "evaluation": seconds_eval},
+        }
+        history.append(record)
+        save_state(paths.checkpoint, ServerState(round=rnd, federation=federation, weights=model.state_dict(),
+                                                 ledger=ledger.snapshot(), history=history))
+        append_round(paths.rounds, record)
+        log.info("round %d: PCKh %.2f, eps %s, accepted %s", rnd, record["pckh_mean"],
+                 {s: round(e, 4) for s, e in record["epsilon"].items()}, record["accepted"])
+
+    metrics = finish(cfg, paths, model, val, ledger, plans, history, federation,
+                     seconds=time.perf_counter() - t_start)
+    ledger.close()
+    return metrics
+
+
+def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger: ServerLedger,
+           plans: dict[str, SitePlan], history: list[dict[str, Any]], federation: str, *,
+           seconds: float) -> dict[str, Any]:
+    """Final model, metrics.json (per-site spend, global claim = max over sites), report.md and the plot."""
+    from shared.model.posenet import save_checkpoint
+    from shared.privacy.claims import privacy_claim
+    from shared.train import evaluate, write_json
+
+    report, _, _ = evaluate(model, val)
+    done = {s: ("exhausted", "no planned round left within the budget") for s, (status, _) in ledger.statuses().items()
+            if status == "active" and s in plans
+            and not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.site_epsilon(s))}
+    if done:
+        ledger.set_statuses(done)
+    statuses = ledger.statuses()
+    per_site = {}
+    for site, plan in sorted(plans.items()):
+        rows = [r for r in ledger.rows() if r["site"] == site]
+        per_site[site] = {
+            "epsilon": ledger.counted_epsilon(site),
+            "epsilon_server": ledger.server_epsilon(site),
+            "epsilon_site": ledger.site_epsilon(site),
+            "budget": plan.epsilon,
+            "delta": plan.delta,
+            "sigma": plan.sigma,
+            "sample_rate": plan.sample_rate,
+            "rounds": len(rows),
+            "status": statuses.get(site, ("", ""))[0],
+        }
+    epsilon = max((s["epsilon"] for s in per_site.values()), default=0.0)
+    delta = max((s["delta"] for s in per_site.values()), default=cfg.privacy.delta)
+    psi = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if cfg.train.method in ("fdp", "fpdp") else None
+    seeded = ledger.get_meta("seeded") == "1"
+    claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
+                          accountant=cfg.privacy.accountant)
+    initial = ledger.get_meta("initial_pckh_mean")
+    metrics = {
+        "federation": federation,
+        "rounds": len(history),
+        "initial_pckh_mean": float(initial) if initial is not None else None,
+        "method": cfg.train.method,
+        "strategy": cfg.train.strategy,
+        "basis_mode": cfg.federation.basis_mode,
+        "pckh_mean": float(report["pckh"]["mean"]),
+        **report,
+        "sites": per_site,
+        "epsilon": epsilon,
+        "delta": delta,
+        "accountant": cfg.privacy.accountant,
+        "seeded": seeded,
+        "claim": claim,
+        "seconds": round(seconds, 2),
+    }
+    save_checkpoint(paths.out / "model.pt", model, {"kind": "federation", "federation": federation,
+                                                    "rounds": len(history), "epsilon": epsilon, "delta": delta})
+    write_json(paths.out / "metrics.json", metrics)
+    plot = write_plot(paths.out / "federation.png", history, {s: p.epsilon for s, p in plans.items()},
+                      initial_pckh=metrics["initial_pckh_mean"])
+    write_report(paths.out / "report.md", records=history, metrics=metrics,
+                 plans={s: p.to_dict() for s, p in plans.items()}, events=ledger.events(), plot=plot.name)
+    log.info("federation %s done: %d rounds, PCKh %.2f; %s", federation, len(history), metrics["pckh_mean"], claim)
+    return metrics

@@ -1,0 +1,59 @@
+"""Flower ServerApp of fedpose: thin glue around ``server.run.run_federation``.
+
+Run config (``[tool.flwr.app.config]`` in pyproject.toml; override with
+``flwr run . <connection> --run-config "key=value ..."``):
+
+- ``config``    fedpose YAML (default ``configs/default.yaml``, shipped in the app)
+- ``overrides`` space-separated dotted overrides, e.g. ``"federation.rounds=2"``
+- ``out``       results directory (default: the config's ``federation.out``)
+- ``resume``    continue from the checkpoint in ``out``
+
+Everything the run produces lands in ``out``: ledger.sqlite, rounds.jsonl,
+checkpoint.pt, model.pt, metrics.json, report.md, federation.png.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from server.run import run_federation
+from shared.run_config import config_from_run_config, out_dir, resume_flag
+
+log = logging.getLogger(__name__)
+
+app = ServerApp()
+
+
+def setup_logging() -> None:
+    """Flower captures only stdout/stderr of the app process: give our loggers a handler once."""
+    if logging.getLogger().handlers:  # ``fedpose simulate``: the CLI configured logging
+        for name in ("server", "shared"):
+            logging.getLogger(name).setLevel(logging.INFO)
+        return
+    for name in ("server", "shared"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+            logger.addHandler(handler)
+            logger.propagate = False  # flwr adds a root handler later: avoid every line twice
+        logger.setLevel(logging.INFO)
+
+
+def serve(grid: Grid, context: Context) -> dict:
+    """Load the fedpose config named by the run config and run the federation."""
+    setup_logging()
+    cfg = config_from_run_config(context.run_config)
+    out = out_dir(context.run_config, cfg)
+    log.info("fedpose federation: %d rounds, method %s/%s, basis mode %s, results in %s", cfg.federation.rounds,
+             cfg.train.method, cfg.train.strategy, cfg.federation.basis_mode, out)
+    return run_federation(grid, cfg, out, resume=resume_flag(context.run_config))
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    serve(grid, context)

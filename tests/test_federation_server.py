@@ -1,0 +1,187 @@
+"""The server side: plans, reply validation, the ledger (P5), resume reconciliation, transport, certs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from server.ledger import Event, ServerLedger, Spend
+from server.plan import SitePlan, can_afford, plan_site
+from server.run import Reply, fedavg, process_replies
+from shared.config import config_from_dict
+from shared.federation_messages import (
+    ARRAYS,
+    METRICS,
+    REPLY_METRICS,
+    RefusalCode,
+    SiteInfo,
+    TrainRequest,
+    basis_record,
+    record_basis,
+    weights_record,
+)
+from shared.privacy.accountant import StepRecord, epsilon_spent
+from shared.privacy.subspace import check_orthonormal
+
+SHAPES = {"a.weight": torch.Size([3, 2]), "b.bias": torch.Size([4])}
+
+
+def _plan(site: str, *, sigma: float = 1.2, q: float = 0.2, steps: int = 2, rounds: int = 3, eps: float = 2.0):
+    return SitePlan(site=site, n=40, epsilon=eps, delta=1e-3, sample_rate=q, steps_per_round=steps, rounds=rounds,
+                    sigma=sigma, accountant="rdp", site_min_sigma=0.0)
+
+
+def _reply(site: str, *, weights: dict | None = None, drop: str | None = None, sigma: float = 1.2,
+           site_eps: float = 0.5) -> Reply:
+    weights = weights if weights is not None else {k: torch.ones(s) for k, s in SHAPES.items()}
+    metrics = {"num-examples": 40, "sigma": sigma, "sample-rate": 0.2, "steps": 2, "site-epsilon": site_eps,
+               "site-delta": 1e-3, "site-rounds": 1, "seeded": 0, "seconds-train": 1.0, "seconds-basis": 0.0}
+    assert set(metrics) == set(REPLY_METRICS)
+    if drop:
+        metrics.pop(drop)
+    return Reply(site=site, content=RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)}))
+
+
+def test_malformed_replies_are_rejected_never_averaged_and_refusals_mark_the_site():
+    plans = {s: _plan(s) for s in ("good", "nan", "shape", "nometric", "budget", "noise")}
+    nan = {k: torch.ones(s) for k, s in SHAPES.items()}
+    nan["b.bias"][1] = math.nan
+    shape = {"a.weight": torch.ones(2, 3), "b.bias": torch.ones(4)}
+    replies = [
+        _reply("good", weights={k: torch.full(s, 3.0) for k, s in SHAPES.items()}),
+        _reply("nan", weights=nan),
+        _reply("shape", weights=shape),
+        _reply("nometric", drop="site-epsilon"),
+        Reply(site="budget", error_code=int(RefusalCode.BUDGET), error_reason="would exceed eps"),
+        Reply(site="noise", error_code=int(RefusalCode.WEAKER_NOISE), error_reason="sigma too low"),
+    ]
+    out = process_replies(replies, expected=SHAPES, plans=plans)
+    assert out.accepted == ["good"] and len(out.updates) == 1
+    assert torch.equal(out.updates[0][0]["a.weight"], torch.full((3, 2), 3.0))
+    rejected = {e.site for e in out.events if e.kind == "rejected"}
+    assert rejected == {"nan", "shape", "nometric"}
+    # NaN / wrong-shape replies still describe what ran: that spend is recorded; a reply without
+    # its metrics cannot be accounted by the server (the site's own ledger has it).
+    assert {s.site: s.aggregated for s in out.spends} == {"good": True, "nan": False, "shape": False}
+    assert out.statuses == {"budget": ("exhausted", "would exceed eps"), "noise": ("refused", "sigma too low")}
+
+
+def test_fedavg_weights_by_examples():
+    updates = [({"w": torch.zeros(2)}, 10), ({"w": torch.ones(2)}, 30)]
+    assert torch.allclose(fedavg(updates)["w"], torch.full((2,), 0.75))
+
+
+def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupted_spend(tmp_path):
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    plan = _plan("s0")
+    ledger.save_plans([plan])
+    ledger.record_round(1, [Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None,
+                                  aggregated=True)], [])
+    one = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=2)], delta=1e-3)
+    assert ledger.server_epsilon("s0") == pytest.approx(one, rel=1e-12)
+    # Round 2: the site reports more than the server recomputes (it spent elsewhere): the larger counts.
+    rows = ledger.record_round(2, [Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=5.0,
+                                         aggregated=True)], [Event(site="s0", kind="rejected", code=0, reason="x")])
+    two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
+    assert rows[0]["epsilon"] == pytest.approx(two, rel=1e-12) and rows[0]["mismatch"] == 1
+    assert ledger.counted_epsilon("s0") == 5.0
+    assert not can_afford(plan, ledger.history("s0"), site_epsilon=ledger.site_epsilon("s0"))
+
+    snapshot = ledger.snapshot()
+    # A 3rd round is committed but the server dies before its checkpoint: on resume the rows
+    # checkpointed stay identical and the uncheckpointed spend is kept (it happened), marked.
+    ledger.record_round(3, [Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None,
+                                  aggregated=True)], [])
+    assert ledger.reconcile(snapshot, through_round=2) == 1
+    states = [(r["round"], r["state"]) for r in ledger.rows()]
+    assert states == [(1, "completed"), (2, "completed"), (3, "interrupted")]
+    assert len(ledger.history("s0")) == 3
+    with pytest.raises(ValueError):  # validated before anything is written
+        ledger.record_round(4, [Spend(site="s0", sigma=-1.0, sample_rate=0.2, steps=2, site_epsilon=None,
+                                      aggregated=True)], [])
+    assert len(ledger.rows()) == 3
+    ledger.close()
+
+
+def test_plan_meets_the_budget_and_stops_sampling_after_it():
+    cfg = config_from_dict({"privacy": {"epsilon": 1.0, "delta": 1e-5}, "train": {"batch_size": 32},
+                            "federation": {"rounds": 4, "local_steps": 5}})
+    info = SiteInfo(site="s", n=400, epsilon=3.0, delta=1e-5, max_rounds=10, rounds_done=0, epsilon_spent=0.0,
+                    min_sigma=0.5, accountant="rdp", methods=("dpsgd", "proj", "fdp", "fpdp"))
+    plan = plan_site(info, cfg)
+    assert plan.epsilon == 1.0 and plan.rounds == 4 and plan.sample_rate == pytest.approx(0.08)
+    history: list[StepRecord] = []
+    for _ in range(plan.rounds):
+        assert can_afford(plan, history)
+        history.append(plan.step_record())
+    assert epsilon_spent(history, delta=1e-5) <= 1.0
+    assert not can_afford(plan, history)
+    stricter = plan_site(dataclasses.replace(info, min_sigma=50.0), cfg)
+    assert stricter.sigma == 50.0  # the site's own minimum wins over the server's calibration
+
+
+def test_basis_travels_as_float16_with_its_version_and_stays_orthonormal():
+    v, _ = torch.linalg.qr(torch.randn(20000, 16, dtype=torch.float64))
+    record = basis_record(v.float(), version=7, dtype="float16")
+    assert record["V"].dtype == "float16"
+    assert record.count_bytes() < 20000 * 16 * 2 + 1000  # half of float32
+    version, back = record_basis(record)
+    assert version == 7 and back.dtype == torch.float32
+    check_orthonormal(back, tol=1e-3)
+    bad = ArrayRecord({"V": record["V"]})
+    with pytest.raises(ValueError):
+        record_basis(bad)
+
+
+def test_basis_is_resent_only_for_a_new_version_or_to_a_site_that_lost_it(tmp_path):
+    from server.basis import BasisKeeper
+
+    cfg = config_from_dict({"privacy": {"basis_every": 3}, "federation": {"basis_mode": "broadcast"}})
+    keeper = BasisKeeper(cfg, public=[])
+    keeper.version, keeper.record = 1, "V1"  # as after refresh(1, ...)
+    assert keeper.attach_for("s") == "V1"
+    keeper.mark_held("s")
+    assert keeper.attach_for("s") is None  # unchanged V: not re-sent
+    assert not keeper.due(2) and not keeper.due(3) and keeper.due(4)
+    keeper.forget("s")  # the site answered NEED_BASIS (lost its cache)
+    assert keeper.attach_for("s") == "V1"
+    site_mode = BasisKeeper(config_from_dict({"federation": {"basis_mode": "site"}}), public=[])
+    site_mode.version = 1
+    assert site_mode.attach_for("s") is None  # sites compute V themselves
+
+
+def test_train_request_round_trips_and_rejects_missing_fields():
+    cfg = config_from_dict({})
+    request = TrainRequest(federation="f", round=2, site="s", sigma=1.5, steps=3, basis_version=1,
+                           basis_mode="site", config=cfg)
+    record = request.to_record()
+    assert TrainRequest.from_record(record) == request
+    del record["sigma"]
+    with pytest.raises(ValueError, match="sigma"):
+        TrainRequest.from_record(record)
+
+
+def test_certs_are_usable_by_flower(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from cli.fed import make_certs
+
+    make_certs(tmp_path, nodes=2, hosts=["localhost", "127.0.0.1"], days=2)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    for i in (1, 2):
+        key = load_ssh_private_key((tmp_path / f"node-{i}").read_bytes(), password=None)
+        pub = load_ssh_public_key((tmp_path / f"node-{i}.pub").read_bytes())
+        assert key.public_key().public_numbers() == pub.public_numbers()
+        assert oct((tmp_path / f"node-{i}").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ValueError, match="already holds"):
+        make_certs(tmp_path, nodes=1, hosts=["localhost"], days=2)

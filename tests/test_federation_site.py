@@ -1,0 +1,260 @@
+"""The site side (P6): its policy, its durable ledger and its refusals, on real files.
+
+Every refusal must leave the ledger unchanged; a site process killed (SIGKILL) while it
+trains must leave a consistent ledger that a restarted process continues.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.ledger import SiteLedger
+from client.policy import load_policy, min_sigma_for, policy_from_dict, sigma_shortfall, write_policy
+from client.site import handle_train, site_info
+from federation_support import REPO, flower_env, prepare_world, start, stop, wait_for, world_root
+from shared.config import dump_config, replace
+from shared.federation_messages import (
+    ARRAYS,
+    BASIS,
+    CONFIG,
+    METRICS,
+    Refusal,
+    RefusalCode,
+    TrainRequest,
+    basis_record,
+    weights_record,
+)
+from shared.privacy.accountant import StepRecord, epsilon_spent
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from shared.model.posenet import apply_strategy
+    from shared.runs import initial_model
+
+    cfg = prepare_world(world_root(tmp_path_factory))
+    model = initial_model(cfg, progress=False)
+    trainable = apply_strategy(model, cfg.train.strategy)
+    named = dict(model.named_parameters())
+    p = sum(named[n].numel() for n in trainable)
+    return cfg, {k: v.clone() for k, v in model.state_dict().items()}, trainable, p
+
+
+def _policy(cfg, tmp_path: Path, **overrides):
+    data = {
+        "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "max_rounds": 2,
+        "data_path": str(Path(cfg.data.root) / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
+        "public_path": str(Path(cfg.data.root) / "public"),
+    }
+    data.update(overrides)
+    return policy_from_dict(data)
+
+
+def _request(cfg, state, *, sigma: float, steps: int = 1, round: int = 1, method: str = "dpsgd",
+             basis_version: int = 0, basis_mode: str = "broadcast", site: str = "site-0"):
+    from flwr.app import RecordDict
+
+    cfg = replace(cfg, **{"train.method": method})
+    request = TrainRequest(federation="fed-test", round=round, site=site, sigma=sigma, steps=steps,
+                           basis_version=basis_version, basis_mode=basis_mode, config=cfg)
+    return RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()})
+
+
+def _rows(policy) -> list[dict]:
+    with SiteLedger(policy.ledger_path) as ledger:
+        return ledger.rows()
+
+
+def _q(cfg, n: int = 40) -> float:
+    return min(1.0, cfg.train.batch_size / n)
+
+
+def _refusal(content, policy) -> Refusal:
+    with pytest.raises(Refusal) as info:
+        handle_train(content, policy)
+    return info.value
+
+
+def test_sigma_at_the_derived_minimum_is_accepted_and_below_it_refused(world, tmp_path):
+    cfg, state, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    q = _q(cfg)
+    floor = min_sigma_for(policy, sample_rate=q, steps_per_round=1)
+    # The derived minimum spends at most the budget over max_rounds rounds; 1 % less noise spends more.
+    assert epsilon_spent([StepRecord(sigma=floor, sample_rate=q, steps=policy.max_rounds)], delta=policy.delta) <= 2.0
+    assert sigma_shortfall(policy, sigma=floor, sample_rate=q, steps_per_round=1) is None
+    assert sigma_shortfall(policy, sigma=0.99 * floor, sample_rate=q, steps_per_round=1) is not None
+
+    refusal = _refusal(_request(cfg, state, sigma=0.9 * floor), policy)
+    assert refusal.code == RefusalCode.WEAKER_NOISE
+    assert _rows(policy) == []  # nothing trained, nothing recorded
+
+
+def test_a_round_beyond_the_budget_is_refused_and_the_ledger_is_unchanged(world, tmp_path):
+    cfg, state, trainable, _ = world
+    policy = _policy(cfg, tmp_path, max_rounds=1)
+    q = _q(cfg)
+    sigma = min_sigma_for(policy, sample_rate=q, steps_per_round=1)
+
+    reply = handle_train(_request(cfg, state, sigma=sigma), policy)  # the one round it allows
+    assert sorted(reply[ARRAYS].keys()) == sorted(trainable)
+    metrics = reply[METRICS]
+    assert (metrics["sigma"], metrics["sample-rate"], metrics["steps"]) == (sigma, q, 1)
+    fresh = epsilon_spent([StepRecord(sigma=sigma, sample_rate=q, steps=1)], delta=policy.delta)
+    assert metrics["site-epsilon"] == pytest.approx(fresh, rel=1e-12)
+    before = _rows(policy)
+    assert len(before) == 1 and before[0]["epsilon"] == pytest.approx(fresh, rel=1e-12)
+
+    refusal = _refusal(_request(cfg, state, sigma=sigma, round=2), policy)  # max_rounds reached
+    assert refusal.code == RefusalCode.BUDGET
+    assert _rows(policy) == before
+
+    # Enough noise for the site's explicit floor, but the round would overspend its epsilon.
+    tight = _policy(cfg, tmp_path / "tight", epsilon=0.5, min_sigma=0.3, max_rounds=5)
+    refusal = _refusal(_request(cfg, state, sigma=0.4, steps=2), tight)
+    assert refusal.code == RefusalCode.BUDGET
+    assert _rows(tight) == []
+    assert site_info(tight, batch_size=cfg.train.batch_size, local_steps=2).rounds_done == 0
+
+
+def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
+    cfg, state, _, p = world
+    policy = _policy(cfg, tmp_path)
+    k = cfg.privacy.k
+    sigma = min_sigma_for(policy, sample_rate=_q(cfg), steps_per_round=1)
+    orthonormal, _ = torch.linalg.qr(torch.randn(p, k, dtype=torch.float64))
+
+    content = _request(cfg, state, sigma=sigma, method="proj", basis_version=1)
+    content[BASIS] = basis_record(orthonormal[:-1].float(), version=1, dtype="float32")  # wrong shape
+    assert _refusal(content, policy).code == RefusalCode.BAD_BASIS
+
+    content = _request(cfg, state, sigma=sigma, method="proj", basis_version=1)
+    content[BASIS] = basis_record((1.5 * orthonormal).float(), version=1, dtype="float16")  # not orthonormal
+    assert _refusal(content, policy).code == RefusalCode.BAD_BASIS
+
+    content = _request(cfg, state, sigma=sigma, method="proj", basis_version=1)
+    assert _refusal(content, policy).code == RefusalCode.NEED_BASIS  # nothing cached for version 1
+    assert _rows(policy) == []
+
+
+def test_site_refuses_to_join_when_the_public_set_holds_its_images(world, tmp_path):
+    from shared.data.mpii import load_split
+    from shared.data.records import content_hash
+
+    cfg, _, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    public = {content_hash(r.image) for r in load_split(Path(cfg.data.root), "public")}
+    info = site_info(policy, batch_size=8, local_steps=1, public_hashes=sorted(public))
+    assert info.n == 40 and info.rounds_done == 0
+    leaked = content_hash(load_split(Path(cfg.data.root), "site-0")[3].image)  # one private image made public
+    with pytest.raises(Refusal) as refused:
+        site_info(policy, batch_size=8, local_steps=1, public_hashes=sorted(public | {leaked}))
+    assert refused.value.code == RefusalCode.PUBLIC_OVERLAP
+
+
+def test_policy_file_is_validated(world, tmp_path):
+    cfg, _, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    path = write_policy(tmp_path / "policy.yaml", policy)
+    assert load_policy(path) == policy
+    text = path.read_text()
+    for bad, needle in ((text + "epsilom: 1.0\n", "epsilom"), (text.replace("max_rounds: 2", "max_rounds: two"),
+                        "max_rounds"), (text.replace("delta: 0.001", "delta: 2.0"), "delta")):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=needle):
+            load_policy(path)
+    with pytest.raises(ValueError, match="nonprivate"):
+        _policy(cfg, tmp_path, methods=["nonprivate"])
+
+
+# ---------------------------------------------------------------------------
+# a site process killed mid-round
+# ---------------------------------------------------------------------------
+
+CHILD = """
+import sys
+from client.policy import load_policy
+from client.site import handle_train
+from shared.config import load_config
+from shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
+from shared.runs import initial_model
+from flwr.app import RecordDict
+
+cfg = load_config(sys.argv[1], {"train.method": "dpsgd"})
+policy = load_policy(sys.argv[2])
+sigma, steps = float(sys.argv[3]), int(sys.argv[4])
+state = initial_model(cfg, progress=False).state_dict()
+for rnd in range(int(sys.argv[5]), int(sys.argv[6]) + 1):
+    request = TrainRequest(federation="fed-kill", round=rnd, site=policy.site, sigma=sigma, steps=steps,
+                           basis_version=0, basis_mode="broadcast", config=cfg)
+    print("start", rnd, flush=True)
+    handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
+    print("done", rnd, flush=True)
+"""
+
+
+def _locked(db: Path) -> bool:
+    """True while another connection holds the ledger's write transaction (a round in progress)."""
+    if not db.exists():
+        return False
+    conn = sqlite3.connect(db, timeout=0)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        conn.close()
+
+
+def test_site_killed_mid_round_keeps_a_consistent_ledger(world, tmp_path):
+    cfg, _, _, _ = world
+    config_path = tmp_path / "site.yaml"
+    dump_config(cfg, config_path)
+    policy = _policy(cfg, tmp_path, max_rounds=10, epsilon=8.0)
+    policy_path = write_policy(tmp_path / "policy.yaml", policy)
+    steps = 2
+    sigma = min_sigma_for(policy, sample_rate=_q(cfg), steps_per_round=steps)
+    db = Path(policy.ledger_path)
+    env = flower_env(tmp_path / "flwr-home")
+    args = [sys.executable, "-c", CHILD, str(config_path), str(policy_path), repr(sigma), str(steps)]
+
+    log = tmp_path / "child.log"
+    child = start([*args, "1", "5"], log, env)
+    try:
+        wait_for(lambda: "done 1" in log.read_text() or child.poll() is not None, 240, "round 1 at the site")
+        wait_for(lambda: _locked(db) or child.poll() is not None, 120, "round 2 inside its ledger transaction",
+                 poll=0.05)
+        assert child.poll() is None, log.read_text()[-3000:]
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        stop(child)
+    done = log.read_text().count("done ")
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    assert not _locked(db)  # the killed transaction was rolled back, the lock released
+    with SiteLedger(db) as ledger:
+        rows = ledger.rows()
+        assert [r["round"] for r in rows] == list(range(1, done + 1))  # completed rounds only, each once
+        fresh = epsilon_spent(ledger.history(), delta=policy.delta)
+        assert rows[-1]["epsilon"] == pytest.approx(fresh, rel=1e-12)
+
+    restarted = subprocess.run([*args, str(done + 1), str(done + 1)], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=240)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    with SiteLedger(db) as ledger:
+        rows = ledger.rows()
+        assert [r["round"] for r in rows] == list(range(1, done + 2))
+        assert rows[-1]["epsilon"] == pytest.approx(epsilon_spent(ledger.history(), delta=policy.delta), rel=1e-12)
+        assert rows[-1]["epsilon"] > rows[-2]["epsilon"]  # composed over all rounds, never reset
