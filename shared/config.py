@@ -169,7 +169,10 @@ class FederationConfig:
     rounds: int = 5
     local_steps: int = 10  # private optimizer steps per site per round
     min_sites: int = 2  # a round needs at least this many valid replies, else it is not aggregated
-    basis_mode: Literal["broadcast", "site"] = "broadcast"
+    # site: each site computes V from the public set it holds at the received global weights (default:
+    # V is p x k, 25x the trainable weights in fp16, so broadcasting it cannot meet the downlink target);
+    # broadcast: the server computes V and sends it (fp16) every privacy.basis_every rounds.
+    basis_mode: Literal["broadcast", "site"] = "site"
     basis_dtype: Literal["float32", "float16"] = "float16"
     round_timeout: float = 900.0  # seconds to wait for replies before going on without a site
     out: str = "runs/federation"
