@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from shared.data.synth import WardSpec
+
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Strategy = Literal["finetune", "full", "scratch"]
 METHODS: tuple[str, ...] = get_args(Method)
@@ -28,28 +30,11 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class SynthConfig:
-    """The embedded synthetic ward (generated when ``data.root`` is absent)."""
-
-    sites: int = 3
-    per_site: int = 400
-    public: int = 600
-    val: int = 240
-    seed: int = 0
-    image_size: int = 128
-
-    def __post_init__(self) -> None:
-        for name in ("sites", "per_site", "public", "val", "image_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.synth.{name}: must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
 class DataConfig:
     """Where the MPII-layout splits live and how images are cropped."""
 
     root: str = "runs/data/ward"
-    synth: SynthConfig = field(default_factory=SynthConfig)
+    synth: WardSpec = field(default_factory=WardSpec)  # the embedded synthetic ward, generated when root is absent
     # Private training splits (pooled for a centralized run; one per site in a federation).
     train_splits: tuple[str, ...] = ("site-0", "site-1", "site-2")
     public_split: str = "public"
@@ -264,8 +249,10 @@ def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
         kwargs[name] = _convert(value, hints[name], path)
     try:
         return cls(**kwargs)
-    except ConfigError as err:
-        raise ConfigError(str(err)) from err
+    except ConfigError:
+        raise
+    except ValueError as err:  # a section validated by its own module (e.g. data.synth: WardSpec)
+        raise ConfigError(f"{prefix or 'config'}: {err}") from err
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

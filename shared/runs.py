@@ -21,7 +21,7 @@ from shared.config import Config, ConfigError, dump_config
 from shared.data.mpii import load_split
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint
-from shared.data.synth import WardSpec, ensure_ward
+from shared.data.synth import ensure_ward
 from shared.model.posenet import PoseNet, build_model, build_pretrain_model, load_checkpoint, save_checkpoint
 from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
@@ -42,11 +42,6 @@ from shared.train import (
 log = logging.getLogger(__name__)
 
 
-def ward_spec(cfg: Config) -> WardSpec:
-    s = cfg.data.synth
-    return WardSpec(sites=s.sites, per_site=s.per_site, public=s.public, val=s.val, seed=s.seed, image_size=s.image_size)
-
-
 def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
     """The data root; generates the synthetic ward there when the directory is absent (cached).
 
@@ -56,7 +51,7 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
     root = Path(cfg.data.root)
     if root.exists() and not (root / "manifest.json").exists():
         return root
-    return ensure_ward(root, ward_spec(cfg), progress=progress)
+    return ensure_ward(root, cfg.data.synth, progress=progress)
 
 
 def load_records(root: Path, split: str) -> list[PoseRecord]:

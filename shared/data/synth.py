@@ -339,7 +339,7 @@ def make_identity(rng: np.random.Generator) -> Identity:
 
 @dataclass(frozen=True)
 class WardSpec:
-    """What to generate. Defaults match ``shared.config.SynthConfig``.
+    """What to generate (also the ``data.synth`` section of the config).
 
     sites: number of private sites (splits site-0 .. site-{sites-1});
     per_site / public / val: images per split (val is spread evenly over the
