@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", default="runs/compare")
+    parser.add_argument("--reuse", action="store_true", help="reuse runs whose metrics.json already exists in --out")
     args = parser.parse_args()
     base = load_config(args.config)
     rows = {}
@@ -35,7 +36,11 @@ def main() -> None:
         for seed in args.seeds:
             out = Path(args.out) / f"{method}-{seed}"
             cfg = replace(base, **{"train.method": method, "train.seed": seed, "train.out": str(out)})
-            metrics = run_train(cfg, out, progress=False)
+            done = out / "metrics.json"
+            if args.reuse and done.exists():
+                metrics = json.loads(done.read_text())
+            else:
+                metrics = run_train(cfg, out, progress=False)
             rows.setdefault(method, []).append(metrics)
             print(f"{method} seed {seed}: PCKh {metrics['pckh']['mean']:.2f}  ({metrics['seconds']:.0f} s)", flush=True)
     print()
