@@ -67,6 +67,9 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        # The SuperLink and SuperNodes start helpers (flower-superexec, flwr-clientapp) by name: the
+        # interpreter's environment must come first on PATH even when it is not activated (CI).
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), *filter(None, [os.environ.get("PATH")])]),
     })
     flwr_home.mkdir(parents=True, exist_ok=True)
     return env
