@@ -9,7 +9,8 @@ room and its clutter stay put while the person moves).
 
 The ground truth goes to a JSON sidecar next to the video
 (``clip.mp4`` -> ``clip.mp4.json``): per frame the 16 joints in frame pixels
-and their visibility, plus the ROI that contains the whole motion (what an
+and their visibility, the person box in the training crops' convention
+(``shared.data.synth.person_box``, as (x, y, w, h)), plus the ROI that contains the whole motion (what an
 installer would configure as "the bed area").
 """
 
@@ -24,6 +25,7 @@ import cv2
 import numpy as np
 
 from shared.data.joints import NUM_JOINTS
+from shared.data.records import PIXEL_STD
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,15 @@ def _fit_into(joints: np.ndarray, region: tuple[float, float, float, float], rng
 
 def render_demo(spec: DemoSpec) -> tuple[list[np.ndarray], dict]:
     """Frames (H, W, 3) uint8 BGR and the ground-truth dict (without writing anything)."""
-    from shared.data.synth import PUBLIC_STYLE, make_identity, place_pose, render_frame, sample_pose_3d, site_style
+    from shared.data.synth import (
+        PUBLIC_STYLE,
+        make_identity,
+        person_box,
+        place_pose,
+        render_frame,
+        sample_pose_3d,
+        site_style,
+    )
 
     w, h = spec.size
     side = max(w, h)  # render_frame draws square rooms; the clip is their centre crop
@@ -120,6 +130,11 @@ def render_demo(spec: DemoSpec) -> tuple[list[np.ndarray], dict]:
     pad = 0.1 * (hi - lo)
     rx0, ry0 = np.maximum(lo - pad, 0.0)
     rx1, ry1 = np.minimum(hi + pad, [w - 1, h - 1])
+    boxes = []  # the training crops' person box (square, 1.25 x joints + head): what a perfect detector gives
+    for j in joints_out:
+        center, scale = person_box(j)
+        side = scale * PIXEL_STD
+        boxes.append([round(float(v), 2) for v in (center[0] - side / 2, center[1] - side / 2, side, side)])
     visible = [((j[:, 0] >= 0) & (j[:, 0] < w) & (j[:, 1] >= 0) & (j[:, 1] < h)).tolist() for j in joints_out]
     truth = {
         "format": FORMAT,
@@ -132,6 +147,7 @@ def render_demo(spec: DemoSpec) -> tuple[list[np.ndarray], dict]:
         "roi": [round(float(v), 2) for v in (rx0, ry0, rx1 - rx0, ry1 - ry0)],
         "joints": [np.round(j, 3).tolist() for j in joints_out],
         "visible": visible,
+        "boxes": boxes,
     }
     return frames, truth
 
@@ -171,7 +187,7 @@ def write_demo_video(out: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
 
 
 def load_truth(video: str | Path) -> dict:
-    """The ground-truth sidecar of a demo clip (joints as an (F, 16, 2) array under "joints")."""
+    """The ground-truth sidecar of a demo clip (joints (F, 16, 2) under "joints", person boxes (F, 4) under "boxes")."""
     path = sidecar_path(video)
     if not path.is_file():
         raise FileNotFoundError(
@@ -182,4 +198,6 @@ def load_truth(video: str | Path) -> dict:
         raise ValueError(f"{path} is not a fedpose demo-video ground truth")
     truth["joints"] = np.asarray(truth["joints"], dtype=np.float64).reshape(-1, NUM_JOINTS, 2)
     truth["visible"] = np.asarray(truth["visible"], dtype=bool)
+    if "boxes" in truth:
+        truth["boxes"] = np.asarray(truth["boxes"], dtype=np.float64).reshape(-1, 4)
     return truth

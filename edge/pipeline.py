@@ -400,6 +400,9 @@ class PipelineOptions:
     min_keypoints: int = 4
     smoothing: float = 0.3
     seed: int | None = None  # pixelization noise; None = OS entropy (production, DESIGN P7)
+    # External person box (x, y, w, h) per frame index, e.g. from a detector or a demo clip's ground truth;
+    # it replaces the tracker for that frame (box_source "external"), None falls back to the tracker.
+    boxes: Callable[[int], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_frames is not None and self.max_frames < 1:
@@ -484,7 +487,7 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                     frame = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
                 size = (frame.shape[0], frame.shape[1])
                 t0 = time.perf_counter()
-                box, box_source = tracker.box(size)
+                box, box_source = _external_box(options.boxes, index, size) or tracker.box(size)
                 batch, mats = preprocess(frame, box[None], runtime.input_size)
                 sx, sy = runtime.infer(batch)
                 kps, scores = postprocess(sx, sy, mats, runtime.input_size)
@@ -528,6 +531,21 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
         report.claim = pixelize_claim(options.pixelize, mask_source="keypoints", frames=max(1, report.frames))
     log.info("pipeline done: %d frames, %.1f FPS", report.frames, report.fps)
     return report
+
+
+def _external_box(
+    boxes: Callable[[int], Any] | None, index: int, frame_size: tuple[int, int]
+) -> tuple[np.ndarray, str] | None:
+    """The caller's box for this frame (kept inside the frame like a tracked one), or None."""
+    if boxes is None:
+        return None
+    box = boxes(index)
+    if box is None:
+        return None
+    arr = np.asarray(box, dtype=np.float64).reshape(-1)
+    if arr.shape != (4,) or not np.isfinite(arr).all() or arr[2] <= 0 or arr[3] <= 0:
+        raise ValueError(f"external box for frame {index} must be finite (x, y, w, h) with w, h > 0, got {box!r}")
+    return clip_box(arr, frame_size), "external"
 
 
 def _frame_record(
