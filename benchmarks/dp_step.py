@@ -81,7 +81,12 @@ def _run(kind: str, variant: str, repeats: int, queue) -> None:
         basis = torch.linalg.qr(torch.randn(p, 50, generator=gen))[0]
         psi_batch = apply_psi(GaussianBlur(0.06), batch)
     if kind == "basis":
-        pub = {k: torch.cat([v] * 4)[:100] for k, v in batch.items()}
+        h, w = INPUT
+        pub = {  # m = 100 distinct public samples
+            "image": torch.rand(100, 3, h, w, generator=gen),
+            "joints": torch.rand(100, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
+            "visible": torch.ones(100, 16),
+        }
 
     if kind == "opacus":
         import warnings
