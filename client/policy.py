@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from shared.config import read_yaml
 from shared.privacy.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
 
 log = logging.getLogger(__name__)
@@ -132,14 +133,7 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
 def load_policy(path: str | Path) -> SitePolicy:
     """Read and validate a site policy YAML file (relative paths are relative to its directory)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"cannot read site policy {path}: {err.strerror}") from err
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"site policy {path} is not valid YAML: {err}") from err
+    data = read_yaml(path, what="site policy")
     try:
         return policy_from_dict(data, base=path.resolve().parent)
     except ValueError as err:

@@ -262,17 +262,22 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return _build(Config, data)
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """Load a YAML config file, apply dotted-key overrides, validate everything."""
+def read_yaml(path: str | Path, *, what: str) -> Any:
+    """Parse a YAML file; errors name ``what`` and the file (``ConfigError``, a ValueError)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror}") from err
     try:
-        data = yaml.safe_load(text) or {}
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        raise ConfigError(f"{what} {path} is not valid YAML: {err}") from err
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config file, apply dotted-key overrides, validate everything."""
+    data = read_yaml(path, what="config file") or {}
     if overrides:
         data = unflatten({**flatten_plain(data), **overrides})
     return config_from_dict(data)
