@@ -17,12 +17,12 @@ Messages handled: ``query`` (who are you, what do you accept) and ``train``
 from __future__ import annotations
 
 import logging
-import sys
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.site import handle_train, resolve_policy, site_info
+from shared.app_logging import setup_app_logging
 from shared.federation_messages import CONFIG, INFO, Refusal
 
 log = logging.getLogger(__name__)
@@ -31,15 +31,7 @@ app = ClientApp()
 
 
 def setup_logging() -> None:
-    """Flower captures only stdout/stderr of the app process: give our loggers a handler once."""
-    for name in ("client", "shared"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-            logger.addHandler(handler)
-            logger.propagate = False
-        logger.setLevel(logging.INFO)
+    setup_app_logging("client", "shared")
 
 
 def on_query(msg: Message, context: Context, run_config: dict | None = None) -> Message:

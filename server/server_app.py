@@ -15,12 +15,12 @@ checkpoint.pt, model.pt, metrics.json, report.md, federation.png.
 from __future__ import annotations
 
 import logging
-import sys
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from server.run import run_federation
+from shared.app_logging import setup_app_logging
 from shared.run_config import config_from_run_config, out_dir, resume_flag
 
 log = logging.getLogger(__name__)
@@ -29,19 +29,7 @@ app = ServerApp()
 
 
 def setup_logging() -> None:
-    """Flower captures only stdout/stderr of the app process: give our loggers a handler once."""
-    if logging.getLogger().handlers:  # ``fedpose simulate``: the CLI configured logging
-        for name in ("server", "shared"):
-            logging.getLogger(name).setLevel(logging.INFO)
-        return
-    for name in ("server", "shared"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-            logger.addHandler(handler)
-            logger.propagate = False  # flwr adds a root handler later: avoid every line twice
-        logger.setLevel(logging.INFO)
+    setup_app_logging("server", "shared", defer_to_root=True)
 
 
 def serve(grid: Grid, context: Context) -> dict:
