@@ -274,7 +274,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
 
     from shared.model.posenet import apply_strategy, build_model
     from shared.privacy.noise import make_generator
-    from shared.train import local_train, make_dataset, select_device
+    from shared.train import local_train, make_dataset, round_span, select_device
 
     request = parse_request(content)
     cfg = request.config
@@ -324,6 +324,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         result = local_train(
             model, make_dataset(private, cfg, train=True, seed=seed), method=method, train=cfg.train,
             privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
+            schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
             progress=progress, desc=f"{policy.site} round {request.round}",
         )
         eps = open_round.record(

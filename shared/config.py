@@ -134,6 +134,8 @@ class TrainConfig:
     public_batch_size: int = 32
     optimizer: Literal["sgd", "adam"] = "adam"
     lr: float = 1e-3
+    # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.
+    schedule: Literal["constant", "cosine"] = "cosine"
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int | None = None  # None: noise from OS entropy (production); an int: reproducible, not for production

@@ -59,6 +59,30 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "index"}
 
 
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """Multiplier of train.lr at global step ``step`` of ``total``: 1 (constant) or cosine decay to 0.
+
+    Decaying the learning rate matters more under DP than without: late steps
+    then average the noise instead of random-walking on it.
+    """
+    if schedule == "constant":
+        return 1.0
+    if total < 1 or not 0 <= step < total:
+        raise ValueError(f"schedule step {step} is outside the run of {total} steps")
+    return 0.5 * (1.0 + math.cos(math.pi * step / total))
+
+
+def round_span(round: int, steps: int, rounds: int) -> tuple[int, int]:
+    """``schedule_span`` of federated round ``round`` (1-based) of ``rounds``, ``steps`` local steps each.
+
+    Rounds beyond the plan (a resumed server with more rounds) extend the run
+    instead of failing.
+    """
+    if round < 1 or steps < 1:
+        raise ValueError(f"round={round} and steps={steps} must be >= 1")
+    return (round - 1) * steps, max(rounds, round) * steps
+
+
 def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
@@ -93,6 +117,7 @@ def local_train(
     public_basis: PoseDataset | None = None,
     basis: torch.Tensor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    schedule_span: tuple[int, int] | None = None,
     progress: bool = True,
     desc: str = "train",
 ) -> LocalResult:
@@ -106,6 +131,9 @@ def local_train(
     The basis is either given (federated: broadcast by the server) or, when
     ``public_basis`` is given, recomputed every ``privacy.basis_every`` steps
     from ``privacy.m`` public samples at the current weights.
+    ``schedule_span`` = (offset, total) places these steps in a longer run for
+    ``train.schedule`` (a federated site: offset = steps of earlier rounds);
+    default (0, steps).
     """
     n = len(private)
     if n == 0:
@@ -132,6 +160,9 @@ def local_train(
     pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
     if method in PROJECTED and basis is None and public_basis is None:
         raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
+    offset, total = schedule_span if schedule_span is not None else (0, steps)
+    if offset < 0 or offset + steps > total:
+        raise ValueError(f"schedule_span={schedule_span}: steps {offset}..{offset + steps} do not fit a run of {total}")
 
     model.train()
     t0 = time.perf_counter()
@@ -165,6 +196,8 @@ def local_train(
         )
         for name in trainable:
             named[name].grad = grads[name].to(named[name].dtype)
+        for group in opt.param_groups:
+            group["lr"] = train.lr * lr_factor(train.schedule, offset + step, total)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if progress and method != "nonprivate":
