@@ -422,6 +422,7 @@ class PipelineReport:
     seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     track_lost: int = 0
+    empty_masks: int = 0  # pixelized frames with no keypoint above the score threshold (coarse grid everywhere)
     keypoints_path: Path | None = None
     video_path: Path | None = None
     pixelized_dir: Path | None = None
@@ -448,6 +449,9 @@ class PipelineReport:
             lines.append(f"video: {self.video_path}")
         if self.pixelized_dir:
             lines.append(f"pixelized frames (NPZ, restore with `fedpose edge restore`): {self.pixelized_dir}")
+            if self.empty_masks:
+                lines.append(f"body mask empty on {self.empty_masks} of {self.frames} frames (no keypoint above the "
+                             "score threshold): those frames are pixelized with the coarse grid everywhere")
         return "\n".join(lines)
 
 
@@ -499,7 +503,8 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
 
                 published = frame
                 if options.pixelize is not None:
-                    published = _pixelize_frame(frame, kps[0], scores[0], options, rng, report.pixelized_dir, index)
+                    published, empty = _pixelize_frame(frame, kps[0], scores[0], options, rng, report.pixelized_dir, index)
+                    report.empty_masks += int(empty)
                 if options.write_video or options.show:
                     annotated = draw_skeleton(published, kps[0], scores[0], threshold=options.score_threshold, box=box)
                     if options.write_video:
@@ -565,8 +570,11 @@ def _frame_record(
 
 def _pixelize_frame(
     frame: np.ndarray, kps: np.ndarray, scores: np.ndarray, options: PipelineOptions, rng: Any, out: Path, index: int
-) -> np.ndarray:
-    """DP-pixelize the frame with a body mask from this frame's keypoints; returns the BGR image to publish."""
+) -> tuple[np.ndarray, bool]:
+    """DP-pixelize the frame with a body mask from this frame's keypoints.
+
+    Returns the BGR image to publish and whether the body mask was empty.
+    """
     from edge.pixelize import body_mask_from_keypoints, pixelize, save_npz
 
     image = frame if options.pixelize_color else cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
@@ -574,7 +582,8 @@ def _pixelize_frame(
     released = pixelize(image, options.pixelize, mask=mask, rng=rng)
     save_npz(released, out / f"frame_{index:06d}.npz")
     rendered = released.render()
-    return rendered if rendered.ndim == 3 else cv2.cvtColor(rendered, cv2.COLOR_GRAY2BGR)
+    bgr = rendered if rendered.ndim == 3 else cv2.cvtColor(rendered, cv2.COLOR_GRAY2BGR)
+    return bgr, not mask.any()
 
 
 def _open_writer(path: Path, fps: float, size: tuple[int, int]) -> Any:

@@ -513,7 +513,7 @@ def body_mask_from_keypoints(
 
     out = np.zeros(tuple(int(v) for v in shape), dtype=np.uint8)
     if not keep.any():
-        log.info("body_mask_from_keypoints: no keypoint above %.2f, empty mask", score_threshold)
+        log.debug("body_mask_from_keypoints: no keypoint above %.2f, empty mask", score_threshold)
         return out.astype(bool)
     pts = kpts[keep]
     if margin is None:

@@ -508,6 +508,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
 
     spec, _ = parse_pixelize("eps=1,b=8,m=8,n=2")
     assert pixelize_claim(spec, mask_source="keypoints", frames=12) in out
+    assert "body mask empty" not in out
     rows = _read_jsonl(run_dir / KEYPOINTS_FILE)
     assert len(rows) == 12
     assert set(rows[0]) >= {"frame", "timestamp", "pos_ms", "keypoints", "latency_ms", "box", "box_source"}
@@ -533,6 +534,13 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     restored = tmp_path / "restored.png"
     assert cli_main(["edge", "restore", "--in", str(npz[0]), "--out", str(restored)]) == 0
     assert np.array_equal(cv2.imread(str(restored), cv2.IMREAD_UNCHANGED), load_npz(npz[0]).render())
+    # No keypoint clears a threshold above every score: the summary says the masks were empty.
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+                     str(tmp_path / "none"), "--roi", "20,20,70,90", "--pixelize", "eps=1,b=8,m=8,n=2", "--seed", "0",
+                     "--max-frames", "4", "--threshold", "1.0"])
+    assert code == 0
+    assert "body mask empty on 4 of 4 frames" in capsys.readouterr().out
+    assert not load_npz(tmp_path / "none" / "pixelized" / "frame_000000.npz").cell_mask.any()
 
 
 def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
