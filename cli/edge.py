@@ -334,7 +334,8 @@ def register(subparsers: Any) -> None:
     rn.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default=None,
                     help="default: from the model file suffix")
     rn.add_argument("--threads", type=int, default=None, help="CPU threads for inference")
-    rn.add_argument("--threshold", type=float, default=0.05, help="keypoint score for tracking, drawing and the pixelization body mask")
+    rn.add_argument("--threshold", type=float, default=0.05,
+                    help="keypoint score for tracking, drawing and the pixelization body mask")
     rn.add_argument("--reconnect-tries", type=int, default=6, help="reopen attempts for a dropped camera/stream")
     rn.add_argument("--seed", type=int, default=None, help="seed the pixelization noise (NOT for production)")
     _common(rn)
