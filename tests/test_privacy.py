@@ -298,6 +298,11 @@ def test_projection_basis_refuses_bad_k_and_rank_deficiency():
     with pytest.raises(ValueError, match="numerical rank 2"):
         projection_basis(rank_two, 3)
     assert projection_basis(rank_two, 2).shape == (30, 2)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = grads.clone()
+        broken[2, 17] = bad
+        with pytest.raises(ValueError, match="NaN/inf"):
+            projection_basis(broken, 2)
 
 
 def test_check_orthonormal_refuses_bad_bases():

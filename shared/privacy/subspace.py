@@ -10,8 +10,9 @@ post-processing of the already-noised gradient, so it costs no privacy (P1).
 
 We never form a p x p matrix: with K = G G^T (m x m) = U S^2 U^T we get the
 right singular vectors of G, i.e. the left singular vectors of G^T, as
-V = G^T U_k S_k^{-1}. The Gram matrix is accumulated in float64 over column
-blocks of G, so memory is m x p (float32, G itself) + m x m.
+V = G^T U_k S_k^{-1}. Each column block of G contributes a float32 product
+(fast BLAS) that is summed into a float64 Gram matrix; eigh runs in float64,
+so memory is m x p (float32, G itself) + m x m.
 
 Everyone who turns a parameter dict into a vector uses ``flatten`` /
 ``unflatten`` here, with the parameters in sorted-name order, so the server's
@@ -35,9 +36,9 @@ from shared.privacy.persample import (
 
 log = logging.getLogger(__name__)
 
-# Columns of G processed at a time when forming the Gram matrix and V in
-# float64: bounds the float64 temporaries to m x _COLUMN_BLOCK.
-_COLUMN_BLOCK = 1 << 18
+# Columns of G per float32 partial product of the Gram matrix: bounds the
+# float32 rounding of each partial sum (it is then accumulated in float64).
+_COLUMN_BLOCK = 1 << 16
 
 # Eigenvalues of G G^T below DEFAULT_RTOL * max are treated as zero (rank
 # deficiency): those directions have singular value < 1e-3 of the top one,
@@ -96,11 +97,11 @@ def _check_basis_request(k: int, m: int) -> None:
 def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Tensor:
     """Top-k left singular vectors of G^T from G (m x p): V (p x k), orthonormal columns.
 
-    Uses the m x m Gram matrix and ``torch.linalg.eigh`` in float64 (see the
-    module docstring). Refuses k > m, k <= 0 and rank deficiency (fewer than
-    k eigenvalues above ``rtol`` * max): a basis with made-up directions
-    would silently project away signal, so we ask for a smaller k or more
-    public samples instead. Returns float32 with the device of ``grads``.
+    Uses the m x m Gram matrix (float32 block products summed in float64) and
+    ``torch.linalg.eigh`` in float64 (see the module docstring). Refuses k > m,
+    k <= 0 and rank deficiency (fewer than k eigenvalues above ``rtol`` * max):
+    a basis with made-up directions would silently project away signal, so
+    we ask for a smaller k or more public samples instead. Returns float32 with the device of ``grads``.
     """
     if grads.dim() != 2:
         raise ValueError(f"grads must be a 2-d (m, p) matrix, got shape {tuple(grads.shape)}")
@@ -108,12 +109,14 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     _check_basis_request(k, m)
     if k > p:
         raise ValueError(f"k={k} exceeds the number of parameters p={p}; lower k")
-    if not torch.isfinite(grads).all():
-        raise ValueError("public per-sample gradients contain NaN/inf; cannot build a basis")
     gram = torch.zeros((m, m), dtype=torch.float64, device=grads.device)  # (m, m)
     for start in range(0, p, _COLUMN_BLOCK):
-        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float64)  # (m, b)
-        gram.addmm_(block, block.T)
+        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float32)  # (m, b)
+        gram += (block @ block.T).to(torch.float64)
+    # A NaN/inf anywhere in row i makes the squared norm K_ii NaN/inf: checking the m x m Gram
+    # matrix is exact for that and costs nothing, where isfinite over G (m x p) costs seconds.
+    if not torch.isfinite(gram).all():
+        raise ValueError("public per-sample gradients contain NaN/inf (or overflow); cannot build a basis")
     eigvals, eigvecs = torch.linalg.eigh(gram)  # ascending, (m,), (m, m)
     top = eigvals[-1].item()
     if not top > 0:
@@ -127,11 +130,7 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     order = torch.arange(m - 1, m - 1 - k, -1, device=grads.device)  # top-k, descending
     lam = eigvals[order]  # (k,)
     coeffs = eigvecs[:, order] / lam.sqrt()  # (m, k) = U_k S_k^{-1}
-    basis = torch.empty((p, k), dtype=torch.float32, device=grads.device)  # (p, k)
-    for start in range(0, p, _COLUMN_BLOCK):
-        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float64)  # (m, b)
-        basis[start : start + block.shape[1]] = (block.T @ coeffs).to(torch.float32)
-    return basis
+    return grads.to(torch.float32).T @ coeffs.to(torch.float32)  # (p, k)
 
 
 def check_orthonormal(basis: Tensor, tol: float = 1e-3) -> None:
