@@ -101,7 +101,8 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     ``torch.linalg.eigh`` in float64 (see the module docstring). Refuses k > m,
     k <= 0 and rank deficiency (fewer than k eigenvalues above ``rtol`` * max):
     a basis with made-up directions would silently project away signal, so
-    we ask for a smaller k or more public samples instead. Returns float32 with the device of ``grads``.
+    we ask for a smaller k or more public samples instead. Returns float32
+    with the device of ``grads``.
     """
     if grads.dim() != 2:
         raise ValueError(f"grads must be a 2-d (m, p) matrix, got shape {tuple(grads.shape)}")
