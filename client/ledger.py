@@ -1,11 +1,19 @@
-"""The site's own durable spend ledger (P6): SQLite, WAL, one transaction per round.
+"""The site's own durable spend ledger (P6, P12): SQLite, WAL, one transaction per round.
 
 A round is checked, trained and recorded inside ONE ``BEGIN IMMEDIATE``
 transaction (``SiteLedger.round``): the budget check sees every committed
-round, a concurrent request waits for the lock instead of passing the same
-check, and a process killed while training leaves no row (nothing was
-released: the reply is sent only after the commit). Spend is therefore
-recorded before it can leave the site, never after.
+round, a concurrent request waits (bounded, with a message) for the lock
+instead of passing the same check, and a process killed while training leaves
+no row (nothing was released: the reply is sent only after the commit). Spend
+is therefore recorded before it can leave the site, never after.
+
+Each row records what actually ran (P12): federation and round (a repeated
+(federation, round) is refused, never trained twice), method, psi and its
+strength, clip, augmentation, sigma, q, steps and the cumulative epsilon
+after it. The ledger belongs to one site (``meta.site``): a ledger written by
+another site is refused. Schema 1 ledgers (no method/psi columns) are
+migrated in place; their old rows read method ``unknown``, so no
+record-level claim can be made over them.
 """
 
 from __future__ import annotations
@@ -30,24 +38,53 @@ from shared.privacy.ledger import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spend (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    site TEXT NOT NULL,
-    federation TEXT NOT NULL,
-    round INTEGER NOT NULL,
-    sigma REAL NOT NULL,
-    sample_rate REAL NOT NULL,
-    steps INTEGER NOT NULL,
-    delta REAL NOT NULL,
-    epsilon REAL NOT NULL,          -- cumulative over the whole ledger after this row
-    budget REAL NOT NULL,           -- the site's epsilon budget when the row was written
-    accountant TEXT NOT NULL,
-    recorded_at TEXT NOT NULL
-);
-"""
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS spend (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        site TEXT NOT NULL,
+        federation TEXT NOT NULL,
+        round INTEGER NOT NULL,
+        sigma REAL NOT NULL,
+        sample_rate REAL NOT NULL,
+        steps INTEGER NOT NULL,
+        delta REAL NOT NULL,
+        epsilon REAL NOT NULL,          -- cumulative over the whole ledger after this row
+        budget REAL NOT NULL,           -- the site's epsilon budget when the row was written
+        accountant TEXT NOT NULL,
+        recorded_at TEXT NOT NULL,
+        method TEXT NOT NULL DEFAULT 'unknown',
+        psi TEXT,                       -- fdp/fpdp: the feature map treated as public, e.g. blur(0.03)
+        clip_norm REAL,
+        augment INTEGER
+    )""",
+    "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+]
+_V1_TO_V2 = [
+    "ALTER TABLE spend ADD COLUMN method TEXT NOT NULL DEFAULT 'unknown'",
+    "ALTER TABLE spend ADD COLUMN psi TEXT",
+    "ALTER TABLE spend ADD COLUMN clip_norm REAL",
+    "ALTER TABLE spend ADD COLUMN augment INTEGER",
+    "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mechanism:
+    """What one round ran, besides (sigma, q, steps): stored on its row (P12)."""
+
+    method: str
+    psi: str | None  # e.g. "blur(0.03)"; None for dpsgd/proj
+    clip_norm: float
+    augment: bool
+
+
+def _history(rows: list[Any]) -> list[StepRecord]:
+    return [StepRecord(sigma=r["sigma"], sample_rate=r["sample_rate"], steps=r["steps"]) for r in rows]
 
 
 @dataclass
@@ -55,50 +92,106 @@ class OpenRound:
     """The state seen inside a round's transaction; ``record`` writes the round's one row."""
 
     conn: sqlite3.Connection
-    history: list[StepRecord]
-    rounds_done: int
+    rows: list[dict[str, Any]]
     recorded: bool = False
+
+    @property
+    def rounds_done(self) -> int:
+        return len(self.rows)
+
+    @property
+    def history(self) -> list[StepRecord]:
+        return _history(self.rows)
+
+    def federation_rounds(self, federation: str) -> int:
+        return sum(1 for r in self.rows if r["federation"] == federation)
+
+    def has_round(self, federation: str, round: int) -> bool:
+        return any(r["federation"] == federation and r["round"] == round for r in self.rows)
 
     def epsilon_after(self, record: StepRecord, *, delta: float, accountant: str) -> float:
         return cumulative_epsilon([*self.history, record], delta=delta, accountant=accountant)
 
+    def epsilon(self, *, delta: float, accountant: str, federation: str | None = None) -> float:
+        """Cumulative epsilon of the rows seen so far (of one federation's rows when given)."""
+        rows = [r for r in self.rows if federation is None or r["federation"] == federation]
+        return cumulative_epsilon(_history(rows), delta=delta, accountant=accountant)
+
     def record(
         self, *, site: str, federation: str, round: int, sigma: float, sample_rate: float, steps: int,
-        delta: float, budget: float, accountant: str,
+        delta: float, budget: float, accountant: str, mechanism: Mechanism,
     ) -> float:
         """Insert the round's row (validated first); returns the cumulative epsilon written."""
         if self.recorded:
             raise ValueError("this round already has its ledger row; one row per round")
+        if self.has_round(federation, round):
+            raise ValueError(f"federation {federation} round {round} is already in the ledger; never twice")
         entry = check_entry(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant)
         eps = self.epsilon_after(entry, delta=delta, accountant=accountant)
-        self.conn.execute(
-            "INSERT INTO spend (site, federation, round, sigma, sample_rate, steps, delta, epsilon, budget, accountant,"
-            " recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (site, federation, int(round), float(sigma), float(sample_rate), int(steps), float(delta), eps,
-             float(budget), accountant, utc_now()),
-        )
-        self.history.append(entry)
+        values = dict(site=site, federation=federation, round=int(round), sigma=float(sigma),
+                      sample_rate=float(sample_rate), steps=int(steps), delta=float(delta), epsilon=eps,
+                      budget=float(budget), accountant=accountant, recorded_at=utc_now(), method=mechanism.method,
+                      psi=mechanism.psi, clip_norm=float(mechanism.clip_norm), augment=int(mechanism.augment))
+        self.conn.execute(f"INSERT INTO spend ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+                          tuple(values.values()))
+        self.rows.append(values)
         self.recorded = True
         return eps
 
 
 class SiteLedger:
-    """Spend of one site over its whole life (all federations, all rounds)."""
+    """Spend of one site over its whole life (all federations, all rounds).
 
-    def __init__(self, path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> None:
+    ``site``: the policy's site name; a ledger that records another site is
+    refused (a copied or mixed-up file would otherwise hide earlier spend).
+    """
+
+    def __init__(self, path: str | Path, *, site: str | None = None,
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> None:
         self.path = Path(path)
+        self.busy_timeout = busy_timeout
         self.conn = connect(self.path, busy_timeout=busy_timeout)
+        try:
+            self._open(site)
+        except sqlite3.DatabaseError as err:
+            self.conn.close()
+            raise ValueError(f"site ledger {self.path} is unreadable or not a fedpose ledger: {err}") from err
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _open(self, site: str | None) -> None:
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
-            raise ValueError(f"site ledger {self.path} has schema {version}, this fedpose reads {SCHEMA_VERSION}")
-        if version == 0:
-            with transaction(self.conn):
-                for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+        tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version not in (0, 1, SCHEMA_VERSION):
+            raise ValueError(f"site ledger {self.path} has schema {version}, this fedpose reads 1 and {SCHEMA_VERSION}")
+        if version == 0 and tables - {"sqlite_sequence"}:
+            raise ValueError(f"{self.path} is not a fedpose site ledger (it holds tables {sorted(tables)})")
+        if version in (0, 1):
+            with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+                for statement in _SCHEMA if version == 0 else _V1_TO_V2:
                     self.conn.execute(statement)
                 self.conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "spend" not in tables:
-            raise ValueError(f"{self.path} is not a fedpose site ledger (no 'spend' table)")
+            if version == 1:
+                log.warning("site ledger %s migrated from schema 1: its earlier rows record no method or psi "
+                            "(method 'unknown'), so no record-level claim covers them", self.path)
+        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(spend)")}
+        if not {"federation", "round", "sigma", "sample_rate", "steps", "method", "psi"} <= columns:
+            raise ValueError(f"{self.path} is not a fedpose site ledger (its 'spend' table lacks columns)")
+        if site is not None:
+            self._claim(site)
+
+    def _claim(self, site: str) -> None:
+        """Bind the ledger to ``site`` on first use; refuse a ledger of another site."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'site'").fetchone()
+        owners = {r[0] for r in self.conn.execute("SELECT DISTINCT site FROM spend")}
+        owner = row[0] if row is not None else (owners.pop() if len(owners) == 1 else None)
+        if (owner is not None and owner != site) or owners - {site}:
+            raise ValueError(f"site ledger {self.path} belongs to site {owner or sorted(owners)}, not {site!r}: "
+                             "each site keeps its own ledger (check ledger_path in the policy)")
+        if row is None:
+            with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+                self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('site', ?)", (site,))
 
     def close(self) -> None:
         self.conn.close()
@@ -109,19 +202,22 @@ class SiteLedger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def history(self) -> list[StepRecord]:
-        rows = self.conn.execute("SELECT sigma, sample_rate, steps FROM spend ORDER BY id").fetchall()
-        return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
-
     def rows(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM spend ORDER BY id").fetchall()]
+
+    def history(self, federation: str | None = None) -> list[StepRecord]:
+        return _history([r for r in self.rows() if federation is None or r["federation"] == federation])
 
     def rounds_done(self) -> int:
         return int(self.conn.execute("SELECT COUNT(*) FROM spend").fetchone()[0])
 
-    def epsilon(self, *, delta: float, accountant: str) -> float:
-        """Cumulative epsilon of everything recorded, recomputed from the rows (P5)."""
-        return cumulative_epsilon(self.history(), delta=delta, accountant=accountant)
+    def epsilon(self, *, delta: float, accountant: str, federation: str | None = None) -> float:
+        """Cumulative epsilon of everything recorded (or of one federation's rows), recomputed (P5)."""
+        return cumulative_epsilon(self.history(federation), delta=delta, accountant=accountant)
+
+    def record_level(self) -> bool:
+        """True when every row ran a record-level method (dpsgd/proj): only then is the claim record-level (P12)."""
+        return all(r["method"] in RECORD_LEVEL_METHODS for r in self.rows())
 
     @contextmanager
     def round(self) -> Iterator[OpenRound]:
@@ -129,7 +225,6 @@ class SiteLedger:
 
         Raising inside (a refusal, a crash) rolls back: the ledger is unchanged.
         """
-        with transaction(self.conn):
-            rows = self.conn.execute("SELECT sigma, sample_rate, steps FROM spend ORDER BY id").fetchall()
-            history = [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
-            yield OpenRound(conn=self.conn, history=history, rounds_done=len(history))
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            rows = [dict(r) for r in self.conn.execute("SELECT * FROM spend ORDER BY id").fetchall()]
+            yield OpenRound(conn=self.conn, rows=rows)

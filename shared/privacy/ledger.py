@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -41,11 +42,15 @@ def connect(path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        conn = sqlite3.connect(str(path), timeout=busy_timeout, isolation_level=None)
+        conn = sqlite3.connect(str(path), timeout=min(busy_timeout, _LOCK_SLICE), isolation_level=None)
     except sqlite3.Error as err:
         raise ValueError(f"cannot open ledger {path}: {err}") from err
     conn.row_factory = sqlite3.Row
-    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    try:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    except sqlite3.DatabaseError as err:
+        conn.close()
+        raise ValueError(f"ledger {path} is not an SQLite database (corrupt, or another file): {err}") from err
     if str(mode).lower() != "wal":
         conn.close()
         raise ValueError(f"ledger {path}: SQLite refused WAL mode (got {mode}); use a local filesystem")
@@ -53,15 +58,43 @@ def connect(path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> 
     return conn
 
 
+class LedgerBusy(ValueError):
+    """Another process held the ledger's write lock for longer than the caller would wait."""
+
+
+# Slice of one lock attempt; a message is logged between attempts.
+_LOCK_SLICE = 5.0
+
+
 @contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def transaction(conn: sqlite3.Connection, *, what: str = "ledger",
+                wait: float = DEFAULT_BUSY_TIMEOUT) -> Iterator[sqlite3.Connection]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception.
 
     IMMEDIATE takes the write lock at the start, so a check made inside the
     transaction (e.g. "does this round fit the budget?") still holds when
-    the row is written: two concurrent requests cannot both pass it.
+    the row is written: two concurrent requests cannot both pass it. While
+    another process holds the lock (a site training a round inside its
+    transaction), this waits at most ``wait`` seconds, saying so in the log,
+    then raises ``LedgerBusy``.
     """
-    conn.execute("BEGIN IMMEDIATE")
+    deadline = time.monotonic() + wait
+    conn.execute(f"PRAGMA busy_timeout = {int(1000 * min(_LOCK_SLICE, max(wait, 0.0)))}")
+    announced = False
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            break
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) and "busy" not in str(err):
+                raise ValueError(f"{what}: {err}") from err
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LedgerBusy(f"{what} is locked by another process (a round in progress?) and stayed locked "
+                                 f"for {wait:.0f} s; try again when it is done") from err
+            if not announced:
+                log.warning("%s is locked by another process; waiting up to %.0f s more", what, left)
+                announced = True
     try:
         yield conn
     except BaseException:
