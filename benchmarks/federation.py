@@ -65,7 +65,8 @@ def downlink(cfg: Any, rounds: int, everies: list[int]) -> dict[str, Any]:
     from shared.federation_messages import ARRAYS, CONFIG, TrainRequest, basis_record, payload_bytes, weights_record
 
     model, trainable, p = _model(cfg)
-    request = TrainRequest(federation="bench", round=1, site="site-0", sigma=1.0, steps=cfg.federation.local_steps,
+    request = TrainRequest(federation="bench", round=1, site="site-0", sigma=1.0, sample_rate=0.1,
+                           steps=cfg.federation.local_steps,
                            basis_version=1, basis_mode="broadcast", config=cfg)
     full = payload_bytes(RecordDict({ARRAYS: weights_record(model.state_dict()), CONFIG: request.to_record()}))
     named = dict(model.named_parameters())

@@ -147,10 +147,12 @@ def print_summary(metrics: dict[str, Any], out: Path) -> None:
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))
-    print("privacy spent per site (cumulative, accountant " + metrics["accountant"] + "):")
+    print("privacy spent per site (accountant " + metrics["accountant"] + "; run = this federation, the max of the "
+          "server's recomputation and the site's own reports; lifetime = the site's whole ledger):")
     for site, s in sorted(metrics["sites"].items()):
-        print(f"  {site}: eps = {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), sigma = {s['sigma']:.4f},"
-              f" q = {s['sample_rate']:.4f}, {s['rounds']} rounds, {s['status']}")
+        print(f"  {site}: run eps = {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), lifetime eps = "
+              f"{s['epsilon_lifetime']:.4f}, sigma = {s['sigma']:.4f}, q = {s['sample_rate']:.4f}, {s['rounds']} rounds, "
+              f"{s['status']}")
     print(f"claim: {metrics['claim']}")
     print(f"results in {out}: model.pt, metrics.json, report.md, federation.png, rounds.jsonl, ledger.sqlite")
 
@@ -173,13 +175,13 @@ def ledger_rows(path: Path) -> tuple[str, list[dict[str, Any]]]:
     try:
         if "sites" in tables:
             rows = [dict(r) for r in conn.execute(
-                "SELECT site, round, sigma, sample_rate, steps, delta, epsilon, site_epsilon, counted_epsilon,"
-                " budget, aggregated, state FROM spend ORDER BY site, id")]
+                "SELECT site, round, sigma, sample_rate, steps, delta, epsilon, site_run_epsilon, counted_epsilon,"
+                " site_epsilon, budget, aggregated, state FROM spend ORDER BY site, id")]
             return "server", rows
         if "spend" in tables:
             rows = [dict(r) for r in conn.execute(
-                "SELECT site, federation, round, sigma, sample_rate, steps, delta, epsilon, budget, accountant"
-                " FROM spend ORDER BY id")]
+                "SELECT site, federation, round, method, psi, sigma, sample_rate, steps, delta, epsilon, budget,"
+                " accountant FROM spend ORDER BY id")]
             return "site", rows
     finally:
         conn.close()
@@ -194,14 +196,19 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{kind} ledger {args.db}: no spend recorded")
         return 0
-    columns = ["site", "round", "sigma", "sample_rate", "steps", "delta", "epsilon", "budget"]
-    columns += ["site_epsilon", "aggregated", "state"] if kind == "server" else ["federation"]
-    header = {"epsilon": "epsilon (cum.)", "site_epsilon": "site eps"}
+    if kind == "server":
+        columns = ["site", "round", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_run_epsilon",
+                   "counted_epsilon", "site_epsilon", "budget", "aggregated", "state"]
+    else:
+        columns = ["site", "federation", "round", "method", "psi", "sigma", "sample_rate", "steps", "delta",
+                   "epsilon", "budget"]
+    header = {"epsilon": "run eps (server)" if kind == "server" else "lifetime eps", "site_run_epsilon":
+              "run eps (site)", "counted_epsilon": "run eps (counted)", "site_epsilon": "lifetime eps (site)"}
 
     def fmt(key: str, value: Any) -> str:
         if value is None:
             return "-"
-        if key in ("sigma", "sample_rate", "epsilon", "site_epsilon", "budget"):
+        if key in ("sigma", "sample_rate", "epsilon", "site_epsilon", "site_run_epsilon", "counted_epsilon", "budget"):
             return f"{value:.4f}"
         if key == "delta":
             return f"{value:.1e}"
@@ -315,31 +322,48 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_site_policy(args: argparse.Namespace) -> int:
+    from client.ledger import SiteLedger
     from client.policy import load_policy, min_sigma_for, policy_from_dict, policy_to_dict, write_policy
-    from client.site import load_split_dir
+    from client.site import check_site, load_split_dir, public_digest
 
     if args.check:
         policy = load_policy(args.check)
     else:
-        missing = [f"--{n.replace('_', '-')}" for n in ("out", "site", "epsilon", "delta", "max_rounds", "data_path")
-                   if getattr(args, n) is None]
+        required = ("out", "site", "epsilon", "delta", "lifetime_rounds", "sample_rate", "steps_per_round",
+                    "data_path")
+        missing = [f"--{n.replace('_', '-')}" for n in required if getattr(args, n) is None]
         if missing:
             raise ValueError(f"site-policy: give {', '.join(missing)} (or --check FILE)")
         out = Path(args.out).resolve()
+        digest = None
+        if args.public_path:
+            public = Path(args.public_path)
+            public = public if public.is_absolute() else (out.parent / public)
+            digest = public_digest(load_split_dir(public.resolve(), "public set"))
         policy = policy_from_dict({
-            "site": args.site, "epsilon": args.epsilon, "delta": args.delta, "max_rounds": args.max_rounds,
+            "policy_version": 2, "site": args.site, "epsilon": args.epsilon, "delta": args.delta,
+            "lifetime_rounds": args.lifetime_rounds,
+            "rounds_per_federation": args.rounds_per_federation or args.lifetime_rounds,
+            "sample_rate": args.sample_rate, "steps_per_round": args.steps_per_round, "clip_norm": args.clip_norm,
+            "psi": args.psi, "psi_min": args.psi_min, "augment": not args.no_augment,
             "data_path": args.data_path, "ledger_path": args.ledger_path or "ledger.sqlite",
-            "public_path": args.public_path, "min_sigma": args.min_sigma, "accountant": args.accountant,
+            "public_path": args.public_path, "public_digest": digest, "min_sigma": args.min_sigma,
+            "accountant": args.accountant, "methods": args.methods.split(","),
         }, base=out.parent)
         write_policy(out, policy)
-        print(f"wrote {out}")
+        print(f"wrote {out}" + (f" (approving the public set {policy.public_path}, digest {digest})" if digest else ""))
     print(json.dumps(policy_to_dict(policy), indent=1))
-    if args.batch_size and args.local_steps:
-        n = len(load_split_dir(policy.data_path, "site data"))
-        q = min(1.0, args.batch_size / n)
-        sigma = min_sigma_for(policy, sample_rate=q, steps_per_round=args.local_steps)
-        print(f"minimum sigma this site accepts: {sigma:.4f} (n={n}, q={q:.4f}, {args.local_steps} steps/round, "
-              f"{policy.max_rounds} rounds, eps={policy.epsilon:g}, delta={policy.delta:g})")
+    checked = check_site(policy)  # the site's own checks: data, delta < 1/n, duplicates, public digest, P2
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        rounds, spent = ledger.rounds_done(), ledger.epsilon(delta=policy.delta, accountant=policy.accountant)
+    print(f"checked: {len(checked.private)} private records, delta < 1/n, no duplicate images"
+          + (f", public set {len(checked.public)} records matching digest {policy.public_digest} and disjoint from "
+             "the private images (P2)" if checked.public is not None else ", no public set (basis_mode site needs one)"))
+    print(f"ledger {policy.ledger_path}: writable, {rounds} rounds recorded, lifetime eps spent {spent:.4f} of "
+          f"{policy.epsilon:g}")
+    print(f"minimum sigma this site accepts: {min_sigma_for(policy):.4f} ({policy.lifetime_rounds} lifetime rounds x "
+          f"{policy.steps_per_round} steps at q={policy.sample_rate:g}, eps={policy.epsilon:g}, "
+          f"delta={policy.delta:g}, {policy.accountant})")
     return 0
 
 
@@ -376,20 +400,31 @@ def register(sub: Any) -> None:
     certs.add_argument("--verbose", action="store_true", help="debug logging")
     certs.set_defaults(func=cmd_certs)
 
-    pol = sub.add_parser("site-policy", help="write or check a site's privacy policy YAML")
-    pol.add_argument("--check", default=None, help="validate this policy file instead of writing one")
+    pol = sub.add_parser("site-policy", help="write or check a site's privacy policy YAML (everything that decides "
+                                             "its guarantee, pinned by the site)")
+    pol.add_argument("--check", default=None, help="validate this policy file and run the site's own checks")
     pol.add_argument("--out", default=None, help="policy file to write")
-    pol.add_argument("--site", default=None)
-    pol.add_argument("--epsilon", type=float, default=None)
-    pol.add_argument("--delta", type=float, default=None)
-    pol.add_argument("--max-rounds", type=int, default=None)
+    pol.add_argument("--site", default=None, help="the site's name (used in every log, report and ledger row)")
+    pol.add_argument("--epsilon", type=float, default=None, help="lifetime budget over the site's whole ledger")
+    pol.add_argument("--delta", type=float, default=None, help="e.g. 1e-5; must be < 1/n")
+    pol.add_argument("--lifetime-rounds", type=int, default=None, help="rounds over the ledger's whole life")
+    pol.add_argument("--rounds-per-federation", type=int, default=None,
+                     help="rounds in any one federation (default: --lifetime-rounds)")
+    pol.add_argument("--sample-rate", type=float, default=None,
+                     help="Poisson rate q of the private batch, e.g. batch size / n (n never leaves the site)")
+    pol.add_argument("--steps-per-round", type=int, default=None, help="most local steps per round")
+    pol.add_argument("--clip-norm", type=float, default=1.0, help="per-sample clip C (default 1.0)")
+    pol.add_argument("--psi", choices=("blur", "pixelate"), default="blur", help="fdp/fpdp feature map (default blur)")
+    pol.add_argument("--psi-min", type=float, default=0.03,
+                     help="minimum psi strength, a fraction of min(H, W): blur sigma or pixelate block (default 0.03)")
+    pol.add_argument("--no-augment", action="store_true", help="pin augmentation off (default: on)")
+    pol.add_argument("--methods", default="dpsgd,proj,fdp,fpdp", help="comma-separated methods the site accepts")
     pol.add_argument("--data-path", default=None, help="the site's split directory (annotations.json, images/)")
     pol.add_argument("--ledger-path", default=None, help="default: ledger.sqlite beside the policy")
-    pol.add_argument("--public-path", default=None, help="public split for basis_mode 'site'")
+    pol.add_argument("--public-path", default=None,
+                     help="the site's copy of the public split (basis_mode site); its digest is approved in the policy")
     pol.add_argument("--min-sigma", type=float, default=None, help="default: derived from the budget")
     pol.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
-    pol.add_argument("--batch-size", type=int, default=None, help="with --local-steps: print the derived minimum sigma")
-    pol.add_argument("--local-steps", type=int, default=None)
     pol.add_argument("--verbose", action="store_true", help="debug logging")
     pol.set_defaults(func=cmd_site_policy)
 

@@ -4,26 +4,29 @@ Deployment (one SuperNode per hospital)::
 
     flower-supernode --superlink SERVER:PORT --root-certificates ca.crt \\
         --auth-supernode-private-key site.key \\
-        --node-config "site-policy='/etc/fedpose/policy.yaml' data-path='/data/site'"
+        --node-config "site-policy='/etc/fedpose/policy.yaml'"
 
 Simulation: each virtual node's policy is derived from its partition id
 (see ``client.site.resolve_policy``).
 
 Messages handled: ``query`` (who are you, what do you accept) and ``train``
-(one round of local FP-DP-SGD). A refusal is a typed ``Error`` reply
-(``shared.federation_messages.RefusalCode``); only bugs raise.
+(one round of local FP-DP-SGD). A refusal, and any failure, is a typed
+``Error`` reply (``shared.federation_messages.RefusalCode``) ending with the
+site's spend; its text never depends on private data (P10).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.site import handle_train, resolve_policy, site_info
+from client.site import handle_train, resolve_policy, site_info, spend_so_far
 from shared.app_logging import setup_app_logging
-from shared.federation_messages import CONFIG, INFO, Refusal
+from shared.federation_messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
 
 log = logging.getLogger(__name__)
 
@@ -34,33 +37,62 @@ def setup_logging() -> None:
     setup_app_logging("client", "shared")
 
 
-def on_query(msg: Message, context: Context, run_config: dict | None = None) -> Message:
-    """Reply with this site's ``SiteInfo`` for the proposed batch size and local steps.
+def _error(msg: Message, policy: Any, code: int, reason: str, federation: str | None) -> Message:
+    """A typed error reply whose reason ends with the site's spend from its own ledger (when readable)."""
+    try:
+        spend = spend_so_far(policy, federation)
+        reason += spend_suffix(site_epsilon=spend["site_epsilon"], run_epsilon=spend["run_epsilon"],
+                               site_rounds=int(spend["site_rounds"]))
+    except (OSError, ValueError) as err:
+        log.error("site %s: cannot read its ledger for the refusal: %s", policy.site, err)
+    return Message(Error(code=code, reason=reason), reply_to=msg)
 
-    ``run_config`` replaces ``context.run_config`` (empty under ``run_simulation``).
+
+def _federation_of(content: Any) -> str | None:
+    try:
+        value = content[CONFIG]["federation"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _answer(msg: Message, policy: Any, work: Callable[[], RecordDict], federation: str | None) -> Message:
+    """Run ``work``; a refusal or any failure becomes a typed error reply that reveals nothing private (P10)."""
+    try:
+        return Message(work(), reply_to=msg)
+    except Refusal as refusal:
+        log.warning("site %s refuses: %s", policy.site, refusal)
+        return _error(msg, policy, int(refusal.code), refusal.reason, federation)
+    except Exception:  # noqa: BLE001 - the detail may name private files: it stays in this log
+        log.exception("site %s failed while handling a %s message", policy.site, msg.metadata.message_type)
+        return _error(msg, policy, int(RefusalCode.SITE_ERROR), "the site failed; the detail is in its own log",
+                      federation)
+
+
+def on_query(msg: Message, context: Context, run_config: dict | None = None) -> Message:
+    """Reply with this site's ``SiteInfo``: its policy's public declarations and its spend so far.
+
+    The query must carry an empty ``config``: nothing the server sends is ever compared with private data
+    (a probe field gets the same refusal whatever its value). ``run_config`` replaces
+    ``context.run_config`` (empty under ``run_simulation``).
     """
     setup_logging()
     policy = resolve_policy(context.node_config, context.run_config if run_config is None else run_config)
-    proposal = msg.content[CONFIG]
-    try:
-        info = site_info(policy, batch_size=int(proposal["batch-size"]), local_steps=int(proposal["local-steps"]),
-                         public_hashes=list(proposal.get("public-hashes", [])))
-    except Refusal as refusal:
-        log.warning("site %s refuses to join: %s", policy.site, refusal)
-        return Message(Error(code=int(refusal.code), reason=refusal.reason), reply_to=msg)
-    return Message(RecordDict({INFO: info.to_record()}), reply_to=msg)
+
+    def work() -> RecordDict:
+        proposal = msg.content.config_records.get(CONFIG)
+        if proposal is None or len(proposal) or set(msg.content.keys()) != {CONFIG}:
+            raise Refusal(RefusalCode.BAD_REQUEST, "a query carries an empty config record and nothing else")
+        return RecordDict({INFO: site_info(policy).to_record()})
+
+    return _answer(msg, policy, work, None)
 
 
 def on_train(msg: Message, context: Context, run_config: dict | None = None) -> Message:
-    """One round of local training, or a typed refusal with nothing trained (P6)."""
+    """One round of local training, or a typed refusal with nothing trained and nothing spent (P6, P11)."""
     setup_logging()
     policy = resolve_policy(context.node_config, context.run_config if run_config is None else run_config)
-    try:
-        content = handle_train(msg.content, policy)
-    except Refusal as refusal:
-        log.warning("site %s refuses: %s", policy.site, refusal)
-        return Message(Error(code=int(refusal.code), reason=refusal.reason), reply_to=msg)
-    return Message(content, reply_to=msg)
+    return _answer(msg, policy, lambda: handle_train(msg.content, policy), _federation_of(msg.content))
 
 
 @app.query()

@@ -1,19 +1,35 @@
-"""A site's own privacy policy (P6): a YAML file the hospital controls, not the server.
+"""A site's own privacy policy (P6, P11): a YAML file the hospital controls, not the server.
 
-Example (``fedpose site-policy`` writes one)::
+Everything that decides the site's guarantee is pinned here, so a hostile
+server can only ask for it, never choose it (DESIGN.md section 4b)::
 
+    policy_version: 2
     site: hospital-a
-    epsilon: 0.8          # the site's total budget over its whole ledger
-    delta: 1.0e-5         # must be < 1/n for its n records
-    max_rounds: 5         # rounds it takes part in at most
-    min_sigma: null       # null: derived from epsilon, delta and max_rounds (see derive_min_sigma)
-    data_path: data/site-0              # split directory (annotations.json, images/)
-    ledger_path: ledger.sqlite          # the site's durable spend ledger
-    public_path: data/public            # public set for basis_mode "site" (optional)
-    accountant: rdp
+    # budget (over the ledger's whole life: every federation the site ever joins)
+    epsilon: 0.8
+    delta: 1e-5                   # must be < 1/n for its n records
+    lifetime_rounds: 20           # rounds over the ledger's whole life
+    rounds_per_federation: 5      # rounds in any one federation (run)
+    min_sigma: null               # null: derived from epsilon, delta, q, steps_per_round, lifetime_rounds
+    # mechanism
     methods: [dpsgd, proj, fdp, fpdp]   # nonprivate is never accepted
+    sample_rate: 0.16             # Poisson rate q of the private batch (the site's, never n-derived by the server)
+    steps_per_round: 10           # at most this many local steps per round
+    clip_norm: 1.0                # per-sample clip C
+    psi: blur                     # fdp/fpdp: the feature map treated as public
+    psi_min: 0.03                 # its minimum strength, a fraction of min(H, W): blur sigma or pixelate block
+    augment: true                 # whether private batches are augmented (psi always sees the canonical crop)
+    # data
+    data_path: data/site-0        # split directory (annotations.json, images/)
+    ledger_path: ledger.sqlite    # the site's durable spend ledger
+    public_path: data/public      # its copy of the public set (basis_mode "site")
+    public_digest: 9f2c...        # manifest digest of that public set, approved by the operator
+    accountant: rdp
 
-Relative paths are relative to the policy file's directory.
+Relative paths are relative to the policy file's directory. A request that
+asks for anything weaker than this is refused with nothing trained and
+nothing spent; a policy written before version 2 is refused with a message
+that says what to add.
 """
 
 from __future__ import annotations
@@ -30,10 +46,29 @@ import yaml
 
 from shared.config import read_yaml
 from shared.privacy.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
+from shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-exported for the site)
 
 log = logging.getLogger(__name__)
 
+POLICY_VERSION = 2
 PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
+
+# What a version-1 policy must add (named in the refusal of an old file).
+_V2_FIELDS = ("policy_version: 2", "sample_rate", "steps_per_round", "clip_norm", "psi", "psi_min", "augment",
+              "lifetime_rounds and rounds_per_federation (instead of max_rounds)",
+              "public_digest (with public_path; `fedpose site-policy --check` prints it)")
+
+
+def _positive(name: str, value: Any, *, upper: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"site policy: {name}={value!r} must be a finite number > 0")
+    if upper is not None and value > upper:
+        raise ValueError(f"site policy: {name}={value!r} must be <= {upper:g}")
+
+
+def _count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"site policy: {name}={value!r} must be an int >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,34 +76,48 @@ class SitePolicy:
     site: str
     epsilon: float
     delta: float
-    max_rounds: int
+    lifetime_rounds: int
+    rounds_per_federation: int
+    sample_rate: float
+    steps_per_round: int
+    clip_norm: float
+    psi: str
+    psi_min: float
+    augment: bool
     data_path: str
     ledger_path: str
     min_sigma: float | None = None
     public_path: str | None = None
+    public_digest: str | None = None
     accountant: str = "rdp"
     methods: tuple[str, ...] = PRIVATE_METHODS
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
+    policy_version: int = POLICY_VERSION
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or not self.site.strip():
             raise ValueError("site policy: site must be a non-empty name")
-        for name in ("epsilon", "delta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"site policy: {name}={value!r} must be a finite number")
-        if not self.epsilon > 0:
-            raise ValueError(f"site policy: epsilon={self.epsilon} must be > 0")
-        if not 0 < self.delta < 1:
+        if self.policy_version != POLICY_VERSION:
+            raise ValueError(f"site policy: policy_version={self.policy_version!r}, this fedpose reads "
+                             f"{POLICY_VERSION}")
+        _positive("epsilon", self.epsilon)
+        _positive("delta", self.delta)
+        if not self.delta < 1:
             raise ValueError(f"site policy: delta={self.delta} must be in (0, 1), e.g. 1e-5")
-        if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or self.max_rounds < 1:
-            raise ValueError(f"site policy: max_rounds={self.max_rounds!r} must be an int >= 1")
-        if self.min_sigma is not None and (
-            isinstance(self.min_sigma, bool)
-            or not isinstance(self.min_sigma, (int, float))
-            or not (self.min_sigma > 0 and math.isfinite(self.min_sigma))
-        ):
-            raise ValueError(f"site policy: min_sigma={self.min_sigma!r} must be a positive number or null")
+        _positive("sample_rate", self.sample_rate, upper=1.0)
+        _positive("clip_norm", self.clip_norm)
+        _positive("psi_min", self.psi_min)
+        for name in ("lifetime_rounds", "rounds_per_federation", "steps_per_round"):
+            _count(name, getattr(self, name))
+        if self.rounds_per_federation > self.lifetime_rounds:
+            raise ValueError(f"site policy: rounds_per_federation={self.rounds_per_federation} exceeds "
+                             f"lifetime_rounds={self.lifetime_rounds}")
+        if self.min_sigma is not None:
+            _positive("min_sigma", self.min_sigma)
+        if self.psi not in PSI_KINDS:
+            raise ValueError(f"site policy: psi={self.psi!r} must be one of {list(PSI_KINDS)}")
+        if not isinstance(self.augment, bool):
+            raise ValueError(f"site policy: augment={self.augment!r} must be true or false")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"site policy: accountant={self.accountant!r} must be one of {ACCOUNTANTS}")
         bad = [m for m in self.methods if m not in PRIVATE_METHODS]
@@ -80,29 +129,50 @@ class SitePolicy:
         for name in ("data_path", "ledger_path"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"site policy: {name} must be a path")
+        if self.public_path and not self.public_digest:
+            raise ValueError("site policy: public_path needs public_digest, the manifest digest of that public set "
+                             "that this site's operator approved (`fedpose site-policy --check` prints it)")
+        if self.public_digest is not None and (
+            not isinstance(self.public_digest, str) or len(self.public_digest) != 64
+            or any(c not in "0123456789abcdef" for c in self.public_digest)
+        ):
+            raise ValueError(f"site policy: public_digest={self.public_digest!r} must be a sha256 hex digest")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"site policy: seed={self.seed!r} must be a non-negative int or null")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
+    "policy_version": (int,),
     "site": (str,),
     "epsilon": (int, float),
     "delta": (int, float),
-    "max_rounds": (int,),
+    "lifetime_rounds": (int,),
+    "rounds_per_federation": (int,),
+    "sample_rate": (int, float),
+    "steps_per_round": (int,),
+    "clip_norm": (int, float),
+    "psi": (str,),
+    "psi_min": (int, float),
+    "augment": (bool,),
     "data_path": (str,),
     "ledger_path": (str,),
     "min_sigma": (int, float, type(None)),
     "public_path": (str, type(None)),
+    "public_digest": (str, type(None)),
     "accountant": (str,),
     "methods": (list, tuple),
     "seed": (int, type(None)),
 }
+_FLOATS = ("epsilon", "delta", "sample_rate", "clip_norm", "psi_min", "min_sigma")
 
 
 def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SitePolicy:
     """Validate plain data (unknown keys and wrong types rejected, naming the key); resolve paths against ``base``."""
     if not isinstance(data, dict):
         raise ValueError(f"site policy: expected a mapping, got {type(data).__name__}")
+    if "policy_version" not in data:
+        raise ValueError("site policy: this policy predates policy version 2 and pins too little of the "
+                         "guarantee (a server could choose the rest); add " + "; ".join(_V2_FIELDS))
     names = {f.name for f in dataclasses.fields(SitePolicy)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -115,13 +185,20 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
         raise ValueError(f"site policy: missing key {missing[0]!r}")
     values = dict(data)
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, _TYPES[key]):
-            raise ValueError(f"site policy: {key}={value!r} has the wrong type (expected {_TYPES[key]})")
+        kinds = _TYPES[key]
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ValueError(f"site policy: {key}={value!r} has the wrong type (expected "
+                             f"{' or '.join(k.__name__ for k in kinds)})")
     if "methods" in values:
+        if not all(isinstance(m, str) for m in values["methods"]):
+            raise ValueError(f"site policy: methods={values['methods']!r} must be a list of method names")
         values["methods"] = tuple(values["methods"])
-    for key in ("epsilon", "delta", "min_sigma"):
+    for key in _FLOATS:
         if values.get(key) is not None:
-            values[key] = float(values[key])
+            try:
+                values[key] = float(values[key])
+            except OverflowError as err:
+                raise ValueError(f"site policy: {key} is too large to be a number") from err
     if base is not None:
         for key in ("data_path", "ledger_path", "public_path"):
             if values.get(key):
@@ -143,7 +220,8 @@ def load_policy(path: str | Path) -> SitePolicy:
 def policy_to_dict(policy: SitePolicy) -> dict[str, Any]:
     out = dataclasses.asdict(policy)
     out["methods"] = list(policy.methods)
-    return out
+    order = ["policy_version"] + [k for k in out if k != "policy_version"]
+    return {k: out[k] for k in order}
 
 
 def write_policy(path: str | Path, policy: SitePolicy) -> Path:
@@ -163,41 +241,42 @@ def _derived_min_sigma(epsilon: float, delta: float, sample_rate: float, steps: 
     )
 
 
-def min_sigma_for(policy: SitePolicy, *, sample_rate: float, steps_per_round: int) -> float:
-    """The smallest noise multiplier this site accepts for rounds of ``steps_per_round`` steps at rate q.
+def min_sigma_for(policy: SitePolicy) -> float:
+    """The smallest noise multiplier this site accepts (P6).
 
     Explicit ``min_sigma`` wins. Otherwise it is derived by the site itself
-    (P6): the sigma at which ``max_rounds`` such rounds spend exactly its
-    epsilon at its delta with its accountant. A server asking for less
-    noise would spend the budget in fewer rounds than the site agreed to.
+    from its own policy only: the sigma at which ``lifetime_rounds`` rounds of
+    ``steps_per_round`` steps at its ``sample_rate`` spend exactly its epsilon
+    at its delta with its accountant. A server asking for less noise would
+    spend the budget in fewer rounds than the site agreed to.
     """
     if policy.min_sigma is not None:
         return float(policy.min_sigma)
-    if isinstance(steps_per_round, bool) or not isinstance(steps_per_round, int) or steps_per_round < 1:
-        raise ValueError(f"steps_per_round={steps_per_round!r} must be an int >= 1")
     return _derived_min_sigma(
-        float(policy.epsilon), float(policy.delta), float(sample_rate),
-        policy.max_rounds * steps_per_round, policy.accountant,
+        float(policy.epsilon), float(policy.delta), float(policy.sample_rate),
+        policy.lifetime_rounds * policy.steps_per_round, policy.accountant,
     )
 
 
-def sigma_shortfall(policy: SitePolicy, *, sigma: float, sample_rate: float, steps_per_round: int) -> str | None:
+def sigma_shortfall(policy: SitePolicy, *, sigma: float) -> str | None:
     """Why ``sigma`` is weaker than this site's minimum, or None when it is acceptable (P6).
 
     Same rule as ``min_sigma_for`` without calibrating: with no explicit
-    ``min_sigma``, sigma is acceptable iff ``max_rounds`` rounds at it stay
-    within the site's epsilon (epsilon decreases with sigma, so this is
+    ``min_sigma``, sigma is acceptable iff ``lifetime_rounds`` rounds at it
+    stay within the site's epsilon (epsilon decreases with sigma, so this is
     exactly "sigma >= derived minimum", at the cost of one accountant call).
     """
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (sigma > 0 and math.isfinite(sigma)):
+        return f"sigma={sigma!r} adds no usable noise"
     if policy.min_sigma is not None:
         if sigma < policy.min_sigma:
             return f"sigma={sigma:.6g} < this site's min_sigma={policy.min_sigma:.6g}"
         return None
-    if not (sigma > 0 and math.isfinite(sigma)):
-        return f"sigma={sigma!r} adds no usable noise"
-    planned = StepRecord(sigma=float(sigma), sample_rate=float(sample_rate), steps=policy.max_rounds * steps_per_round)
+    steps = policy.lifetime_rounds * policy.steps_per_round
+    planned = StepRecord(sigma=float(sigma), sample_rate=float(policy.sample_rate), steps=steps)
     eps = epsilon_spent([planned], delta=policy.delta, accountant=policy.accountant)
     if eps > policy.epsilon:
-        return (f"sigma={sigma:.6g} is below this site's minimum: {policy.max_rounds} rounds x {steps_per_round} steps "
-                f"at q={sample_rate:.4g} would cost eps={eps:.4g} > {policy.epsilon:g} (delta={policy.delta:g})")
+        return (f"sigma={sigma:.6g} is below this site's minimum: {policy.lifetime_rounds} rounds x "
+                f"{policy.steps_per_round} steps at q={policy.sample_rate:.4g} would cost eps={eps:.4g} > "
+                f"{policy.epsilon:g} (delta={policy.delta:g})")
     return None

@@ -1,42 +1,50 @@
-"""What a hospital site does with a server request (DESIGN.md section 2, step 3; invariant P6).
+"""What a hospital site does with a server request (DESIGN.md sections 2 and 4b; P6, P10, P11, P12).
 
-``handle_train`` checks a train request against the site's own policy and
-ledger before anything runs, and refuses (``Refusal``, nothing trained,
-ledger unchanged) when:
+The server is not trusted. ``handle_train`` checks a train request against
+the site's own policy before the ledger is opened, and refuses (``Refusal``,
+nothing trained, ledger unchanged) anything weaker than the policy pins:
 
-- the method is not one the policy allows;
-- sigma is below the site's own minimum (``client.policy.sigma_shortfall``, the same rule as
-  ``min_sigma_for`` in one accountant call);
-- the site already took part in ``max_rounds`` rounds, or this round would
-  push its accountant's epsilon over its budget (composed over its whole
-  ledger, P5);
-- the basis V has the wrong shape or is not orthonormal to 1e-3, or the
-  weights do not fit the model.
+- a method the policy does not allow; a sample rate other than the policy's;
+  more local steps than ``steps_per_round``; another clip norm; for fdp/fpdp
+  another psi kind or a weaker psi; another augmentation setting;
+- sigma below the site's own minimum (``client.policy.sigma_shortfall``);
+- weights or a basis V that are malformed, non-finite or of the wrong shape;
+- then, inside the ledger transaction: a (federation, round) already spent,
+  more rounds than ``rounds_per_federation`` or ``lifetime_rounds``, or a
+  round that would push its accountant's epsilon over its budget.
 
-Then it trains with ``shared.train.local_train``, records what actually ran
-(sigma, q, steps) in its ledger in the same transaction, and only then
-returns the reply: spend is on disk before anything leaves the site.
+What the site checks about itself (its public set matches the digest its
+operator approved, public and private images are disjoint, no private image
+appears twice, delta < 1/n) runs locally, once per policy and data version
+(``site_check``), never as an answer to a server field: no reply depends on
+private data except through the DP-noised weights (P10). Then it trains with
+``shared.train.local_train``, records what actually ran in its ledger in the
+same transaction, and only then returns the reply: spend is on disk before
+anything leaves the site.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from client.ledger import SiteLedger
+from client.ledger import Mechanism, SiteLedger
 from client.policy import (
     SitePolicy,
     load_policy,
     min_sigma_for,
     policy_from_dict,
+    psi_strength,
     sigma_shortfall,
     write_policy,
 )
@@ -62,6 +70,8 @@ from shared.privacy.subspace import check_orthonormal
 log = logging.getLogger(__name__)
 
 PROJECTED = ("proj", "fpdp")
+WITH_PSI = ("fdp", "fpdp")
+_FEDERATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 # ---------------------------------------------------------------------------
@@ -72,62 +82,76 @@ PROJECTED = ("proj", "fpdp")
 def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> SitePolicy:
     """The site's policy.
 
-    Deployment: ``--node-config "site-policy='/etc/fedpose/policy.yaml' data-path='/data/site'"``
-    (``data-path`` overrides the policy's). Simulation: the virtual node with
-    ``partition-id`` i is site ``data.train_splits[i]``; its policy is
+    Deployment: ``--node-config "site-policy='/etc/fedpose/policy.yaml'"``: the
+    policy names the data, the ledger and the public set; nothing the server
+    sends can change them. Simulation: the virtual node with ``partition-id``
+    i is site ``data.train_splits[i]``; its policy is
     ``<out>/sites/<split>/policy.yaml`` (written by ``fedpose simulate``, or
-    created here with the config's privacy budget when absent).
+    created here from the config when absent).
     """
     if "site-policy" in node_config:
-        policy = load_policy(str(node_config["site-policy"]))
-        if node_config.get("data-path"):
-            from dataclasses import replace
-
-            policy = replace(policy, data_path=str(Path(str(node_config["data-path"])).expanduser().resolve()))
-        return policy
+        if "data-path" in node_config:
+            raise ValueError("node config: data-path is no longer read; the site policy's data_path names the data")
+        return load_policy(str(node_config["site-policy"]))
     if "partition-id" in node_config:
         from shared.run_config import config_from_run_config, out_dir
 
         cfg = config_from_run_config(run_config)
         return simulation_policy(cfg, out_dir(run_config, cfg), int(node_config["partition-id"]))
     raise ValueError(
-        "this SuperNode has no site policy: start it with "
-        "--node-config \"site-policy='/path/policy.yaml' data-path='/path/to/split'\""
+        "this SuperNode has no site policy: start it with --node-config \"site-policy='/path/policy.yaml'\""
     )
 
 
 def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
-    """Simulation default for site ``index``: the config's budget, its split, a ledger under ``out``."""
+    """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
+
+    The operator of a site knows its n, so it can state q = B / n in its
+    policy; the server never learns n.
+    """
     splits = cfg.data.train_splits
     if not 0 <= index < len(splits):
         raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
     root = Path(cfg.data.root).expanduser().resolve()
     name = splits[index]
+    n = len(load_split_dir(root / name, "site data"))
+    public = load_split_dir(root / cfg.data.public_split, "public set")
     return policy_from_dict({
+        "policy_version": 2,
         "site": name,
         "epsilon": cfg.privacy.epsilon,
         "delta": cfg.privacy.delta,
-        "max_rounds": cfg.federation.rounds,
+        "lifetime_rounds": cfg.federation.rounds,
+        "rounds_per_federation": cfg.federation.rounds,
+        "sample_rate": min(1.0, cfg.train.batch_size / n),
+        "steps_per_round": cfg.federation.local_steps,
+        "clip_norm": cfg.privacy.clip_norm,
+        "psi": cfg.privacy.psi,
+        "psi_min": psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size),
+        "augment": cfg.data.augment,
         "data_path": str(root / name),
         "ledger_path": str(out / "sites" / name / "ledger.sqlite"),
         "public_path": str(root / cfg.data.public_split),
+        "public_digest": public_digest(public),
         "accountant": cfg.privacy.accountant,
     })
 
 
 def simulation_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
-    name = default_policy(cfg, out, index).site
-    path = out / "sites" / name / "policy.yaml"
+    splits = cfg.data.train_splits
+    if not 0 <= index < len(splits):
+        raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
+    path = out / "sites" / splits[index] / "policy.yaml"
     if path.is_file():
         return load_policy(path)
     policy = default_policy(cfg, out, index)
     write_policy(path, policy)
-    log.info("site %s: wrote default simulation policy %s", name, path)
+    log.info("site %s: wrote default simulation policy %s", policy.site, path)
     return policy
 
 
 # ---------------------------------------------------------------------------
-# data
+# data and the site's own checks
 # ---------------------------------------------------------------------------
 
 
@@ -141,33 +165,116 @@ def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
     return records
 
 
-def site_info(policy: SitePolicy, *, batch_size: int, local_steps: int,
-              public_hashes: Sequence[str] = ()) -> SiteInfo:
-    """Answer to the server's query: n, budget, spend so far and the minimum sigma for this shape.
-
-    Refuses (PUBLIC_OVERLAP) when any of this site's images is in the server's public set,
-    compared by content hash (P2: V would otherwise see private images without noise).
-    """
+def _image_hashes(records: list[PoseRecord]) -> dict[str, Path]:
     from shared.data.records import content_hash
 
+    return {content_hash(path): Path(path) for path in dict.fromkeys(r.image for r in records)}
+
+
+def public_digest(records: list[PoseRecord]) -> str:
+    """Manifest digest of a public set: sha256 over the sorted content hashes of its images.
+
+    The operator approves this value in the site policy (``public_digest``);
+    a public set swapped for another (say, one holding a patient's image)
+    no longer matches.
+    """
+    hashes = sorted(_image_hashes(records))
+    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CheckedSite:
+    """A site's data after its own start-up checks passed."""
+
+    private: list[PoseRecord]
+    public: list[PoseRecord] | None
+
+
+_CHECKED: dict[tuple, CheckedSite] = {}
+
+
+def _data_version(*paths: str | None) -> tuple:
+    out = []
+    for path in paths:
+        if path:
+            stat = (Path(path) / "annotations.json").stat()
+            out.append((path, stat.st_mtime_ns, stat.st_size))
+    return tuple(out)
+
+
+def check_site(policy: SitePolicy) -> CheckedSite:
+    """The site's own checks of its policy and data; ValueError naming the problem (for the operator).
+
+    - the private data loads, and delta < 1/n;
+    - no image appears twice in the private data (a duplicate is a group of
+      two, which record-level DP does not cover);
+    - the public set matches the digest the operator approved, and shares
+      no image with the private data (P2: V would see it without noise).
+    """
     private = load_split_dir(policy.data_path, "site data")
-    n = len(private)
-    if public_hashes:
-        shared = {content_hash(path) for path in dict.fromkeys(r.image for r in private)} & set(public_hashes)
-        if shared:
-            raise Refusal(RefusalCode.PUBLIC_OVERLAP, f"{len(shared)} of this site's images are in the server's "
-                                                      "public set (P2): remove them from the public set")
-    check_delta(policy.delta, n)
-    q = min(1.0, batch_size / n)
-    with SiteLedger(policy.ledger_path) as ledger:
+    check_delta(policy.delta, len(private))
+    hashes = _image_hashes(private)
+    if len(hashes) < len(dict.fromkeys(r.image for r in private)):
+        raise ValueError(f"site data {policy.data_path}: the same image appears under several names; remove "
+                         "the copies (record-level DP covers one record per image)")
+    public = None
+    if policy.public_path:
+        public = load_split_dir(policy.public_path, "public set")
+        digest = public_digest(public)
+        if digest != policy.public_digest:
+            raise ValueError(f"public set {policy.public_path} has manifest digest {digest}, but the policy approves "
+                             f"{policy.public_digest}: approve the new set (`fedpose site-policy --check`) or "
+                             "restore the approved one")
+        overlap = sorted(set(hashes) & set(_image_hashes(public)))
+        if overlap:
+            raise ValueError(f"public set {policy.public_path} holds {len(overlap)} of this site's private images "
+                             f"(e.g. {hashes[overlap[0]]}); P2 requires them disjoint: remove them from the public "
+                             "set and approve its new digest")
+    return CheckedSite(private=private, public=public)
+
+
+def site_check(policy: SitePolicy) -> CheckedSite:
+    """``check_site`` once per policy and data version; a failure refuses every request, generically.
+
+    The detail goes to the site's own log; the server only learns that the
+    site is misconfigured, the same answer whatever it sends (P10).
+    """
+    key = (policy, _data_version(policy.data_path, policy.public_path))
+    if key not in _CHECKED:
+        try:
+            checked = check_site(policy)
+        except (OSError, ValueError) as err:
+            log.error("site %s is misconfigured and refuses every request until fixed: %s", policy.site, err)
+            raise Refusal(RefusalCode.MISCONFIGURED,
+                          "this site's own checks failed; its operator must run `fedpose site-policy --check`") from err
+        log.info("site %s: policy and data checked (public set digest, P2 disjointness, no duplicates)", policy.site)
+        _CHECKED.clear()
+        _CHECKED[key] = checked
+    return _CHECKED[key]
+
+
+def site_info(policy: SitePolicy) -> SiteInfo:
+    """Answer to the server's query: what the policy declares, and the spend so far (never n)."""
+    site_check(policy)
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
         rounds_done = ledger.rounds_done()
         spent = ledger.epsilon(delta=policy.delta, accountant=policy.accountant)
     return SiteInfo(
-        site=policy.site, n=n, epsilon=policy.epsilon, delta=policy.delta, max_rounds=policy.max_rounds,
-        rounds_done=rounds_done, epsilon_spent=spent,
-        min_sigma=min_sigma_for(policy, sample_rate=q, steps_per_round=local_steps),
+        site=policy.site, epsilon=policy.epsilon, delta=policy.delta, lifetime_rounds=policy.lifetime_rounds,
+        rounds_per_federation=policy.rounds_per_federation, rounds_done=rounds_done, epsilon_spent=spent,
+        min_sigma=min_sigma_for(policy), sample_rate=policy.sample_rate, steps_per_round=policy.steps_per_round,
+        clip_norm=policy.clip_norm, psi=policy.psi, psi_min=policy.psi_min, augment=policy.augment,
         accountant=policy.accountant, methods=policy.methods,
     )
+
+
+def spend_so_far(policy: SitePolicy, federation: str | None) -> dict[str, float]:
+    """The site's lifetime and per-federation epsilon and its rounds, from its own ledger."""
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        life = ledger.epsilon(delta=policy.delta, accountant=policy.accountant)
+        run = ledger.epsilon(delta=policy.delta, accountant=policy.accountant, federation=federation) \
+            if federation else 0.0
+        return {"site_epsilon": life, "run_epsilon": run, "site_rounds": ledger.rounds_done()}
 
 
 # ---------------------------------------------------------------------------
@@ -202,12 +309,14 @@ def cached_basis(policy: SitePolicy, federation: str, version: int) -> torch.Ten
 
 
 def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
-    """Refuse a V that is not (p, k) with orthonormal columns (to 1e-3)."""
+    """Refuse a V that is not (p, k), not finite, or without orthonormal columns (to 1e-3)."""
     if basis.dim() != 2 or tuple(basis.shape) != (p, k):
         raise Refusal(
             RefusalCode.BAD_BASIS,
             f"basis has shape {tuple(basis.shape)}, expected ({p}, {k}) for the trainable parameters of this strategy",
         )
+    if not bool(torch.isfinite(basis).all()):
+        raise Refusal(RefusalCode.BAD_BASIS, "basis contains NaN or Inf")
     try:
         check_orthonormal(basis, tol=1e-3)
     except ValueError as err:
@@ -215,7 +324,7 @@ def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
 
 
 def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, trainable: list[str],
-                 private: list[PoseRecord], policy: SitePolicy) -> tuple[torch.Tensor, float]:
+                 checked: CheckedSite, policy: SitePolicy) -> tuple[torch.Tensor, float]:
     """V for this round: received (checked, cached), cached by version, or computed here (basis_mode site)."""
     cfg = request.config
     named = dict(model.named_parameters())
@@ -238,14 +347,12 @@ def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, tr
     if request.basis_mode == "broadcast":
         raise Refusal(RefusalCode.NEED_BASIS, f"basis version {request.basis_version} is not cached here; send V")
     # basis_mode "site": V from the site's copy of the PUBLIC set at the received global weights (P2).
-    if not policy.public_path:
+    if checked.public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
-    from shared.data.split import check_disjoint
     from shared.model.posenet import make_loss_fn
     from shared.train import make_dataset, public_basis_at
 
-    public = load_split_dir(policy.public_path, "public set")
-    check_disjoint(public, private)  # P2: V must not see this site's images
+    public = checked.public  # approved by digest and disjoint from the private data (site_check, P2)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     basis = public_basis_at(model, make_loss_fn(model, trainable), trainable,
@@ -264,8 +371,70 @@ def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, tr
 def parse_request(content: Any) -> TrainRequest:
     try:
         return TrainRequest.from_record(content[CONFIG])
-    except (KeyError, ValueError) as err:
+    except (KeyError, ValueError, TypeError, OverflowError) as err:
         raise Refusal(RefusalCode.BAD_REQUEST, f"malformed train request: {err}") from err
+
+
+def check_request(request: TrainRequest, policy: SitePolicy) -> None:
+    """Refuse (POLICY / WEAKER_NOISE) a request weaker than what the policy pins (P11); reads no private data."""
+    cfg = request.config
+    method = cfg.train.method
+    if request.site != policy.site:
+        raise Refusal(RefusalCode.BAD_REQUEST, f"request is for site {request.site!r}, this is {policy.site!r}")
+    if not _FEDERATION_ID.match(request.federation):
+        raise Refusal(RefusalCode.BAD_REQUEST, "federation id must be 1-64 letters, digits, '.', '_' or '-'")
+    if method not in policy.methods:
+        raise Refusal(RefusalCode.POLICY,
+                      f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
+    if request.sample_rate != policy.sample_rate:
+        raise Refusal(RefusalCode.POLICY, f"sample rate {request.sample_rate!r} is not this site's "
+                                          f"{policy.sample_rate!r}")
+    if request.steps > policy.steps_per_round:
+        raise Refusal(RefusalCode.POLICY, f"{request.steps} local steps exceed this site's steps_per_round="
+                                          f"{policy.steps_per_round}")
+    if cfg.privacy.clip_norm != policy.clip_norm:
+        raise Refusal(RefusalCode.POLICY, f"clip norm {cfg.privacy.clip_norm!r} is not this site's "
+                                          f"{policy.clip_norm!r}")
+    if cfg.data.augment != policy.augment:
+        raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
+                                          f"augment={policy.augment}")
+    if method in WITH_PSI:
+        if cfg.privacy.psi != policy.psi:
+            raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi!r} is not this site's {policy.psi!r}")
+        strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
+        if not strength >= policy.psi_min:
+            raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi}({cfg.privacy.psi_param:g}) has strength "
+                                              f"{strength:.4g} of min(H, W), below this site's psi_min="
+                                              f"{policy.psi_min:g}")
+    shortfall = sigma_shortfall(policy, sigma=request.sigma)
+    if shortfall is not None:
+        raise Refusal(RefusalCode.WEAKER_NOISE, shortfall)
+
+
+def load_weights(content: Any, model: torch.nn.Module) -> None:
+    """Load the global weights into ``model`` or refuse: exactly its tensors, its shapes, all finite."""
+    if ARRAYS not in content.array_records:
+        raise Refusal(RefusalCode.BAD_REQUEST, "train request carries no weights")
+    expected = model.state_dict()
+    try:
+        tensors = record_tensors(content[ARRAYS])
+    except (ValueError, TypeError) as err:
+        raise Refusal(RefusalCode.BAD_REQUEST, f"weights cannot be read: {err}") from err
+    if set(tensors) != set(expected):
+        raise Refusal(RefusalCode.BAD_REQUEST, "weights do not fit the model: names differ "
+                                               f"(missing {sorted(set(expected) - set(tensors))[:3]}, "
+                                               f"unexpected {sorted(set(tensors) - set(expected))[:3]})")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise Refusal(RefusalCode.BAD_REQUEST, f"weights do not fit the model: {name} has shape "
+                                                   f"{tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise Refusal(RefusalCode.BAD_REQUEST, f"weights contain NaN or Inf ({name})")
+    model.load_state_dict(tensors, strict=True)
+
+
+def psi_description(cfg: Config) -> str:
+    return f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})"
 
 
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
@@ -279,73 +448,67 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     request = parse_request(content)
     cfg = request.config
     method = cfg.train.method
-    if request.site != policy.site:
-        raise Refusal(RefusalCode.BAD_REQUEST, f"request is for site {request.site!r}, this is {policy.site!r}")
-    if method not in policy.methods:
-        raise Refusal(RefusalCode.POLICY,
-                      f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
-    private = load_split_dir(policy.data_path, "site data")
-    n = len(private)
-    try:
-        check_delta(policy.delta, n)
-    except ValueError as err:
-        raise Refusal(RefusalCode.POLICY, str(err)) from err
-    q = min(1.0, cfg.train.batch_size / n)
-    shortfall = sigma_shortfall(policy, sigma=request.sigma, sample_rate=q, steps_per_round=request.steps)
-    if shortfall is not None:
-        raise Refusal(RefusalCode.WEAKER_NOISE, shortfall)
+    check_request(request, policy)
+    checked = site_check(policy)
 
     device = select_device(cfg.train.device)
     model = build_model(cfg.model, cfg.data.input_size)
-    if ARRAYS not in content.array_records:
-        raise Refusal(RefusalCode.BAD_REQUEST, "train request carries no weights")
-    try:
-        model.load_state_dict(record_tensors(content[ARRAYS]), strict=True)
-    except (RuntimeError, ValueError) as err:
-        raise Refusal(RefusalCode.BAD_REQUEST, f"weights do not fit the model: {err}") from err
+    load_weights(content, model)
     model.to(device)
     trainable = apply_strategy(model, cfg.train.strategy)
     basis, seconds_basis = None, 0.0
     if method in PROJECTED:
-        basis, seconds_basis = obtain_basis(content, request, model, trainable, private, policy)
+        basis, seconds_basis = obtain_basis(content, request, model, trainable, checked, policy)
         basis = basis.to(device)
 
-    seed = None if policy.seed is None else policy.seed + request.round
-    with SiteLedger(policy.ledger_path) as ledger, ledger.round() as open_round:
-        if open_round.rounds_done >= policy.max_rounds:
+    mechanism = Mechanism(method=method, psi=psi_description(cfg) if method in WITH_PSI else None,
+                          clip_norm=policy.clip_norm, augment=policy.augment)
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
+        if open_round.has_round(request.federation, request.round):
+            raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} was "
+                                                     "already trained and spent here; it is never trained twice")
+        if open_round.rounds_done >= policy.lifetime_rounds:
             raise Refusal(RefusalCode.BUDGET, f"site already took part in {open_round.rounds_done} rounds "
-                                              f"(max_rounds={policy.max_rounds})")
-        planned = StepRecord(sigma=request.sigma, sample_rate=q, steps=request.steps)
+                                              f"(lifetime_rounds={policy.lifetime_rounds})")
+        if open_round.federation_rounds(request.federation) >= policy.rounds_per_federation:
+            raise Refusal(RefusalCode.BUDGET, f"site already took part in {policy.rounds_per_federation} rounds of "
+                                              f"this federation (rounds_per_federation)")
+        planned = StepRecord(sigma=request.sigma, sample_rate=policy.sample_rate, steps=request.steps)
         eps_after = open_round.epsilon_after(planned, delta=policy.delta, accountant=policy.accountant)
         if eps_after > policy.epsilon:
             raise Refusal(RefusalCode.BUDGET, f"this round would spend eps={eps_after:.4g} > budget {policy.epsilon:g} "
                                               f"(delta={policy.delta:g}, {policy.accountant})")
+        # Reproducible noise (tests only, P7) is seeded from the ledger row, never from a server field (P11).
+        seed = None if policy.seed is None else policy.seed + open_round.rounds_done
         generator, seeded = make_generator(seed, "cpu")
         result = local_train(
-            model, make_dataset(private, cfg, train=True, seed=seed), method=method, train=cfg.train,
+            model, make_dataset(checked.private, cfg, train=True, seed=seed), method=method, train=cfg.train,
             privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
+            sample_rate=policy.sample_rate,
             schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
             progress=progress, desc=f"{policy.site} round {request.round}",
         )
         eps = open_round.record(
             site=policy.site, budget=policy.epsilon, federation=request.federation, round=request.round,
             sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps, delta=policy.delta,
-            accountant=policy.accountant,
+            accountant=policy.accountant, mechanism=mechanism,
         )
-        rounds_done = open_round.rounds_done + 1
-    log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f); eps spent %.4f of %.4g",
-             policy.site, request.round, result.steps, result.sigma, result.sample_rate, eps, policy.epsilon)
+        run_eps = open_round.epsilon(delta=policy.delta, accountant=policy.accountant, federation=request.federation)
+        rounds_done = open_round.rounds_done
+    # Timings and the realised batch sizes track n: they stay in this log, never in the reply (P10).
+    log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f, mean batch %.1f) in %.1f s (+%.1f s basis); "
+             "eps spent %.4f of %.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,
+             result.mean_batch, result.seconds, seconds_basis, eps, policy.epsilon)
     named = dict(model.named_parameters())
     metrics = MetricRecord({
-        "num-examples": n,
         "sigma": float(result.sigma),
         "sample-rate": float(result.sample_rate),
         "steps": int(result.steps),
         "site-epsilon": float(eps),
+        "run-epsilon": float(run_eps),
         "site-delta": float(policy.delta),
-        "site-rounds": rounds_done,
+        "site-rounds": int(rounds_done),
         "seeded": int(seeded),
-        "seconds-train": float(result.seconds),
-        "seconds-basis": float(seconds_basis),
     })
     return RecordDict({ARRAYS: weights_record({k: named[k] for k in trainable}), METRICS: metrics})
+

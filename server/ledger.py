@@ -3,8 +3,14 @@
 For every site reply that says what it ran (sigma, q, steps), the server
 recomputes the site's cumulative epsilon with its own accountant from the
 whole recorded history of that site (never a per-round sum, never reset),
-stores it next to the epsilon the site reported, logs a mismatch and counts
-the larger value. Refusals and rejected replies are recorded as events.
+stores it next to the epsilon the site reported for this federation, logs a
+mismatch and counts the larger value. Every reply and every refusal carries
+the site's own spend (lifetime and this federation's epsilon): those reports
+are kept too, so a round the site committed but the server never saw a reply
+for (a crash) still counts, and the per-run epsilon the server claims is
+never below what any site's ledger says. Two epsilons are named everywhere:
+``run`` (this federation) and ``lifetime`` (the site's whole ledger, all
+federations). Refusals and rejected replies are recorded as events.
 
 Rows are never deleted. A row whose round was not checkpointed (the server
 died between the ledger commit and the checkpoint rename) is kept and marked
@@ -26,7 +32,7 @@ from shared.privacy.ledger import check_entry, connect, cumulative_epsilon, tran
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Relative difference between server and site epsilon that is reported as a mismatch.
 MISMATCH_RTOL = 1e-6
@@ -34,7 +40,6 @@ MISMATCH_RTOL = 1e-6
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS sites (
         site TEXT PRIMARY KEY,
-        n INTEGER NOT NULL,
         budget REAL NOT NULL,
         delta REAL NOT NULL,
         sigma REAL NOT NULL,
@@ -54,9 +59,10 @@ _SCHEMA = [
         sample_rate REAL NOT NULL,
         steps INTEGER NOT NULL,
         delta REAL NOT NULL,
-        epsilon REAL NOT NULL,            -- cumulative, recomputed by the server's accountant
-        site_epsilon REAL,                -- cumulative, as reported by the site
-        counted_epsilon REAL NOT NULL,    -- max of the two
+        epsilon REAL NOT NULL,            -- cumulative over this federation, recomputed by the server
+        site_epsilon REAL,                -- the site's lifetime epsilon, as it reported it
+        site_run_epsilon REAL,            -- the site's epsilon over this federation, as it reported it
+        counted_epsilon REAL NOT NULL,    -- run epsilon that counts: max(server, every site report)
         mismatch INTEGER NOT NULL,
         budget REAL NOT NULL,
         aggregated INTEGER NOT NULL,      -- 1: the weights went into the average
@@ -70,6 +76,16 @@ _SCHEMA = [
         kind TEXT NOT NULL,               -- refused | rejected | error | missing
         code INTEGER NOT NULL,
         reason TEXT NOT NULL,
+        recorded_at TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS reports (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        round INTEGER NOT NULL,
+        site TEXT NOT NULL,
+        source TEXT NOT NULL,             -- reply | refusal
+        site_epsilon REAL NOT NULL,       -- lifetime, from the site's ledger
+        run_epsilon REAL NOT NULL,        -- this federation, from the site's ledger
+        site_rounds INTEGER NOT NULL,
         recorded_at TEXT NOT NULL
     )""",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -86,6 +102,18 @@ class Spend:
     steps: int
     site_epsilon: float | None
     aggregated: bool
+    run_epsilon: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """A site's own account of its spend, carried by a reply or a refusal."""
+
+    site: str
+    source: str  # reply | refusal
+    site_epsilon: float
+    run_epsilon: float
+    site_rounds: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +130,8 @@ class ServerLedger:
         self.conn = connect(self.path)
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
         if version not in (0, SCHEMA_VERSION):
-            raise ValueError(f"server ledger {self.path} has schema {version}, this fedpose reads {SCHEMA_VERSION}")
+            raise ValueError(f"server ledger {self.path} has schema {version}, this fedpose reads {SCHEMA_VERSION}: "
+                             "finish that federation with the fedpose that started it, or start a new --out")
         if version == 0:
             with transaction(self.conn):
                 for statement in _SCHEMA:
@@ -132,13 +161,13 @@ class ServerLedger:
         with transaction(self.conn):
             for p in plans:
                 self.conn.execute(
-                    "INSERT INTO sites (site, n, budget, delta, sigma, sample_rate, steps_per_round, rounds,"
-                    " accountant, site_min_sigma) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(site) DO UPDATE SET n=excluded.n, budget=excluded.budget, delta=excluded.delta,"
+                    "INSERT INTO sites (site, budget, delta, sigma, sample_rate, steps_per_round, rounds,"
+                    " accountant, site_min_sigma) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(site) DO UPDATE SET budget=excluded.budget, delta=excluded.delta,"
                     " sigma=excluded.sigma, sample_rate=excluded.sample_rate,"
                     " steps_per_round=excluded.steps_per_round, rounds=excluded.rounds,"
                     " accountant=excluded.accountant, site_min_sigma=excluded.site_min_sigma",
-                    (p.site, p.n, p.epsilon, p.delta, p.sigma, p.sample_rate, p.steps_per_round, p.rounds,
+                    (p.site, p.epsilon, p.delta, p.sigma, p.sample_rate, p.steps_per_round, p.rounds,
                      p.accountant, p.site_min_sigma),
                 )
 
@@ -146,7 +175,7 @@ class ServerLedger:
         out = {}
         for r in self.conn.execute("SELECT * FROM sites ORDER BY site"):
             out[r["site"]] = SitePlan(
-                site=r["site"], n=r["n"], epsilon=r["budget"], delta=r["delta"], sample_rate=r["sample_rate"],
+                site=r["site"], epsilon=r["budget"], delta=r["delta"], sample_rate=r["sample_rate"],
                 steps_per_round=r["steps_per_round"], rounds=r["rounds"], sigma=r["sigma"],
                 accountant=r["accountant"], site_min_sigma=r["site_min_sigma"],
             )
@@ -173,16 +202,27 @@ class ServerLedger:
         plan = self.plans()[site]
         return cumulative_epsilon(self.history(site), delta=plan.delta, accountant=plan.accountant)
 
+    def _reported(self, site: str, column: str) -> float:
+        a = self.conn.execute(f"SELECT MAX({column}) FROM reports WHERE site = ?", (site,)).fetchone()[0]
+        spend_column = "site_epsilon" if column == "site_epsilon" else "site_run_epsilon"
+        b = self.conn.execute(f"SELECT MAX({spend_column}) FROM spend WHERE site = ?", (site,)).fetchone()[0]
+        return max(float(a or 0.0), float(b or 0.0))
+
     def site_epsilon(self, site: str) -> float:
-        row = self.conn.execute("SELECT MAX(site_epsilon) FROM spend WHERE site = ?", (site,)).fetchone()
-        return float(row[0]) if row and row[0] is not None else 0.0
+        """The site's lifetime epsilon (all federations), the largest it ever reported."""
+        return self._reported(site, "site_epsilon")
+
+    def site_run_epsilon(self, site: str) -> float:
+        """The site's epsilon over this federation, the largest it ever reported (replies and refusals)."""
+        return self._reported(site, "run_epsilon")
 
     def counted_epsilon(self, site: str) -> float:
-        """What counts for the site: the larger of the server's recomputation and the site's report."""
-        return max(self.server_epsilon(site), self.site_epsilon(site))
+        """This federation's epsilon for the site: the larger of the server's recomputation and the site's reports."""
+        return max(self.server_epsilon(site), self.site_run_epsilon(site))
 
     def record_round(self, round: int, spends: list[Spend], events: list[Event],
-                     statuses: dict[str, tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+                     statuses: dict[str, tuple[str, str]] | None = None,
+                     reports: list[Report] | None = None) -> list[dict[str, Any]]:
         """Write one round (spend rows, events, site statuses) in one transaction.
 
         Everything is validated and every epsilon computed before the first
@@ -200,23 +240,34 @@ class ServerLedger:
             history = histories.setdefault(s.site, self.history(s.site))
             history.append(entry)
             eps = cumulative_epsilon(history, delta=plan.delta, accountant=plan.accountant)
-            site_eps = s.site_epsilon
-            if site_eps is not None and not (isinstance(site_eps, (int, float)) and math.isfinite(site_eps)):
-                raise ValueError(f"site {s.site}: reported epsilon {site_eps!r} is not a finite number")
-            mismatch = site_eps is not None and abs(eps - site_eps) > MISMATCH_RTOL * max(1.0, abs(eps))
+            for value in (s.site_epsilon, s.run_epsilon):
+                if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                    raise ValueError(f"site {s.site}: reported epsilon {value!r} is not a finite number")
+            run_eps = s.run_epsilon
+            mismatch = run_eps is not None and abs(eps - run_eps) > MISMATCH_RTOL * max(1.0, abs(eps))
             if mismatch:
-                log.warning("site %s round %d: server epsilon %.6f != site epsilon %.6f; counting the larger",
-                            s.site, round, eps, site_eps)
-            counted = max(eps, site_eps or 0.0, self.site_epsilon(s.site))
-            prepared.append((round, s.site, s.sigma, s.sample_rate, s.steps, plan.delta, eps, site_eps, counted,
-                             int(mismatch), plan.epsilon, int(s.aggregated)))
+                log.warning("site %s round %d: server run epsilon %.6f != the site's run epsilon %.6f; counting the "
+                            "larger", s.site, round, eps, run_eps)
+            counted = max(eps, run_eps or 0.0, self.site_run_epsilon(s.site))
+            prepared.append((round, s.site, s.sigma, s.sample_rate, s.steps, plan.delta, eps, s.site_epsilon, run_eps,
+                             counted, int(mismatch), plan.epsilon, int(s.aggregated)))
+        for r in reports or []:
+            values = (r.site_epsilon, r.run_epsilon, r.site_rounds)
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"site {r.site}: reported spend {values!r} is not finite and >= 0")
         now = utc_now()
         with transaction(self.conn):
             for row in prepared:
                 self.conn.execute(
                     "INSERT INTO spend (round, site, sigma, sample_rate, steps, delta, epsilon, site_epsilon,"
-                    " counted_epsilon, mismatch, budget, aggregated, recorded_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, now),
+                    " site_run_epsilon, counted_epsilon, mismatch, budget, aggregated, recorded_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, now),
+                )
+            for r in reports or []:
+                self.conn.execute(
+                    "INSERT INTO reports (round, site, source, site_epsilon, run_epsilon, site_rounds, recorded_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (round, r.site, r.source, float(r.site_epsilon), float(r.run_epsilon), int(r.site_rounds), now),
                 )
             for e in events:
                 self.conn.execute(
@@ -226,15 +277,18 @@ class ServerLedger:
             for site, (status, reason) in (statuses or {}).items():
                 self.conn.execute("UPDATE sites SET status = ?, reason = ? WHERE site = ?", (status, reason, site))
         return [dict(zip(("round", "site", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_epsilon",
-                          "counted_epsilon", "mismatch", "budget", "aggregated"), row)) for row in prepared]
+                          "site_run_epsilon", "counted_epsilon", "mismatch", "budget", "aggregated"), row)) for row in prepared]
 
     # ------------------------------------------------------------------ views
 
     def rows(self) -> list[dict[str, Any]]:
         """Spend rows for ``fedpose ledger``: epsilon is cumulative and server-computed."""
         return [dict(r) for r in self.conn.execute(
-            "SELECT site, round, sigma, sample_rate, steps, delta, epsilon, site_epsilon, counted_epsilon,"
-            " mismatch, budget, aggregated, state, recorded_at FROM spend ORDER BY id")]
+            "SELECT site, round, sigma, sample_rate, steps, delta, epsilon, site_epsilon, site_run_epsilon,"
+            " counted_epsilon, mismatch, budget, aggregated, state, recorded_at FROM spend ORDER BY id")]
+
+    def reports(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM reports ORDER BY id")]
 
     def events(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM events ORDER BY id")]
@@ -244,6 +298,7 @@ class ServerLedger:
         return {
             "spend": [dict(r) for r in self.conn.execute("SELECT * FROM spend ORDER BY id")],
             "events": self.events(),
+            "reports": self.reports(),
             "sites": [dict(r) for r in self.conn.execute("SELECT * FROM sites ORDER BY site")],
             "meta": {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta")},
         }
@@ -274,6 +329,11 @@ class ServerLedger:
                     restored += 1
             if restored:
                 log.warning("ledger %s: restored %d spend rows from the checkpoint", self.path, restored)
+            for report in snapshot.get("reports", []):
+                if self.conn.execute("SELECT 1 FROM reports WHERE id = ?", (report["id"],)).fetchone() is None:
+                    cols = ", ".join(report)
+                    marks = ", ".join("?" for _ in report)
+                    self.conn.execute(f"INSERT INTO reports ({cols}) VALUES ({marks})", tuple(report.values()))
             for event in snapshot["events"]:
                 if self.conn.execute("SELECT 1 FROM events WHERE id = ?", (event["id"],)).fetchone() is None:
                     cols = ", ".join(event)

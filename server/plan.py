@@ -1,15 +1,18 @@
 """Per-site noise plan, calibrated once up front (DESIGN.md section 2, step 1).
 
-For each site the server knows (from the site's answer to its query) n, the
-site's own budget and max rounds, and the minimum sigma the site accepts for
-the proposed batch size and local steps. The plan is
+For each site the server knows only what the site's policy declares (its
+answer to the query): its budget and rounds, its own sample rate q and
+steps per round, clip, psi and minimum sigma; never n (P10). The plan is
 
-    q      = B / n                              (Poisson rate, P4)
+    q      = the site's declared sample rate      (Poisson rate, P4)
     steps  = rounds x local_steps
     sigma  = max(calibrate_sigma(eps, delta, q, steps), site minimum)
 
 with eps = min(server target, site budget) and delta = min(server delta,
-site delta), rounds = min(configured rounds, rounds the site still allows).
+site delta), rounds = min(configured rounds, the site's rounds per
+federation, the rounds its lifetime still allows). A site whose policy the
+federation's config does not satisfy (method, local steps, clip, psi,
+augmentation) is left out with the reason logged: it would refuse anyway.
 The same sigma is used every round, so after the planned rounds the
 composition (P5) is exactly the calibrated one (<= eps) and the next round
 would exceed the budget: the site is then not sampled again.
@@ -23,7 +26,8 @@ from dataclasses import asdict, dataclass
 
 from shared.config import Config, ConfigError
 from shared.federation_messages import SiteInfo
-from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from shared.privacy.accountant import StepRecord, calibrate_sigma, epsilon_spent
+from shared.privacy.psi import psi_strength
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,6 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class SitePlan:
     site: str
-    n: int
     epsilon: float  # budget the server holds the site to
     delta: float
     sample_rate: float
@@ -49,34 +52,54 @@ class SitePlan:
         return asdict(self)
 
 
+def incompatibility(info: SiteInfo, cfg: Config) -> str | None:
+    """Why this site's policy would refuse the federation's requests, or None."""
+    method = cfg.train.method
+    if method not in info.methods:
+        return f"does not allow method {method} (allows {list(info.methods)})"
+    if cfg.federation.local_steps > info.steps_per_round:
+        return f"takes at most {info.steps_per_round} local steps per round (federation.local_steps = " \
+               f"{cfg.federation.local_steps})"
+    if cfg.privacy.clip_norm != info.clip_norm:
+        return f"clips at {info.clip_norm:g} (privacy.clip_norm = {cfg.privacy.clip_norm:g})"
+    if cfg.data.augment != info.augment:
+        return f"pins augment={info.augment} (data.augment = {cfg.data.augment})"
+    if method in ("fdp", "fpdp"):
+        strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
+        if cfg.privacy.psi != info.psi or strength < info.psi_min:
+            return f"needs psi {info.psi} of strength >= {info.psi_min:g} (config: {cfg.privacy.psi} of " \
+                   f"strength {strength:.4g})"
+    return None
+
+
 def plan_site(info: SiteInfo, cfg: Config) -> SitePlan | None:
     """The plan for one site, or None when it cannot take part (no rounds left, method not allowed)."""
     method = cfg.train.method
     if method == "nonprivate":
         raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
-    if method not in info.methods:
-        log.warning("site %s does not allow method %s (allows %s): left out", info.site, method, list(info.methods))
+    problem = incompatibility(info, cfg)
+    if problem is not None:
+        log.warning("site %s %s: left out", info.site, problem)
         return None
-    rounds = min(cfg.federation.rounds, info.max_rounds - info.rounds_done)
+    rounds = min(cfg.federation.rounds, info.rounds_per_federation, info.lifetime_rounds - info.rounds_done)
     if rounds < 1:
-        log.warning("site %s has no rounds left (%d of %d done): left out", info.site, info.rounds_done,
-                    info.max_rounds)
+        log.warning("site %s has no rounds left (%d of its %d lifetime rounds done): left out", info.site,
+                    info.rounds_done, info.lifetime_rounds)
         return None
     epsilon = min(cfg.privacy.epsilon, info.epsilon)
     delta = min(cfg.privacy.delta, info.delta)
-    check_delta(delta, info.n)
-    q = min(1.0, cfg.train.batch_size / info.n)
+    q = info.sample_rate
     steps = cfg.federation.local_steps
     calibrated = _calibrated(epsilon, delta, q, rounds * steps, cfg.privacy.accountant)
     sigma = max(calibrated, info.min_sigma)
     if sigma > calibrated:
         log.info("site %s asks for sigma >= %.4f (> calibrated %.4f): using its minimum", info.site, sigma, calibrated)
     plan = SitePlan(
-        site=info.site, n=info.n, epsilon=epsilon, delta=delta, sample_rate=q, steps_per_round=steps,
+        site=info.site, epsilon=epsilon, delta=delta, sample_rate=q, steps_per_round=steps,
         rounds=rounds, sigma=sigma, accountant=cfg.privacy.accountant, site_min_sigma=info.min_sigma,
     )
-    log.info("plan %s: n=%d q=%.4f sigma=%.4f over %d rounds x %d steps for eps=%.4g delta=%.3g",
-             plan.site, plan.n, q, sigma, rounds, steps, epsilon, delta)
+    log.info("plan %s: q=%.4f sigma=%.4f over %d rounds x %d steps for eps=%.4g delta=%.3g",
+             plan.site, q, sigma, rounds, steps, epsilon, delta)
     return plan
 
 

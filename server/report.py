@@ -94,14 +94,18 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
               f"{metrics['initial_pckh_mean'] if metrics.get('initial_pckh_mean') is not None else float('nan'):.2f} "
               "before (public pretraining only)",
               f"- global claim (max over sites): {metrics['claim']}", ""]
-    lines += ["## Sites", "", "| site | n | sigma | q | steps/round | planned rounds | budget eps | delta | "
-              "eps spent (server) | eps spent (site) | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["## Sites", "", "Run eps: this federation (server recomputation, the site's own report, and the larger, "
+              "which counts); lifetime eps: the site's whole ledger, every federation it joined.", "",
+              "| site | sigma | q | steps/round | planned rounds | budget eps | delta | "
+              "run eps (server) | run eps (site) | run eps (counted) | lifetime eps (site) | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for site, plan in sorted(plans.items()):
         spent = metrics["sites"].get(site, {})
         lines.append(
-            f"| {site} | {plan['n']} | {plan['sigma']:.4f} | {plan['sample_rate']:.4f} | {plan['steps_per_round']} | "
+            f"| {site} | {plan['sigma']:.4f} | {plan['sample_rate']:.4f} | {plan['steps_per_round']} | "
             f"{plan['rounds']} | {plan['epsilon']:g} | {plan['delta']:g} | {spent.get('epsilon_server', 0):.4f} | "
-            f"{spent.get('epsilon_site', 0):.4f} | {spent.get('status', '')} |"
+            f"{spent.get('epsilon_site_run', 0):.4f} | {spent.get('epsilon', 0):.4f} | "
+            f"{spent.get('epsilon_lifetime', 0):.4f} | {spent.get('status', '')} |"
         )
     lines += ["", "## Rounds", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
               + " | MB down | MB up | s train | s basis | s aggregate |",

@@ -3,8 +3,10 @@
 Per round: choose the sites that can still afford a planned round, refresh
 V if due, send each site the global weights (+ V if it lacks that version)
 and its own request, validate replies, record every spend in the ledger
-(server-recomputed epsilon next to the site's own), FedAvg the valid
-replies (if at least ``min_sites``), evaluate on the validation split and
+(server-recomputed epsilon next to the site's own, and the spend every
+refusal reports), aggregate the valid replies (if at least ``min_sites``;
+uniform over sites, each update norm-bounded, optionally median or trimmed
+mean: one hostile site cannot dominate), evaluate on the validation split and
 checkpoint weights + ledger + round atomically.
 """
 
@@ -21,10 +23,10 @@ import torch
 
 from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
-from server.ledger import Event, ServerLedger, Spend
+from server.ledger import Event, Report, ServerLedger, Spend
 from server.plan import SitePlan, can_afford, plan_site
 from server.report import append_round, write_plot, write_report, write_rounds
-from server.validate import parse_ran, parse_weights
+from server.validate import parse_ran, parse_weights, update_norm
 from shared.config import Config, ConfigError, dump_config
 from shared.federation_messages import (
     ARRAYS,
@@ -34,11 +36,17 @@ from shared.federation_messages import (
     RefusalCode,
     SiteInfo,
     TrainRequest,
+    parse_spend_suffix,
     payload_bytes,
     weights_record,
 )
 
 log = logging.getLogger(__name__)
+
+# What a federation releases to the server besides the DP-noised weights (named in the claim, P10).
+FEDERATION_RELEASE = ("the server sees each site's DP-noised weights and what its policy declares public "
+                      "(sample rate, steps, clip, psi, budget, spend); never n, timings or anything else that "
+                      "depends on private data; sites are averaged uniformly")
 
 QUERY_TIMEOUT = 300.0  # seconds for the sites' first answer (includes ClientApp start-up)
 
@@ -56,35 +64,44 @@ class Reply:
 
 @dataclass
 class RoundOutcome:
-    updates: list[tuple[dict[str, torch.Tensor], int]] = field(default_factory=list)
+    updates: list[dict[str, torch.Tensor]] = field(default_factory=list)
     spends: list[Spend] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
     statuses: dict[str, tuple[str, str]] = field(default_factory=dict)
     need_basis: list[str] = field(default_factory=list)
     accepted: list[str] = field(default_factory=list)
-    site_basis_seconds: float = 0.0
     seeded: bool = False  # a site ran with a fixed noise seed (P7: not for production)
 
 
 def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], plans: dict[str, SitePlan],
-                    keeper: BasisKeeper | None = None) -> RoundOutcome:
-    """Sort replies into updates to average, spends to record, refusals and rejections (logged, never averaged)."""
+                    keeper: BasisKeeper | None = None, global_weights: dict[str, torch.Tensor] | None = None,
+                    max_update_norm: float | None = None) -> RoundOutcome:
+    """Sort replies into updates to average, spends to record, refusals and rejections (logged, never averaged).
+
+    A refusal's reason ends with the site's own spend: it is kept as a report, so spend the server never
+    saw a reply for still counts. An update whose norm exceeds ``max_update_norm`` is rejected.
+    """
     out = RoundOutcome()
     for r in replies:
         if r.error_code is not None:
             code = r.error_code
             kind = "refused" if code >= 1000 else "error"
-            log.warning("site %s: %s (code %d): %s", r.site, kind, code, r.error_reason[:300])
+            reason, spend = parse_spend_suffix(r.error_reason)
+            if spend is not None:
+                out.reports.append(Report(site=r.site, source="refusal", site_epsilon=spend["site-epsilon"],
+                                          run_epsilon=spend["run-epsilon"], site_rounds=int(spend["site-rounds"])))
+            log.warning("site %s: %s (code %d): %s", r.site, kind, code, reason[:300])
             if code == RefusalCode.NEED_BASIS:
                 out.need_basis.append(r.site)
                 if keeper is not None:
                     keeper.forget(r.site)
                 continue
-            out.events.append(Event(site=r.site, kind=kind, code=code, reason=r.error_reason))
+            out.events.append(Event(site=r.site, kind=kind, code=code, reason=reason))
             if code == RefusalCode.BUDGET:
-                out.statuses[r.site] = ("exhausted", r.error_reason)
-            elif code in (RefusalCode.WEAKER_NOISE, RefusalCode.POLICY):
-                out.statuses[r.site] = ("refused", r.error_reason)
+                out.statuses[r.site] = ("exhausted", reason)
+            elif code in (RefusalCode.WEAKER_NOISE, RefusalCode.POLICY, RefusalCode.MISCONFIGURED):
+                out.statuses[r.site] = ("refused", reason)
             elif code == RefusalCode.BAD_BASIS and keeper is not None:
                 keeper.forget(r.site)
             continue
@@ -100,29 +117,55 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
                         ran.sigma, ran.sample_rate, ran.steps, plan.sigma, plan.sample_rate, plan.steps_per_round)
         try:
             weights = parse_weights(r.content, expected)
+            if max_update_norm is not None and global_weights is not None:
+                norm = update_norm(weights, global_weights)
+                if not norm <= max_update_norm:
+                    raise ValueError(f"update norm {norm:.4g} exceeds federation.max_update_norm={max_update_norm:g}")
         except ValueError as err:
             log.warning("site %s: reply rejected, not averaged (its spend is recorded): %s", r.site, err)
             out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
             weights = None
         out.spends.append(Spend(site=r.site, sigma=ran.sigma, sample_rate=ran.sample_rate, steps=ran.steps,
-                                site_epsilon=ran.site_epsilon, aggregated=weights is not None))
+                                site_epsilon=ran.site_epsilon, run_epsilon=ran.run_epsilon,
+                                aggregated=weights is not None))
         if weights is not None:
-            out.updates.append((weights, ran.num_examples))
+            out.updates.append(weights)
             out.accepted.append(r.site)
-            out.site_basis_seconds = max(out.site_basis_seconds, float(r.content["metrics"]["seconds-basis"]))
             out.seeded = out.seeded or bool(r.content["metrics"]["seeded"])
             if keeper is not None:
                 keeper.mark_held(r.site)
     return out
 
 
-def fedavg(updates: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
-    """Average of the sites' trainable tensors weighted by their number of examples."""
+def aggregate(updates: list[dict[str, torch.Tensor]], how: str = "mean") -> dict[str, torch.Tensor]:
+    """Combine the sites' trainable tensors: uniform mean, coordinate-wise median, or trimmed mean.
+
+    Uniform: a site's weight never comes from a number it reports (a reply claiming 10^12 examples
+    would otherwise dominate), and n stays private (P10). All three are post-processing of DP updates.
+    """
     if not updates:
-        raise ValueError("fedavg needs at least one update")
-    total = float(sum(n for _, n in updates))
-    names = updates[0][0].keys()
-    return {name: sum(w[name].to(torch.float64) * (n / total) for w, n in updates).to(torch.float32) for name in names}
+        raise ValueError("aggregate needs at least one update")
+    if how == "trimmed-mean" and len(updates) < 3:
+        raise ValueError(f"trimmed-mean needs at least 3 updates, got {len(updates)}")
+    out = {}
+    for name in updates[0]:
+        stacked = torch.stack([u[name].to(torch.float64) for u in updates])  # (sites, *shape)
+        if how == "mean":
+            value = stacked.mean(dim=0)
+        elif how == "median":
+            value = stacked.median(dim=0).values if len(updates) % 2 else stacked.sort(dim=0).values[
+                len(updates) // 2 - 1: len(updates) // 2 + 1].mean(dim=0)
+        elif how == "trimmed-mean":
+            value = stacked.sort(dim=0).values[1:-1].mean(dim=0)
+        else:
+            raise ValueError(f"aggregator {how!r} is not one of mean, median, trimmed-mean")
+        out[name] = value.to(torch.float32)
+    return out
+
+
+def fedavg(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Uniform average of the sites' trainable tensors (``aggregate(updates, "mean")``)."""
+    return aggregate(updates, "mean")
 
 
 # ---------------------------------------------------------------------------
@@ -142,26 +185,23 @@ def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
         time.sleep(1.0)
 
 
-def query_sites(grid: Any, nodes: list[int], cfg: Config, public: list) -> dict[str, tuple[int, SiteInfo]]:
+def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int, SiteInfo]]:
     """Ask every node who it is; returns site -> (node id, info). Nodes that fail to answer are left out.
 
-    The query carries the content hashes of the public images so that each site can check
-    P2 (public and private data disjoint) against its own images.
+    The query is empty: a site describes itself from its policy and ledger, and checks P2 (its
+    private images against the public set its operator approved) itself, never against anything
+    the server sends (a server-sent hash would be a membership oracle).
     """
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-    from shared.data.records import content_hash
-
-    hashes = sorted({content_hash(path) for path in dict.fromkeys(r.image for r in public)})
-    proposal = ConfigRecord({"batch-size": cfg.train.batch_size, "local-steps": cfg.federation.local_steps,
-                             "public-hashes": hashes})
-    msgs = [Message(RecordDict({CONFIG: proposal}), dst_node_id=nid, message_type=MessageType.QUERY)
+    msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=nid, message_type=MessageType.QUERY)
             for nid in nodes]
     sites: dict[str, tuple[int, SiteInfo]] = {}
     for m in grid.send_and_receive(msgs, timeout=min(QUERY_TIMEOUT, cfg.federation.round_timeout)):
         nid = m.metadata.src_node_id
         if m.has_error():
-            log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, m.error.reason[:300])
+            reason, _ = parse_spend_suffix(str(m.error.reason))
+            log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, reason[:300])
             continue
         try:
             info = SiteInfo.from_record(m.content[INFO])
@@ -172,7 +212,7 @@ def query_sites(grid: Any, nodes: list[int], cfg: Config, public: list) -> dict[
             log.warning("node %d claims site %s, already held by node %d: ignored", nid, info.site, sites[info.site][0])
             continue
         sites[info.site] = (nid, info)
-    log.info("sites: %s", {s: (nid, i.n) for s, (nid, i) in sorted(sites.items())})
+    log.info("sites: %s", {s: (nid, i.sample_rate) for s, (nid, i) in sorted(sites.items())})
     return sites
 
 
@@ -264,7 +304,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     dump_config(cfg, paths.out / "config.yaml")
 
     nodes = wait_for_nodes(grid, cfg.federation.min_sites, cfg.federation.round_timeout)
-    sites = query_sites(grid, nodes, cfg, public)
+    sites = query_sites(grid, nodes, cfg)
     plans = ledger.plans()
     new_plans = [p for s, (_, info) in sorted(sites.items()) if s not in plans and (p := plan_site(info, cfg))]
     if new_plans:
@@ -284,7 +324,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         for site in sorted(plans):
             if site not in node_of or statuses[site][0] != "active":
                 continue
-            if can_afford(plans[site], ledger.history(site), site_epsilon=ledger.site_epsilon(site)):
+            if can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
                 active.append(site)
             else:
                 newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
@@ -303,7 +343,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             from flwr.app import RecordDict
 
             request = TrainRequest(federation=federation, round=rnd, site=site, sigma=plans[site].sigma,
-                                   steps=plans[site].steps_per_round, basis_version=keeper.version,
+                                   sample_rate=plans[site].sample_rate, steps=plans[site].steps_per_round, basis_version=keeper.version,
                                    basis_mode=cfg.federation.basis_mode, config=cfg)
             content = RecordDict({ARRAYS: arrays, CONFIG: request.to_record()})
             if force_basis:
@@ -317,17 +357,18 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         contents = {site: content_for(site) for site in active}
         down = {site: payload_bytes(c) for site, c in contents.items()}
         replies = exchange(grid, contents, node_of, rnd, cfg.federation.round_timeout)
-        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper)
+        global_now = {name: named[name].detach().clone() for name in trainable}
+        bounds = {"global_weights": global_now, "max_update_norm": cfg.federation.max_update_norm}
+        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper, **bounds)
         if outcome.need_basis:  # a site lost its cached V: send it once more, with V
             retry = {site: content_for(site, force_basis=True) for site in outcome.need_basis}
             for site, c in retry.items():
                 down[site] += payload_bytes(c)
             again = exchange(grid, retry, node_of, rnd, cfg.federation.round_timeout)
-            more = process_replies(again, expected=expected, plans=plans, keeper=keeper)
-            for name in ("updates", "spends", "events", "need_basis", "accepted"):
+            more = process_replies(again, expected=expected, plans=plans, keeper=keeper, **bounds)
+            for name in ("updates", "spends", "events", "reports", "need_basis", "accepted"):
                 getattr(outcome, name).extend(getattr(more, name))
             outcome.statuses.update(more.statuses)
-            outcome.site_basis_seconds = max(outcome.site_basis_seconds, more.site_basis_seconds)
             outcome.seeded = outcome.seeded or more.seeded
             replies += again
         seconds_train = time.perf_counter() - t0
@@ -336,7 +377,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         aggregated = len(outcome.updates) >= cfg.federation.min_sites
         if aggregated:
             with torch.no_grad():
-                for name, value in fedavg(outcome.updates).items():
+                for name, value in aggregate(outcome.updates, cfg.federation.aggregator).items():
                     named[name].copy_(value)
         else:
             log.warning("round %d: %d valid replies < min_sites %d: global model unchanged", rnd,
@@ -346,7 +387,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         report, _, _ = evaluate(model, val)
         seconds_eval = time.perf_counter() - t0
 
-        ledger.record_round(rnd, outcome.spends, outcome.events, outcome.statuses)
+        ledger.record_round(rnd, outcome.spends, outcome.events, outcome.statuses, outcome.reports)
         if outcome.seeded and ledger.get_meta("seeded") != "1":
             log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
             ledger.set_meta("seeded", "1")
@@ -363,13 +404,14 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
             "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
             "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
-            "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.history(s)},
+            "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.counted_epsilon(s) > 0},
             "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
+            "epsilon_lifetime": {s: ledger.site_epsilon(s) for s in sorted(plans) if ledger.site_epsilon(s) > 0},
             "bytes_down": down,
             "bytes_up": up,
             "basis_version": keeper.version,
-            "seconds": {"train": seconds_train, "basis": seconds_basis, "site_basis": outcome.site_basis_seconds,
-                        "aggregation": seconds_agg, "evaluation": seconds_eval},
+            "seconds": {"train": seconds_train, "basis": seconds_basis, "aggregation": seconds_agg,
+                        "evaluation": seconds_eval},
         }
         history.append(record)
         save_state(paths.checkpoint, ServerState(round=rnd, federation=federation, weights=model.state_dict(),
@@ -395,7 +437,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     report, _, _ = evaluate(model, val)
     done = {s: ("exhausted", "no planned round left within the budget") for s, (status, _) in ledger.statuses().items()
             if status == "active" and s in plans
-            and not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.site_epsilon(s))}
+            and not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.counted_epsilon(s))}
     if done:
         ledger.set_statuses(done)
     statuses = ledger.statuses()
@@ -403,9 +445,10 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     for site, plan in sorted(plans.items()):
         rows = [r for r in ledger.rows() if r["site"] == site]
         per_site[site] = {
-            "epsilon": ledger.counted_epsilon(site),
+            "epsilon": ledger.counted_epsilon(site),  # this federation: max(server, every site report)
             "epsilon_server": ledger.server_epsilon(site),
-            "epsilon_site": ledger.site_epsilon(site),
+            "epsilon_site_run": ledger.site_run_epsilon(site),
+            "epsilon_lifetime": ledger.site_epsilon(site),  # the site's whole ledger, all federations
             "budget": plan.epsilon,
             "delta": plan.delta,
             "sigma": plan.sigma,
@@ -418,7 +461,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     psi = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if cfg.train.method in ("fdp", "fpdp") else None
     seeded = ledger.get_meta("seeded") == "1"
     claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
-                          accountant=cfg.privacy.accountant)
+                          accountant=cfg.privacy.accountant, released=FEDERATION_RELEASE)
     initial = ledger.get_meta("initial_pckh_mean")
     metrics = {
         "federation": federation,

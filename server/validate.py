@@ -27,8 +27,9 @@ class Ran:
     sigma: float
     sample_rate: float
     steps: int
-    site_epsilon: float
-    num_examples: int
+    site_epsilon: float  # lifetime
+    run_epsilon: float  # this federation
+    site_rounds: int
 
 
 def _number(metrics: Mapping[str, Any], key: str) -> float:
@@ -60,19 +61,35 @@ def parse_ran(content: Any) -> Ran:
         sample_rate=_number(metrics, "sample-rate"),
         steps=_integer(metrics, "steps"),
         site_epsilon=_number(metrics, "site-epsilon"),
-        num_examples=_integer(metrics, "num-examples"),
+        run_epsilon=_number(metrics, "run-epsilon"),
+        site_rounds=_integer(metrics, "site-rounds"),
     )
+    extra = sorted(set(metrics) - set(REPLY_METRICS))
+    if extra:
+        raise ValueError(f"reply metrics carry unexpected keys {extra[:3]}")
+    delta = _number(metrics, "site-delta")
+    if not 0 < delta < 1:
+        raise ValueError(f"reply site-delta={delta} must be in (0, 1)")
     if not ran.sigma > 0:
         raise ValueError(f"reply sigma={ran.sigma} must be > 0")
     if not 0 < ran.sample_rate <= 1:
         raise ValueError(f"reply sample-rate={ran.sample_rate} must be in (0, 1]")
-    if ran.steps < 1 or ran.num_examples < 1:
-        raise ValueError(f"reply steps={ran.steps} and num-examples={ran.num_examples} must be >= 1")
-    if ran.site_epsilon < 0:
-        raise ValueError(f"reply site-epsilon={ran.site_epsilon} must be >= 0")
+    if ran.steps < 1 or ran.site_rounds < 1:
+        raise ValueError(f"reply steps={ran.steps} and site-rounds={ran.site_rounds} must be >= 1")
+    if ran.site_epsilon < 0 or ran.run_epsilon < 0 or ran.run_epsilon > ran.site_epsilon * (1 + 1e-9):
+        raise ValueError(f"reply site-epsilon={ran.site_epsilon} and run-epsilon={ran.run_epsilon} must be >= 0, "
+                         "the run's at most the lifetime's")
     for key in REPLY_METRICS:
         _number(metrics, key)
     return ran
+
+
+def update_norm(weights: Mapping[str, torch.Tensor], global_weights: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of a site's update (its weights minus the global weights it was sent), in float64."""
+    total = 0.0
+    for name, value in weights.items():
+        total += float((value.to(torch.float64) - global_weights[name].to(torch.float64)).pow(2).sum())
+    return math.sqrt(total)
 
 
 def parse_weights(content: Any, expected: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:

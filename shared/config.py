@@ -162,11 +162,21 @@ class FederationConfig:
     basis_mode: Literal["broadcast", "site"] = "site"
     basis_dtype: Literal["float32", "float16"] = "float16"
     round_timeout: float = 900.0  # seconds to wait for replies before going on without a site
+    # How site updates are combined (all post-processing of DP updates): mean (uniform over sites: no
+    # site's weight comes from a number it reports), coordinate-wise median, or trimmed-mean (drops the
+    # largest and smallest value of every coordinate; needs >= 3 sites).
+    aggregator: Literal["mean", "median", "trimmed-mean"] = "mean"
+    # Replies whose update (site weights - global weights) has a larger L2 norm are rejected, never
+    # averaged (their spend still counts); null: no bound.
+    max_update_norm: float | None = None
     out: str = "runs/federation"
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1 or self.min_sites < 1:
             raise ConfigError("federation.rounds, federation.local_steps and federation.min_sites must be >= 1")
+        if self.max_update_norm is not None and not (0 < self.max_update_norm < float("inf")):
+            raise ConfigError(f"federation.max_update_norm: must be a positive number or null, got "
+                              f"{self.max_update_norm}")
         if self.round_timeout <= 0:
             raise ConfigError(f"federation.round_timeout: must be > 0, got {self.round_timeout}")
 

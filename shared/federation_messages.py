@@ -6,20 +6,22 @@ and (de)serialisation of weights and of the projection basis V.
 
 Messages (Flower Message API, one RecordDict each):
 
-- query (server -> site, before the first round): ``config`` = the training
-  shape the server proposes (batch size, local steps) and the content hashes
-  of the server's public images (the site checks P2 against its own images
-  without revealing them); reply ``info`` =
-  ``SiteInfo`` (site name, n, its own budget, max rounds, the minimum sigma it
-  will accept for that shape). The server plans sigma from this.
+- query (server -> site, before the first round): an empty ``config``
+  (unknown fields are refused: a query carries nothing the site would compare
+  with its private data); reply ``info`` = ``SiteInfo``: what the site's own
+  policy declares public (name, budget, rounds, sample rate, steps, clip, psi
+  and its minimum strength, the minimum sigma) and its spend so far. Never n.
 - train (server -> site): ``arrays`` = the full global state_dict (float32),
   ``config`` = ``TrainRequest``, and ``basis`` = V (p x k, float16 by
   default) plus its version, only when the site does not hold that version.
   Reply: ``arrays`` = the trainable parameters after local training (the
   frozen ones cannot change, so they are not sent back), ``metrics`` = what
-  actually ran (sigma, q, steps) and the site's own cumulative epsilon.
+  actually ran (sigma, q, steps) and the site's own epsilon (lifetime and
+  this federation's), nothing else (P10: no n, no timings).
 - a refusal is an ``Error`` reply with one of the ``RefusalCode`` values
-  (nothing was trained, nothing was spent).
+  (nothing was trained, nothing was spent); its reason ends with the site's
+  spend (``spend_suffix``), so a server learns of rounds it never saw a
+  reply for (a crash between the site's commit and the reply).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -62,8 +65,10 @@ class RefusalCode(IntEnum):
     BAD_BASIS = 1003  # V has the wrong shape or is not orthonormal
     BAD_REQUEST = 1004  # malformed request, weights that do not fit, unknown site
     NEED_BASIS = 1005  # the site does not hold the requested basis version: send V
-    POLICY = 1006  # the method is not allowed by the site's policy
-    PUBLIC_OVERLAP = 1007  # the server's public set contains images of this site (P2)
+    POLICY = 1006  # the request asks for something the site's policy does not allow (method, psi, q, ...)
+    ALREADY_SPENT = 1008  # this (federation, round) was already trained and spent: never twice (P11)
+    MISCONFIGURED = 1009  # the site's own start-up checks failed (its operator must fix its policy)
+    SITE_ERROR = 1010  # the site failed unexpectedly; the detail stays in its own log (P10)
 
 
 class Refusal(Exception):
@@ -76,18 +81,38 @@ class Refusal(Exception):
 
 
 # Metrics every train reply must carry (validated by the server).
+# Exactly these: nothing that depends on private data beyond the DP-noised weights (P10).
 REPLY_METRICS: tuple[str, ...] = (
-    "num-examples",
     "sigma",
     "sample-rate",
     "steps",
-    "site-epsilon",
+    "site-epsilon",  # cumulative over the site's whole ledger (lifetime)
+    "run-epsilon",  # cumulative over this federation's rows of the site's ledger
     "site-delta",
-    "site-rounds",
+    "site-rounds",  # rounds in the site's whole ledger
     "seeded",
-    "seconds-train",
-    "seconds-basis",
 )
+
+_SPEND = re.compile(r" \| site-epsilon=(\S+) run-epsilon=(\S+) site-rounds=(\d+)$")
+
+
+def spend_suffix(*, site_epsilon: float, run_epsilon: float, site_rounds: int) -> str:
+    """What every refusal reason ends with: the site's spend from its own ledger (never private data)."""
+    return f" | site-epsilon={float(site_epsilon)!r} run-epsilon={float(run_epsilon)!r} site-rounds={int(site_rounds)}"
+
+
+def parse_spend_suffix(reason: str) -> tuple[str, dict[str, float] | None]:
+    """(reason without the suffix, {"site-epsilon", "run-epsilon", "site-rounds"} or None if absent/invalid)."""
+    match = _SPEND.search(reason or "")
+    if match is None:
+        return reason, None
+    try:
+        values = {"site-epsilon": float(match[1]), "run-epsilon": float(match[2]), "site-rounds": float(match[3])}
+    except ValueError:
+        return reason, None
+    if not all(math.isfinite(v) and v >= 0 for v in values.values()):
+        return reason, None
+    return reason[: match.start()], values
 
 
 def _require(rec: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -99,6 +124,10 @@ def _require(rec: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
     if not isinstance(value, kind):
         raise ValueError(f"{what}: {key}={value!r} has type {type(value).__name__}, expected {kind}")
     return value
+
+
+TRAIN_REQUEST_KEYS = ("federation", "round", "site", "sigma", "sample-rate", "steps", "basis-version", "basis-mode",
+                      "fedpose-config")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +144,7 @@ class TrainRequest:
     round: int
     site: str
     sigma: float
+    sample_rate: float  # the q the server planned with: must equal the site's own (P11)
     steps: int
     basis_version: int  # 0: the method does not project
     basis_mode: str
@@ -127,6 +157,8 @@ class TrainRequest:
             raise ValueError(f"train request: round={self.round} and steps={self.steps} must be >= 1")
         if not (self.sigma >= 0 and math.isfinite(self.sigma)):
             raise ValueError(f"train request: sigma={self.sigma!r} must be finite and >= 0")
+        if not (0 < self.sample_rate <= 1):
+            raise ValueError(f"train request: sample_rate={self.sample_rate!r} must be in (0, 1]")
         if self.basis_version < 0:
             raise ValueError(f"train request: basis_version={self.basis_version} must be >= 0")
         if self.basis_mode not in BASIS_MODES:
@@ -141,6 +173,7 @@ class TrainRequest:
                 "round": self.round,
                 "site": self.site,
                 "sigma": float(self.sigma),
+                "sample-rate": float(self.sample_rate),
                 "steps": self.steps,
                 "basis-version": self.basis_version,
                 "basis-mode": self.basis_mode,
@@ -152,6 +185,9 @@ class TrainRequest:
     def from_record(cls, rec: Mapping[str, Any]) -> TrainRequest:
         """Parse and validate; any problem raises ValueError naming the field."""
         what = "train request"
+        unknown = sorted(set(rec) - set(TRAIN_REQUEST_KEYS))
+        if unknown:
+            raise ValueError(f"{what}: unknown field {unknown[0]!r}")
         try:
             data = json.loads(_require(rec, "fedpose-config", str, what))
         except json.JSONDecodeError as err:
@@ -161,6 +197,7 @@ class TrainRequest:
             round=_require(rec, "round", int, what),
             site=_require(rec, "site", str, what),
             sigma=float(_require(rec, "sigma", (int, float), what)),
+            sample_rate=float(_require(rec, "sample-rate", (int, float), what)),
             steps=_require(rec, "steps", int, what),
             basis_version=_require(rec, "basis-version", int, what),
             basis_mode=_require(rec, "basis-mode", str, what),
@@ -170,42 +207,47 @@ class TrainRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class SiteInfo:
-    """A site's answer to the server's query: who it is and what it accepts.
+    """A site's answer to the server's query: what its policy declares public, and its spend so far.
 
-    ``min_sigma`` is the smallest noise multiplier the site accepts for the
-    proposed batch size and local steps (its own derivation, P6); the
-    server plans at least that much. ``epsilon_spent`` is cumulative over the
-    site's whole ledger (all federations).
+    Everything here comes from the site's policy file and its ledger, never
+    from its private data (P10): no n (the sample rate is the policy's own).
+    ``min_sigma`` is the smallest noise multiplier the site accepts (its own
+    derivation, P6); the server plans at least that much. ``epsilon_spent``
+    and ``rounds_done`` are cumulative over the site's whole ledger.
     """
 
     site: str
-    n: int
     epsilon: float
     delta: float
-    max_rounds: int
+    lifetime_rounds: int
+    rounds_per_federation: int
     rounds_done: int
     epsilon_spent: float
     min_sigma: float
+    sample_rate: float
+    steps_per_round: int
+    clip_norm: float
+    psi: str
+    psi_min: float
+    augment: bool
     accountant: str
     methods: tuple[str, ...]
+
+    _KEYS = {
+        "site": ("site", str), "epsilon": ("epsilon", (int, float)), "delta": ("delta", (int, float)),
+        "lifetime_rounds": ("lifetime-rounds", int), "rounds_per_federation": ("rounds-per-federation", int),
+        "rounds_done": ("rounds-done", int), "epsilon_spent": ("epsilon-spent", (int, float)),
+        "min_sigma": ("min-sigma", (int, float)), "sample_rate": ("sample-rate", (int, float)),
+        "steps_per_round": ("steps-per-round", int), "clip_norm": ("clip-norm", (int, float)),
+        "psi": ("psi", str), "psi_min": ("psi-min", (int, float)), "augment": ("augment", bool),
+        "accountant": ("accountant", str),
+    }
 
     def to_record(self) -> Any:
         from flwr.app import ConfigRecord
 
-        return ConfigRecord(
-            {
-                "site": self.site,
-                "n": self.n,
-                "epsilon": float(self.epsilon),
-                "delta": float(self.delta),
-                "max-rounds": self.max_rounds,
-                "rounds-done": self.rounds_done,
-                "epsilon-spent": float(self.epsilon_spent),
-                "min-sigma": float(self.min_sigma),
-                "accountant": self.accountant,
-                "methods": list(self.methods),
-            }
-        )
+        values = {key: getattr(self, name) for name, (key, _) in self._KEYS.items()}
+        return ConfigRecord({**values, "methods": list(self.methods)})
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any]) -> SiteInfo:
@@ -213,19 +255,16 @@ class SiteInfo:
         methods = _require(rec, "methods", list, what)
         if not all(isinstance(m, str) for m in methods):
             raise ValueError(f"{what}: methods must be a list of strings, got {methods!r}")
-        info = cls(
-            site=_require(rec, "site", str, what),
-            n=_require(rec, "n", int, what),
-            epsilon=float(_require(rec, "epsilon", (int, float), what)),
-            delta=float(_require(rec, "delta", (int, float), what)),
-            max_rounds=_require(rec, "max-rounds", int, what),
-            rounds_done=_require(rec, "rounds-done", int, what),
-            epsilon_spent=float(_require(rec, "epsilon-spent", (int, float), what)),
-            min_sigma=float(_require(rec, "min-sigma", (int, float), what)),
-            accountant=_require(rec, "accountant", str, what),
-            methods=tuple(methods),
-        )
-        if info.n < 1 or info.max_rounds < 0 or not info.epsilon > 0 or not 0 < info.delta < 1:
+        values: dict[str, Any] = {}
+        for name, (key, kind) in cls._KEYS.items():
+            value = _require(rec, key, kind, what)
+            values[name] = float(value) if kind == (int, float) else value
+        info = cls(**values, methods=tuple(methods))
+        numbers = (info.epsilon, info.delta, info.epsilon_spent, info.min_sigma, info.sample_rate, info.clip_norm,
+                   info.psi_min)
+        if (not all(math.isfinite(v) for v in numbers) or not info.epsilon > 0 or not 0 < info.delta < 1
+                or not 0 < info.sample_rate <= 1 or info.steps_per_round < 1 or info.lifetime_rounds < 1
+                or info.rounds_per_federation < 1 or info.rounds_done < 0 or info.min_sigma <= 0):
             raise ValueError(f"{what}: implausible values {info}")
         return info
 

@@ -185,23 +185,30 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         model, dataset, method=method, train=cfg.train, privacy=cfg.privacy, sigma=sigma, steps=steps,
         generator=generator, public_basis=public_eval, progress=progress, desc=f"train {method}",
     )
-    epsilon = None
+    epsilon = epsilon_replace = None
+    released = None
     if method in PRIVATE:
-        epsilon = epsilon_spent(
-            [StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)],
-            delta=cfg.privacy.delta,
-            accountant=cfg.privacy.accountant,
-        )
+        ran = StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)
+        epsilon = epsilon_spent([ran], delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
+        # Replacing one record moves the clipped sum by up to 2C: the same mechanism at sigma / 2.
+        epsilon_replace = epsilon_spent([StepRecord(sigma=result.sigma / 2, sample_rate=result.sample_rate,
+                                                    steps=result.steps)],
+                                        delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
+        released = (f"metrics.json and model.pt record the sample rate q = B/n (hence n): released with the model, "
+                    f"n is public and the guarantee is the replace-one-record one, eps={epsilon_replace:.4g}")
+    log.info("ran %d steps on n=%d records, mean Poisson batch %.1f (kept in this log only)", result.steps, n,
+             result.mean_batch)
     psi_name = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if method in ("fdp", "fpdp") else None
     claim = privacy_claim(
         method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
-        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant,
+        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released,
     )
     report, _, _ = evaluate(model, val, progress=progress)
     metrics = {
         "method": method,
         "strategy": cfg.train.strategy,
         "epsilon": epsilon,
+        "epsilon_replace_one": epsilon_replace,
         "target_epsilon": cfg.privacy.epsilon if method in PRIVATE else None,
         "delta": cfg.privacy.delta if method in PRIVATE else None,
         "sigma": result.sigma,
@@ -211,8 +218,6 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": psi_name,
         "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
-        "n": n,
-        "mean_batch": result.mean_batch,
         "seeded": seeded,
         "claim": claim,
         **report,

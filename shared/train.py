@@ -117,6 +117,7 @@ def local_train(
     public_basis: PoseDataset | None = None,
     basis: torch.Tensor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    sample_rate: float | None = None,
     schedule_span: tuple[int, int] | None = None,
     progress: bool = True,
     desc: str = "train",
@@ -133,7 +134,13 @@ def local_train(
     from ``privacy.m`` public samples at the current weights.
     ``schedule_span`` = (offset, total) places these steps in a longer run for
     ``train.schedule`` (a federated site: offset = steps of earlier rounds);
-    default (0, steps).
+    default (0, steps). ``sample_rate``: the Poisson rate q (a site: its
+    policy's, so that nothing released depends on n); default B / n.
+
+    psi sees the canonical crop of each record (no augmentation), so the
+    public gradient depends on x only through psi(x) of the record and its
+    labels (P3), and psi's strength is exactly the stated one; the private
+    batch alone is augmented.
     """
     n = len(private)
     if n == 0:
@@ -141,7 +148,9 @@ def local_train(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = next(model.parameters()).device
-    q = min(1.0, train.batch_size / n)
+    q = min(1.0, train.batch_size / n) if sample_rate is None else float(sample_rate)
+    if not 0 < q <= 1:
+        raise ValueError(f"sample_rate={sample_rate!r} must be in (0, 1]")
     trainable = apply_strategy(model, train.strategy)
     named = dict(model.named_parameters())
     params = [named[name] for name in trainable]
@@ -156,6 +165,7 @@ def local_train(
         chunk_size=privacy.chunk_size,
     )
     psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
+    canonical = private.canonical() if psi is not None else None
     # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
     pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
     if method in PROJECTED and basis is None and public_basis is None:
@@ -183,7 +193,7 @@ def local_train(
         psi_batch = None
         if psi is not None:
             pub_idx = pub_rng.choice(n, size=min(train.public_batch_size, n), replace=False)
-            psi_batch = apply_psi(psi, to_device(private.batch(pub_idx.tolist()), device))
+            psi_batch = apply_psi(psi, to_device(canonical.batch(pub_idx.tolist()), device))
         current = {name: named[name].detach() for name in trainable}
         grads, info = dp_gradient(
             loss_fn,

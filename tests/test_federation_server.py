@@ -9,9 +9,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from server.ledger import Event, ServerLedger, Spend
+from server.ledger import Event, Report, ServerLedger, Spend
 from server.plan import SitePlan, can_afford, plan_site
-from server.run import Reply, fedavg, process_replies
+from server.run import Reply, aggregate, fedavg, process_replies
 from shared.config import config_from_dict
 from shared.federation_messages import (
     ARRAYS,
@@ -31,15 +31,15 @@ SHAPES = {"a.weight": torch.Size([3, 2]), "b.bias": torch.Size([4])}
 
 
 def _plan(site: str, *, sigma: float = 1.2, q: float = 0.2, steps: int = 2, rounds: int = 3, eps: float = 2.0):
-    return SitePlan(site=site, n=40, epsilon=eps, delta=1e-3, sample_rate=q, steps_per_round=steps, rounds=rounds,
+    return SitePlan(site=site, epsilon=eps, delta=1e-3, sample_rate=q, steps_per_round=steps, rounds=rounds,
                     sigma=sigma, accountant="rdp", site_min_sigma=0.0)
 
 
 def _reply(site: str, *, weights: dict | None = None, drop: str | None = None, sigma: float = 1.2,
            site_eps: float = 0.5) -> Reply:
     weights = weights if weights is not None else {k: torch.ones(s) for k, s in SHAPES.items()}
-    metrics = {"num-examples": 40, "sigma": sigma, "sample-rate": 0.2, "steps": 2, "site-epsilon": site_eps,
-               "site-delta": 1e-3, "site-rounds": 1, "seeded": 0, "seconds-train": 1.0, "seconds-basis": 0.0}
+    metrics = {"sigma": sigma, "sample-rate": 0.2, "steps": 2, "site-epsilon": site_eps, "run-epsilon": site_eps,
+               "site-delta": 1e-3, "site-rounds": 1, "seeded": 0}
     assert set(metrics) == set(REPLY_METRICS)
     if drop:
         metrics.pop(drop)
@@ -61,7 +61,7 @@ def test_malformed_replies_are_rejected_never_averaged_and_refusals_mark_the_sit
     ]
     out = process_replies(replies, expected=SHAPES, plans=plans)
     assert out.accepted == ["good"] and len(out.updates) == 1
-    assert torch.equal(out.updates[0][0]["a.weight"], torch.full((3, 2), 3.0))
+    assert torch.equal(out.updates[0]["a.weight"], torch.full((3, 2), 3.0))
     rejected = {e.site for e in out.events if e.kind == "rejected"}
     assert rejected == {"nan", "shape", "nometric"}
     # NaN / wrong-shape replies still describe what ran: that spend is recorded; a reply without
@@ -70,9 +70,57 @@ def test_malformed_replies_are_rejected_never_averaged_and_refusals_mark_the_sit
     assert out.statuses == {"budget": ("exhausted", "would exceed eps"), "noise": ("refused", "sigma too low")}
 
 
-def test_fedavg_weights_by_examples():
-    updates = [({"w": torch.zeros(2)}, 10), ({"w": torch.ones(2)}, 30)]
-    assert torch.allclose(fedavg(updates)["w"], torch.full((2,), 0.75))
+def test_aggregation_is_uniform_and_the_robust_aggregators_bound_one_site():
+    """No site's weight comes from a number it reports (finding 15.4): uniform mean, median, trimmed mean."""
+    updates = [{"w": torch.zeros(2)}, {"w": torch.ones(2)}]
+    assert torch.allclose(fedavg(updates)["w"], torch.full((2,), 0.5))
+    hostile = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.2, 2.2])}, {"w": torch.tensor([1e30, -1e30])}]
+    assert torch.allclose(aggregate(hostile, "median")["w"], torch.tensor([1.2, 2.0]))
+    assert torch.allclose(aggregate(hostile, "trimmed-mean")["w"], torch.tensor([1.2, 2.0]))
+    assert torch.allclose(aggregate(hostile[:2] + [hostile[0]], "median")["w"], torch.tensor([1.0, 2.0]))
+    assert torch.allclose(aggregate(hostile[:2], "median")["w"], torch.tensor([1.1, 2.1]))
+    with pytest.raises(ValueError, match="at least 3"):
+        aggregate(hostile[:2], "trimmed-mean")
+
+
+def test_a_hostile_site_reply_is_rejected_by_the_bounds(tmp_path):
+    """num-examples 10^12, weights of 1e30, site-delta 5: none of them reaches the aggregate (finding 15.4)."""
+    plans = {s: _plan(s) for s in ("huge", "delta", "count", "fine")}
+    global_weights = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    count = _reply("count")
+    count.content["metrics"]["num-examples"] = 10**12  # an extra metric: replies carry exactly REPLY_METRICS
+    delta = _reply("delta")
+    delta.content["metrics"]["site-delta"] = 5.0
+    replies = [_reply("huge", weights={k: torch.full(s, 1e30) for k, s in SHAPES.items()}), delta, count,
+               _reply("fine", weights={k: torch.full(s, 0.1) for k, s in SHAPES.items()})]
+    out = process_replies(replies, expected=SHAPES, plans=plans, global_weights=global_weights, max_update_norm=1.0)
+    assert out.accepted == ["fine"]
+    assert {e.site for e in out.events if e.kind == "rejected"} == {"huge", "delta", "count"}
+    assert {s.site: s.aggregated for s in out.spends} == {"huge": False, "fine": True}  # huge's spend still counts
+
+
+def test_a_refusal_carries_the_site_spend_and_the_run_claim_never_falls_below_it(tmp_path):
+    """Finding 9.1: a site that spent a round the server never saw reports it in its next refusal."""
+    from shared.federation_messages import spend_suffix
+
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    plans = {"a": _plan("a"), "b": _plan("b")}
+    ledger.save_plans(list(plans.values()))
+    one = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=2)], delta=1e-3)
+    out = process_replies([_reply("a", site_eps=one), _reply("b", site_eps=one)], expected=SHAPES, plans=plans)
+    ledger.record_round(1, out.spends, out.events, out.statuses, out.reports)
+    # b trained round 2 and committed it, the server crashed before its reply; after resume b refuses.
+    two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
+    reason = "already took part" + spend_suffix(site_epsilon=two + 0.5, run_epsilon=two, site_rounds=3)
+    out = process_replies([Reply(site="b", error_code=int(RefusalCode.BUDGET), error_reason=reason)],
+                          expected=SHAPES, plans=plans)
+    assert out.reports == [Report(site="b", source="refusal", site_epsilon=two + 0.5, run_epsilon=two, site_rounds=3)]
+    assert out.events[0].reason == "already took part"  # the suffix is parsed off
+    ledger.record_round(2, out.spends, out.events, out.statuses, out.reports)
+    assert ledger.server_epsilon("b") == pytest.approx(one)
+    assert ledger.counted_epsilon("b") == pytest.approx(two)  # never below the site's own ledger
+    assert ledger.site_epsilon("b") == pytest.approx(two + 0.5)  # lifetime, named apart
+    ledger.close()
 
 
 def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupted_spend(tmp_path):
@@ -85,11 +133,12 @@ def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupte
     assert ledger.server_epsilon("s0") == pytest.approx(one, rel=1e-12)
     # Round 2: the site reports more than the server recomputes (it spent elsewhere): the larger counts.
     rows = ledger.record_round(2, [Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=5.0,
-                                         aggregated=True)], [Event(site="s0", kind="rejected", code=0, reason="x")])
+                                         run_epsilon=5.0, aggregated=True)],
+                               [Event(site="s0", kind="rejected", code=0, reason="x")])
     two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
     assert rows[0]["epsilon"] == pytest.approx(two, rel=1e-12) and rows[0]["mismatch"] == 1
     assert ledger.counted_epsilon("s0") == 5.0
-    assert not can_afford(plan, ledger.history("s0"), site_epsilon=ledger.site_epsilon("s0"))
+    assert not can_afford(plan, ledger.history("s0"), site_epsilon=ledger.counted_epsilon("s0"))
 
     snapshot = ledger.snapshot()
     # A 3rd round is committed but the server dies before its checkpoint: on resume the rows
@@ -110,8 +159,9 @@ def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupte
 def test_plan_meets_the_budget_and_stops_sampling_after_it():
     cfg = config_from_dict({"privacy": {"epsilon": 1.0, "delta": 1e-5}, "train": {"batch_size": 32},
                             "federation": {"rounds": 4, "local_steps": 5}})
-    info = SiteInfo(site="s", n=400, epsilon=3.0, delta=1e-5, max_rounds=10, rounds_done=0, epsilon_spent=0.0,
-                    min_sigma=0.5, accountant="rdp", methods=("dpsgd", "proj", "fdp", "fpdp"))
+    info = SiteInfo(site="s", epsilon=3.0, delta=1e-5, lifetime_rounds=10, rounds_per_federation=10, rounds_done=0,
+                    epsilon_spent=0.0, min_sigma=0.5, sample_rate=0.08, steps_per_round=5, clip_norm=1.0, psi="blur",
+                    psi_min=0.06, augment=True, accountant="rdp", methods=("dpsgd", "proj", "fdp", "fpdp"))
     plan = plan_site(info, cfg)
     assert plan.epsilon == 1.0 and plan.rounds == 4 and plan.sample_rate == pytest.approx(0.08)
     history: list[StepRecord] = []
@@ -122,6 +172,10 @@ def test_plan_meets_the_budget_and_stops_sampling_after_it():
     assert not can_afford(plan, history)
     stricter = plan_site(dataclasses.replace(info, min_sigma=50.0), cfg)
     assert stricter.sigma == 50.0  # the site's own minimum wins over the server's calibration
+    # A site whose policy the config cannot satisfy is left out (it would refuse anyway).
+    for change in ({"steps_per_round": 4}, {"clip_norm": 0.5}, {"psi_min": 0.1}, {"augment": False},
+                   {"methods": ("dpsgd",)}):
+        assert plan_site(dataclasses.replace(info, **change), cfg) is None, change
 
 
 def test_basis_travels_as_float16_with_its_version_and_stays_orthonormal():
@@ -156,10 +210,14 @@ def test_basis_is_resent_only_for_a_new_version_or_to_a_site_that_lost_it(tmp_pa
 
 def test_train_request_round_trips_and_rejects_missing_fields():
     cfg = config_from_dict({})
-    request = TrainRequest(federation="f", round=2, site="s", sigma=1.5, steps=3, basis_version=1,
+    request = TrainRequest(federation="f", round=2, site="s", sigma=1.5, sample_rate=0.1, steps=3, basis_version=1,
                            basis_mode="site", config=cfg)
     record = request.to_record()
     assert TrainRequest.from_record(record) == request
+    record["public-hashes"] = ["abc"]  # nothing the site does not know is accepted
+    with pytest.raises(ValueError, match="unknown field 'public-hashes'"):
+        TrainRequest.from_record(record)
+    del record["public-hashes"]
     del record["sigma"]
     with pytest.raises(ValueError, match="sigma"):
         TrainRequest.from_record(record)

@@ -48,22 +48,33 @@ def world(tmp_path_factory):
     return cfg, {k: v.clone() for k, v in model.state_dict().items()}, trainable, p
 
 
-def _policy(cfg, tmp_path: Path, **overrides):
+def _digest(cfg) -> str:
+    from client.site import load_split_dir, public_digest
+
+    return public_digest(load_split_dir(Path(cfg.data.root) / "public", "public set"))
+
+
+def _policy(cfg, tmp_path: Path, *, max_rounds: int = 2, **overrides):
     data = {
-        "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "max_rounds": 2,
+        "policy_version": 2, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": max_rounds,
+        "rounds_per_federation": max_rounds, "sample_rate": _q(cfg), "steps_per_round": 2,
+        "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
+        "augment": cfg.data.augment,
         "data_path": str(Path(cfg.data.root) / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
-        "public_path": str(Path(cfg.data.root) / "public"),
+        "public_path": str(Path(cfg.data.root) / "public"), "public_digest": _digest(cfg),
     }
     data.update(overrides)
     return policy_from_dict(data)
 
 
 def _request(cfg, state, *, sigma: float, steps: int = 1, round: int = 1, method: str = "dpsgd",
-             basis_version: int = 0, basis_mode: str = "broadcast", site: str = "site-0"):
+             basis_version: int = 0, basis_mode: str = "broadcast", site: str = "site-0", federation: str = "fed-test",
+             sample_rate: float | None = None):
     from flwr.app import RecordDict
 
     cfg = replace(cfg, **{"train.method": method})
-    request = TrainRequest(federation="fed-test", round=round, site=site, sigma=sigma, steps=steps,
+    request = TrainRequest(federation=federation, round=round, site=site, sigma=sigma,
+                           sample_rate=_q(cfg) if sample_rate is None else sample_rate, steps=steps,
                            basis_version=basis_version, basis_mode=basis_mode, config=cfg)
     return RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()})
 
@@ -87,11 +98,12 @@ def test_sigma_at_the_derived_minimum_is_accepted_and_below_it_refused(world, tm
     cfg, state, _, _ = world
     policy = _policy(cfg, tmp_path)
     q = _q(cfg)
-    floor = min_sigma_for(policy, sample_rate=q, steps_per_round=1)
-    # The derived minimum spends at most the budget over max_rounds rounds; 1 % less noise spends more.
-    assert epsilon_spent([StepRecord(sigma=floor, sample_rate=q, steps=policy.max_rounds)], delta=policy.delta) <= 2.0
-    assert sigma_shortfall(policy, sigma=floor, sample_rate=q, steps_per_round=1) is None
-    assert sigma_shortfall(policy, sigma=0.99 * floor, sample_rate=q, steps_per_round=1) is not None
+    floor = min_sigma_for(policy)
+    # The derived minimum spends at most the budget over its lifetime rounds; 1 % less noise spends more.
+    lifetime_steps = policy.lifetime_rounds * policy.steps_per_round
+    assert epsilon_spent([StepRecord(sigma=floor, sample_rate=q, steps=lifetime_steps)], delta=policy.delta) <= 2.0
+    assert sigma_shortfall(policy, sigma=floor) is None
+    assert sigma_shortfall(policy, sigma=0.99 * floor) is not None
 
     refusal = _refusal(_request(cfg, state, sigma=0.9 * floor), policy)
     assert refusal.code == RefusalCode.WEAKER_NOISE
@@ -102,7 +114,7 @@ def test_a_round_beyond_the_budget_is_refused_and_the_ledger_is_unchanged(world,
     cfg, state, trainable, _ = world
     policy = _policy(cfg, tmp_path, max_rounds=1)
     q = _q(cfg)
-    sigma = min_sigma_for(policy, sample_rate=q, steps_per_round=1)
+    sigma = min_sigma_for(policy)
 
     reply = handle_train(_request(cfg, state, sigma=sigma), policy)  # the one round it allows
     assert sorted(reply[ARRAYS].keys()) == sorted(trainable)
@@ -122,14 +134,14 @@ def test_a_round_beyond_the_budget_is_refused_and_the_ledger_is_unchanged(world,
     refusal = _refusal(_request(cfg, state, sigma=0.4, steps=2), tight)
     assert refusal.code == RefusalCode.BUDGET
     assert _rows(tight) == []
-    assert site_info(tight, batch_size=cfg.train.batch_size, local_steps=2).rounds_done == 0
+    assert site_info(tight).rounds_done == 0
 
 
 def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     cfg, state, _, p = world
     policy = _policy(cfg, tmp_path)
     k = cfg.privacy.k
-    sigma = min_sigma_for(policy, sample_rate=_q(cfg), steps_per_round=1)
+    sigma = min_sigma_for(policy)
     orthonormal, _ = torch.linalg.qr(torch.randn(p, k, dtype=torch.float64))
 
     content = _request(cfg, state, sigma=sigma, method="proj", basis_version=1)
@@ -145,19 +157,40 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert _rows(policy) == []
 
 
-def test_site_refuses_to_join_when_the_public_set_holds_its_images(world, tmp_path):
-    from shared.data.mpii import load_split
-    from shared.data.records import content_hash
+def test_site_checks_its_public_set_itself_and_refuses_generically_when_it_fails(world, tmp_path):
+    """P2 is the site's own start-up check against the public set its operator approved (finding 8.1)."""
+    import shutil
 
-    cfg, _, _, _ = world
+    from client.site import check_site, site_check
+
+    cfg, state, _, _ = world
     policy = _policy(cfg, tmp_path)
-    public = {content_hash(r.image) for r in load_split(Path(cfg.data.root), "public")}
-    info = site_info(policy, batch_size=8, local_steps=1, public_hashes=sorted(public))
-    assert info.n == 40 and info.rounds_done == 0
-    leaked = content_hash(load_split(Path(cfg.data.root), "site-0")[3].image)  # one private image made public
+    assert len(check_site(policy).private) == 40
+    info = site_info(policy)
+    assert info.rounds_done == 0 and not hasattr(info, "n")  # n is never released (P10)
+
+    # A public copy holding one private image: its digest no longer matches what the operator approved ...
+    public = tmp_path / "public-copy"
+    shutil.copytree(Path(cfg.data.root) / "public", public)
+    private_image = Path(cfg.data.root) / "site-0" / "images"
+    first = sorted(private_image.iterdir())[0]
+    victim = sorted((public / "images").iterdir())[0]
+    shutil.copyfile(first, victim)
+    with pytest.raises(ValueError, match="digest"):
+        check_site(_policy(cfg, tmp_path, public_path=str(public)))
+    # ... and approving that set anyway is still refused: it is not disjoint from the private data.
+    from client.site import load_split_dir, public_digest
+
+    approved = _policy(cfg, tmp_path, public_path=str(public),
+                       public_digest=public_digest(load_split_dir(public, "public")))
+    with pytest.raises(ValueError, match="private images"):
+        check_site(approved)
+    # The server only ever sees one generic answer, whatever it sent.
     with pytest.raises(Refusal) as refused:
-        site_info(policy, batch_size=8, local_steps=1, public_hashes=sorted(public | {leaked}))
-    assert refused.value.code == RefusalCode.PUBLIC_OVERLAP
+        site_check(approved)
+    assert refused.value.code == RefusalCode.MISCONFIGURED and "private" not in refused.value.reason
+    assert _refusal(_request(cfg, state, sigma=min_sigma_for(approved)), approved).code == RefusalCode.MISCONFIGURED
+    assert _rows(approved) == []
 
 
 def test_policy_file_is_validated(world, tmp_path):
@@ -166,8 +199,10 @@ def test_policy_file_is_validated(world, tmp_path):
     path = write_policy(tmp_path / "policy.yaml", policy)
     assert load_policy(path) == policy
     text = path.read_text()
-    for bad, needle in ((text + "epsilom: 1.0\n", "epsilom"), (text.replace("max_rounds: 2", "max_rounds: two"),
-                        "max_rounds"), (text.replace("delta: 0.001", "delta: 2.0"), "delta")):
+    for bad, needle in ((text + "epsilom: 1.0\n", "epsilom"),
+                        (text.replace("lifetime_rounds: 2", "lifetime_rounds: two"), "lifetime_rounds"),
+                        (text.replace("delta: 0.001", "delta: 2.0"), "delta"),
+                        (text.replace("policy_version: 2\n", ""), "policy version 2.*sample_rate.*psi_min")):
         path.write_text(bad)
         with pytest.raises(ValueError, match=needle):
             load_policy(path)
@@ -193,8 +228,8 @@ policy = load_policy(sys.argv[2])
 sigma, steps = float(sys.argv[3]), int(sys.argv[4])
 state = initial_model(cfg, progress=False).state_dict()
 for rnd in range(int(sys.argv[5]), int(sys.argv[6]) + 1):
-    request = TrainRequest(federation="fed-kill", round=rnd, site=policy.site, sigma=sigma, steps=steps,
-                           basis_version=0, basis_mode="broadcast", config=cfg)
+    request = TrainRequest(federation="fed-kill", round=rnd, site=policy.site, sigma=sigma,
+                           sample_rate=policy.sample_rate, steps=steps, basis_version=0, basis_mode="broadcast", config=cfg)
     print("start", rnd, flush=True)
     handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
     print("done", rnd, flush=True)
@@ -223,7 +258,7 @@ def test_site_killed_mid_round_keeps_a_consistent_ledger(world, tmp_path):
     policy = _policy(cfg, tmp_path, max_rounds=10, epsilon=8.0)
     policy_path = write_policy(tmp_path / "policy.yaml", policy)
     steps = 2
-    sigma = min_sigma_for(policy, sample_rate=_q(cfg), steps_per_round=steps)
+    sigma = min_sigma_for(policy)
     db = Path(policy.ledger_path)
     env = flower_env(tmp_path / "flwr-home")
     args = [sys.executable, "-c", CHILD, str(config_path), str(policy_path), repr(sigma), str(steps)]

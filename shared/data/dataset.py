@@ -119,6 +119,12 @@ class PoseDataset(Dataset):
             "index": torch.tensor(int(index), dtype=torch.int64),
         }
 
+    def canonical(self) -> PoseDataset:
+        """The same records without augmentation (sharing the decoded-image cache): each record's canonical crop."""
+        view = PoseDataset(self.records, input_size=self.input_size, augment=None, cache_images=self.cache_images)
+        view._cache = self._cache
+        return view
+
     def batch(self, indices: Sequence[int]) -> dict[str, Tensor]:
         """Items at ``indices`` stacked; an empty list gives correctly shaped empty tensors."""
         if len(indices) == 0:

@@ -25,12 +25,15 @@ def privacy_claim(
     psi: str | None,
     seeded: bool,
     accountant: str,
+    released: str | None = None,
 ) -> str:
     """One honest sentence (or a few) describing the guarantee of a finished run.
 
     ``epsilon`` is the accountant's value for the history that actually ran
     (the max over sites for a federation); ``psi`` is the feature map's
     description (required for fdp/fpdp). ``seeded`` appends the P7 warning.
+    ``released`` names what else the run releases beside the model (P10),
+    and how that bears on the adjacency; it is appended as given.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
@@ -60,6 +63,8 @@ def privacy_claim(
             text = f"record-level {budget}-DP {mechanism}"
         if method in PROJECTED_METHODS:
             text += "; the projection basis is computed from public data only"
+    if released and method != "nonprivate":
+        text += f"; {released}"
     if seeded:
         text += "; seeded noise: not for production"
     return text

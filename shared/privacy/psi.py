@@ -195,3 +195,21 @@ def apply_psi(psi: FeatureMap, batch: Mapping[str, Tensor]) -> PsiBatch:
     tensors = {name: value for name, value in batch.items() if name != IMAGE_KEY}
     tensors[IMAGE_KEY] = mapped
     return PsiBatch(tensors=MappingProxyType(tensors), psi_name=psi.name)
+
+
+PSI_KINDS = ("blur", "pixelate")
+
+
+def psi_strength(kind: str, param: float, input_size: tuple[int, int]) -> float:
+    """psi's strength as a fraction of min(H, W) of the model input (larger is stronger).
+
+    A site pins a minimum in its policy (``psi_min``, P11). ``kind`` and
+    ``param`` as in the config: blur's ``param`` already is the blur sigma as
+    that fraction; pixelate's is the block side in input pixels (whole pixels
+    count, as ``make_psi`` uses them).
+    """
+    if kind == "blur":
+        return float(param)
+    if kind == "pixelate":
+        return float(int(param)) / float(min(input_size))
+    raise ValueError(f"psi={kind!r} is not one of {PSI_KINDS}")
