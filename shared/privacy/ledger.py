@@ -79,7 +79,7 @@ def transaction(conn: sqlite3.Connection, *, what: str = "ledger",
     then raises ``LedgerBusy``.
     """
     deadline = time.monotonic() + wait
-    conn.execute(f"PRAGMA busy_timeout = {int(1000 * min(_LOCK_SLICE, max(wait, 0.0)))}")
+    conn.execute("PRAGMA busy_timeout = 0")  # first try without blocking, so that a wait is always announced
     announced = False
     while True:
         try:
@@ -93,8 +93,9 @@ def transaction(conn: sqlite3.Connection, *, what: str = "ledger",
                 raise LedgerBusy(f"{what} is locked by another process (a round in progress?) and stayed locked "
                                  f"for {wait:.0f} s; try again when it is done") from err
             if not announced:
-                log.warning("%s is locked by another process; waiting up to %.0f s more", what, left)
+                log.warning("%s is locked by another process; waiting up to %.0f s", what, left)
                 announced = True
+            conn.execute(f"PRAGMA busy_timeout = {int(1000 * min(_LOCK_SLICE, left))}")
     try:
         yield conn
     except BaseException:

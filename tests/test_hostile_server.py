@@ -1,0 +1,101 @@
+"""A malicious server against a real site (Flower simulation, real ClientApp, real SQLite ledger).
+
+``tests/hostile_server.py`` sends every attack of the threat model (DESIGN.md section 4b,
+invariants P10-P12) to a site whose policy pins fpdp. For each attack the site must refuse
+with a typed error, train nothing, and leave its ledger's content unchanged; a membership
+probe with a private image's hash must get exactly the reply a random hash gets; a reply
+must carry exactly the reply metrics (no n, no timings).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from federation_support import REPO, flower_env, prepare_world, world_root
+from shared.config import dump_config, replace
+from shared.federation_messages import REPLY_METRICS, RefusalCode, parse_spend_suffix
+
+pytestmark = pytest.mark.slow
+
+EXPECTED = {
+    "psi-weaker": RefusalCode.POLICY,
+    "psi-kind": RefusalCode.POLICY,
+    "augment-switch": RefusalCode.POLICY,
+    "lower-sigma": RefusalCode.WEAKER_NOISE,
+    "larger-q": RefusalCode.POLICY,
+    "more-steps": RefusalCode.POLICY,
+    "method-nonprivate": RefusalCode.POLICY,
+    "method-dpsgd": RefusalCode.POLICY,
+    "method-fdp": RefusalCode.POLICY,
+    "clip-double": RefusalCode.POLICY,
+    "basis-shape": RefusalCode.BAD_BASIS,
+    "basis-not-orthonormal": RefusalCode.BAD_BASIS,
+    "basis-nan": RefusalCode.BAD_BASIS,
+    "weights-nan": RefusalCode.BAD_REQUEST,
+    "weights-oversized": RefusalCode.BAD_REQUEST,
+    "weights-extra-tensor": RefusalCode.BAD_REQUEST,
+    "unknown-field": RefusalCode.BAD_REQUEST,
+    "other-site": RefusalCode.BAD_REQUEST,
+    "replay-1": RefusalCode.ALREADY_SPENT,
+    "round-beyond-policy": RefusalCode.BUDGET,
+}
+
+
+@pytest.fixture(scope="module")
+def attacks(tmp_path_factory):
+    root = world_root(tmp_path_factory)
+    cfg = prepare_world(root)
+    tmp = tmp_path_factory.mktemp("hostile")
+    cfg = replace(cfg, **{"federation.out": str(tmp / "out")})
+    config_path = tmp / "config.yaml"
+    dump_config(cfg, config_path)
+    results = tmp / "attacks.json"
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "hostile_server.py"), str(config_path),
+                          str(tmp / "out"), str(results)], cwd=REPO, env=flower_env(tmp / "flwr-home"),
+                         capture_output=True, text=True, timeout=600)
+    assert results.is_file(), run.stdout[-3000:] + run.stderr[-6000:]
+    log = {entry["name"]: entry for entry in json.loads(results.read_text())}
+    assert "round-beyond-policy" in log, run.stderr[-6000:]
+    return cfg, log
+
+
+def test_every_attack_is_refused_with_nothing_trained_and_the_ledger_unchanged(attacks):
+    _, log = attacks
+    for name, code in EXPECTED.items():
+        entry = log[name]
+        assert entry["code"] == int(code), (name, entry.get("code"), entry.get("reason"))
+        assert entry["rows_after"] == entry["rows_before"], name  # byte-identical content: nothing spent
+    assert [r["round"] for r in log["honest-2"]["rows_after"]] == [1, 2]
+
+
+def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):
+    _, log = attacks
+    private, random = log["probe-private-hash"], log["probe-random-hash"]
+    assert private["code"] == random["code"] == int(RefusalCode.BAD_REQUEST)
+    assert private["reason"] == random["reason"]
+    assert private["rows_after"] == private["rows_before"] == []
+
+
+def test_replies_carry_the_dp_update_and_the_declared_spend_only(attacks):
+    cfg, log = attacks
+    for name in ("honest-1", "honest-2"):
+        entry = log[name]
+        assert entry["code"] is None and entry["keys"] == ["arrays", "metrics"], entry
+        assert set(entry["metrics"]) == set(REPLY_METRICS)  # no n, no timings, nothing else (P10)
+    info = log["query"]["info"]
+    assert "n" not in info and info["sample-rate"] == pytest.approx(cfg.train.batch_size / cfg.data.synth.per_site)
+    rows = log["honest-2"]["rows_after"]
+    # P12: each row records what ran: the pinned method and psi; the seed never came from the server.
+    assert {r["method"] for r in rows} == {"fpdp"}
+    assert {r["psi"] for r in rows} == {f"blur({cfg.privacy.psi_param:g})"}
+    # Every refusal carries the site's spend from its own ledger; no refusal text names n or a path.
+    for name in EXPECTED:
+        reason, spend = parse_spend_suffix(log[name]["reason"])
+        assert spend is not None, name
+        assert spend["site-rounds"] == len(log[name]["rows_before"]), name
+        assert str(cfg.data.root) not in reason and "/" not in reason.replace("n/a", ""), (name, reason)
