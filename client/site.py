@@ -433,6 +433,53 @@ def load_weights(content: Any, model: torch.nn.Module) -> None:
     model.load_state_dict(tensors, strict=True)
 
 
+def _reply_path(policy: SitePolicy, federation: str, round: int) -> Path:
+    return Path(policy.ledger_path).parent / "replies" / f"{federation}-r{int(round)}.pt"
+
+
+def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[str, torch.Tensor],
+                metrics: dict[str, float | int]) -> None:
+    """Keep the latest reply of a federation (atomic), so that a repeated round gets it back unchanged.
+
+    It is DP output already released (post-processing); only the latest round of each federation is kept.
+    """
+    path = _reply_path(policy, federation, round)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, tmp)
+    tmp.replace(path)
+    for old in path.parent.glob(f"{federation}-r*.pt"):
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
+def stored_reply(policy: SitePolicy, federation: str, round: int) -> Any:
+    """The reply this site sent for (federation, round), or None when it is not kept."""
+    from flwr.app import MetricRecord, RecordDict
+
+    path = _reply_path(policy, federation, round)
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        weights, metrics = saved["weights"], saved["metrics"]
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        log.error("site %s: stored reply %s is unreadable (%s): answering 'already spent'", policy.site, path, err)
+        return None
+    return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})
+
+
+def repeated_round(policy: SitePolicy, federation: str, round: int) -> Any:
+    """The stored reply of a (federation, round) already spent, or an ALREADY_SPENT refusal: never a second spend."""
+    reply = stored_reply(policy, federation, round)
+    if reply is not None:
+        log.info("site %s: round %d of federation %s was already spent: resending its stored reply", policy.site,
+                 round, federation)
+        return reply
+    raise Refusal(RefusalCode.ALREADY_SPENT, f"round {round} of federation {federation} was already trained and "
+                                             "spent here; it is never trained twice")
+
+
 def psi_description(cfg: Config) -> str:
     return f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})"
 
@@ -450,6 +497,9 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     method = cfg.train.method
     check_request(request, policy)
     checked = site_check(policy)
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        if any(r["federation"] == request.federation and r["round"] == request.round for r in ledger.rows()):
+            return repeated_round(policy, request.federation, request.round)
 
     device = select_device(cfg.train.device)
     model = build_model(cfg.model, cfg.data.input_size)
@@ -464,7 +514,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     mechanism = Mechanism(method=method, psi=psi_description(cfg) if method in WITH_PSI else None,
                           clip_norm=policy.clip_norm, augment=policy.augment)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
-        if open_round.has_round(request.federation, request.round):
+        if open_round.has_round(request.federation, request.round):  # a concurrent duplicate won the lock
             raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} was "
                                                      "already trained and spent here; it is never trained twice")
         if open_round.rounds_done >= policy.lifetime_rounds:
@@ -500,7 +550,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
              "eps spent %.4f of %.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,
              result.mean_batch, result.seconds, seconds_basis, eps, policy.epsilon)
     named = dict(model.named_parameters())
-    metrics = MetricRecord({
+    metrics = {
         "sigma": float(result.sigma),
         "sample-rate": float(result.sample_rate),
         "steps": int(result.steps),
@@ -509,6 +559,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         "site-delta": float(policy.delta),
         "site-rounds": int(rounds_done),
         "seeded": int(seeded),
-    })
-    return RecordDict({ARRAYS: weights_record({k: named[k] for k in trainable}), METRICS: metrics})
+    }
+    weights = {k: named[k] for k in trainable}
+    store_reply(policy, request.federation, request.round, weights, metrics)
+    return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})
 

@@ -82,7 +82,13 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
             if reply.has_error():
                 entry.update(code=int(reply.error.code), reason=str(reply.error.reason))
             else:
-                entry.update(code=None, keys=sorted(reply.content.keys()),
+                import hashlib
+
+                digest = hashlib.sha256()
+                if ARRAYS in reply.content.array_records:
+                    for key, array in sorted(reply.content[ARRAYS].items()):
+                        digest.update(key.encode() + np.ascontiguousarray(array.numpy()).tobytes())
+                entry.update(code=None, keys=sorted(reply.content.keys()), weights_digest=digest.hexdigest(),
                              metrics=dict(reply.content[METRICS]) if METRICS in reply.content.metric_records else {},
                              info=dict(reply.content["info"]) if "info" in reply.content.config_records else {})
             log.append(entry)

@@ -66,7 +66,9 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
     data = Path(cfg.data.root)
     for i in range(2):
         _fedpose("site-policy", "--out", str(tmp_path / f"site-{i}" / "policy.yaml"), "--site", f"site-{i}",
-                 "--epsilon", "2.0", "--delta", "1e-3", "--max-rounds", "2", "--data-path", str(data / f"site-{i}"),
+                 "--epsilon", "2.0", "--delta", "1e-3", "--lifetime-rounds", "2", "--data-path", str(data / f"site-{i}"),
+                 "--sample-rate", repr(cfg.train.batch_size / cfg.data.synth.per_site),
+                 "--steps-per-round", str(cfg.federation.local_steps), "--psi-min", repr(cfg.privacy.psi_param),
                  "--public-path", str(data / "public"))
 
     link, ports = free_port(), [free_port() for _ in range(3)]
@@ -90,8 +92,7 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
             assert reg.returncode == 0 and json.loads(reg.stdout)["success"], reg.stdout + reg.stderr
 
         for i in (0, 1):
-            node_config = (f"site-policy='{tmp_path / f'site-{i}' / 'policy.yaml'}' "
-                           f"data-path='{data / f'site-{i}'}'")
+            node_config = f"site-policy='{tmp_path / f'site-{i}' / 'policy.yaml'}'"
             procs.append(start([
                 bin_path("flower-supernode"), "--root-certificates", str(certs / "ca.crt"),
                 "--superlink", f"127.0.0.1:{link}", "--auth-supernode-private-key", str(certs / f"node-{i + 1}"),

@@ -41,7 +41,6 @@ EXPECTED = {
     "weights-extra-tensor": RefusalCode.BAD_REQUEST,
     "unknown-field": RefusalCode.BAD_REQUEST,
     "other-site": RefusalCode.BAD_REQUEST,
-    "replay-1": RefusalCode.ALREADY_SPENT,
     "round-beyond-policy": RefusalCode.BUDGET,
 }
 
@@ -71,6 +70,12 @@ def test_every_attack_is_refused_with_nothing_trained_and_the_ledger_unchanged(a
         assert entry["code"] == int(code), (name, entry.get("code"), entry.get("reason"))
         assert entry["rows_after"] == entry["rows_before"], name  # byte-identical content: nothing spent
     assert [r["round"] for r in log["honest-2"]["rows_after"]] == [1, 2]
+    # A replayed round gets the stored reply back, bit for bit: no second training, no second spend, no new
+    # noise to difference against (findings 8.6 and 9.2).
+    replay = log["replay-1"]
+    assert replay["code"] is None and replay["metrics"] == log["honest-1"]["metrics"]
+    assert replay["weights_digest"] == log["honest-1"]["weights_digest"]
+    assert replay["rows_after"] == replay["rows_before"]
 
 
 def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):
