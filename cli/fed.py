@@ -189,6 +189,17 @@ def ledger_rows(path: Path) -> tuple[str, list[dict[str, Any]]]:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
+    if args.reconcile:
+        from shared.privacy.reconcile import reconcile
+
+        server_db, *site_dbs = args.reconcile
+        if not site_dbs:
+            raise ValueError("ledger --reconcile: give the server ledger, then one or more site ledgers")
+        result = reconcile(server_db, site_dbs)
+        print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(result.lines()))
+        return 0 if result.ok else 1
+    if not args.db:
+        raise ValueError("ledger: give --db FILE, or --reconcile SERVER_DB SITE_DB...")
     kind, rows = ledger_rows(Path(args.db))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -307,6 +318,12 @@ def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: boo
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
+    from cli.provision import _inside_git_tree
+
+    repo = _inside_git_tree(Path(args.out).expanduser().resolve())
+    if repo is not None:
+        raise ValueError(f"{args.out} is inside the git work tree {repo}: private keys must never be written there; "
+                         "choose a folder outside any repository (or use `fedpose provision`)")
     hosts = args.host or ["localhost", "127.0.0.1", "::1"]
     written = make_certs(Path(args.out), nodes=args.nodes, hosts=hosts, days=args.days, force=args.force)
     print(f"wrote {len(written)} files to {args.out}: CA (ca.crt, ca.key), server certificate for {', '.join(hosts)} "
@@ -385,7 +402,10 @@ def register(sub: Any) -> None:
     sim.set_defaults(func=cmd_simulate)
 
     led = sub.add_parser("ledger", help="privacy spend per site and round from a server or site ledger")
-    led.add_argument("--db", required=True, help="ledger.sqlite (server) or a site's ledger")
+    led.add_argument("--db", default=None, help="ledger.sqlite (server) or a site's ledger")
+    led.add_argument("--reconcile", nargs="+", metavar="DB", default=None,
+                     help="SERVER_DB SITE_DB...: print every difference; exit 1 if the server's claim is below a "
+                          "site's own ledger")
     led.add_argument("--json", action="store_true", help="print a JSON list of rows")
     led.add_argument("--verbose", action="store_true", help="debug logging")
     led.set_defaults(func=cmd_ledger)

@@ -1,0 +1,142 @@
+"""Compare a server ledger with site ledgers: every difference, and whether the claim under-reports (P5, P6).
+
+``fedpose ledger --reconcile SERVER_DB SITE_DB...``. The server's ledger holds, per
+site and round, what the site reported it ran and the epsilon the server counts for
+this federation; each site's own ledger holds what it actually spent, in every
+federation. For the server's federation (``meta.federation``) this lists rounds a site
+spent that the server never recorded (a crash between the site's commit and its reply),
+rounds the server recorded that the site does not have, rounds whose (sigma, q, steps)
+differ, and compares the epsilon the server counts with the site's own. Only the last
+decides ``ok``: the server's counted epsilon must never be below a site's own.
+
+Both files are opened read-only; nothing is changed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.privacy.accountant import StepRecord, epsilon_spent
+
+TOLERANCE = 1e-9
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    if not Path(path).is_file():
+        raise ValueError(f"ledger {path} does not exist")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        conn.row_factory = sqlite3.Row
+        conn.execute("SELECT name FROM sqlite_master").fetchall()
+    except sqlite3.DatabaseError as err:
+        raise ValueError(f"{path} is not an SQLite ledger: {err}") from err
+    return conn
+
+
+@dataclass
+class SiteReconciliation:
+    site: str
+    site_db: str
+    only_at_site: list[int] = field(default_factory=list)  # rounds the site spent, unknown to the server
+    only_at_server: list[int] = field(default_factory=list)  # rounds the server recorded, absent at the site
+    differing: list[dict[str, Any]] = field(default_factory=list)
+    server_counted: float = 0.0
+    site_run: float = 0.0  # the site's epsilon over this federation, from its own rows
+    site_lifetime: float = 0.0
+
+    @property
+    def under_reported(self) -> bool:
+        return self.server_counted < self.site_run - TOLERANCE * max(1.0, self.site_run)
+
+
+@dataclass
+class Reconciliation:
+    federation: str
+    sites: list[SiteReconciliation]
+
+    @property
+    def ok(self) -> bool:
+        return not any(s.under_reported for s in self.sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"federation": self.federation, "ok": self.ok,
+                "sites": [{**s.__dict__, "under_reported": s.under_reported} for s in self.sites]}
+
+    def lines(self) -> list[str]:
+        out = [f"federation {self.federation}:"]
+        for s in self.sites:
+            verdict = "UNDER-REPORTED" if s.under_reported else "ok"
+            out.append(f"  {s.site} ({s.site_db}): server counts run eps {s.server_counted:.4f}, the site's own run "
+                       f"eps {s.site_run:.4f}, lifetime {s.site_lifetime:.4f}: {verdict}")
+            for round in s.only_at_site:
+                out.append(f"    round {round}: spent at the site, not in the server ledger (counted only through "
+                           "the site's reports)")
+            for round in s.only_at_server:
+                out.append(f"    round {round}: in the server ledger, not in the site's ledger")
+            for d in s.differing:
+                out.append(f"    round {d['round']}: server recorded {d['server']}, the site ran {d['site']}")
+        out.append("reconciled: the server's claim is never below a site's own ledger" if self.ok else
+                   "NOT reconciled: the server's claim is below a site's own ledger for the sites marked above")
+        return out
+
+
+def reconcile(server_db: str | Path, site_dbs: list[str | Path]) -> Reconciliation:
+    """Compare ``server_db`` with each of ``site_dbs`` (the sites are named by their own ledgers)."""
+    server = _open(Path(server_db))
+    try:
+        tables = {r[0] for r in server.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "sites" not in tables:
+            raise ValueError(f"{server_db} is not a server ledger (no 'sites' table)")
+        row = server.execute("SELECT value FROM meta WHERE key = 'federation'").fetchone()
+        if row is None:
+            raise ValueError(f"{server_db} records no federation id")
+        federation = str(row[0])
+        plans = {r["site"]: dict(r) for r in server.execute("SELECT * FROM sites")}
+        server_rows = [dict(r) for r in server.execute("SELECT * FROM spend ORDER BY id")]
+        reports = [dict(r) for r in server.execute("SELECT * FROM reports ORDER BY id")] if "reports" in tables else []
+    finally:
+        server.close()
+    results = []
+    for db in site_dbs:
+        conn = _open(Path(db))
+        try:
+            rows = [dict(r) for r in conn.execute("SELECT * FROM spend ORDER BY id")]
+            meta = {r[0]: r[1] for r in conn.execute("SELECT key, value FROM meta")} if "meta" in {
+                r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")} else {}
+        except sqlite3.DatabaseError as err:
+            raise ValueError(f"{db} is not a fedpose site ledger: {err}") from err
+        finally:
+            conn.close()
+        names = {meta["site"]} if "site" in meta else {r["site"] for r in rows}
+        if len(names) != 1:
+            raise ValueError(f"{db}: cannot tell which site it belongs to ({sorted(names)})")
+        site = names.pop()
+        if site not in plans:
+            raise ValueError(f"{db} belongs to site {site!r}, which is not in the server ledger "
+                             f"(sites: {sorted(plans)})")
+        plan = plans[site]
+        mine = {r["round"]: r for r in rows if r["federation"] == federation}
+        theirs = {r["round"]: r for r in server_rows if r["site"] == site}
+        result = SiteReconciliation(site=site, site_db=str(db))
+        result.only_at_site = sorted(set(mine) - set(theirs))
+        result.only_at_server = sorted(set(theirs) - set(mine))
+        for round in sorted(set(mine) & set(theirs)):
+            a = tuple(theirs[round][k] for k in ("sigma", "sample_rate", "steps"))
+            b = tuple(mine[round][k] for k in ("sigma", "sample_rate", "steps"))
+            if a != b:
+                result.differing.append({"round": round, "server": a, "site": b})
+
+        def eps(records: list[dict[str, Any]], delta: float) -> float:
+            history = [StepRecord(sigma=r["sigma"], sample_rate=r["sample_rate"], steps=r["steps"]) for r in records]
+            return epsilon_spent(history, delta=delta, accountant=plan["accountant"]) if history else 0.0
+
+        counted = [r["counted_epsilon"] for r in server_rows if r["site"] == site]
+        counted += [r["run_epsilon"] for r in reports if r["site"] == site]
+        result.server_counted = max([eps(list(theirs.values()), plan["delta"]), *counted], default=0.0)
+        result.site_run = eps(list(mine.values()), plan["delta"])
+        result.site_lifetime = eps(rows, plan["delta"])
+        results.append(result)
+    return Reconciliation(federation=federation, sites=results)

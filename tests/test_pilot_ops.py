@@ -1,0 +1,125 @@
+"""Pilot operations (issue #9): ledger reconciliation, provisioning kits, policy files as people write them."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.ledger import Mechanism, SiteLedger
+from federation_support import REPO
+from server.ledger import Report, ServerLedger, Spend
+from server.plan import SitePlan
+from shared.privacy.accountant import StepRecord, epsilon_spent
+from shared.privacy.reconcile import reconcile
+
+MECH = Mechanism(method="fpdp", psi="blur(0.06)", clip_norm=1.0, augment=True)
+
+
+def _site_ledger(path: Path, site: str, rounds: list[int], federation: str) -> None:
+    with SiteLedger(path, site=site) as ledger:
+        for r in rounds:
+            with ledger.round() as open_round:
+                open_round.record(site=site, federation=federation, round=r, sigma=1.2, sample_rate=0.2, steps=2,
+                                  delta=1e-3, budget=5.0, accountant="rdp", mechanism=MECH)
+
+
+def _server_ledger(path: Path, sites: list[str], rounds: int, *, reports: dict[str, float] | None = None) -> str:
+    ledger = ServerLedger(path)
+    ledger.set_meta("federation", "fed1")
+    ledger.save_plans([SitePlan(site=s, epsilon=5.0, delta=1e-3, sample_rate=0.2, steps_per_round=2, rounds=3,
+                                sigma=1.2, accountant="rdp", site_min_sigma=1.0) for s in sites])
+    for r in range(1, rounds + 1):
+        ledger.record_round(r, [Spend(site=s, sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None,
+                                      aggregated=True) for s in sites], [])
+    for site, eps in (reports or {}).items():
+        ledger.record_round(rounds + 1, [], [], None, [Report(site=site, source="refusal", site_epsilon=eps,
+                                                               run_epsilon=eps, site_rounds=rounds + 1)])
+    ledger.close()
+    return "fed1"
+
+
+def test_reconcile_finds_a_round_the_server_never_saw_and_flags_under_reporting(tmp_path):
+    """The SuperLink crash of issue #9: site B committed round 2, the server recorded round 1 only."""
+    server = tmp_path / "server.sqlite"
+    _server_ledger(server, ["a", "b"], rounds=1)
+    _site_ledger(tmp_path / "a.sqlite", "a", [1], "fed1")
+    _site_ledger(tmp_path / "b.sqlite", "b", [1, 2], "fed1")
+    _site_ledger(tmp_path / "b.sqlite", "b", [1], "an-earlier-federation")  # lifetime, not this run
+    result = reconcile(server, [tmp_path / "a.sqlite", tmp_path / "b.sqlite"])
+    a, b = result.sites
+    assert not a.under_reported and a.only_at_site == [] and a.only_at_server == []
+    two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
+    assert b.only_at_site == [2] and b.site_run == pytest.approx(two) and b.under_reported
+    assert b.site_lifetime > b.site_run
+    assert not result.ok and any("UNDER-REPORTED" in line for line in result.lines())
+    # The CLI prints it and fails.
+    run = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--reconcile", str(server),
+                          str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "round 2: spent at the site" in run.stdout, run.stdout + run.stderr
+
+    # Once B's refusal reported its spend, the server's claim covers it: reconciled.
+    server2 = tmp_path / "server2.sqlite"
+    _server_ledger(server2, ["a", "b"], rounds=1, reports={"b": two})
+    result = reconcile(server2, [tmp_path / "a.sqlite", tmp_path / "b.sqlite"])
+    assert result.ok and result.sites[1].only_at_site == [2]
+    run = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--reconcile", str(server2),
+                          str(tmp_path / "b.sqlite"), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and json.loads(run.stdout)["ok"] is True
+
+
+def test_reconcile_refuses_a_site_ledger_of_an_unknown_site(tmp_path):
+    server = tmp_path / "server.sqlite"
+    _server_ledger(server, ["a"], rounds=1)
+    _site_ledger(tmp_path / "z.sqlite", "z", [1], "fed1")
+    with pytest.raises(ValueError, match="not in the server ledger"):
+        reconcile(server, [tmp_path / "z.sqlite"])
+    with pytest.raises(ValueError, match="does not exist"):
+        reconcile(server, [tmp_path / "missing.sqlite"])
+
+
+def test_provision_writes_private_kits_with_0600_keys_and_refuses_a_git_tree(tmp_path):
+    from cli.provision import provision
+    from shared.config import config_from_dict
+
+    cfg = config_from_dict({})
+    kits = provision(tmp_path / "kits", sites=["hospital-a", "hospital-b"], hosts=["server.example.org"], port=8000,
+                     cfg=cfg)
+    assert set(kits) == {"server", "hospital-a", "hospital-b"}
+    for site in ("hospital-a", "hospital-b"):
+        kit = kits[site]
+        assert sorted(p.name for p in kit.iterdir()) == ["README.txt", "ca.crt", "fedpose-supernode.service",
+                                                         "node.key", "node.key.pub", "policy.yaml",
+                                                         "start-supernode.sh"]
+        assert stat.S_IMODE((kit / "node.key").stat().st_mode) == 0o600
+        assert "server.example.org:8000" in (kit / "start-supernode.sh").read_text()
+        text = (kit / "policy.yaml").read_text()
+        assert f"site: {site}" in text and f"steps_per_round: {cfg.federation.local_steps}" in text
+        assert f"batch size {cfg.train.batch_size} / n" in text
+    server = kits["server"]
+    for key in ("ca.key", "server.key"):
+        assert stat.S_IMODE((server / key).stat().st_mode) == 0o600
+    assert not list(server.glob("node-*"))  # no site's private key stays with the server
+    assert "--name hospital-b" in (server / "register-sites.sh").read_text()
+    # Each site's key pair is its own and matches its public half.
+    assert (kits["hospital-a"] / "node.key.pub").read_text() != (kits["hospital-b"] / "node.key.pub").read_text()
+
+    with pytest.raises(ValueError, match="git work tree"):
+        provision(REPO / "runs" / "kits-test", sites=["a"], hosts=["x"], port=8000, cfg=cfg)
+    with pytest.raises(ValueError, match="not empty"):
+        provision(tmp_path / "kits", sites=["a"], hosts=["x"], port=8000, cfg=cfg)
+    with pytest.raises(ValueError, match="distinct"):
+        provision(tmp_path / "kits2", sites=["a", "a"], hosts=["x"], port=8000, cfg=cfg)
+    assert not (REPO / "runs" / "kits-test").exists()
+
+
+def test_fedpose_certs_refuses_to_write_keys_into_the_repository(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "cli.main", "certs", "--out", str(REPO / "certs-test"), "--nodes", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "git work tree" in run.stderr
+    assert not (REPO / "certs-test").exists()
