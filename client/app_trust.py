@@ -19,12 +19,13 @@ installed or imported:
       -> flower-superexec -> ``flwr-clientapp`` (found on PATH)
            = the site's shim (``fedpose site start`` puts it first on PATH)
            -> ``python -m client.app_trust --approved FILE -- <flwr-clientapp args>``
-              -> Flower's run_clientapp, whose task input is checked here first
+              -> Flower's run_clientapp: the pulled FAB is checked, and an unapproved
+              one is refused in place of ``install_from_fab``
 
 The code that checks is the site's installed fedpose, not the submitted
 bundle: the bundle is only unpacked and imported after ``check_fab`` passed.
-A refused bundle gets Flower's generic error reply (LOAD_CLIENT_APP_EXCEPTION
-style), nothing is trained and the site ledger is not touched.
+A refused bundle gets Flower's generic error reply (CLIENT_APP_RAISED_EXCEPTION,
+naming the refused digest), nothing is trained and the site ledger is not touched.
 """
 
 from __future__ import annotations
@@ -105,15 +106,38 @@ def check_fab(fab_hash: str, content: bytes, approved: frozenset[str]) -> str:
     return digest
 
 
-def gated_pull(pull: Callable[[Any], tuple[Any, Any, Any, Any]], approved: frozenset[str]) -> Callable[[Any], Any]:
-    """Wrap Flower's ``pull_task_input`` so that an unapproved FAB raises before it is installed or loaded."""
+def install_gate(runtime: Any, approved: frozenset[str]) -> None:
+    """Gate Flower's ClientApp runner (module ``flwr.supernode.runtime.run_clientapp``) in this process.
+
+    ``run_clientapp`` pulls the task input (message, context, run, FAB), then
+    calls ``install_from_fab`` and only then imports the ClientApp. The check
+    runs on the pulled FAB and the refusal is raised from ``install_from_fab``:
+    by then Flower holds the message and context, so it sends its generic error
+    reply (the server learns at once that this site refused) and the bundle is
+    never unpacked or imported. Raising earlier would leave Flower without a
+    message to reply to, and the server would wait for its timeout.
+    """
+    pull, install = runtime.pull_task_input, runtime.install_from_fab
+    verdict: dict[str, Any] = {}
 
     def pull_checked(client: Any) -> tuple[Any, Any, Any, Any]:
         message, context, run, fab = pull(client)
-        check_fab(fab.hash_str, fab.content, approved)
+        verdict.clear()
+        try:
+            verdict["digest"] = check_fab(fab.hash_str, fab.content, approved)
+        except UnapprovedAppError as err:
+            verdict["refused"] = err
         return message, context, run, fab
 
-    return pull_checked
+    def install_checked(content: bytes, *args: Any, **kwargs: Any) -> Any:
+        if "refused" in verdict:
+            raise verdict["refused"]
+        if hashlib.sha256(content).hexdigest() != verdict.get("digest"):
+            raise UnapprovedAppError("app bundle to install is not the one checked against the approved list: refused")
+        return install(content, *args, **kwargs)
+
+    runtime.pull_task_input = pull_checked
+    runtime.install_from_fab = install_checked
 
 
 def run_gate(argv: Sequence[str]) -> None:
@@ -134,7 +158,7 @@ def run_gate(argv: Sequence[str]) -> None:
     import flwr.supernode.runtime.run_clientapp as runtime
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
-    runtime.pull_task_input = gated_pull(runtime.pull_task_input, approved)
+    install_gate(runtime, approved)
     # The approved bundle must be loaded from its own directory, not from the site's installed package
     # this gate was imported from: forget the site's ``client`` modules (the closure above keeps the check).
     for name in [m for m in sys.modules if m == "client" or m.startswith("client.")]:

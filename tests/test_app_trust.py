@@ -21,7 +21,7 @@ from client.app_trust import (
     UnapprovedAppError,
     check_fab,
     fab_digest,
-    gated_pull,
+    install_gate,
     load_approved,
     parse_approved,
     write_shim,
@@ -54,20 +54,36 @@ def test_check_fab_recomputes_the_digest():
         check_fab(A, b"bundle b", approved)
 
 
-def test_gate_checks_before_flower_installs_or_loads_the_bundle():
-    fab = SimpleNamespace(hash_str=B, content=b"bundle b")
-    pulled = gated_pull(lambda client: ("msg", "ctx", "run", fab), frozenset({A}))
-    with pytest.raises(UnapprovedAppError):
-        pulled(None)
-    ok = SimpleNamespace(hash_str=A, content=b"bundle a")
-    assert gated_pull(lambda client: ("m", "c", "r", ok), frozenset({A}))(None)[3] is ok
-    # The gate replaces Flower's pull_task_input, which run_clientapp calls by its module-global name before
-    # install_from_fab and the ClientApp import: if a Flower upgrade moves this, the gate must move too.
+def test_gate_refuses_at_install_after_flower_holds_the_message():
+    """Unapproved: refused in place of install_from_fab (so Flower can still reply); approved: installed."""
+    installed: list[bytes] = []
+
+    def runtime_with(fab):
+        return SimpleNamespace(pull_task_input=lambda client: ("msg", "ctx", "run", fab),
+                               install_from_fab=lambda content, **kw: installed.append(content))
+
+    rt = runtime_with(SimpleNamespace(hash_str=B, content=b"bundle b"))
+    install_gate(rt, frozenset({A}))
+    message, context, _, fab = rt.pull_task_input(None)  # Flower gets the message and context to reply to
+    assert (message, context) == ("msg", "ctx")
+    with pytest.raises(UnapprovedAppError, match="not approved"):
+        rt.install_from_fab(fab.content, skip_prompt=True)
+    rt = runtime_with(SimpleNamespace(hash_str=A, content=b"bundle a"))
+    install_gate(rt, frozenset({A}))
+    fab = rt.pull_task_input(None)[3]
+    with pytest.raises(UnapprovedAppError, match="not the one checked"):
+        rt.install_from_fab(b"bundle b", skip_prompt=True)
+    rt.install_from_fab(fab.content, skip_prompt=True)
+    assert installed == [b"bundle a"]
+    # The gate replaces names that Flower's run_clientapp looks up as module globals, in this order: pull the
+    # task input (message and context bound), install the FAB, load the ClientApp. If a Flower upgrade changes
+    # this, the gate must change too.
     import flwr.supernode.runtime.run_clientapp as runtime
 
+    assert callable(runtime.pull_task_input) and callable(runtime.install_from_fab)
     source = inspect.getsource(runtime.run_clientapp)
-    assert source.index("pull_task_input(client)") < source.index("install_from_fab(") < source.index(
-        "load_client_app_fn(")
+    assert source.index("message, context, run, fab = pull_task_input(client)") < source.index(
+        "install_from_fab(fab.content") < source.index("load_client_app_fn(")
 
 
 def test_digest_of_the_app_directory_is_the_hash_of_flwr_build(tmp_path):
