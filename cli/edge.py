@@ -109,6 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_frames=args.max_frames,
         write_video=args.video,
         show=args.show,
+        overlay=args.overlay,
         pixelize=pix[0] if pix else None,
         pixelize_color=pix[1] if pix else False,
         score_threshold=args.threshold,
@@ -121,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         report = run_pipeline(runtime, source, options)
     print(report.summary())
     if report.claim:
-        print("privacy of the published frames:")
+        print("privacy of the published outputs:")
         print(report.claim)
     if report.frames == 0:
         raise RuntimeError(f"no frame could be read from {args.source}")
@@ -329,7 +330,11 @@ def register(subparsers: Any) -> None:
     rn.add_argument("--roi", default=None, help="x,y,w,h region where the person is (e.g. the bed)")
     rn.add_argument("--max-frames", type=int, default=None)
     rn.add_argument("--pixelize", default=None, help="publish DP pixelized frames: eps=..,b=..,m=..,n=..[,color=1]")
-    rn.add_argument("--video", action="store_true", help="write annotated.mp4 (skeleton over the published frame)")
+    rn.add_argument("--video", action="store_true",
+                    help="write annotated.mp4: skeleton over the raw frame; with --pixelize the pixelized frames only")
+    rn.add_argument("--overlay", action="store_true",
+                    help="with --pixelize: draw the raw frame's skeleton and box over the published video/--show "
+                         "frames (NOT protected; named in the printed claim)")
     rn.add_argument("--show", action="store_true", help="display frames (needs OpenCV with GUI support)")
     rn.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default=None,
                     help="default: from the model file suffix")

@@ -3,11 +3,14 @@
     FrameSource (OpenCV, reconnects) -> BoxTracker (ROI, then previous keypoints)
       -> preprocess -> runtime.infer -> postprocess -> keypoints.jsonl
       [-> DP pixelization of the frame, body mask from the keypoints -> pixelized/*.npz]
-      [-> annotated video: skeleton over the raw frame, or over the pixelized one]
+      [-> annotated video: skeleton over the raw frame; with pixelization the
+          pixelized frame alone, or with ``overlay`` the skeleton drawn over it]
 
 Frames never leave the device: what is written is keypoints, and, with
 ``pixelize``, only the DP-pixelized release (the raw frame is never saved
-then, not even in the annotated video).
+then, not even in the annotated video). keypoints.jsonl and any overlay are
+computed from the raw frames and are not covered by the pixelization
+guarantee: ``release_claim`` names every output a run wrote (DESIGN 4b).
 
 The person box follows rtmlib's PoseTracker idea without a detector: the
 configured ROI (e.g. the bed) on the first frame, afterwards the padded box
@@ -394,6 +397,9 @@ class PipelineOptions:
     max_frames: int | None = None
     write_video: bool = False
     show: bool = False
+    # With pixelize: draw the raw frame's skeleton and person box over the published (video/--show) frames.
+    # Off by default: the overlay releases raw-derived keypoints in the video; the claim names it when on.
+    overlay: bool = False
     pixelize: Any = None  # edge.pixelize.PixelizeSpec or None
     pixelize_color: bool = False
     score_threshold: float = 0.05
@@ -426,6 +432,7 @@ class PipelineReport:
     keypoints_path: Path | None = None
     video_path: Path | None = None
     pixelized_dir: Path | None = None
+    overlay: bool = False
     claim: str | None = None
 
     @property
@@ -506,7 +513,11 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                     published, empty = _pixelize_frame(frame, kps[0], scores[0], options, rng, report.pixelized_dir, index)
                     report.empty_masks += int(empty)
                 if options.write_video or options.show:
-                    annotated = draw_skeleton(published, kps[0], scores[0], threshold=options.score_threshold, box=box)
+                    if options.pixelize is None or options.overlay:
+                        annotated = draw_skeleton(published, kps[0], scores[0], threshold=options.score_threshold,
+                                                  box=box)
+                    else:
+                        annotated = published  # the DP release alone: nothing from the raw frame drawn on it
                     if options.write_video:
                         if writer is None:
                             report.video_path = out_dir / VIDEO_FILE
@@ -530,12 +541,63 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
     report.reconnects = source.reconnects
     report.source_lost = source.lost
     report.track_lost = tracker.lost_count
+    report.overlay = options.overlay and options.pixelize is not None
     if options.pixelize is not None:
-        from edge.pixelize import pixelize_claim
-
-        report.claim = pixelize_claim(options.pixelize, mask_source="keypoints", frames=max(1, report.frames))
+        report.claim = release_claim(
+            options.pixelize,
+            frames=max(1, report.frames),
+            keypoints_file=report.keypoints_path.name if report.keypoints_path else None,
+            video_file=report.video_path.name if report.video_path else None,
+            shown=options.show,
+            overlay=options.overlay,
+        )
     log.info("pipeline done: %d frames, %.1f FPS", report.frames, report.fps)
     return report
+
+
+def release_claim(
+    spec: Any,
+    *,
+    frames: int,
+    keypoints_file: str | None,
+    video_file: str | None,
+    shown: bool = False,
+    overlay: bool = False,
+) -> str:
+    """The printed edge claim of a pixelized run: the DP statement, then every output the run released.
+
+    DESIGN 4b: the camera viewer may learn only what this lists. The pixelized
+    frames are covered by ``pixelize_claim`` (eps per frame, F*eps over the
+    clip, the region mask NOT protected); everything else written is computed
+    from the raw frames and is named here as NOT protected by that guarantee.
+    """
+    from edge.pixelize import pixelize_claim
+
+    lines = [
+        pixelize_claim(spec, mask_source="keypoints", frames=frames),
+        "Released by this run (a viewer of these outputs may learn all of it):",
+        f"- {PIXELIZED_DIR}/frame_*.npz: the DP-pixelized frames (noisy cell means, {spec.eps:g}-DP per frame, "
+        f"{frames * spec.eps:g} over F={frames} frames) and the cell layout, i.e. the region mask, which is "
+        "derived from the raw frame's keypoints and NOT protected.",
+    ]
+    if keypoints_file:
+        lines.append(
+            f"- {keypoints_file}: per frame the 16 keypoints (x, y, score), the person box and its source, "
+            "timestamps and latency, computed from the raw frames: NOT protected by the pixelization guarantee "
+            "(no DP at all)."
+        )
+    for what, name in (("video", video_file), ("display (--show)", "window" if shown else None)):
+        if not name:
+            continue
+        label = name if what == "video" else "the --show window"
+        if overlay:
+            lines.append(
+                f"- {label}: the pixelized frames with the skeleton and person box from the raw frames drawn over "
+                "them (--overlay): the overlay is NOT protected by the pixelization guarantee."
+            )
+        else:
+            lines.append(f"- {label}: the pixelized frames only, no overlay (same guarantee as the frames).")
+    return "\n".join(lines)
 
 
 def _external_box(

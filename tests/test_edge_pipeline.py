@@ -585,3 +585,84 @@ def test_cli_rejects_bad_arguments(random_onnx, clip, tmp_path, capsys):
         assert "fedpose[tensorrt]" in err.err
     assert parse_pixelize("eps=0.5,b=16,m=16,n=4,color=1")[1] is True
     assert sidecar_path("a/b.mp4") == Path("a/b.mp4.json")
+
+
+# ---------------------------------------------------------------------------
+# what a pixelized run releases (issue #8, finding 8.8)
+# ---------------------------------------------------------------------------
+
+
+def _decode(path: Path) -> list[np.ndarray]:
+    cap = cv2.VideoCapture(str(path))
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(frame)
+    cap.release()
+    return frames
+
+
+def _encode_like_the_pipeline(frames: list[np.ndarray], path: Path) -> list[np.ndarray]:
+    """Write frames with the pipeline's codec settings and decode them again (mp4v is deterministic)."""
+    h, w = frames[0].shape[:2]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 25.0, (w, h))
+    for f in frames:
+        writer.write(f if f.ndim == 3 else cv2.cvtColor(f, cv2.COLOR_GRAY2BGR))
+    writer.release()
+    return _decode(path)
+
+
+def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_every_output(lights, tmp_path, capsys):
+    """Threat model 4b: the camera viewer learns only what the printed edge claim lists.
+
+    By default the published video is exactly the DP pixelization of each frame (nothing drawn from the
+    raw frame's keypoints over it); the claim names keypoints.jsonl, annotated.mp4 and the region mask as
+    derived from the raw frames and NOT protected. An explicit --overlay draws the skeleton, and then the
+    claim says so.
+    """
+    from edge.pixelize import load_npz
+
+    frames = 8
+    run_dir = tmp_path / "run"
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+                     str(run_dir), "--roi", "20,20,70,90", "--video", "--pixelize", "eps=1,b=8,m=8,n=2", "--seed", "0",
+                     "--max-frames", str(frames)])
+    out = capsys.readouterr().out
+    assert code == 0
+    renders = [load_npz(p).render() for p in sorted((run_dir / "pixelized").glob("*.npz"))]
+    assert len(renders) == frames
+    published = _decode(run_dir / "annotated.mp4")
+    expected = _encode_like_the_pipeline(renders, tmp_path / "expected.mp4")
+    assert len(published) == len(expected) == frames
+    for got, want in zip(published, expected):
+        assert np.array_equal(got, want)  # the pixelization of the frame, with no overlay
+
+    claim = out[out.index("DP pixelization"):]
+    for name in ("keypoints.jsonl", "annotated.mp4", "region mask", "pixelized"):
+        assert name in claim, name
+    assert f"F={frames}" in claim and "eps" in claim
+    kp_line = next(line for line in claim.splitlines() if "keypoints.jsonl" in line)
+    assert "raw" in kp_line and "NOT protected" in kp_line
+    video_line = next(line for line in claim.splitlines() if "annotated.mp4" in line)
+    assert "no overlay" in video_line
+
+    # --overlay: the skeleton drawn from the raw frame's keypoints is released, and the claim names it.
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+                     str(tmp_path / "overlay"), "--roi", "20,20,70,90", "--video", "--overlay", "--pixelize",
+                     "eps=1,b=8,m=8,n=2", "--seed", "0", "--max-frames", str(frames)])
+    out = capsys.readouterr().out
+    assert code == 0
+    video_line = next(line for line in out[out.index("DP pixelization"):].splitlines() if "annotated.mp4" in line)
+    assert "skeleton" in video_line and "NOT protected" in video_line
+    drawn = _decode(tmp_path / "overlay" / "annotated.mp4")
+    assert any(not np.array_equal(a, b) for a, b in zip(drawn, expected))
+
+    # Without --video nothing names a video that was not written.
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+                     str(tmp_path / "novideo"), "--roi", "20,20,70,90", "--pixelize", "eps=1,b=8,m=8,n=2",
+                     "--seed", "0", "--max-frames", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "annotated.mp4" not in out[out.index("DP pixelization"):]
+    assert "keypoints.jsonl" in out[out.index("DP pixelization"):]

@@ -2,15 +2,23 @@
 registered SuperNodes (one per site, each with its own policy file) running 2 rounds via
 ``flwr run``, and a SuperNode with an unregistered key that is refused.
 
+The site SuperNodes are started with ``fedpose site start`` (client/app_trust.py): they run the
+approved bundle (this repository, approved with ``fedpose site approve``) and refuse a bundle the
+operator altered (issue #8, finding 8.9): its ClientApp is never imported, the site ledgers stay
+as they were.
+
 Everything binds 127.0.0.1; every process is started in its own session and stopped by
 process group in ``finally``; every wait is bounded.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import ssl
 import subprocess
+import sys
+import zipfile
 import urllib.request
 from pathlib import Path
 
@@ -54,6 +62,38 @@ def _flwr(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> s
                           timeout=timeout)
 
 
+def _hostile_bundle(dst: Path, marker: Path) -> Path:
+    """This app with a ClientApp that ignores the site's policy and leaves ``marker`` if it is ever imported."""
+    from flwr.cli.build import build_fab_from_disk
+
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(REPO))) as fab:
+        for name in fab.namelist():
+            if not name.startswith(".info/"):
+                (dst / name).parent.mkdir(parents=True, exist_ok=True)
+                (dst / name).write_bytes(fab.read(name))
+    (dst / "client" / "client_app.py").write_text(
+        "from pathlib import Path\n"
+        "from flwr.app import Message, RecordDict\n"
+        "from flwr.clientapp import ClientApp\n"
+        f"Path({str(marker)!r}).write_text('hostile ClientApp imported')\n"
+        "app = ClientApp()\n\n"
+        "@app.query()\n"
+        "def query(msg, context):\n"
+        "    return Message(RecordDict(), reply_to=msg)  # would train without any policy check\n"
+    )
+    return dst
+
+
+def _site_rows(path: Path) -> list[tuple]:
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT * FROM spend ORDER BY id").fetchall()
+    finally:
+        db.close()
+
+
 def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: Path, tmp_path_factory) -> None:
     # Broadcast V, refreshed every 2 rounds: sent in round 1, cached by the sites for round 2.
     cfg = prepare_world(world_root(tmp_path_factory), rounds=2, federation={"local_steps": 1, "basis_mode": "broadcast"},
@@ -70,6 +110,8 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
                  "--sample-rate", repr(cfg.train.batch_size / cfg.data.synth.per_site),
                  "--steps-per-round", str(cfg.federation.local_steps), "--psi-min", repr(cfg.privacy.psi_param),
                  "--public-path", str(data / "public"))
+        # The hospital approves the bundle it reviewed (here: this repository, exactly as `flwr run` builds it).
+        _fedpose("site", "approve", "--bundle", str(REPO), "--approved", str(tmp_path / f"site-{i}" / "approved.txt"))
 
     link, ports = free_port(), [free_port() for _ in range(3)]
     procs: list[subprocess.Popen] = []
@@ -94,7 +136,9 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
         for i in (0, 1):
             node_config = f"site-policy='{tmp_path / f'site-{i}' / 'policy.yaml'}'"
             procs.append(start([
-                bin_path("flower-supernode"), "--root-certificates", str(certs / "ca.crt"),
+                sys.executable, "-m", "cli.main", "site", "start",
+                "--approved", str(tmp_path / f"site-{i}" / "approved.txt"), "--",
+                "--root-certificates", str(certs / "ca.crt"),
                 "--superlink", f"127.0.0.1:{link}", "--auth-supernode-private-key", str(certs / f"node-{i + 1}"),
                 "--node-config", node_config, "--host", "127.0.0.1", "--port", str(ports[i]),
                 "--max-retries", "3", "--max-wait-time", "30",
@@ -124,14 +168,36 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
             ls = _flwr("ls", "pilot", "--run-id", str(run_id), "--format", "json", env=env, cwd=tmp_path)
             return ls.returncode == 0 and json.loads(ls.stdout)["runs"][0]["status"].startswith("finished")
 
+        def finished_any(rid: int) -> bool:
+            ls = _flwr("ls", "pilot", "--run-id", str(rid), "--format", "json", env=env, cwd=tmp_path)
+            return ls.returncode == 0 and json.loads(ls.stdout)["runs"][0]["status"].startswith("finished")
+
         wait_for(finished, 420, "the federation run to finish", poll=2.0)
         ls = _flwr("ls", "pilot", "--run-id", str(run_id), "--format", "json", env=env, cwd=tmp_path)
         status = json.loads(ls.stdout)["runs"][0]["status"]
         if status != "finished:completed":
             log = _flwr("log", str(run_id), "pilot", "--show", env=env, cwd=tmp_path)
             pytest.fail(f"run status {status}:\n{log.stdout[-6000:]}")
+
+        # The operator submits an altered bundle to the same SuperNodes: both sites refuse to run it.
+        ledgers = {i: _site_rows(tmp_path / f"site-{i}" / "ledger.sqlite") for i in (0, 1)}
+        marker = tmp_path / "hostile-ran"
+        hostile = _hostile_bundle(tmp_path / "hostile-app", marker)
+        run = _flwr("run", str(hostile), "pilot", "--format", "json",
+                    "--run-config", f"config='{config_path}' out='{tmp_path / 'out-hostile'}'", env=env, cwd=tmp_path,
+                    timeout=180)
+        assert run.returncode == 0, run.stdout + run.stderr
+        run_id = json.loads(run.stdout)["run-id"]
+        wait_for(lambda: finished_any(run_id), 240, "the hostile run to end", poll=2.0)
+        ls = _flwr("ls", "pilot", "--run-id", str(run_id), "--format", "json", env=env, cwd=tmp_path)
+        assert json.loads(ls.stdout)["runs"][0]["status"] != "finished:completed"
     finally:
         stop(*procs)
+
+    assert not marker.exists()  # the altered ClientApp was never imported at either site
+    for i in (0, 1):
+        assert _site_rows(tmp_path / f"site-{i}" / "ledger.sqlite") == ledgers[i]
+        assert "is not approved by this site" in (tmp_path / f"supernode-{i}.log").read_text()
 
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]

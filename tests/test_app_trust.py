@@ -1,0 +1,131 @@
+"""The site's app-bundle gate (client/app_trust.py, ``fedpose site approve|start``): issue #8, finding 8.9.
+
+The end-to-end check (a real SuperLink and SuperNodes refusing an unapproved
+bundle and running the approved one) is in tests/test_federation_deploy.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cli.main import main as cli_main
+from client.app_trust import (
+    UnapprovedAppError,
+    check_fab,
+    fab_digest,
+    install_gate,
+    load_approved,
+    parse_approved,
+    write_shim,
+)
+from federation_support import REPO, bin_path
+
+A = hashlib.sha256(b"bundle a").hexdigest()
+B = hashlib.sha256(b"bundle b").hexdigest()
+
+
+def test_approved_file_format(tmp_path):
+    text = f"# reviewed by the DPO\n{A}  # fedpose 0.1.0\n\n{B.upper()}\n"
+    assert parse_approved(text) == {A, B}
+    with pytest.raises(ValueError, match="line 2"):
+        parse_approved(f"{A}\nnot-a-digest\n")
+    with pytest.raises(FileNotFoundError):
+        load_approved(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match="lists no digest"):
+        load_approved(tmp_path / "empty.txt")
+
+
+def test_check_fab_recomputes_the_digest():
+    approved = frozenset({A})
+    assert check_fab(A, b"bundle a", approved) == A
+    with pytest.raises(UnapprovedAppError, match="not approved"):
+        check_fab(B, b"bundle b", approved)
+    # A hostile SuperLink cannot relabel other content with an approved hash.
+    with pytest.raises(UnapprovedAppError, match="does not match"):
+        check_fab(A, b"bundle b", approved)
+
+
+def test_gate_refuses_at_install_after_flower_holds_the_message():
+    """Unapproved: refused in place of install_from_fab (so Flower can still reply); approved: installed."""
+    installed: list[bytes] = []
+
+    def runtime_with(fab):
+        return SimpleNamespace(pull_task_input=lambda client: ("msg", "ctx", "run", fab),
+                               install_from_fab=lambda content, **kw: installed.append(content))
+
+    rt = runtime_with(SimpleNamespace(hash_str=B, content=b"bundle b"))
+    install_gate(rt, frozenset({A}))
+    message, context, _, fab = rt.pull_task_input(None)  # Flower gets the message and context to reply to
+    assert (message, context) == ("msg", "ctx")
+    with pytest.raises(UnapprovedAppError, match="not approved"):
+        rt.install_from_fab(fab.content, skip_prompt=True)
+    rt = runtime_with(SimpleNamespace(hash_str=A, content=b"bundle a"))
+    install_gate(rt, frozenset({A}))
+    fab = rt.pull_task_input(None)[3]
+    with pytest.raises(UnapprovedAppError, match="not the one checked"):
+        rt.install_from_fab(b"bundle b", skip_prompt=True)
+    rt.install_from_fab(fab.content, skip_prompt=True)
+    assert installed == [b"bundle a"]
+    # The gate replaces names that Flower's run_clientapp looks up as module globals, in this order: pull the
+    # task input (message and context bound), install the FAB, load the ClientApp. If a Flower upgrade changes
+    # this, the gate must change too.
+    import flwr.supernode.runtime.run_clientapp as runtime
+
+    assert callable(runtime.pull_task_input) and callable(runtime.install_from_fab)
+    source = inspect.getsource(runtime.run_clientapp)
+    assert source.index("message, context, run, fab = pull_task_input(client)") < source.index(
+        "install_from_fab(fab.content") < source.index("load_client_app_fn(")
+
+
+def test_digest_of_the_app_directory_is_the_hash_of_flwr_build(tmp_path):
+    """What a hospital approves (fab_digest of the reviewed source) is exactly what Flower builds and submits."""
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "home"), FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_UPDATE_CHECK="1")
+    done = subprocess.run([bin_path("flwr"), "build", "--app", str(REPO)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (fab,) = tmp_path.glob("*.fab")
+    digest = fab_digest(fab)
+    assert digest == hashlib.sha256(fab.read_bytes()).hexdigest()
+    assert fab.name.split(".")[-2] == digest[:8]  # Flower's file name carries the hash prefix
+    assert fab_digest(REPO) == digest
+
+
+def test_cli_approve_and_start_arguments(tmp_path, capsys):
+    bundle = tmp_path / "app.fab"
+    bundle.write_bytes(b"bundle a")
+    approved = tmp_path / "site" / "approved-apps.txt"
+    assert cli_main(["site", "approve", "--bundle", str(bundle), "--approved", str(approved), "--note",
+                     "fedpose 0.1.0 reviewed"]) == 0
+    assert cli_main(["site", "approve", "--bundle", str(bundle), "--approved", str(approved)]) == 0
+    assert "already approved" in capsys.readouterr().out
+    assert load_approved(approved) == {A}
+    assert approved.read_text() == f"{A}  # fedpose 0.1.0 reviewed\n"
+    # The gate only covers ClientApps the SuperNode starts itself.
+    assert cli_main(["site", "start", "--approved", str(approved), "--", "--isolation", "process"]) == 2
+    assert "--isolation subprocess" in capsys.readouterr().err
+    assert cli_main(["site", "start", "--approved", str(tmp_path / "none.txt"), "--", "--insecure"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_shim_runs_flowers_clientapp_through_the_gate(tmp_path):
+    approved = tmp_path / "approved.txt"
+    approved.write_text(f"{A}\n")
+    shim = write_shim(tmp_path / "gate-bin", approved=approved)
+    assert shim.name == "flwr-clientapp" and os.access(shim, os.X_OK)
+    assert str(approved.resolve()) in shim.read_text() and sys.executable in shim.read_text()
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
+    done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--runtime-api-address" in done.stdout, done.stdout + done.stderr
+    approved.write_text("# emptied\n")
+    done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "lists no digest" in done.stderr
