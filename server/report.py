@@ -66,12 +66,15 @@ def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: 
         colour = colours[i % len(colours)]
         xs = [0] + [r["round"] for r in records if site in r["epsilon"]]
         ys = [0.0] + [r["epsilon"][site] for r in records if site in r["epsilon"]]
-        ax2.plot(xs, ys, marker="o", color=colour, label=site)
+        ax2.plot(xs, ys, marker="o", color=colour, label=f"{site} (this run)")
+        lifetime = [(r["round"], r["epsilon_lifetime"][site]) for r in records if site in r.get("epsilon_lifetime", {})]
+        if lifetime and lifetime[-1][1] > ys[-1] + 1e-9:  # the site had spent in earlier federations
+            ax2.plot(*zip(*lifetime), linestyle=":", marker=".", color=colour, label=f"{site} (lifetime)")
         if site in budgets:
             ax2.axhline(budgets[site], color=colour, linestyle="--", linewidth=1)
     ax2.set_xlabel("round")
     ax2.set_ylabel("epsilon spent (cumulative)")
-    ax2.set_title("privacy spent per site (dashed: budget)")
+    ax2.set_title("privacy spent per site (dashed: budget; dotted: lifetime)")
     ax2.grid(alpha=0.3)
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -108,18 +111,19 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
             f"{spent.get('epsilon_lifetime', 0):.4f} | {spent.get('status', '')} |"
         )
     lines += ["", "## Rounds", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
-              + " | MB down | MB up | s train | s basis | s aggregate |",
-              "|---" * (7 + len(plans)) + "|"]
+              + " | missed / offline | MB down | MB up | s round | s server basis | s aggregate |",
+              "|---" * (8 + len(plans)) + "|"]
     for r in records:
         eps = " | ".join(f"{r['epsilon'].get(s, 0):.4f}" for s in sorted(plans))
         down = sum(r["bytes_down"].values()) / 1e6
         up = sum(r["bytes_up"].values()) / 1e6
         sec = r["seconds"]
-        lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {down:.2f} | {up:.2f} | "
+        absent = ", ".join(sorted(set(r.get("missed", [])) | set(r.get("offline", [])))) or "-"
+        lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {absent} | {down:.2f} | {up:.2f} | "
                      f"{sec['train']:.1f} | {sec['basis']:.1f} | {sec['aggregation']:.2f} |")
     lines += ["", f"![PCKh and privacy per round]({plot})", ""]
     if events:
-        lines += ["## Refusals and rejected replies", "", "| round | site | kind | code | reason |",
+        lines += ["## Refusals, rejected replies, missed rounds and resumes", "", "| round | site | kind | code | reason |",
                   "|---|---|---|---|---|"]
         for e in events:
             reason = str(e["reason"]).replace("|", "/").replace("\n", " ")[:200]

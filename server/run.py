@@ -48,7 +48,14 @@ FEDERATION_RELEASE = ("the server sees each site's DP-noised weights and what it
                       "(sample rate, steps, clip, psi, budget, spend); never n, timings or anything else that "
                       "depends on private data; sites are averaged uniformly")
 
-QUERY_TIMEOUT = 300.0  # seconds for the sites' first answer (includes ClientApp start-up)
+QUERY_TIMEOUT = 300.0
+
+
+def _node_unavailable() -> int:
+    """Flower's error code for a node that did not answer (also what ``exchange`` gives a missing reply)."""
+    from flwr.common.constant import ErrorCode
+
+    return int(ErrorCode.NODE_UNAVAILABLE)  # seconds for the sites' first answer (includes ClientApp start-up)
 
 
 @dataclass
@@ -86,7 +93,7 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
     for r in replies:
         if r.error_code is not None:
             code = r.error_code
-            kind = "refused" if code >= 1000 else "error"
+            kind = "refused" if code >= 1000 else "missed" if code == _node_unavailable() else "error"
             reason, spend = parse_spend_suffix(r.error_reason)
             if spend is not None:
                 out.reports.append(Report(site=r.site, source="refusal", site_epsilon=spend["site-epsilon"],
@@ -225,6 +232,7 @@ def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: 
     msgs = [Message(content, dst_node_id=nodes[site], message_type=MessageType.TRAIN, group_id=str(round))
             for site, content in contents.items()]
     replies = []
+    t0 = time.monotonic()
     for m in grid.send_and_receive(msgs, timeout=timeout):
         site = by_node.get(m.metadata.src_node_id)
         if site is None:
@@ -235,11 +243,34 @@ def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: 
         else:
             replies.append(Reply(site=site, content=m.content, bytes_up=payload_bytes(m.content)))
     answered = {r.site for r in replies}
+    elapsed = time.monotonic() - t0
+    online = set(grid.get_node_ids())
     for site in contents:
         if site not in answered:
-            replies.append(Reply(site=site, error_code=int(ErrorCode.NODE_UNAVAILABLE),
-                                 error_reason=f"no reply within {timeout:.0f} s"))
+            if nodes[site] not in online:
+                cause = f"its SuperNode went offline (no reply after {elapsed:.0f} s); it is asked again when it is back"
+            elif elapsed < timeout - 1:
+                cause = f"no reply after {elapsed:.0f} s: its message expired or the node restarted mid-round"
+            else:
+                cause = f"no reply within the round timeout of {timeout:.0f} s"
+            replies.append(Reply(site=site, error_code=int(ErrorCode.NODE_UNAVAILABLE), error_reason=cause))
     return replies
+
+
+def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], cfg: Config) -> list[str]:
+    """Map sites to the nodes connected now: a site that came back (same or new node id) is asked again.
+
+    Returns the planned sites whose node is offline this round.
+    """
+    online = set(grid.get_node_ids())
+    unknown = sorted(online - set(node_of.values()))
+    if unknown:
+        for site, (nid, _) in query_sites(grid, unknown, cfg).items():
+            if site in plans:
+                if node_of.get(site) != nid:
+                    log.info("site %s is back (node %d): it is asked again", site, nid)
+                node_of[site] = nid
+    return sorted(s for s in plans if node_of.get(s) not in online)
 
 
 # ---------------------------------------------------------------------------
@@ -317,12 +348,16 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
                            f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
     keeper = BasisKeeper(cfg, public)
 
+    if resume:
+        ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,
+                                                  reason=f"server resumed from the checkpoint of round {start - 1}")])
     for rnd in range(start, cfg.federation.rounds + 1):
+        offline = refresh_nodes(grid, node_of, plans, cfg)
         statuses = ledger.statuses()
         newly: dict[str, tuple[str, str]] = {}
         active = []
         for site in sorted(plans):
-            if site not in node_of or statuses[site][0] != "active":
+            if site not in node_of or site in offline or statuses[site][0] != "active":
                 continue
             if can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
                 active.append(site)
@@ -394,6 +429,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         up: dict[str, int] = {}
         for r in replies:
             up[r.site] = up.get(r.site, 0) + r.bytes_up
+        missed = sorted({r.site for r in replies if r.error_code == _node_unavailable()})
+        down = {site: b for site, b in down.items() if site not in missed}  # nothing reached a dead node
         record = {
             "round": rnd,
             "pckh_mean": float(report["pckh"]["mean"]),
@@ -404,6 +441,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
             "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
             "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
+            "missed": missed,
+            "offline": offline,
             "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.counted_epsilon(s) > 0},
             "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
             "epsilon_lifetime": {s: ledger.site_epsilon(s) for s in sorted(plans) if ledger.site_epsilon(s) > 0},
@@ -435,9 +474,14 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     from shared.train import evaluate, write_json
 
     report, _, _ = evaluate(model, val)
-    done = {s: ("exhausted", "no planned round left within the budget") for s, (status, _) in ledger.statuses().items()
-            if status == "active" and s in plans
-            and not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.counted_epsilon(s))}
+    done = {}
+    for s, (status, _) in ledger.statuses().items():
+        if status != "active" or s not in plans:
+            continue
+        if len(ledger.history(s)) >= plans[s].rounds and ledger.counted_epsilon(s) < plans[s].epsilon:
+            done[s] = ("finished", "its planned rounds are done; budget left")
+        elif not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.counted_epsilon(s)):
+            done[s] = ("exhausted", "the next round would exceed its budget")
     if done:
         ledger.set_statuses(done)
     statuses = ledger.statuses()

@@ -6,7 +6,7 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml; override with
 - ``config``    fedpose YAML (default ``configs/default.yaml``, shipped in the app)
 - ``overrides`` space-separated dotted overrides, e.g. ``"federation.rounds=2"``
 - ``out``       results directory (default: the config's ``federation.out``)
-- ``resume``    continue from the checkpoint in ``out``
+- ``resume``    continue from the checkpoint in ``out``, with the config saved there
 
 Everything the run produces lands in ``out``: ledger.sqlite, rounds.jsonl,
 checkpoint.pt, model.pt, metrics.json, report.md, federation.png.
@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from server.run import run_federation
 from shared.app_logging import setup_app_logging
-from shared.run_config import config_from_run_config, out_dir, resume_flag
+from shared.run_config import resume_flag, server_config
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ def setup_logging() -> None:
 def serve(grid: Grid, context: Context) -> dict:
     """Load the fedpose config named by the run config and run the federation."""
     setup_logging()
-    cfg = config_from_run_config(context.run_config)
-    out = out_dir(context.run_config, cfg)
+    cfg, out = server_config(context.run_config)
     log.info("fedpose federation: %d rounds, method %s/%s, basis mode %s, results in %s", cfg.federation.rounds,
              cfg.train.method, cfg.train.strategy, cfg.federation.basis_mode, out)
     return run_federation(grid, cfg, out, resume=resume_flag(context.run_config))

@@ -65,6 +65,26 @@ def out_dir(run_config: Mapping[str, Any], cfg: Config) -> Path:
     return Path(out).expanduser().resolve()
 
 
+def server_config(run_config: Mapping[str, Any]) -> tuple[Config, Path]:
+    """The ServerApp's config and results directory.
+
+    Resuming (``resume=true``) with ``out`` set uses the config saved in ``out/config.yaml`` by the
+    run being resumed: ``flwr run . pilot --run-config "out='/srv/fedpose/run1' resume=true"`` is
+    enough; a ``config`` or ``overrides`` given as well is refused rather than silently ignored.
+    """
+    values = dict(run_config)
+    if resume_flag(values) and str(values.get("out") or ""):
+        out = Path(str(values["out"])).expanduser().resolve()
+        saved = out / "config.yaml"
+        if saved.is_file():
+            if str(values.get("overrides") or "").strip():
+                raise ConfigError(f"resume uses the config saved in {saved}; drop the overrides")
+            return load_config(saved), out
+        raise ConfigError(f"resume: {saved} not found: nothing to resume in {out}")
+    cfg = config_from_run_config(values)
+    return cfg, out_dir(values, cfg)
+
+
 def resume_flag(run_config: Mapping[str, Any]) -> bool:
     value = run_config.get("resume", False)
     if isinstance(value, str):

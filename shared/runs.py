@@ -7,7 +7,6 @@ These are the plain functions behind ``fedpose data synth``, ``pretrain``,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
