@@ -169,3 +169,32 @@ def test_zero_area_headbox_refused(tmp_path: Path) -> None:
     heads.write_text(json.dumps([[[5.0, 5.0], [5.0, 9.0]]]))
     with pytest.raises(ValueError, match="head box 0"):
         load_mpii(ann, images, headboxes=heads)
+
+
+# --------------------------------------------------------------------------- item 2: centralized runs
+
+
+def _layout_split(root: Path, split: str, names_seeds: list[tuple[str, int]]) -> None:
+    images = root / split / "images"
+    for name, seed in names_seeds:
+        _png(images / name, seed=seed)
+    (root / split / "annotations.json").write_text(json.dumps([_entry(name) for name, _ in names_seeds]))
+
+
+def test_centralized_private_data_with_a_copied_image_refused(tmp_path: Path) -> None:
+    from shared.config import config_from_dict
+    from shared.runs import private_records
+
+    _layout_split(tmp_path, "site-0", [("a.png", 1), ("b.png", 2)])
+    _layout_split(tmp_path, "site-1", [("c.png", 3), ("copy-of-a.png", 1)])
+    cfg = config_from_dict({"data": {"root": str(tmp_path), "train_splits": ["site-0", "site-1"]}})
+    with pytest.raises(ValueError, match="same image twice"):
+        private_records(tmp_path, cfg)
+
+
+def test_batch_size_above_n_refused_with_the_numbers() -> None:
+    from shared.runs import check_batch_size
+
+    with pytest.raises(ValueError, match=r"train\.batch_size = 64.*40"):
+        check_batch_size(64, 40)
+    check_batch_size(40, 40)
