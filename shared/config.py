@@ -308,6 +308,13 @@ def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix or 'config'}: {err}") from err
 
 
+def section_from_dict(cls: Any, data: dict[str, Any], path: str) -> Any:
+    """Build and validate one config section (e.g. a checkpoint's ``ModelConfig``), naming ``path``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    return _build(cls, data, path)
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from nested plain data (as parsed from YAML)."""
     if not isinstance(data, dict):
@@ -466,5 +473,12 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Never writes anchors/aliases (the strict reader refuses them)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.dump(to_dict(cfg), Dumper=_NoAliasDumper, sort_keys=False))
