@@ -131,9 +131,9 @@ class PixelizeSpec:
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0 (the per-frame privacy budget), got {self.eps}")
         if not _is_int(self.b) or not 1 <= self.b <= MAX_CELL:
-            raise ValueError(f"b (cell side in pixels) must be an integer in [1, {MAX_CELL}], got {self.b!r}")
+            raise ValueError(f"b (cell side in pixels) must be an integer >= 1 and <= {MAX_CELL}, got {self.b!r}")
         if not _is_int(self.m) or not 1 <= self.m <= MAX_M:
-            raise ValueError(f"m (pixels that may differ between neighbours) must be an integer in [1, {MAX_M}], "
+            raise ValueError(f"m (pixels that may differ between neighbours) must be an integer >= 1 and <= {MAX_M}, "
                              f"got {self.m!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (subdivision of complex cells) must be an integer >= 1, got {self.n!r}")

@@ -413,7 +413,11 @@ def read_yaml(path: str | Path, *, what: str) -> Any:
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Load a YAML config file, apply dotted-key overrides, validate everything."""
-    data = read_yaml(path, what="config file") or {}
+    data = read_yaml(path, what="config file")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at top level, got {type(data).__name__}")
     if overrides:
         data = unflatten({**flatten_plain(data), **overrides})
     return config_from_dict(data)

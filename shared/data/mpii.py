@@ -209,6 +209,28 @@ def load_mpii(
     return records
 
 
+def prediction_rows(
+    records: Sequence[PoseRecord], keypoints: np.ndarray, scores: np.ndarray, image_dir: str | Path
+) -> list[dict]:
+    """Predictions in the annotation file's own convention, one row per record in annotation order.
+
+    ``image`` is the name relative to ``image_dir`` (as in annotations.json) and
+    ``joints`` (16 x 2) are MPII's MATLAB 1-based pixel coordinates, like the
+    annotations' ``joints``: a prediction can be compared with its annotation
+    number for number. ``scores`` (16) are the model's confidences in [0, 1].
+    """
+    root = Path(image_dir).resolve()
+    rows = []
+    for record, kp, sc in zip(records, np.asarray(keypoints, dtype=np.float64), np.asarray(scores)):
+        try:
+            name = record.image.relative_to(root).as_posix()
+        except ValueError:
+            name = record.image.name
+        rows.append({"image": name, "joints": (kp + MATLAB_OFFSET).round(2).tolist(),
+                     "scores": np.asarray(sc, dtype=np.float64).round(4).tolist()})
+    return rows
+
+
 def load_split(root: str | Path, split: str) -> list[PoseRecord]:
     """Records of one split of our layout: ``<root>/<split>/{annotations,headboxes}.json, images/``."""
     split_dir = Path(root) / split

@@ -183,7 +183,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for corrupt files
-        raise ValueError(f"checkpoint {path} is not a readable fedpose checkpoint: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint {path} is not a readable fedpose checkpoint: {first}") from err
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a fedpose checkpoint (format {CHECKPOINT_FORMAT})")
     missing = [k for k in ("model_config", "input_size", "state_dict") if k not in payload]
