@@ -102,6 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edge.pipeline import FrameSource, PipelineOptions, ReconnectPolicy, parse_pixelize, parse_roi, run_pipeline
     from edge.runtime import make_runtime
 
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     pix = parse_pixelize(args.pixelize)
     options = PipelineOptions(
         out_dir=Path(args.out_dir),

@@ -82,7 +82,7 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
     from client.policy import write_policy
     from client.site import default_policy
     from shared.config import dump_config
-    from shared.data.split import check_disjoint
+    from shared.data.split import check_disjoint, check_no_duplicates
     from shared.data.mpii import load_split
     from shared.runs import ensure_data, ensure_pretrained
 
@@ -91,7 +91,9 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
         ensure_pretrained(cfg, progress=progress)
     public = load_split(root, cfg.data.public_split)
     for split in cfg.data.train_splits:
-        check_disjoint(public, load_split(root, split))  # P2, by image content
+        private = load_split(root, split)
+        check_disjoint(public, private)  # P2, by image content
+        check_no_duplicates(private, what=f"site data {split}")  # one image = one record
     for i, split in enumerate(cfg.data.train_splits):
         path = out / "sites" / split / "policy.yaml"
         if not path.exists():
@@ -102,7 +104,7 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from shared.config import load_config
+    from shared.config import check_simulation_sites, load_config
 
     out = Path(args.out).expanduser().resolve()
     overrides: dict[str, Any] = {"federation.out": str(out)}
@@ -118,6 +120,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"{out} already holds a federation: continue it with --resume or choose another --out")
         cfg = load_config(args.config, overrides)
     cfg = _absolute(cfg)
+    check_simulation_sites(cfg)
     out.mkdir(parents=True, exist_ok=True)
     flower_env(out / "flwr-home")
     config_path = prepare_simulation(cfg, out, progress=not args.quiet)

@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from shared.data.mpii import load_mpii
+    from shared.data.mpii import load_mpii, prediction_rows
     from shared.metrics import pckh_table
     from shared.model.posenet import load_checkpoint
     from shared.train import evaluate, write_json
@@ -113,11 +113,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, _ = load_checkpoint(args.checkpoint)
     report, keypoints, scores = evaluate(model, records, progress=not args.quiet and not args.json)
     if args.predictions:
-        preds = [
-            {"image": r.image.name, "joints": kp.round(2).tolist(), "scores": sc.round(4).tolist()}
-            for r, kp, sc in zip(records, keypoints, scores)
-        ]
-        write_json(args.predictions, preds)
+        write_json(args.predictions, prediction_rows(records, keypoints, scores, data / "images"))
     if args.json:
         print(json.dumps(report))
     else:
@@ -212,9 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "verbose", False))
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
+    except (ValueError, OSError, ImportError, RuntimeError) as err:
+        # The project's own errors (ValueError and its ConfigError, FileNotFoundError/FileExistsError and
+        # other OSErrors naming a file, ImportError with an install hint): one line, no traceback (-v logs it).
         log.debug("command failed", exc_info=True)
-        print(f"fedpose {args.command}: error: {err}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+        print(f"fedpose {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

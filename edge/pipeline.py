@@ -236,6 +236,9 @@ def _valid_frame(frame: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
+MAX_ROI_COORD = 1_000_000.0  # px: larger than any camera frame
+
+
 def parse_roi(value: str | None) -> tuple[float, float, float, float] | None:
     """``"x,y,w,h"`` -> tuple (None passes through)."""
     if value is None:
@@ -244,6 +247,8 @@ def parse_roi(value: str | None) -> tuple[float, float, float, float] | None:
         x, y, w, h = (float(v) for v in value.split(","))
     except ValueError as err:
         raise ValueError(f"--roi must be x,y,w,h in pixels (e.g. 40,60,200,120), got {value!r}") from err
+    if not all(math.isfinite(v) and abs(v) <= MAX_ROI_COORD for v in (x, y, w, h)):
+        raise ValueError(f"--roi values must be finite pixel coordinates of at most {MAX_ROI_COORD}, got {value!r}")
     if w <= 0 or h <= 0 or x < 0 or y < 0:
         raise ValueError(f"--roi needs x, y >= 0 and w, h > 0, got {value!r}")
     return x, y, w, h
@@ -285,6 +290,11 @@ class BoxTracker:
 
     def fallback(self, frame_size: tuple[int, int]) -> tuple[np.ndarray, str]:
         if self.roi is not None:
+            x, y, _, _ = self.roi
+            h, w = frame_size
+            if x >= w or y >= h:
+                raise ValueError(f"--roi {','.join(f'{v:g}' for v in self.roi)} lies outside the {w}x{h} frame "
+                                 "(x, y must be inside it)")
             return np.array(self.roi, dtype=np.float64), "roi"
         h, w = frame_size
         return np.array([0.0, 0.0, float(w), float(h)]), "full"
@@ -356,6 +366,10 @@ def _int_pt(p: Any) -> tuple[int, int]:
 # ---------------------------------------------------------------------------
 
 
+_COLOR_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                "off": False}
+
+
 def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
     """``"eps=0.5,b=16,m=16,n=4[,noise=laplace][,color=1]"`` -> (PixelizeSpec, color) or None."""
     if value is None:
@@ -367,6 +381,8 @@ def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
         if "=" not in part:
             raise ValueError(f"--pixelize entries must be key=value (eps=..,b=..,m=..,n=..), got {part!r}")
         key, val = (s.strip() for s in part.split("=", 1))
+        if key in fields:
+            raise ValueError(f"--pixelize {value!r}: {key} is given twice")
         fields[key] = val
     unknown = set(fields) - {"eps", "b", "m", "n", "noise", "color"}
     if unknown:
@@ -384,7 +400,10 @@ def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
         )
     except ValueError as err:
         raise ValueError(f"--pixelize {value!r}: {err}") from err
-    color = fields.get("color", "0") not in ("0", "false", "no")
+    word = fields.get("color", "0").lower()
+    if word not in _COLOR_WORDS:
+        raise ValueError(f"--pixelize {value!r}: color must be one of {sorted(_COLOR_WORDS)}, got {word!r}")
+    color = _COLOR_WORDS[word]
     return spec, color
 
 

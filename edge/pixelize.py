@@ -66,11 +66,13 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+from numpy.lib import format as npformat
 
 from shared.data.joints import NUM_JOINTS, SKELETON
 
@@ -90,6 +92,12 @@ PAD_MODE = "symmetric"
 
 _NPZ_KEYS = ("simple_means", "complex_means", "cell_mask", "b", "s_b", "height", "width", "channels")
 _MAX_PIXEL = 255
+
+# Bounds checked before allocation (hostile NPZ files, options): an 8K frame is 33 M pixels.
+MAX_FRAME_PIXELS = 64_000_000
+MAX_NPZ_MEMBER_BYTES = 1 << 30
+MAX_CELL = 1 << 16  # largest cell side b accepted anywhere
+MAX_M = 1 << 31  # largest m-neighbourhood accepted by PixelizeSpec (pixelize() also bounds it by H x W)
 
 
 def _is_int(value: object) -> bool:
@@ -122,10 +130,11 @@ class PixelizeSpec:
             raise ValueError(f"eps must be a finite number, got {self.eps!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0 (the per-frame privacy budget), got {self.eps}")
-        if not _is_int(self.b) or self.b < 1:
-            raise ValueError(f"b (cell side in pixels) must be an integer >= 1, got {self.b!r}")
-        if not _is_int(self.m) or self.m < 1:
-            raise ValueError(f"m (pixels that may differ between neighbours) must be an integer >= 1, got {self.m!r}")
+        if not _is_int(self.b) or not 1 <= self.b <= MAX_CELL:
+            raise ValueError(f"b (cell side in pixels) must be an integer >= 1 and <= {MAX_CELL}, got {self.b!r}")
+        if not _is_int(self.m) or not 1 <= self.m <= MAX_M:
+            raise ValueError(f"m (pixels that may differ between neighbours) must be an integer >= 1 and <= {MAX_M}, "
+                             f"got {self.m!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (subdivision of complex cells) must be an integer >= 1, got {self.n!r}")
         if self.b % self.n != 0:
@@ -181,6 +190,10 @@ class PixelizedFrame:
             raise ValueError(f"s_b={self.s_b} must divide b={self.b}")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
+        if self.height * self.width > MAX_FRAME_PIXELS:
+            raise ValueError(f"a {self.height}x{self.width} frame is too large (at most {MAX_FRAME_PIXELS} pixels)")
+        if self.b > max(self.height, self.width):
+            raise ValueError(f"b={self.b} is larger than the {self.height}x{self.width} frame")
         grid = (-(-self.height // self.b), -(-self.width // self.b))
         mask = np.array(self.cell_mask, dtype=bool, copy=True)
         if mask.shape != grid:
@@ -359,6 +372,12 @@ def pixelize(
     img = _as_hwc(image)  # (H, W, C)
     h, w, c = img.shape
     b, n, s = spec.b, spec.n, spec.s_b
+    if h * w > MAX_FRAME_PIXELS:
+        raise ValueError(f"frame of {h}x{w} pixels is too large to pixelize (at most {MAX_FRAME_PIXELS} pixels)")
+    if b > max(h, w):
+        raise ValueError(f"b={b} is larger than the {h}x{w} frame: choose a cell side of at most {max(h, w)} px")
+    if spec.m > h * w:
+        raise ValueError(f"m={spec.m} is more pixels than the {h}x{w} frame holds ({h * w})")
     hb, wb = -(-h // b), -(-w // b)
 
     if mask is not None:
@@ -443,20 +462,97 @@ def save_npz(frame: PixelizedFrame, path: str | Path) -> None:
         )
 
 
+def _npz_headers(path: Path, zf: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Declared (shape, dtype) of every expected member, read from the .npy headers only."""
+    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    names = set(zf.namelist())
+    missing = [k for k in _NPZ_KEYS if k + ".npy" not in names]
+    if missing:
+        raise ValueError(f"{path} is not a pixelized frame: missing arrays {missing}")
+    for key in _NPZ_KEYS:
+        info = zf.getinfo(key + ".npy")
+        if info.file_size > MAX_NPZ_MEMBER_BYTES:
+            raise ValueError(f"{path}: {key} declares {info.file_size} bytes uncompressed: too large "
+                             f"(at most {MAX_NPZ_MEMBER_BYTES})")
+        with zf.open(info) as member:
+            version = npformat.read_magic(member)
+            if version == (1, 0):
+                shape, fortran, dtype = npformat.read_array_header_1_0(member)
+            elif version == (2, 0):
+                shape, fortran, dtype = npformat.read_array_header_2_0(member)
+            else:
+                raise ValueError(f"{path}: {key} has an unsupported .npy version {version}")
+        if dtype.hasobject:
+            raise ValueError(f"{path}: {key} holds Python objects, which are never loaded")
+        out[key] = (tuple(int(d) for d in shape), dtype)
+    return out
+
+
+def _check_npz_layout(path: Path, headers: dict[str, tuple[tuple[int, ...], np.dtype]],
+                      scalars: dict[str, int]) -> None:
+    """Check sizes and the declared array shapes against the frame's scalars, before loading arrays."""
+    height, width, b, s_b, channels = (scalars[k] for k in ("height", "width", "b", "s_b", "channels"))
+    for name, value in scalars.items():
+        if value < 1:
+            raise ValueError(f"{path}: {name} must be a positive integer, got {value}")
+    if height * width > MAX_FRAME_PIXELS:
+        raise ValueError(f"{path}: the frame declares {height}x{width} pixels: too large "
+                         f"(at most {MAX_FRAME_PIXELS} pixels)")
+    if b > max(height, width) or b % s_b != 0 or channels not in (1, 3):
+        raise ValueError(f"{path}: inconsistent layout b={b}, s_b={s_b}, channels={channels} for a "
+                         f"{height}x{width} frame")
+    n = b // s_b
+    grid = (-(-height // b), -(-width // b))
+    cells = grid[0] * grid[1]
+    expected_ndim = {"simple_means": 2, "complex_means": 4, "cell_mask": 2}
+    for key, ndim in expected_ndim.items():
+        shape, dtype = headers[key]
+        if len(shape) != ndim:
+            raise ValueError(f"{path}: {key} must have {ndim} dimensions, got shape {shape}")
+        if key == "cell_mask":
+            if dtype != np.bool_ or shape != grid:
+                raise ValueError(f"{path}: cell_mask must be bool of shape {grid}, got {dtype} {shape}")
+        else:
+            if dtype.kind != "f":
+                raise ValueError(f"{path}: {key} must hold floats, got {dtype}")
+            if shape[0] > cells or shape[1:] != ((channels,) if ndim == 2 else (n, n, channels)):
+                raise ValueError(f"{path}: {key} has shape {shape}, which does not fit the layout")
+
+
 def load_npz(path: str | Path) -> PixelizedFrame:
-    """Load a frame written by ``save_npz`` (validated like any PixelizedFrame)."""
-    with np.load(path, allow_pickle=False) as data:
-        missing = [k for k in _NPZ_KEYS if k not in data.files]
-        if missing:
-            raise ValueError(f"{path} is not a pixelized frame: missing arrays {missing}")
-        fields = {k: data[k] for k in _NPZ_KEYS}
-    for k in ("b", "s_b", "height", "width", "channels"):
-        if fields[k].shape != ():
-            raise ValueError(f"{path}: {k} must be a scalar, got shape {fields[k].shape}")
-        fields[k] = int(fields[k])
-    if fields["cell_mask"].dtype != np.bool_:
-        raise ValueError(f"{path}: cell_mask must be bool, got {fields['cell_mask'].dtype}")
-    return PixelizedFrame(**fields)
+    """Load a frame written by ``save_npz`` (validated like any PixelizedFrame).
+
+    Hostile files are refused with a ValueError naming the file before anything
+    large is allocated: the declared shapes are read from the .npy headers in the
+    zip and checked against the frame's scalars, the frame size is bounded
+    (``MAX_FRAME_PIXELS``) and so is each member's uncompressed size.
+    """
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            headers = _npz_headers(path, zf)
+            scalars: dict[str, int] = {}
+            for key in ("b", "s_b", "height", "width", "channels"):
+                shape, dtype = headers[key]
+                if shape != () or dtype.kind not in "iu":
+                    raise ValueError(f"{path}: {key} must be an integer scalar, got {dtype} shape {shape}")
+                with zf.open(key + ".npy") as member:
+                    scalars[key] = int(npformat.read_array(member, allow_pickle=False))
+            _check_npz_layout(path, headers, scalars)
+            fields: dict[str, Any] = dict(scalars)
+            for key in ("simple_means", "complex_means", "cell_mask"):
+                with zf.open(key + ".npy") as member:
+                    fields[key] = npformat.read_array(member, allow_pickle=False)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as err:
+        raise ValueError(f"{path} is not a readable NPZ of a pixelized frame: {err}") from err
+    except ValueError as err:
+        if str(path) in str(err):
+            raise
+        raise ValueError(f"{path} is not a readable NPZ of a pixelized frame: {err}") from err
+    try:
+        return PixelizedFrame(**fields)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
 
 
 def restore(path: str | Path) -> np.ndarray:

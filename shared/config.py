@@ -9,6 +9,8 @@ convert to and from dotted keys at that boundary.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +31,12 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or of the wrong type/range."""
 
 
+# Upper bounds on sizes read from configs (and checkpoints), checked before anything is allocated.
+MAX_INPUT_SIDE = 2048  # px per side of the model input (the paper uses 256 x 192)
+MAX_HIDDEN = 4096  # width of the SimCC head's hidden layer
+MAX_JOINT_CHANNELS = 1024
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the MPII-layout splits live and how images are cropped."""
@@ -43,10 +51,22 @@ class DataConfig:
     augment: bool = True
 
     def __post_init__(self) -> None:
-        if len(self.input_size) != 2 or min(self.input_size) < 32:
-            raise ConfigError(f"data.input_size: expected [H, W] with both >= 32, got {list(self.input_size)}")
+        if len(self.input_size) != 2 or min(self.input_size) < 32 or max(self.input_size) > MAX_INPUT_SIDE:
+            raise ConfigError(f"data.input_size: expected [H, W] with both in [32, {MAX_INPUT_SIDE}], "
+                              f"got {list(self.input_size)}")
         if not self.train_splits:
             raise ConfigError("data.train_splits: name at least one private split")
+        repeated = sorted({s for s in self.train_splits if self.train_splits.count(s) > 1})
+        if repeated:
+            raise ConfigError(
+                f"data.train_splits: {repeated[0]!r} is listed twice; every private record would be trained on "
+                "as two records and the per-record privacy claim would not hold"
+            )
+        if self.val_split == self.public_split or self.val_split in self.train_splits:
+            raise ConfigError(
+                f"data.val_split {self.val_split!r} is also the public split or a private training split: "
+                "validate on held-out data"
+            )
         if self.public_split in self.train_splits:
             raise ConfigError(
                 f"data.public_split {self.public_split!r} is also a private training split: "
@@ -70,8 +90,14 @@ class ModelConfig:
             raise ConfigError(f"model.split_ratio: must be > 0, got {self.split_ratio}")
         if len(self.sigma) != 2 or min(self.sigma) <= 0:
             raise ConfigError(f"model.sigma: expected two positive numbers, got {list(self.sigma)}")
-        if self.joint_channels < 1 or self.hidden < 1:
-            raise ConfigError("model.joint_channels and model.hidden must be >= 1")
+        if not 1 <= self.joint_channels <= MAX_JOINT_CHANNELS:
+            raise ConfigError(f"model.joint_channels: must be in [1, {MAX_JOINT_CHANNELS}], got {self.joint_channels}")
+        if not 1 <= self.hidden <= MAX_HIDDEN:
+            raise ConfigError(f"model.hidden: must be in [1, {MAX_HIDDEN}], got {self.hidden}")
+        if self.split_ratio > 16:
+            raise ConfigError(f"model.split_ratio: must be <= 16, got {self.split_ratio}")
+        if self.vis_weight < 0:
+            raise ConfigError(f"model.vis_weight: must be >= 0, got {self.vis_weight}")
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,8 @@ class PretrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ConfigError("pretrain.epochs and pretrain.batch_size must be >= 1 and pretrain.lr > 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"pretrain.weight_decay: must be >= 0, got {self.weight_decay}")
 
 
 @dataclass(frozen=True)
@@ -147,6 +175,10 @@ class TrainConfig:
             raise ConfigError("train.epochs, train.batch_size and train.public_batch_size must be >= 1")
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"train.momentum: must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay: must be >= 0, got {self.weight_decay}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +223,19 @@ class Config:
     federation: FederationConfig = field(default_factory=FederationConfig)
 
 
+def check_simulation_sites(cfg: Config) -> None:
+    """A simulated federation has one site per ``data.train_splits`` entry: ``min_sites`` must fit.
+
+    (Not a Config rule: a centralized run with one split keeps the default
+    ``min_sites``, and a deployment's sites are its SuperNodes, not splits.)
+    """
+    if cfg.federation.min_sites > len(cfg.data.train_splits):
+        raise ConfigError(
+            f"federation.min_sites = {cfg.federation.min_sites} is more than the "
+            f"{len(cfg.data.train_splits)} sites of data.train_splits: no round could ever be aggregated"
+        )
+
+
 # ---------------------------------------------------------------------------
 # building from plain data
 # ---------------------------------------------------------------------------
@@ -232,7 +277,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError as err:
+            raise ConfigError(f"{path}: number too large ({len(str(value))} digits)") from err
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: expected a finite number, got {number}")
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
@@ -267,6 +318,13 @@ def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix or 'config'}: {err}") from err
 
 
+def section_from_dict(cls: Any, data: dict[str, Any], path: str) -> Any:
+    """Build and validate one config section (e.g. a checkpoint's ``ModelConfig``), naming ``path``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    return _build(cls, data, path)
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from nested plain data (as parsed from YAML)."""
     if not isinstance(data, dict):
@@ -274,22 +332,102 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return _build(Config, data)
 
 
+# Largest YAML file (config, site policy) read: real ones are a few KB.
+MAX_YAML_BYTES = 1 << 20
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2's float syntax: PyYAML (YAML 1.1) reads ``1e-5`` (no dot) as a string.
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-5`` as a float and refuses aliases and duplicate keys.
+
+    Aliases (``*name``) are refused outright: they are never needed in a fedpose
+    file and a few hundred bytes of nested aliases expand to gigabytes
+    ("billion laughs") once anything walks the data.
+    """
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{event.anchor}) are not accepted", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {key!r} (the later value would silently win)", key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+
+
+def parse_yaml(text: str, *, what: str) -> Any:
+    """Parse YAML text with the strict loader; errors are ``ConfigError`` naming ``what``."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} is not valid YAML: {err}") from err
+    except RecursionError as err:
+        raise ConfigError(f"{what} is nested too deeply") from err
+
+
 def read_yaml(path: str | Path, *, what: str) -> Any:
-    """Parse a YAML file; errors name ``what`` and the file (``ConfigError``, a ValueError)."""
+    """Parse a YAML file; errors name ``what`` and the file (``ConfigError``, a ValueError).
+
+    The one YAML reader of the project (configs, site policies, run-config
+    overrides): UTF-8 only, at most ``MAX_YAML_BYTES``, no aliases, no
+    duplicate keys, ``1e-5`` read as a float (YAML 1.2 float syntax).
+    """
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_YAML_BYTES + 1)
     except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror}") from err
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"{what} {path} is too large (over {MAX_YAML_BYTES} bytes)")
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{what} {path} is not valid YAML: {err}") from err
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start}): {err.reason}") from err
+    return parse_yaml(text, what=f"{what} {path}")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Load a YAML config file, apply dotted-key overrides, validate everything."""
-    data = read_yaml(path, what="config file") or {}
+    data = read_yaml(path, what="config file")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at top level, got {type(data).__name__}")
     if overrides:
         data = unflatten({**flatten_plain(data), **overrides})
     return config_from_dict(data)
@@ -349,5 +487,12 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Never writes anchors/aliases (the strict reader refuses them)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.dump(to_dict(cfg), Dumper=_NoAliasDumper, sort_keys=False))

@@ -21,9 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from shared.config import Config, ConfigError, load_config
+from shared.config import Config, ConfigError, load_config, parse_yaml
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {"config": "configs/default.yaml", "overrides": "", "out": "", "resume": False}
 
@@ -37,10 +35,9 @@ def parse_overrides(text: str) -> dict[str, Any]:
         key, sep, value = token.partition("=")
         if not sep or not key:
             raise ConfigError(f"run config overrides: {token!r} is not key=value (e.g. federation.rounds=2)")
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"run config overrides: value of {key} is not valid YAML: {err}") from err
+        if key in out:
+            raise ConfigError(f"run config overrides: {key} is given twice")
+        out[key] = parse_yaml(value, what=f"run config overrides: value of {key}")
     return out
 
 

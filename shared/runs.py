@@ -19,7 +19,7 @@ import torch
 from shared.config import Config, ConfigError, dump_config
 from shared.data.mpii import load_split
 from shared.data.records import PoseRecord
-from shared.data.split import check_disjoint
+from shared.data.split import check_disjoint, check_no_duplicates
 from shared.data.synth import ensure_ward
 from shared.model.posenet import PoseNet, build_model, build_pretrain_model, load_checkpoint, save_checkpoint
 from shared.model.tinyvit import fuse_batchnorm
@@ -65,7 +65,19 @@ def private_records(root: Path, cfg: Config) -> list[PoseRecord]:
     out: list[PoseRecord] = []
     for split in cfg.data.train_splits:
         out.extend(load_records(root, split))
+    # One image twice (a copied file, or the same pixels in two splits) would be two records to the
+    # accountant: refuse it, by decoded pixels like the P2 check.
+    check_no_duplicates(out, what=f"the private training data ({', '.join(cfg.data.train_splits)})")
     return out
+
+
+def check_batch_size(batch_size: int, n: int) -> None:
+    """Refuse an expected batch size above the number of private records (q = B / n would exceed 1)."""
+    if batch_size > n:
+        raise ConfigError(
+            f"train.batch_size = {batch_size} is larger than the {n} private records: the sample rate "
+            f"q = B / n would be {batch_size / n:.3g} > 1; use train.batch_size <= {n}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -170,6 +182,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     val = load_records(root, cfg.data.val_split)
     check_disjoint(public, private)  # P2: S_pub and private data share no image
     n = len(private)
+    check_batch_size(cfg.train.batch_size, n)
     steps = cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size)
     sigma = plan_sigma(cfg, n=n, steps=steps)
     generator, seeded = make_generator(cfg.train.seed, "cpu")

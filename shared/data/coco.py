@@ -26,6 +26,7 @@ max(w, h) * 1.25, as mmpose's ``bbox_xywh2cs`` with padding 1.25.
 from __future__ import annotations
 
 import contextlib
+import math
 import io
 import logging
 from pathlib import Path
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.data.joints import JOINT_NAMES, NUM_JOINTS
-from shared.data.mpii import image_size
+from shared.data.mpii import image_path, image_size
 from shared.data.records import PIXEL_STD, PoseRecord, sanitize_joints
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,66 @@ def bbox_to_box(bbox: np.ndarray) -> tuple[np.ndarray, float]:
     return center, max(w, h) * BBOX_PADDING / PIXEL_STD
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_coco_json(ann_path: Path) -> dict:
+    """The annotation json, structurally checked (pycocotools assumes a well-formed file)."""
+    import json
+
+    try:
+        data = json.loads(ann_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"cannot parse COCO annotation file {ann_path}: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{ann_path}: expected a COCO json object, got {type(data).__name__}")
+    images, anns = data.get("images", []), data.get("annotations", [])
+    if not isinstance(images, list) or not isinstance(anns, list):
+        raise ValueError(f"{ann_path}: 'images' and 'annotations' must be lists")
+    ids = set()
+    for i, img in enumerate(images):
+        if not isinstance(img, dict) or not isinstance(img.get("id"), int) or isinstance(img.get("id"), bool):
+            raise ValueError(f"{ann_path}: images[{i}] must be an object with an integer id")
+        if img["id"] in ids:
+            raise ValueError(f"{ann_path}: images[{i}]: image id {img['id']} occurs twice")
+        ids.add(img["id"])
+        for key in ("height", "width"):
+            if key in img and (not isinstance(img[key], int) or isinstance(img[key], bool) or img[key] < 1):
+                raise ValueError(f"{ann_path}: images[{i}].{key} must be a positive integer, got {img[key]!r}")
+    ann_ids = set()
+    for i, ann in enumerate(anns):
+        where = f"{ann_path}: annotations[{i}]"
+        if not isinstance(ann, dict):
+            raise ValueError(f"{where} must be an object")
+        for key in ("id", "image_id"):
+            if not isinstance(ann.get(key), int) or isinstance(ann.get(key), bool):
+                raise ValueError(f"{where}.{key} must be an integer, got {ann.get(key)!r}")
+        if ann["id"] in ann_ids:
+            raise ValueError(f"{where}: annotation id {ann['id']} occurs twice")
+        ann_ids.add(ann["id"])
+        if ann["image_id"] not in ids:
+            raise ValueError(f"{where}.image_id {ann['image_id']} names no image")
+        if "category_id" in ann and (not isinstance(ann["category_id"], int) or isinstance(ann["category_id"], bool)):
+            raise ValueError(f"{where}.category_id must be an integer")
+        if ann.get("iscrowd", 0) not in (0, 1) or isinstance(ann.get("iscrowd", 0), bool):
+            raise ValueError(f"{where}.iscrowd must be 0 or 1, got {ann.get('iscrowd')!r}")
+        nk = ann.get("num_keypoints", 0)
+        if not isinstance(nk, int) or isinstance(nk, bool) or not 0 <= nk <= 17:
+            raise ValueError(f"{where}.num_keypoints must be an integer in [0, 17], got {nk!r}")
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, list) or len(bbox) != 4 or not all(_number(v) for v in bbox) \
+                or min(bbox[2:]) < 0:
+            raise ValueError(f"{where}.bbox must be [x, y, w, h] finite numbers with w, h >= 0, got {bbox!r}")
+        kps = ann.get("keypoints")
+        if not isinstance(kps, list) or len(kps) != 51 or not all(_number(v) for v in kps):
+            raise ValueError(f"{where}.keypoints must be 51 finite numbers (17 x (x, y, v))")
+    cats = data.get("categories", [])
+    if not isinstance(cats, list) or not all(isinstance(c, dict) and "id" in c for c in cats):
+        raise ValueError(f"{ann_path}: 'categories' must be a list of objects with an id")
+    return data
+
+
 def load_coco(ann_file: str | Path, image_dir: str | Path) -> list[PoseRecord]:
     """Person keypoint annotations -> records in MPII-16 order.
 
@@ -112,9 +173,12 @@ def load_coco(ann_file: str | Path, image_dir: str | Path) -> list[PoseRecord]:
     if not ann_path.is_file():
         raise FileNotFoundError(f"COCO annotation file not found: {ann_path}")
     root = Path(image_dir).resolve()
+    dataset = _read_coco_json(ann_path)
     # pycocotools prints progress to stdout; keep library output in logging.
     with contextlib.redirect_stdout(io.StringIO()) as captured:
-        coco = COCO(str(ann_path))
+        coco = COCO()
+        coco.dataset = dataset
+        coco.createIndex()
     log.debug("pycocotools: %s", captured.getvalue().strip())
 
     records: list[PoseRecord] = []
@@ -129,7 +193,7 @@ def load_coco(ann_file: str | Path, image_dir: str | Path) -> list[PoseRecord]:
         skipped += len(anns) - len(usable)
         if not usable:
             continue
-        path = root / info["file_name"]
+        path = image_path(root, info["file_name"], where=f"{ann_path}: image id {image_id}")
         size = image_size(path)  # also checks that the file exists and is readable
         if "height" in info and (info["height"], info["width"]) != size:
             raise ValueError(

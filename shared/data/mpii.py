@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
 from shared.data.joints import NUM_JOINTS
-from shared.data.records import PoseRecord, sanitize_joints
+from shared.data.records import PoseRecord, open_image, sanitize_joints
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +57,39 @@ def box_to_json(center: Sequence[float], scale: float) -> tuple[list[float], flo
 
 
 def image_size(path: Path) -> tuple[int, int]:
-    """(H, W) of an image file, reading only its header; errors name the file."""
-    from PIL import Image, UnidentifiedImageError
+    """(H, W) of an image file from its header (plus PNG chunk CRCs); errors name the file.
 
-    if not path.is_file():
-        raise FileNotFoundError(f"image file not found: {path}")
-    try:
-        with Image.open(path) as im:
-            width, height = im.size
-    except (OSError, UnidentifiedImageError) as err:
-        raise OSError(f"cannot read image file {path}: {err}") from err
+    FileNotFoundError for a missing file; ValueError for a zero-byte, truncated
+    (PNG), non-image or too large (``MAX_IMAGE_PIXELS``) file.
+    """
+    with open_image(path) as im:
+        width, height = im.size
+        try:
+            im.verify()  # PNG: checks every chunk's CRC without decoding (catches truncation)
+        except Exception as err:  # Pillow raises many types here (SyntaxError, struct.error, ...)
+            raise ValueError(f"cannot read image file {path}: corrupt or truncated ({err!r})") from err
     return int(height), int(width)
+
+
+def image_path(root: Path, name: object, *, where: str) -> Path:
+    """``root / name`` for an annotation's image name, refusing names that leave ``root``.
+
+    Names must be non-empty relative strings without ``..`` components (an
+    annotation file must not make the reader open files outside its split's
+    images/ folder); the resolved path must lie under ``root``.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: image must be a non-empty file name string, got {name!r}")
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive \
+            or ".." in pure.parts or "\0" in name:
+        raise ValueError(f"{where}: image name {name!r} is absolute or leaves the images folder {root}")
+    path = root / pure
+    try:
+        path.resolve().relative_to(root)
+    except ValueError as err:
+        raise ValueError(f"{where}: image {name!r} resolves outside the images folder {root}") from err
+    return path
 
 
 def _load_headboxes(headboxes: str | Path, count: int) -> list[np.ndarray | None]:
@@ -90,8 +112,8 @@ def _load_headboxes(headboxes: str | Path, count: int) -> list[np.ndarray | None
         boxes: list[np.ndarray | None] = [src[:, :, i] - MATLAB_OFFSET for i in range(src.shape[2])]
     elif path.suffix == ".json":
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot parse head box file {path}: {err}") from err
         if not isinstance(raw, list):
             raise ValueError(f"{path}: expected a list of [[x1, y1], [x2, y2]] (or null), got {type(raw).__name__}")
@@ -106,6 +128,9 @@ def _load_headboxes(headboxes: str | Path, count: int) -> list[np.ndarray | None
                 raise ValueError(f"{path}: head box {i} must be [[x1, y1], [x2, y2]], got {box!r}") from err
             if arr.shape != (2, 2) or not np.all(np.isfinite(arr)):
                 raise ValueError(f"{path}: head box {i} must be [[x1, y1], [x2, y2]], got {box!r}")
+            if not (arr[1, 0] > arr[0, 0] and arr[1, 1] > arr[0, 1]):
+                raise ValueError(f"{path}: head box {i} has zero or negative area (need x2 > x1, y2 > y1), "
+                                 f"got {box!r}")
             boxes.append(arr - MATLAB_OFFSET)
     else:
         raise ValueError(f"head boxes must be a .json sidecar or the official .mat file, got {path}")
@@ -138,10 +163,10 @@ def load_mpii(
     ann_path = Path(ann_file)
     root = Path(image_dir).resolve()
     try:
-        entries = json.loads(ann_path.read_text())
+        entries = json.loads(ann_path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise FileNotFoundError(f"annotation file not found: {ann_path}") from err
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"cannot parse MPII annotation file {ann_path}: {err}") from err
     if not isinstance(entries, list):
         raise ValueError(f"{ann_path}: expected a json list of annotations, got {type(entries).__name__}")
@@ -151,8 +176,14 @@ def load_mpii(
     sizes: dict[Path, tuple[int, int]] = {}
     dropped = 0
     for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{ann_path}: entry {i} must be a json object, got {type(entry).__name__}")
+        path = image_path(root, entry.get("image"), where=f"{ann_path}: entry {i}")
+        name = entry["image"]
+        scale = entry.get("scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"{ann_path}: entry {i} ({name}): scale must be a number, got {scale!r}")
         try:
-            name = entry["image"]
             joints = np.asarray(entry["joints"], dtype=np.float64) - MATLAB_OFFSET
             vis = np.asarray(entry["joints_vis"], dtype=np.float64)
             center, scale = json_to_box(entry["center"], entry["scale"])
@@ -163,7 +194,6 @@ def load_mpii(
                 f"{ann_path}: entry {i} ({name}) must have {NUM_JOINTS} joints and joints_vis, "
                 f"got {joints.shape} and {vis.shape}"
             )
-        path = root / name
         if path not in sizes:
             sizes[path] = image_size(path)
         clean, visible = sanitize_joints(joints, vis > 0, sizes[path])
@@ -177,6 +207,28 @@ def load_mpii(
                  ann_path, dropped)
     log.info("loaded %d MPII-layout records from %s", len(records), ann_path)
     return records
+
+
+def prediction_rows(
+    records: Sequence[PoseRecord], keypoints: np.ndarray, scores: np.ndarray, image_dir: str | Path
+) -> list[dict]:
+    """Predictions in the annotation file's own convention, one row per record in annotation order.
+
+    ``image`` is the name relative to ``image_dir`` (as in annotations.json) and
+    ``joints`` (16 x 2) are MPII's MATLAB 1-based pixel coordinates, like the
+    annotations' ``joints``: a prediction can be compared with its annotation
+    number for number. ``scores`` (16) are the model's confidences in [0, 1].
+    """
+    root = Path(image_dir).resolve()
+    rows = []
+    for record, kp, sc in zip(records, np.asarray(keypoints, dtype=np.float64), np.asarray(scores)):
+        try:
+            name = record.image.relative_to(root).as_posix()
+        except ValueError:
+            name = record.image.name
+        rows.append({"image": name, "joints": (kp + MATLAB_OFFSET).round(2).tolist(),
+                     "scores": np.asarray(sc, dtype=np.float64).round(4).tolist()})
+    return rows
 
 
 def load_split(root: str | Path, split: str) -> list[PoseRecord]:

@@ -12,6 +12,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -169,17 +170,66 @@ def sanitize_joints(
     return pts, keep
 
 
-def content_hash(path: str | Path) -> str:
-    """sha256 hex digest of the file's bytes.
+# Largest image any reader accepts (width x height, checked from the header before decoding):
+# an 8K frame is 33 M pixels; a crafted header claiming 100000 x 100000 would otherwise make the
+# decoder allocate tens of GiB.
+MAX_IMAGE_PIXELS = 64_000_000
 
-    Used for the public/private disjointness check (invariant P2): two copies
-    of one image under different names must still count as the same image.
+
+def open_image(path: str | Path) -> Any:
+    """Open an image with Pillow after checking it exists and its header is sane; errors name the file.
+
+    Returns the (lazy, not yet decoded) ``PIL.Image``; use it as a context manager.
+    Raises FileNotFoundError for a missing file and ValueError for anything that is
+    not a readable image or whose header declares more than ``MAX_IMAGE_PIXELS``.
     """
-    digest = hashlib.sha256()
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image file not found: {path}")
     try:
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError as err:
-        raise OSError(f"cannot hash image file {path}: {err}") from err
+        im = Image.open(path)
+    except Image.DecompressionBombError as err:
+        raise ValueError(f"image file {path} declares too many pixels: {err}") from err
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+        raise ValueError(f"cannot read image file {path}: not a readable image ({err})") from err
+    width, height = im.size
+    if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
+        im.close()
+        raise ValueError(
+            f"image file {path} declares {width}x{height} pixels: too large "
+            f"(at most {MAX_IMAGE_PIXELS} pixels) or empty"
+        )
+    return im
+
+
+def content_hash(path: str | Path) -> str:
+    """sha256 hex digest of the image's decoded pixels (as 8-bit RGB) and its size.
+
+    Used for the public/private disjointness check (invariant P2) and for the
+    duplicate check on private data: two copies of one image under different
+    names, or re-saved with another PNG compression level or container, must
+    still count as the same image, hence the decoded pixels, not the file bytes.
+    What it does NOT catch: near-duplicates whose pixels differ at all, e.g. a
+    JPEG re-encoded at another quality, a resized, cropped, shifted, flipped or
+    colour-adjusted copy. Those need a perceptual comparison, which this check
+    does not attempt; keep the public set from a source that is disjoint by
+    construction.
+
+    Raises FileNotFoundError for a missing file, ValueError (naming the file) for
+    one that is not a decodable image or is too large (``MAX_IMAGE_PIXELS``).
+    """
+    from PIL import Image
+
+    with open_image(path) as im:
+        try:
+            im.load()
+            rgb = im if im.mode == "RGB" else im.convert("RGB")
+            pixels = rgb.tobytes()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+            raise ValueError(f"cannot decode image file {path}: corrupt or truncated ({err})") from err
+    digest = hashlib.sha256()
+    digest.update(f"{rgb.size[0]}x{rgb.size[1]}:".encode())
+    digest.update(pixels)
     return digest.hexdigest()

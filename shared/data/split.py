@@ -40,3 +40,22 @@ def check_disjoint(public_records: Iterable[PoseRecord], private_records: Iterab
             f"public {public[first]} == private {private[first]}; remove them from the public set"
         )
     log.info("P2 check: %d public and %d private images are disjoint by content", len(public), len(private))
+
+
+def check_no_duplicates(records: Iterable[PoseRecord], *, what: str) -> None:
+    """Raise ValueError if two different image files of ``records`` hold the same pixels.
+
+    A record-level DP claim counts each person once: an image present twice in
+    the private data (two files, same pixels, e.g. one split listed twice or a
+    copy under another name) would be trained on as two records. Several people
+    in one image file are fine (one file, several records).
+    """
+    seen: dict[str, Path] = {}
+    for path in dict.fromkeys(r.image for r in records):
+        digest = content_hash(path)
+        if digest in seen:
+            raise ValueError(
+                f"{what} holds the same image twice (same pixels): {seen[digest]} and {path}; "
+                "each image may occur once, or the per-record privacy claim would not hold"
+            )
+        seen[digest] = path

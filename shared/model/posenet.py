@@ -183,19 +183,46 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for corrupt files
-        raise ValueError(f"checkpoint {path} is not a readable fedpose checkpoint: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint {path} is not a readable fedpose checkpoint: {first}") from err
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a fedpose checkpoint (format {CHECKPOINT_FORMAT})")
-    mc = payload["model_config"]
-    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in mc.items()})
-    model = PoseNet(cfg, tuple(payload["input_size"]))
-    if payload.get("fused", True):
-        fuse_batchnorm(model)
-        model.load_state_dict(payload["state_dict"])
-    else:
-        model.load_state_dict(payload["state_dict"])
-        fuse_batchnorm(model)
-    return model, payload.get("meta", {})
+    missing = [k for k in ("model_config", "input_size", "state_dict") if k not in payload]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {missing}: not a complete fedpose checkpoint")
+    mc, state = payload["model_config"], payload["state_dict"]
+    if not isinstance(mc, dict) or not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path}: model_config and state_dict must be mappings")
+    # Validate every dimension (ModelConfig's own bounds, DataConfig's input bounds) before building.
+    from shared.config import DataConfig, section_from_dict
+
+    try:
+        cfg = section_from_dict(ModelConfig, dict(mc), "model_config")
+        size = payload["input_size"]
+        if not isinstance(size, (list, tuple)):
+            raise ConfigError(f"input_size: expected [H, W], got {size!r}")
+        input_size = DataConfig(input_size=tuple(size)).input_size
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in input_size):
+            raise ConfigError(f"input_size: expected two integers, got {list(input_size)}")
+    except (ConfigError, TypeError) as err:
+        raise ValueError(f"checkpoint {path}: {err}") from err
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"checkpoint {path}: state_dict[{name!r}] is not a tensor")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"checkpoint {path}: weights hold non-finite values (NaN/inf) in {name}")
+    model = PoseNet(cfg, input_size)
+    try:
+        if payload.get("fused", True):
+            fuse_batchnorm(model)
+            model.load_state_dict(state)
+        else:
+            model.load_state_dict(state)
+            fuse_batchnorm(model)
+    except RuntimeError as err:  # missing/unexpected keys, shape mismatches
+        raise ValueError(f"checkpoint {path}: weights do not match its model_config: {err}") from err
+    meta = payload.get("meta", {})
+    return model, meta if isinstance(meta, dict) else {}
 
 
 def load_tinyvit_weights(model: PoseNet, path: str | Path) -> list[str]:
