@@ -60,6 +60,8 @@ _V2_FIELDS = ("policy_version: 2", "sample_rate", "steps_per_round", "clip_norm"
 
 
 def _positive(name: str, value: Any, *, upper: float | None = None) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+        raise ValueError(f"site policy: {name} is too large to be a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"site policy: {name}={value!r} must be a finite number > 0")
     if upper is not None and value > upper:

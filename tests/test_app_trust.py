@@ -11,7 +11,6 @@ import inspect
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -130,13 +130,16 @@ def test_policy_from_dict_fuzz(data: dict) -> None:
     _check(policy_from_dict, data)
 
 
-@pytest.mark.xfail(reason="client/policy.py float() of a 400-digit epsilon raises OverflowError "
-                          "(client/ is outside this branch; reported to the lead)", strict=True, raises=OverflowError)
 def test_policy_huge_integer_epsilon() -> None:
     from client.policy import policy_from_dict
 
-    policy_from_dict({"site": "a", "epsilon": 10**400, "delta": 1e-5, "max_rounds": 1, "data_path": "d",
-                      "ledger_path": "l"})
+    for key in ("epsilon", "delta", "sample_rate", "clip_norm"):
+        data = {"policy_version": 2, "site": "a", "epsilon": 1.0, "delta": 1e-5, "lifetime_rounds": 1,
+                "rounds_per_federation": 1, "sample_rate": 0.1, "steps_per_round": 1, "clip_norm": 1.0,
+                "psi": "blur", "psi_min": 0.03, "augment": True, "data_path": "d", "ledger_path": "l"}
+        data[key] = 10**400
+        with pytest.raises(ValueError, match=key):
+            policy_from_dict(data)
 
 
 @FUZZ

@@ -206,7 +206,6 @@ def _checkpoint(tmp_path: Path, **changes: object) -> Path:
     {"model_config": "x"},
 ])
 def test_broken_checkpoints_are_value_errors(tmp_path: Path, changes: dict) -> None:
-    from shared.model.posenet import load_checkpoint
 
     path = _checkpoint(tmp_path, **changes)
     result = _bounded(f"""

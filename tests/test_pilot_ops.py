@@ -123,3 +123,33 @@ def test_fedpose_certs_refuses_to_write_keys_into_the_repository(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "git work tree" in run.stderr
     assert not (REPO / "certs-test").exists()
+
+
+def test_policy_files_as_people_write_them(tmp_path):
+    """Issue #9.10: `delta: 1e-5` written by hand is a number; a binary file's error names the file."""
+    from client.policy import load_policy
+
+    text = """policy_version: 2
+site: hospital-a
+epsilon: 0.8
+delta: 1e-5
+lifetime_rounds: 5
+rounds_per_federation: 5
+sample_rate: 0.16
+steps_per_round: 10
+clip_norm: 1
+psi: blur
+psi_min: 0.03
+augment: true
+data_path: data/site
+ledger_path: ledger.sqlite
+"""
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    policy = load_policy(path)
+    assert policy.delta == 1e-5 and policy.clip_norm == 1.0
+    assert policy.data_path == str((tmp_path / "data" / "site").resolve())
+    binary = tmp_path / "policy.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="policy.bin"):
+        load_policy(binary)
