@@ -273,6 +273,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     from flwr.app import MetricRecord, RecordDict
 
     from shared.model.posenet import apply_strategy, build_model
+    from shared.optim_state import keep_site_optimizer, site_optimizer
     from shared.privacy.noise import make_generator
     from shared.train import local_train, make_dataset, round_span, select_device
 
@@ -321,10 +322,11 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             raise Refusal(RefusalCode.BUDGET, f"this round would spend eps={eps_after:.4g} > budget {policy.epsilon:g} "
                                               f"(delta={policy.delta:g}, {policy.accountant})")
         generator, seeded = make_generator(seed, "cpu")
+        optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
         result = local_train(
             model, make_dataset(private, cfg, train=True, seed=seed), method=method, train=cfg.train,
             privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
-            schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
+            optimizer=optimizer, schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
             progress=progress, desc=f"{policy.site} round {request.round}",
         )
         eps = open_round.record(
@@ -333,6 +335,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             accountant=policy.accountant,
         )
         rounds_done = open_round.rounds_done + 1
+    keep_site_optimizer(cfg, optimizer, model, trainable, policy.ledger_path, request.federation)
     log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f); eps spent %.4f of %.4g",
              policy.site, request.round, result.steps, result.sigma, result.sample_rate, eps, policy.epsilon)
     named = dict(model.named_parameters())

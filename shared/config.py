@@ -162,11 +162,22 @@ class FederationConfig:
     basis_mode: Literal["broadcast", "site"] = "site"
     basis_dtype: Literal["float32", "float16"] = "float16"
     round_timeout: float = 900.0  # seconds to wait for replies before going on without a site
+    # keep: each site keeps its local optimizer state (Adam moments) across rounds, on its own disk next to
+    # its ledger (post-processing of its own DP outputs; never sent); fresh: a new optimizer every round.
+    site_optimizer: Literal["keep", "fresh"] = "fresh"
+    # Server step on the averaged update d = fedavg - w: none (w <- fedavg), momentum (FedAvgM), adam (FedAdam).
+    server_optimizer: Literal["none", "momentum", "adam"] = "none"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
     out: str = "runs/federation"
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1 or self.min_sites < 1:
             raise ConfigError("federation.rounds, federation.local_steps and federation.min_sites must be >= 1")
+        if self.server_lr <= 0:
+            raise ConfigError(f"federation.server_lr: must be > 0, got {self.server_lr}")
+        if not 0 <= self.server_momentum < 1:
+            raise ConfigError(f"federation.server_momentum: must be in [0, 1), got {self.server_momentum}")
         if self.round_timeout <= 0:
             raise ConfigError(f"federation.round_timeout: must be > 0, got {self.round_timeout}")
 
