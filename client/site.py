@@ -489,6 +489,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     from flwr.app import MetricRecord, RecordDict
 
     from shared.model.posenet import apply_strategy, build_model
+    from shared.optim_state import keep_site_optimizer, site_optimizer
     from shared.privacy.noise import make_generator
     from shared.train import local_train, make_dataset, round_span, select_device
 
@@ -531,10 +532,11 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         # Reproducible noise (tests only, P7) is seeded from the ledger row, never from a server field (P11).
         seed = None if policy.seed is None else policy.seed + open_round.rounds_done
         generator, seeded = make_generator(seed, "cpu")
+        optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
         result = local_train(
             model, make_dataset(checked.private, cfg, train=True, seed=seed), method=method, train=cfg.train,
             privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
-            sample_rate=policy.sample_rate,
+            sample_rate=policy.sample_rate, optimizer=optimizer,
             schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
             progress=progress, desc=f"{policy.site} round {request.round}",
         )
@@ -545,6 +547,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         )
         run_eps = open_round.epsilon(delta=policy.delta, accountant=policy.accountant, federation=request.federation)
         rounds_done = open_round.rounds_done
+    keep_site_optimizer(cfg, optimizer, model, trainable, policy.ledger_path, request.federation)
     # Timings and the realised batch sizes track n: they stay in this log, never in the reply (P10).
     log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f, mean batch %.1f) in %.1f s (+%.1f s basis); "
              "eps spent %.4f of %.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,

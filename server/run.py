@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from server.aggregate import server_optimizer
 from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
 from server.ledger import Event, Report, ServerLedger, Spend
@@ -347,6 +348,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         raise RuntimeError(f"only {len(usable)} sites ({usable}) answered and can take part, fewer than "
                            f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
     keeper = BasisKeeper(cfg, public)
+    server_opt = server_optimizer(cfg)  # server/aggregate.py; in memory (a resumed server starts it afresh)
 
     if resume:
         ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,
@@ -412,7 +414,9 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         aggregated = len(outcome.updates) >= cfg.federation.min_sites
         if aggregated:
             with torch.no_grad():
-                for name, value in aggregate(outcome.updates, cfg.federation.aggregator).items():
+                current = {name: named[name].detach().clone() for name in trainable}
+                combined = aggregate(outcome.updates, cfg.federation.aggregator)
+                for name, value in server_opt.apply(current, combined).items():
                     named[name].copy_(value)
         else:
             log.warning("round %d: %d valid replies < min_sites %d: global model unchanged", rnd,

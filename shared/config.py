@@ -201,6 +201,13 @@ class FederationConfig:
     # Replies whose update (site weights - global weights) has a larger L2 norm are rejected, never
     # averaged (their spend still counts); null: no bound.
     max_update_norm: float | None = None
+    # keep: each site keeps its local optimizer state (Adam moments) across rounds, on its own disk next to
+    # its ledger (post-processing of its own DP outputs; never sent); fresh: a new optimizer every round.
+    site_optimizer: Literal["keep", "fresh"] = "fresh"
+    # Server step on the averaged update d = fedavg - w: none (w <- fedavg), momentum (FedAvgM), adam (FedAdam).
+    server_optimizer: Literal["none", "momentum", "adam"] = "none"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
     out: str = "runs/federation"
 
     def __post_init__(self) -> None:
@@ -209,6 +216,10 @@ class FederationConfig:
         if self.max_update_norm is not None and not (0 < self.max_update_norm < float("inf")):
             raise ConfigError(f"federation.max_update_norm: must be a positive number or null, got "
                               f"{self.max_update_norm}")
+        if self.server_lr <= 0:
+            raise ConfigError(f"federation.server_lr: must be > 0, got {self.server_lr}")
+        if not 0 <= self.server_momentum < 1:
+            raise ConfigError(f"federation.server_momentum: must be in [0, 1), got {self.server_momentum}")
         if self.round_timeout <= 0:
             raise ConfigError(f"federation.round_timeout: must be > 0, got {self.round_timeout}")
 
