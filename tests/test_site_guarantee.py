@@ -164,7 +164,8 @@ def test_claims_name_what_is_released_and_the_replace_one_epsilon(tmp_path):
     sigma, q, steps = 6.441, 0.053, 570
     add_remove = epsilon_spent([StepRecord(sigma=sigma, sample_rate=q, steps=steps)], delta=1e-5)
     replace_one = epsilon_spent([StepRecord(sigma=sigma / 2, sample_rate=q, steps=steps)], delta=1e-5)
-    assert add_remove == pytest.approx(0.8, abs=0.01) and replace_one > 1.4  # ~1.48, as the issue measured
+    # The issue measured ~1.48 with a tighter replace-one analysis; sensitivity 2C (sigma / 2) is conservative: ~1.76.
+    assert add_remove == pytest.approx(0.8, abs=0.01) and 1.4 < replace_one < 1.9
     claim = privacy_claim(method="dpsgd", epsilon=add_remove, delta=1e-5, psi=None, seeded=False, accountant="rdp",
                           released=f"n is public: replace-one eps={replace_one:.4g}")
     assert "add/remove" in claim and f"{replace_one:.4g}" in claim
