@@ -25,7 +25,6 @@ anything leaves the site.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -51,6 +50,8 @@ from client.policy import (
 from shared.config import Config
 from shared.data.mpii import load_split
 from shared.data.records import PoseRecord
+from shared.data.split import check_disjoint, check_no_duplicates
+from shared.data.split import manifest_digest as public_digest
 from shared.federation_messages import (
     ARRAYS,
     BASIS,
@@ -65,6 +66,7 @@ from shared.federation_messages import (
     weights_record,
 )
 from shared.privacy.accountant import StepRecord, check_delta
+from shared.privacy.psi import psi_label
 from shared.privacy.subspace import check_orthonormal
 
 log = logging.getLogger(__name__)
@@ -165,23 +167,6 @@ def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
     return records
 
 
-def _image_hashes(records: list[PoseRecord]) -> dict[str, Path]:
-    from shared.data.records import content_hash
-
-    return {content_hash(path): Path(path) for path in dict.fromkeys(r.image for r in records)}
-
-
-def public_digest(records: list[PoseRecord]) -> str:
-    """Manifest digest of a public set: sha256 over the sorted content hashes of its images.
-
-    The operator approves this value in the site policy (``public_digest``);
-    a public set swapped for another (say, one holding a patient's image)
-    no longer matches.
-    """
-    hashes = sorted(_image_hashes(records))
-    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class CheckedSite:
     """A site's data after its own start-up checks passed."""
@@ -213,10 +198,7 @@ def check_site(policy: SitePolicy) -> CheckedSite:
     """
     private = load_split_dir(policy.data_path, "site data")
     check_delta(policy.delta, len(private))
-    hashes = _image_hashes(private)
-    if len(hashes) < len(dict.fromkeys(r.image for r in private)):
-        raise ValueError(f"site data {policy.data_path}: the same image appears under several names; remove "
-                         "the copies (record-level DP covers one record per image)")
+    check_no_duplicates(private, what=f"site data {policy.data_path}")
     public = None
     if policy.public_path:
         public = load_split_dir(policy.public_path, "public set")
@@ -225,11 +207,11 @@ def check_site(policy: SitePolicy) -> CheckedSite:
             raise ValueError(f"public set {policy.public_path} has manifest digest {digest}, but the policy approves "
                              f"{policy.public_digest}: approve the new set (`fedpose site-policy --check`) or "
                              "restore the approved one")
-        overlap = sorted(set(hashes) & set(_image_hashes(public)))
-        if overlap:
-            raise ValueError(f"public set {policy.public_path} holds {len(overlap)} of this site's private images "
-                             f"(e.g. {hashes[overlap[0]]}); P2 requires them disjoint: remove them from the public "
-                             "set and approve its new digest")
+        try:
+            check_disjoint(public, private)
+        except ValueError as err:
+            raise ValueError(f"public set {policy.public_path} holds some of this site's private images: {err}; "
+                             "then approve its new digest") from err
     return CheckedSite(private=private, public=public)
 
 
@@ -256,12 +238,11 @@ def site_check(policy: SitePolicy) -> CheckedSite:
 def site_info(policy: SitePolicy) -> SiteInfo:
     """Answer to the server's query: what the policy declares, and the spend so far (never n)."""
     site_check(policy)
-    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
-        rounds_done = ledger.rounds_done()
-        spent = ledger.epsilon(delta=policy.delta, accountant=policy.accountant)
+    spend = spend_so_far(policy, None)
     return SiteInfo(
         site=policy.site, epsilon=policy.epsilon, delta=policy.delta, lifetime_rounds=policy.lifetime_rounds,
-        rounds_per_federation=policy.rounds_per_federation, rounds_done=rounds_done, epsilon_spent=spent,
+        rounds_per_federation=policy.rounds_per_federation, rounds_done=int(spend["site_rounds"]),
+        epsilon_spent=spend["site_epsilon"],
         min_sigma=min_sigma_for(policy), sample_rate=policy.sample_rate, steps_per_round=policy.steps_per_round,
         clip_norm=policy.clip_norm, psi=policy.psi, psi_min=policy.psi_min, augment=policy.augment,
         accountant=policy.accountant, methods=policy.methods,
@@ -403,8 +384,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
             raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi!r} is not this site's {policy.psi!r}")
         strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
         if not strength >= policy.psi_min:
-            raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi}({cfg.privacy.psi_param:g}) has strength "
-                                              f"{strength:.4g} of min(H, W), below this site's psi_min="
+            label = psi_label(cfg.privacy.psi, cfg.privacy.psi_param)
+            raise Refusal(RefusalCode.POLICY, f"psi {label} has strength {strength:.4g} of min(H, W), below "
+                                              f"this site's psi_min="
                                               f"{policy.psi_min:g}")
     shortfall = sigma_shortfall(policy, sigma=request.sigma)
     if shortfall is not None:
@@ -480,10 +462,6 @@ def repeated_round(policy: SitePolicy, federation: str, round: int) -> Any:
                                              "spent here; it is never trained twice")
 
 
-def psi_description(cfg: Config) -> str:
-    return f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})"
-
-
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal``; returns the reply RecordDict."""
     from flwr.app import MetricRecord, RecordDict
@@ -512,8 +490,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         basis, seconds_basis = obtain_basis(content, request, model, trainable, checked, policy)
         basis = basis.to(device)
 
-    mechanism = Mechanism(method=method, psi=psi_description(cfg) if method in WITH_PSI else None,
-                          clip_norm=policy.clip_norm, augment=policy.augment)
+    psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in WITH_PSI else None
+    mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
         if open_round.has_round(request.federation, request.round):  # a concurrent duplicate won the lock
             raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} was "

@@ -506,7 +506,9 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
         }
     epsilon = max((s["epsilon"] for s in per_site.values()), default=0.0)
     delta = max((s["delta"] for s in per_site.values()), default=cfg.privacy.delta)
-    psi = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if cfg.train.method in ("fdp", "fpdp") else None
+    from shared.privacy.psi import psi_label
+
+    psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if cfg.train.method in ("fdp", "fpdp") else None
     seeded = ledger.get_meta("seeded") == "1"
     claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
                           accountant=cfg.privacy.accountant, released=FEDERATION_RELEASE)

@@ -25,6 +25,7 @@ from shared.model.posenet import PoseNet, build_model, build_pretrain_model, loa
 from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 from shared.privacy.claims import privacy_claim
+from shared.privacy.psi import psi_label
 from shared.privacy.noise import make_generator
 from shared.train import (
     PRIVATE,
@@ -210,7 +211,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
                     f"n is public and the guarantee is the replace-one-record one, eps={epsilon_replace:.4g}")
     log.info("ran %d steps on n=%d records, mean Poisson batch %.1f (kept in this log only)", result.steps, n,
              result.mean_batch)
-    psi_name = f"{cfg.privacy.psi}({cfg.privacy.psi_param:g})" if method in ("fdp", "fpdp") else None
+    psi_name = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in ("fdp", "fpdp") else None
     claim = privacy_claim(
         method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
         psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released,

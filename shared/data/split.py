@@ -7,6 +7,7 @@ Names are not enough (a copy can be renamed), hence the content hash.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,3 +60,13 @@ def check_no_duplicates(records: Iterable[PoseRecord], *, what: str) -> None:
                 "each image may occur once, or the per-record privacy claim would not hold"
             )
         seen[digest] = path
+
+
+def manifest_digest(records: Iterable[PoseRecord]) -> str:
+    """Digest of a set of images: sha256 over the sorted content hashes of its distinct images.
+
+    A site approves its public set by this value (``public_digest`` in its
+    policy); a set swapped for another, say one holding a patient's image,
+    no longer matches.
+    """
+    return hashlib.sha256("\n".join(sorted(_hashes(records))).encode()).hexdigest()

@@ -213,3 +213,8 @@ def psi_strength(kind: str, param: float, input_size: tuple[int, int]) -> float:
     if kind == "pixelate":
         return float(int(param)) / float(min(input_size))
     raise ValueError(f"psi={kind!r} is not one of {PSI_KINDS}")
+
+
+def psi_label(kind: str, param: float) -> str:
+    """How claims and ledger rows name a feature map, e.g. ``blur(0.03)``: one spelling everywhere."""
+    return f"{kind}({param:g})"
