@@ -306,7 +306,11 @@ def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
 
 def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, trainable: list[str],
                  checked: CheckedSite, policy: SitePolicy) -> tuple[torch.Tensor, float]:
-    """V for this round: received (checked, cached), cached by version, or computed here (basis_mode site)."""
+    """V for this round: received (checked), cached by version, or computed here (basis_mode site).
+
+    Nothing is written here: ``handle_train`` caches V only once the round is recorded, so a server
+    cannot fill the site's disk with bases under new federation ids while every request is refused.
+    """
     cfg = request.config
     named = dict(model.named_parameters())
     p = sum(named[name].numel() for name in trainable)
@@ -319,7 +323,6 @@ def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, tr
         if version != request.basis_version:
             raise Refusal(RefusalCode.BAD_BASIS, f"basis version {version} != requested {request.basis_version}")
         check_basis(basis, p=p, k=k)
-        cache_basis(policy, request.federation, version, basis)
         return basis, 0.0
     cached = cached_basis(policy, request.federation, request.basis_version)
     if cached is not None:
@@ -340,7 +343,6 @@ def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, tr
                             make_dataset(public, cfg, train=False), cfg.privacy, device).cpu()
     seconds = time.perf_counter() - t0
     check_basis(basis, p=p, k=k)
-    cache_basis(policy, request.federation, request.basis_version, basis)
     return basis, seconds
 
 
@@ -543,5 +545,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     }
     weights = {k: named[k] for k in trainable}
     store_reply(policy, request.federation, request.round, weights, metrics)
+    if basis is not None:
+        cache_basis(policy, request.federation, request.basis_version, basis)
     return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})
 

@@ -156,6 +156,16 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert _refusal(content, policy).code == RefusalCode.NEED_BASIS  # nothing cached for version 1
     assert _rows(policy) == []
 
+    # A valid V on a request refused at the ledger (it would overspend) is not cached: refused requests under
+    # new federation ids cannot fill the site's disk with p x k bases.
+    tight = _policy(cfg, tmp_path / "tight", epsilon=0.5, min_sigma=0.3, max_rounds=5)
+    for federation in ("probe-a", "probe-b"):
+        content = _request(cfg, state, sigma=0.4, steps=2, method="proj", basis_version=1, federation=federation)
+        content[BASIS] = basis_record(orthonormal.float(), version=1, dtype="float16")
+        assert _refusal(content, tight).code == RefusalCode.BUDGET
+    assert _rows(tight) == []
+    assert not (tmp_path / "tight" / "basis-cache").exists()
+
 
 def test_site_checks_its_public_set_itself_and_refuses_generically_when_it_fails(world, tmp_path):
     """P2 is the site's own start-up check against the public set its operator approved (finding 8.1)."""
