@@ -56,11 +56,105 @@ def cmd_start(args: argparse.Namespace) -> int:
     if exe is None:
         raise FileNotFoundError("flower-supernode is not on PATH: install fedpose (it depends on flwr) in this "
                                 "environment")
+    if args.retry_for < 0:
+        raise ValueError(f"--retry-for: must be >= 0 seconds, got {args.retry_for}")
     env = gated_env(shim.parent)
     print(f"SuperNode runs only app bundles approved in {approved} ({len(digests)} digest"
           f"{'s' if len(digests) != 1 else ''}); gate {shim}", flush=True)
-    os.execve(exe, [exe, *supernode_args], env)  # the SuperNode replaces this process (signals reach it)
-    return 0  # pragma: no cover
+    return supervise([exe, *supernode_args], env, retry_for=args.retry_for, pause=args.retry_pause)
+
+
+# flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer
+# than --max-wait-time, a crash. Usage errors exit with 2 and are not retried.
+_RETRYABLE_EXIT = 1
+
+
+def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float) -> int:
+    """Run the SuperNode; after an error exit start it again, until it has failed for ``retry_for`` s.
+
+    A SuperNode restarted right after a crash is refused by the SuperLink ("Failed to activate
+    SuperNode", code 2004) until the SuperLink drops the crashed session (about 60 s: two missed
+    heartbeats); one whose SuperLink restarted gives up after its --max-wait-time. Both come back
+    by starting again. SIGTERM / SIGINT go to the SuperNode and end the supervision.
+    """
+    import signal
+    import subprocess
+    import time
+
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    reaper = _become_subreaper()
+    failing_since: float | None = None
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen(cmd, env=env)
+        code = child.wait()
+        if reaper:
+            _reap_orphans()  # its SuperExec would otherwise outlive it and attach to the next SuperNode
+        if stopping or code != _RETRYABLE_EXIT:
+            return code
+        now = time.monotonic()
+        if now - started > 2 * pause:  # it ran for a while: a new failure, not the same one again
+            failing_since = None
+        failing_since = failing_since if failing_since is not None else started
+        if now - failing_since >= retry_for:
+            print(f"fedpose site start: the SuperNode kept failing for {now - failing_since:.0f} s "
+                  f"(--retry-for {retry_for:.0f}): giving up; see the errors above", flush=True)
+            return code
+        print(f"fedpose site start: the SuperNode exited with an error; starting it again in {pause:.0f} s "
+              f"(failing for {now - failing_since:.0f} of at most {retry_for:.0f} s). After a crash the "
+              "SuperLink refuses the site (code 2004) until it drops the old session, about 60 s; a key "
+              "that was never registered is refused every time.", flush=True)
+        time.sleep(pause)
+        if stopping:
+            return code
+
+
+def _become_subreaper() -> bool:
+    """Linux: processes our SuperNode leaves behind are re-parented to this one (not to init)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_orphans() -> None:
+    """Kill and reap what an exited SuperNode left behind: its flower-superexec and app processes."""
+    import signal
+
+    me = os.getpid()
+    while True:
+        orphans = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == me:
+                orphans.append(int(stat.parent.name))
+        if not orphans:
+            return
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in orphans:  # reap them (their own children are re-parented to us next)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def register(sub: Any) -> None:
@@ -79,6 +173,11 @@ def register(sub: Any) -> None:
     st.add_argument("--approved", required=True, help="the site's approved-apps file")
     st.add_argument("--gate-dir", default=None, help="where the gate executable is written "
                                                      "(default: gate-bin beside the approved file)")
+    st.add_argument("--retry-for", type=float, default=300.0,
+                    help="start the SuperNode again after an error exit (a crash, a refused activation right "
+                         "after one, a SuperLink restart) until it has failed for this many seconds; "
+                         "0: never (default 300)")
+    st.add_argument("--retry-pause", type=float, default=10.0, help="seconds between two starts (default 10)")
     st.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then the flower-supernode arguments")
     st.add_argument("--verbose", action="store_true", help="debug logging")
     st.set_defaults(func=cmd_start)

@@ -26,6 +26,7 @@ from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
 from server.ledger import Event, Report, ServerLedger, Spend
 from server.plan import SitePlan, can_afford, plan_site
+from server.prepare import require_prepared
 from server.report import append_round, write_plot, write_report, write_rounds
 from server.validate import parse_ran, parse_weights, update_norm
 from shared.config import Config, ConfigError, dump_config
@@ -274,6 +275,43 @@ def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan]
     return sorted(s for s in plans if node_of.get(s) not in online)
 
 
+def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], ledger: ServerLedger,
+                    cfg: Config, rnd: int, *, poll: float = 5.0) -> tuple[list[str], list[str]]:
+    """The sites to ask in round ``rnd`` and the planned sites whose SuperNode is offline.
+
+    A site with budget left whose SuperNode is offline (crashed, restarting) is waited for, up to
+    ``federation.round_timeout``, when without it fewer than ``min_sites`` could train; a site
+    whose next round would exceed its budget is marked exhausted and never asked again.
+    """
+    deadline = time.monotonic() + cfg.federation.round_timeout
+    while True:
+        offline = refresh_nodes(grid, node_of, plans, cfg)
+        statuses = ledger.statuses()
+        newly: dict[str, tuple[str, str]] = {}
+        active, waiting = [], []
+        for site in sorted(plans):
+            if statuses[site][0] != "active":
+                continue
+            if not can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
+                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
+                log.info("site %s is exhausted: not sampled again", site)
+            elif site in node_of and site not in offline:
+                active.append(site)
+            else:
+                waiting.append(site)
+        if newly:
+            ledger.set_statuses(newly)
+        left = deadline - time.monotonic()
+        if len(active) >= cfg.federation.min_sites or not waiting or left <= 0:
+            if waiting and len(active) < cfg.federation.min_sites:
+                log.warning("round %d: %s still offline after %.0f s", rnd, ", ".join(waiting),
+                            cfg.federation.round_timeout)
+            return active, offline
+        log.info("round %d: waiting for %s to come back (SuperNode offline; %d of min_sites %d online, "
+                 "%.0f s left)", rnd, ", ".join(waiting), len(active), cfg.federation.min_sites, left)
+        time.sleep(min(poll, max(left, 0.1)))
+
+
 # ---------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------
@@ -300,7 +338,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out``."""
     from shared.data.mpii import load_split
     from shared.model.posenet import apply_strategy
-    from shared.runs import ensure_data, initial_model
+    from shared.runs import initial_model
     from shared.train import evaluate
 
     t_start = time.perf_counter()
@@ -308,10 +346,11 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     paths.out.mkdir(parents=True, exist_ok=True)
     if cfg.train.method == "nonprivate":
         raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
-    root = ensure_data(cfg, progress=False)
+    require_prepared(cfg)  # server/prepare.py: public data and pretrained weights exist (no silent generation)
+    root = Path(cfg.data.root)
     public = load_split(root, cfg.data.public_split)
     val = load_split(root, cfg.data.val_split)
-    model = initial_model(cfg, progress=False)
+    model = initial_model(cfg, progress=False)  # present: checked above
     trainable = apply_strategy(model, cfg.train.strategy)
     named = dict(model.named_parameters())
     expected = {name: named[name].shape for name in trainable}
@@ -354,20 +393,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,
                                                   reason=f"server resumed from the checkpoint of round {start - 1}")])
     for rnd in range(start, cfg.federation.rounds + 1):
-        offline = refresh_nodes(grid, node_of, plans, cfg)
-        statuses = ledger.statuses()
-        newly: dict[str, tuple[str, str]] = {}
-        active = []
-        for site in sorted(plans):
-            if site not in node_of or site in offline or statuses[site][0] != "active":
-                continue
-            if can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
-                active.append(site)
-            else:
-                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
-                log.info("site %s is exhausted: not sampled again", site)
-        if newly:
-            ledger.set_statuses(newly)
+        active, offline = sites_for_round(grid, node_of, plans, ledger, cfg, rnd)
         if len(active) < cfg.federation.min_sites:
             log.info("round %d: %d sites can still train (< min_sites %d): stopping", rnd, len(active),
                      cfg.federation.min_sites)

@@ -121,3 +121,166 @@ def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.2) -> No
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
+
+
+# ---------------------------------------------------------------------------
+# a pilot on the deployment engine: SuperLink (TLS, node auth), registered sites, `flwr` CLI
+# ---------------------------------------------------------------------------
+
+
+def fedpose_cli(*args: str) -> None:
+    """The ``fedpose`` command line, in process."""
+    from cli.main import main
+
+    assert main(list(args)) == 0
+
+
+class Pilot:
+    """Certificates, site policies and approvals under ``root``; starts and stops the real processes.
+
+    Every process binds 127.0.0.1 and is started in its own session; ``close`` stops them all.
+    """
+
+    def __init__(self, root: Path, cfg: Any, *, sites: int = 2, lifetime_rounds: int = 2,
+                 database: bool = False) -> None:
+        self.root, self.cfg, self.sites = root, cfg, sites
+        self.env = flower_env(root / "flwr-home")
+        self.certs = root / "certs"
+        self.database = root / "superlink.db" if database else None
+        self.link = free_port()
+        self.ports = [free_port() for _ in range(sites + 1)]
+        self.procs: list[subprocess.Popen] = []
+        self.superlink: subprocess.Popen | None = None
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        fedpose_cli("certs", "--out", str(self.certs), "--nodes", str(sites + 1))
+        # The app as `flwr run` bundles it, frozen now: what the sites approve and what is submitted stay
+        # the same bytes even if the working tree changes while the test runs.
+        self.app = app_snapshot(root / "app")
+        data = Path(cfg.data.root)
+        for i in range(sites):
+            fedpose_cli("site-policy", "--out", str(self.policy(i)), "--site", f"site-{i}", "--epsilon", "2.0",
+                        "--delta", "1e-3", "--lifetime-rounds", str(lifetime_rounds),
+                        "--data-path", str(data / f"site-{i}"),
+                        "--sample-rate", repr(cfg.train.batch_size / cfg.data.synth.per_site),
+                        "--steps-per-round", str(cfg.federation.local_steps), "--psi-min", repr(cfg.privacy.psi_param),
+                        "--public-path", str(data / "public"))
+            # The hospital approves the bundle it reviewed (here: this repository, as `flwr run` builds it).
+            fedpose_cli("site", "approve", "--bundle", str(self.app), "--approved", str(self.approved(i)))
+
+    def policy(self, i: int) -> Path:
+        return self.root / f"site-{i}" / "policy.yaml"
+
+    def approved(self, i: int) -> Path:
+        return self.root / f"site-{i}" / "approved.txt"
+
+    def site_ledger(self, i: int) -> Path:
+        return self.root / f"site-{i}" / "ledger.sqlite"
+
+    def log(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
+    def healthy(self) -> bool:
+        import ssl
+        import urllib.request
+
+        ctx = ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{self.link}/health", context=ctx, timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def start_superlink(self, log_name: str = "superlink") -> None:
+        cmd = [bin_path("flower-superlink"), "--ssl-ca-certfile", str(self.certs / "ca.crt"),
+               "--ssl-certfile", str(self.certs / "server.pem"), "--ssl-keyfile", str(self.certs / "server.key"),
+               "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.link)]
+        if self.database is not None:
+            cmd += ["--database", str(self.database)]
+        self.superlink = start(cmd, self.log(log_name), self.env)
+        self.procs.append(self.superlink)
+        wait_for(lambda: self.healthy() or self.superlink.poll() is not None, 60, "the SuperLink")
+        assert self.superlink.poll() is None, self.log(log_name).read_text()[-3000:]
+        (self.root / "flwr-home" / "config.toml").write_text(
+            '[superlink]\ndefault = "pilot"\n\n[superlink.pilot]\n'
+            f'address = "127.0.0.1:{self.link}"\nroot-certificates = "{self.certs / "ca.crt"}"\n'
+        )
+
+    def register(self, *nodes: int) -> None:
+        import json
+
+        for i in nodes:
+            reg = self.flwr("supernode", "register", str(self.certs / f"node-{i}.pub"), "pilot", "--format", "json")
+            assert reg.returncode == 0 and json.loads(reg.stdout)["success"], reg.stdout + reg.stderr
+
+    def start_site(self, i: int, log_name: str | None = None, *extra: str) -> subprocess.Popen:
+        """Site ``i``'s SuperNode through ``fedpose site start`` (the app-approval gate), key node-(i+1)."""
+        proc = start([
+            sys.executable, "-m", "cli.main", "site", "start", "--approved", str(self.approved(i)), *extra, "--",
+            "--root-certificates", str(self.certs / "ca.crt"), "--superlink", f"127.0.0.1:{self.link}",
+            "--auth-supernode-private-key", str(self.certs / f"node-{i + 1}"),
+            "--node-config", f"site-policy='{self.policy(i)}'", "--host", "127.0.0.1", "--port", str(self.ports[i]),
+            "--max-retries", "3", "--max-wait-time", "30",
+        ], self.log(log_name or f"supernode-{i}"), self.env)
+        self.procs.append(proc)
+        self.supernodes[i] = proc
+        return proc
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([bin_path("flwr"), *args], cwd=self.root, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def submit(self, app: Path, run_config: str) -> int:
+        import json
+
+        run = self.flwr("run", str(app), "pilot", "--format", "json", "--run-config", run_config, timeout=180)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return int(json.loads(run.stdout)["run-id"])
+
+    def status(self, run_id: int) -> str:
+        import json
+
+        ls = self.flwr("ls", "pilot", "--run-id", str(run_id), "--format", "json")
+        return json.loads(ls.stdout)["runs"][0]["status"] if ls.returncode == 0 else ""
+
+    def wait_finished(self, run_id: int, timeout: float) -> str:
+        wait_for(lambda: self.status(run_id).startswith("finished"), timeout, f"run {run_id} to finish", poll=2.0)
+        return self.status(run_id)
+
+    def run_log(self, run_id: int) -> str:
+        return self.flwr("log", str(run_id), "pilot", "--show").stdout
+
+    def close(self) -> None:
+        stop(*self.procs)
+
+
+def app_snapshot(dst: Path) -> Path:
+    """This repository's app bundle (the FAB ``flwr run`` builds), unpacked into ``dst``."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(REPO))) as fab:
+        for name in fab.namelist():
+            if not name.startswith(".info/"):
+                (dst / name).parent.mkdir(parents=True, exist_ok=True)
+                (dst / name).write_bytes(fab.read(name))
+    return dst
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """kill -9 of a process and everything it started (a crash, not a shutdown)."""
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def ledger_rows(path: Path, sql: str = "SELECT * FROM spend ORDER BY id", params: tuple = ()) -> list[tuple]:
+    import sqlite3
+
+    if not path.exists():
+        return []
+    db = sqlite3.connect(path, timeout=10)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
