@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation and the edge (added by their own modules)."""
     out = []
-    for module in ("cli.fed", "cli.provision", "cli.site", "cli.edge"):
+    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

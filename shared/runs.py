@@ -120,17 +120,25 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     return metrics
 
 
+def pretrained_problem(cfg: Config) -> str | None:
+    """Why the public pretrained weights of this config cannot be used as they are (None: they can)."""
+    path = (Path(cfg.pretrain.out) / "model.pt").expanduser().resolve()
+    if not path.exists():
+        return f"no pretrained weights at {path}"
+    want = json.loads(json.dumps(config_fingerprint(cfg, "data", "model", "pretrain")))
+    _, meta = load_checkpoint(path)
+    if meta.get("fingerprint") != want:
+        return f"the pretrained weights at {path} were made with another data/model/pretrain config"
+    return None
+
+
 def ensure_pretrained(cfg: Config, *, progress: bool = True) -> Path:
     """Path of public pretrained weights matching this config, pretraining first when absent (cached)."""
     path = Path(cfg.pretrain.out) / "model.pt"
-    want = json.loads(json.dumps(config_fingerprint(cfg, "data", "model", "pretrain")))
-    if path.exists():
-        _, meta = load_checkpoint(path)
-        if meta.get("fingerprint") == want:
-            return path
-        log.warning("pretrained weights at %s were made with another config: pretraining again", path)
-    log.info("no pretrained weights at %s: pretraining on the public split first", path)
-    run_pretrain(cfg, progress=progress)
+    problem = pretrained_problem(cfg)
+    if problem is not None:
+        log.info("%s: pretraining on the public split first", problem)
+        run_pretrain(cfg, progress=progress)
     return path
 
 

@@ -1,0 +1,108 @@
+"""What the server needs before a federation, as explicit steps: ``fedpose server prepare``.
+
+The ServerApp needs three things, all public: the public split (it computes the projection
+basis V from it in broadcast mode, and the sites pin it by digest), a validation split to
+evaluate the global model after each round, and the public pretrained weights the federation
+starts from. ``prepare_server`` makes or checks each one, with progress output, and writes a
+config with absolute paths; ``require_prepared`` is what the ServerApp runs first, so that a
+server that was not prepared stops at once with the command to run, instead of generating data
+in whatever directory its SuperLink was started from and pretraining for minutes in silence.
+
+What the server can evaluate on: only data it may hold, i.e. public data (a held-out part of
+the public set, or a public benchmark's validation split). It never sees a site's images. The
+sites evaluate the global model on their own held-out data themselves (``eval_path`` in a
+site policy); those numbers stay at the site (client/site_eval.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from shared.config import Config, ConfigError, dump_config, replace
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """The config with its data, pretrained-weights and results paths made absolute."""
+    return replace(cfg, **{
+        "data.root": str(Path(cfg.data.root).expanduser().resolve()),
+        "pretrain.out": str(Path(cfg.pretrain.out).expanduser().resolve()),
+        "federation.out": str(Path(cfg.federation.out).expanduser().resolve()),
+    })
+
+
+def require_prepared(cfg: Config, *, config_path: str = "CONFIG") -> None:
+    """Refuse to start a federation whose public data or pretrained weights are missing, or whose
+    paths are relative (they would depend on the directory the SuperLink was started from)."""
+    from shared.data.mpii import load_split
+    from shared.runs import pretrained_problem
+
+    root = Path(cfg.data.root).expanduser().resolve()
+    fix = f"prepare the server first: fedpose server prepare --config {config_path} --out DIR"
+    problems = [f"{key} = {value!r} is relative (it would resolve against this process's working directory "
+                f"{Path.cwd()})" for key, value in (("data.root", cfg.data.root), ("pretrain.out", cfg.pretrain.out))
+                if not Path(value).expanduser().is_absolute()]
+    for what, split in (("public split", cfg.data.public_split), ("validation split", cfg.data.val_split)):
+        try:
+            if not load_split(root, split):
+                problems.append(f"the {what} {root / split} is empty")
+        except (OSError, ValueError) as err:
+            problems.append(f"the {what} {root / split} cannot be read ({err})")
+    if cfg.train.strategy != "scratch":
+        problem = pretrained_problem(cfg)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise ConfigError("the server is not prepared: " + "; ".join(problems) + f"; {fix}")
+
+
+def prepare_server(cfg: Config, out: str | Path, *, progress: bool = True,
+                   echo: Callable[[str], None] = print) -> Path:
+    """Make or check the public split, the validation split and the pretrained weights; write
+    ``out/server.yaml`` (absolute paths). Returns its path."""
+    from shared.data.mpii import load_split
+    from shared.data.split import check_disjoint, check_no_duplicates, manifest_digest
+    from shared.runs import ensure_data, pretrained_problem, run_pretrain
+
+    cfg = absolute_paths(cfg)
+    out = Path(out).expanduser().resolve()
+    root = Path(cfg.data.root)
+    generated = not root.exists()
+    echo(f"[1/3] public data under {root}" + (" (generating the synthetic ward)" if generated else ""))
+    t0 = time.perf_counter()
+    ensure_data(cfg, progress=progress)
+    public = load_split(root, cfg.data.public_split)
+    val = load_split(root, cfg.data.val_split)
+    if not public or not val:
+        empty = cfg.data.public_split if not public else cfg.data.val_split
+        raise ConfigError(f"split {root / empty} is empty: the server needs public and validation records")
+    check_no_duplicates(public, what=f"the public split {cfg.data.public_split}")
+    check_disjoint(public, val)  # a validation image that is also in S_pub would flatter every round
+    echo(f"      public split      {root / cfg.data.public_split}: {len(public)} records, "
+         f"digest {manifest_digest(public)} (each site pins this value as public_digest)")
+    echo(f"      validation split  {root / cfg.data.val_split}: {len(val)} records, evaluated after every "
+         "round; it must be public data, never a site's records")
+    echo(f"      {time.perf_counter() - t0:.0f} s")
+    if cfg.train.strategy == "scratch":
+        echo("[2/3] pretrained weights: none needed (train.strategy = scratch)")
+    else:
+        path = Path(cfg.pretrain.out) / "model.pt"
+        problem = pretrained_problem(cfg)
+        if problem is None:
+            echo(f"[2/3] pretrained weights {path}: present, made with this config")
+        else:
+            echo(f"[2/3] pretrained weights: {problem}; pretraining on the public split only "
+                 f"({cfg.pretrain.epochs} epochs)")
+            t0 = time.perf_counter()
+            metrics = run_pretrain(cfg, progress=progress)
+            echo(f"      {path}: PCKh@0.5 {metrics['pckh']['mean']:.2f} on the validation split, "
+                 f"{time.perf_counter() - t0:.0f} s")
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "server.yaml"
+    dump_config(cfg, config_path)
+    echo(f"[3/3] server config {config_path} (absolute paths)")
+    echo("      start the federation with:\n"
+         f"      flwr run . pilot --stream --run-config \"config='{config_path}' out='/srv/fedpose/run1'\"")
+    return config_path
+
