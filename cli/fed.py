@@ -38,17 +38,6 @@ def flower_env(flwr_home: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _absolute(cfg: Any) -> Any:
-    """Config with data/pretrain/out paths made absolute (Ray workers may run elsewhere)."""
-    from shared.config import replace
-
-    return replace(cfg, **{
-        "data.root": str(Path(cfg.data.root).expanduser().resolve()),
-        "pretrain.out": str(Path(cfg.pretrain.out).expanduser().resolve()),
-        "federation.out": str(Path(cfg.federation.out).expanduser().resolve()),
-    })
-
-
 def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
     """Server and client apps for ``run_simulation``, which passes no run config: inject ours."""
     from flwr.app import Context, Message
@@ -119,7 +108,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if (out / "checkpoint.pt").exists() or (out / "ledger.sqlite").exists():
             raise ValueError(f"{out} already holds a federation: continue it with --resume or choose another --out")
         cfg = load_config(args.config, overrides)
-    cfg = _absolute(cfg)
+    from server.prepare import absolute_paths
+
+    cfg = absolute_paths(cfg)  # Ray workers may run elsewhere
     check_simulation_sites(cfg)
     out.mkdir(parents=True, exist_ok=True)
     flower_env(out / "flwr-home")
@@ -368,7 +359,7 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
             "psi": args.psi, "psi_min": args.psi_min, "augment": not args.no_augment,
             "data_path": args.data_path, "ledger_path": args.ledger_path or "ledger.sqlite",
             "public_path": args.public_path, "public_digest": digest, "min_sigma": args.min_sigma,
-            "accountant": args.accountant, "methods": args.methods.split(","),
+            "eval_path": args.eval_path, "accountant": args.accountant, "methods": args.methods.split(","),
         }, base=out.parent)
         write_policy(out, policy)
         print(f"wrote {out}" + (f" (approving the public set {policy.public_path}, digest {digest})" if digest else ""))
@@ -446,6 +437,9 @@ def register(sub: Any) -> None:
     pol.add_argument("--ledger-path", default=None, help="default: ledger.sqlite beside the policy")
     pol.add_argument("--public-path", default=None,
                      help="the site's copy of the public split (basis_mode site); its digest is approved in the policy")
+    pol.add_argument("--eval-path", default=None,
+                     help="a held-out split (disjoint from --data-path): the site scores every global model it "
+                          "receives on it and keeps the numbers (evaluation.jsonl beside the ledger)")
     pol.add_argument("--min-sigma", type=float, default=None, help="default: derived from the budget")
     pol.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
     pol.add_argument("--verbose", action="store_true", help="debug logging")

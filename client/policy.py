@@ -24,6 +24,7 @@ server can only ask for it, never choose it (DESIGN.md section 4b)::
     ledger_path: ledger.sqlite    # the site's durable spend ledger
     public_path: data/public      # its copy of the public set (basis_mode "site")
     public_digest: 9f2c...        # manifest digest of that public set, approved by the operator
+    eval_path: data/site-0-eval   # optional held-out split: the site evaluates each global model on it, locally
     accountant: rdp
 
 Relative paths are relative to the policy file's directory. A request that
@@ -91,6 +92,7 @@ class SitePolicy:
     min_sigma: float | None = None
     public_path: str | None = None
     public_digest: str | None = None
+    eval_path: str | None = None  # held-out split evaluated at the site only (client/site_eval.py)
     accountant: str = "rdp"
     methods: tuple[str, ...] = PRIVATE_METHODS
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
@@ -161,6 +163,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "min_sigma": (int, float, type(None)),
     "public_path": (str, type(None)),
     "public_digest": (str, type(None)),
+    "eval_path": (str, type(None)),
     "accountant": (str,),
     "methods": (list, tuple),
     "seed": (int, type(None)),
@@ -202,7 +205,7 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
             except OverflowError as err:
                 raise ValueError(f"site policy: {key} is too large to be a number") from err
     if base is not None:
-        for key in ("data_path", "ledger_path", "public_path"):
+        for key in ("data_path", "ledger_path", "public_path", "eval_path"):
             if values.get(key):
                 path = Path(values[key]).expanduser()
                 values[key] = str(path if path.is_absolute() else (base / path).resolve())

@@ -468,6 +468,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     """Run one requested round or raise ``Refusal``; returns the reply RecordDict."""
     from flwr.app import MetricRecord, RecordDict
 
+    from client.site_eval import evaluate_global
     from shared.model.posenet import apply_strategy, build_model
     from shared.optim_state import keep_site_optimizer, site_optimizer
     from shared.privacy.noise import make_generator
@@ -486,6 +487,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     model = build_model(cfg.model, cfg.data.input_size)
     load_weights(content, model)
     model.to(device)
+    evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)
     trainable = apply_strategy(model, cfg.train.strategy)
     basis, seconds_basis = None, 0.0
     if method in PROJECTED:

@@ -153,3 +153,86 @@ ledger_path: ledger.sqlite
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="policy.bin"):
         load_policy(binary)
+
+
+# ---------------------------------------------------------------------------
+# item 8: the server's needs as explicit steps; evaluation at the sites
+# ---------------------------------------------------------------------------
+
+
+def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_nothing(tmp_path, monkeypatch):
+    from federation_support import tiny_config
+    from server.prepare import require_prepared
+    from shared.config import ConfigError, replace
+
+    cfg = tiny_config(tmp_path / "abs")
+    with pytest.raises(ConfigError, match="fedpose server prepare") as info:
+        require_prepared(cfg)
+    assert str(tmp_path / "abs" / "data" / "public") in str(info.value)
+    assert "no pretrained weights at" in str(info.value)
+    assert not (tmp_path / "abs" / "data").exists() and not (tmp_path / "abs" / "pretrained").exists()
+    # Relative paths would follow the SuperLink's working directory: refused, with that directory named.
+    monkeypatch.chdir(tmp_path)
+    relative = replace(cfg, **{"data.root": "runs/data", "pretrain.out": "runs/pretrained"})
+    with pytest.raises(ConfigError, match=r"data.root = 'runs/data' is relative") as info:
+        require_prepared(relative)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_fedpose_server_prepare_makes_the_public_data_and_weights_in_steps(tmp_path, capsys):
+    from cli.main import main
+    from federation_support import tiny_dict
+    from server.prepare import require_prepared
+    from shared.config import load_config
+
+    (tmp_path / "cfg.yaml").write_text(json.dumps(tiny_dict(tmp_path / "server")))
+    assert main(["server", "prepare", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "srv"),
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("[")]
+    assert [s[:5] for s in steps] == ["[1/3]", "[2/3]", "[3/3]"], out
+    assert "generating the synthetic ward" in out and "pretraining on the public split only" in out
+    assert f"{tmp_path / 'server' / 'data' / 'public'}: 60 records, digest " in out
+    assert "validation split" in out and "must be public data" in out
+    cfg = load_config(tmp_path / "srv" / "server.yaml")
+    assert Path(cfg.data.root).is_absolute() and Path(cfg.pretrain.out).is_absolute()
+    require_prepared(cfg)  # what the ServerApp checks first now passes
+    # A second run finds everything in place and says so (no second pretraining).
+    assert main(["server", "prepare", "--config", str(tmp_path / "srv" / "server.yaml"), "--out",
+                 str(tmp_path / "srv"), "--quiet"]) == 0
+    assert "present, made with this config" in capsys.readouterr().out
+
+
+def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_numbers(tmp_path, tmp_path_factory):
+    import shutil
+
+    from client.site import handle_train
+    from client.site_eval import evaluation_log
+    from federation_support import prepare_world, world_root
+    from shared.config import replace
+    from shared.data.mpii import load_split
+    from shared.federation_messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
+    from shared.runs import initial_model
+    from test_federation_site import _policy, _q
+
+    cfg = prepare_world(world_root(tmp_path_factory))
+    state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
+    held_out = tmp_path / "held-out"
+    shutil.copytree(Path(cfg.data.root) / "val", held_out)  # stands in for the site's own held-out split
+    policy = _policy(cfg, tmp_path, eval_path=str(held_out))
+    from flwr.app import RecordDict
+
+    cfg = replace(cfg, **{"train.method": "dpsgd"})
+    replies = []
+    for rnd in (1, 2):
+        request = TrainRequest(federation="fed-eval", round=rnd, site="site-0", sigma=5.0, sample_rate=_q(cfg),
+                               steps=1, basis_version=0, basis_mode="broadcast", config=cfg)
+        replies.append(handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy))
+    rows = [json.loads(line) for line in evaluation_log(policy).read_text().splitlines()]
+    assert [(r["federation"], r["round"]) for r in rows] == [("fed-eval", 1), ("fed-eval", 2)]
+    assert rows[0]["records"] == len(load_split(held_out.parent, held_out.name))
+    assert 0.0 <= rows[0]["pckh_mean"] <= 100.0
+    assert rows[0]["pckh_mean"] == rows[1]["pckh_mean"]  # the same global weights were sent twice
+    for reply in replies:  # nothing about the evaluation travels: the reply carries exactly what it did before
+        assert set(reply[METRICS].keys()) == set(REPLY_METRICS)
+        assert set(reply.keys()) == {ARRAYS, METRICS}
