@@ -42,17 +42,20 @@ data_path: FILL-ME            # the site's split directory (annotations.json, im
 ledger_path: /var/lib/fedpose/{site}/ledger.sqlite
 public_path: FILL-ME          # the site's copy of the public split
 public_digest: FILL-ME        # printed by `fedpose site-policy --check` for the public set you approve
+eval_path: null               # optional: a held-out split; each global model is scored on it here, never sent
 accountant: {accountant}
 """
 
 SUPERNODE_SCRIPT = """\
 #!/bin/sh
-# Start the SuperNode of {site}. Set the environment Flower needs (see the README) before running.
+# Start the SuperNode of {site}: it runs only the app bundles approved in approved.txt
+# (`fedpose site approve --bundle APP.fab --approved approved.txt` after reviewing the bundle), and is
+# started again after an error exit (e.g. refused for about 60 s after a crash) for up to 5 minutes.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-exec flower-supernode --superlink {address} --root-certificates "$here/ca.crt" \\
-  --auth-supernode-private-key "$here/node.key" \\
+exec fedpose site start --approved "$here/approved.txt" -- --superlink {address} \\
+  --root-certificates "$here/ca.crt" --auth-supernode-private-key "$here/node.key" \\
   --node-config "site-policy='$here/policy.yaml'" --host 127.0.0.1 --port 9094
 """
 
@@ -148,7 +151,9 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
             f"2. Fill in policy.yaml (data_path, public_path, sample_rate = {cfg.train.batch_size} / n), then run\n"
             f"   fedpose site-policy --check policy.yaml\n"
             f"   and put the printed public_digest into the policy once you approve that public set.\n"
-            f"3. Start the SuperNode: ./start-supernode.sh, or install fedpose-supernode.service (systemd).\n"
+            f"3. Review the app bundle the operator sends (APP.fab), then approve it:\n"
+            f"   fedpose site approve --bundle APP.fab --approved approved.txt\n"
+            f"   Start the SuperNode: ./start-supernode.sh, or install fedpose-supernode.service (systemd).\n"
             f"4. Send node.key.pub to the federation operator (it is registered as {site}).\n"))
         register.append(f'flwr supernode register "$here/{site}.pub" pilot --name {site}')
     _write(server / "register-sites.sh", "\n".join(register) + "\n", mode=0o755)
@@ -156,12 +161,16 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
     _write(server / "README.txt", (
         "fedpose server kit\n\n"
         "Keep ca.key and server.key private (0600); never copy them to a site.\n"
+        "0. Prepare the server's public data and pretrained weights (absolute paths, progress output):\n"
+        "   fedpose server prepare --config configs/default.yaml --out /srv/fedpose\n"
         "1. ./start-superlink.sh\n"
         f"2. Add a [superlink.pilot] connection to $FLWR_HOME/config.toml: address = \"{address}\",\n"
         "   root-certificates = the absolute path of ca.crt here.\n"
         "3. ./register-sites.sh (one registration per site, named as the site).\n"
         "4. Send each site its own folder; the sites start their SuperNodes, then run the federation with\n"
-        "   flwr run . pilot --stream --run-config \"config='configs/default.yaml' out='/srv/fedpose/run1'\"\n"))
+        "   flwr run . pilot --stream --run-config \"config='/srv/fedpose/server.yaml' out='/srv/fedpose/run1'\"\n"
+        "   After a crash: restart the SuperLink (same database), then resume with only\n"
+        "   flwr run . pilot --stream --run-config \"out='/srv/fedpose/run1' resume=true\"\n"))
     for site in sites:
         kits[site] = out / site
     return kits

@@ -110,7 +110,11 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
             f"{spent.get('epsilon_site_run', 0):.4f} | {spent.get('epsilon', 0):.4f} | "
             f"{spent.get('epsilon_lifetime', 0):.4f} | {spent.get('status', '')} |"
         )
-    lines += ["", "## Rounds", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
+    basis_note = ("the server computes V (basis mode broadcast)" if metrics["basis_mode"] == "broadcast" else
+                  "0 here: each site computes V itself (basis mode site) and reports no timings, which would track "
+                  "its n (P10); a site's own log has them")
+    lines += ["", "## Rounds", "", f"s server basis: {basis_note}. MB down counts nothing sent to a node that was "
+              "offline.", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
               + " | missed / offline | MB down | MB up | s round | s server basis | s aggregate |",
               "|---" * (8 + len(plans)) + "|"]
     for r in records:
