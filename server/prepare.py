@@ -32,7 +32,7 @@ def absolute_paths(cfg: Config) -> Config:
     })
 
 
-def require_prepared(cfg: Config, *, config_path: str = "CONFIG") -> None:
+def require_prepared(cfg: Config, *, config_path: str = "<this run's config>") -> None:
     """Refuse to start a federation whose public data or pretrained weights are missing, or whose
     paths are relative (they would depend on the directory the SuperLink was started from)."""
     from shared.data.mpii import load_split
