@@ -77,3 +77,11 @@ def test_mia_end_to_end_on_a_tiny_ward(tmp_path):
         run_mia(cfg, MiaSpec(methods=("nonprivate",), models=3, pool=100), progress=False)
     with pytest.raises(ValueError, match="models"):
         MiaSpec(models=2)
+
+
+@pytest.mark.slow
+def test_cli_attack_mia_refuses_bad_input(tmp_path, capsys):
+    from cli.main import main
+
+    assert main(["attack", "mia", "--methods", "nonprivate,bogus", "--out", str(tmp_path)]) == 2
+    assert "methods" in capsys.readouterr().err
