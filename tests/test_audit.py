@@ -90,8 +90,8 @@ def test_audit_is_sound_at_the_claimed_epsilon(cfg, epsilon, tmp_path):
 @pytest.mark.parametrize("epsilon, margin", [(1.0, 2.0), (4.0, 0.0)])
 def test_positive_control_a_wrong_sigma_is_caught(cfg, tmp_path, epsilon, margin):
     # The run adds 1% of the noise the claim was calibrated with: a broken mechanism the audit must catch.
-    # With m = 1000 canaries the bound cannot exceed about 4.6 (all 500 of r = 500 right at 0.05 / 6),
-    # so the claim of 4 is only just exceeded and the claim of 1 far exceeded.
+    # With m = 1000 canaries the bound cannot exceed 5.27 (all of r = 1000 right at 0.05 / 6; 4.57 for all
+    # of r = 500), so the claim of 4 is only just exceeded and the claim of 1 far exceeded.
     result = run_audit(cfg, AuditSpec(method="dpsgd", epsilon=epsilon, canaries=1000, noise_scale=0.01, seed=0),
                        tmp_path, progress=False)
     assert result["epsilon_lb"] > result["epsilon_claimed"] + margin, result
