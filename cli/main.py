@@ -189,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions() -> list[Callable[[Any], None]]:
-    """Sub-command groups of the federation and the edge (added by their own modules)."""
+    """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge"):
+    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge", "cli.audit"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

@@ -27,6 +27,7 @@ from shared.data.transforms import Augment
 from shared.metrics import pckh_report
 from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
 from shared.model.simcc import decode_simcc
+from shared.privacy.canaries import DiracCanaries
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
@@ -104,6 +105,29 @@ class LocalResult:
     seconds_basis: float
 
 
+@dataclass(frozen=True)
+class AuditHooks:
+    """What ``fedpose audit`` adds to a private run (``shared.audit``); never set in production.
+
+    canaries: Dirac gradient canaries, drawn every step with the records' q and
+    added to their clipped sum before the noise (``shared.privacy.canaries``).
+    observe(step, g): called with every released update direction g (the noisy,
+    possibly projected private gradient plus g_pub): the white-box auditor's view.
+    normaliser_n: the n of the normaliser q n, fixed by the audit to the record
+    count without canaries, so that the scale does not depend on how many
+    input-space canaries were included.
+    psi_source: the records psi batches are drawn from (default: the private
+    records). For fdp / fpdp the audit puts every input-space canary there, IN or
+    OUT, because Feature-DP treats psi(x) and the labels as public: canaries may
+    differ only in x with psi(x) and labels fixed.
+    """
+
+    canaries: DiracCanaries | None = None
+    observe: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    normaliser_n: int | None = None
+    psi_source: PoseDataset | None = None
+
+
 def local_train(
     model: PoseNet,
     private: PoseDataset,
@@ -121,6 +145,7 @@ def local_train(
     schedule_span: tuple[int, int] | None = None,
     progress: bool = True,
     desc: str = "train",
+    audit: AuditHooks | None = None,
 ) -> LocalResult:
     """Run ``steps`` optimizer steps of ``method`` on ``private``; the model is updated in place.
 
@@ -141,6 +166,10 @@ def local_train(
     public gradient depends on x only through psi(x) of the record and its
     labels (P3), and psi's strength is exactly the stated one; the private
     batch alone is augmented.
+
+    ``audit`` (``fedpose audit`` only, see ``AuditHooks``) adds Dirac gradient
+    canaries to the private steps and lets the auditor see every released
+    gradient; production callers leave it None.
     """
     n = len(private)
     if n == 0:
@@ -156,16 +185,20 @@ def local_train(
     params = [named[name] for name in trainable]
     loss_fn = make_loss_fn(model, trainable)
     opt = optimizer or make_optimizer(params, train)
+    if audit is not None and audit.canaries is not None and method == "nonprivate":
+        raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
     spec = DPSpec(
         method=method,
         clip_norm=privacy.clip_norm,
         sigma=sigma if method != "nonprivate" else 0.0,
         sample_rate=q,
-        n_private=n,
+        n_private=audit.normaliser_n if audit is not None and audit.normaliser_n is not None else n,
         chunk_size=privacy.chunk_size,
     )
     psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
-    canonical = private.canonical() if psi is not None else None
+    canonical = None
+    if psi is not None:
+        canonical = audit.psi_source if audit is not None and audit.psi_source is not None else private.canonical()
     # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
     pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
     if method in PROJECTED and basis is None and public_basis is None:
@@ -192,8 +225,12 @@ def local_train(
         batch_sizes.append(int(idx.numel()))
         psi_batch = None
         if psi is not None:
-            pub_idx = pub_rng.choice(n, size=min(train.public_batch_size, n), replace=False)
+            n_psi = len(canonical)
+            pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)
             psi_batch = apply_psi(psi, to_device(canonical.batch(pub_idx.tolist()), device))
+        canary_batch = None
+        if audit is not None and audit.canaries is not None:
+            canary_batch = audit.canaries.draw(sample_rate=q, generator=generator)
         current = {name: named[name].detach() for name in trainable}
         grads, info = dp_gradient(
             loss_fn,
@@ -203,7 +240,10 @@ def local_train(
             psi_batch=psi_batch,
             generator=generator,
             basis=basis,
+            canaries=canary_batch,
         )
+        if audit is not None and audit.observe is not None:
+            audit.observe(step, grads)
         for name in trainable:
             named[name].grad = grads[name].to(named[name].dtype)
         for group in opt.param_groups:

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from shared.privacy.canaries import DiracGrads
 from shared.privacy.noise import gaussian_noise_like
 from shared.privacy.persample import (
     LossFn,
@@ -136,8 +137,14 @@ def _noisy_private_sum(
     spec: DPSpec,
     generator: torch.Generator,
     basis: Tensor | None,
+    canaries: DiracGrads | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms)."""
+    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms).
+
+    ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
+    gradients of this step's Poisson-drawn Dirac canaries, clipped to C and
+    added to the same sum as the records' before the noise.
+    """
     if spec.method == "nonprivate":
         raise ValueError("private_gradient is the DP path; method='nonprivate' uses mean_grad")
     if spec.projects:
@@ -156,6 +163,10 @@ def _noisy_private_sum(
     summed, norms = clipped_grad_sum(
         loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
     )
+    if canaries is not None and canaries.coords.numel() > 0:
+        flat = flatten(summed)  # (p,)
+        flat = flat + canaries.clipped_sum(flat.numel(), clip_norm=spec.clip_norm, like=flat)
+        summed = {name: value.clone() for name, value in unflatten(flat, like=summed).items()}
     # P1: N(0, sigma^2 C^2 I) drawn once and added to the sum, before any projection.
     noise = gaussian_noise_like(summed, std=spec.sigma * spec.clip_norm, generator=generator)
     scale = 1.0 / spec.expected_batch_size  # P4: 1 / (q n), not 1 / |B_priv|
@@ -215,6 +226,7 @@ def dp_gradient(
     psi_batch: PsiBatch | None,
     generator: torch.Generator | None,
     basis: Tensor | None,
+    canaries: DiracGrads | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
     """The update direction of one step for ``spec.method``, plus diagnostics.
 
@@ -230,6 +242,8 @@ def dp_gradient(
     noise_std, the per-coordinate noise std of the private gradient before
     projection (sigma C / (q n)).
     These are private statistics of the site: log them locally, do not send them.
+    ``canaries``: the privacy audit's Dirac gradient canaries of this step
+    (None outside the audit); refused for method='nonprivate'.
     """
     check_params(params)
     size = batch_size_of(private_batch)
@@ -258,11 +272,13 @@ def dp_gradient(
     if spec.method == "nonprivate":
         if basis is not None:
             raise ValueError("method='nonprivate' does not project; pass basis=None")
+        if canaries is not None:
+            raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
         return mean_grad(loss_fn, params, private_batch), info
     if generator is None:
         raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
     grads, norms = _noisy_private_sum(
-        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, canaries=canaries
     )
     if norms.numel() > 0:
         info["mean_norm"] = float(norms.mean())

@@ -1,0 +1,140 @@
+"""``fedpose audit`` and ``fedpose attack {mia,reid}``: check the printed guarantee from the outside.
+
+``audit`` runs the one-run privacy audit (shared/audit.py) and prints the
+empirical lower bound eps_LB next to the accountant's claim; ``attack mia``
+runs membership inference on trained pose models (shared/attacks/mia.py);
+``attack reid`` re-identifies people in DP-pixelized crops (edge/reid.py).
+Each writes JSON and a PNG under --out. Handlers import lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cli.main import _add_common, _load
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from shared.audit import AuditSpec, run_audit
+
+    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs})
+    spec = AuditSpec(method=args.method, epsilon=args.epsilon, canaries=args.canaries, mode=args.mode,
+                     confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed)
+    result = run_audit(cfg, spec, args.out, progress=not args.quiet)
+    print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries "
+          f"({result['included']} included), one run of {result['steps']} steps, q = {result['sample_rate']:.4f}, "
+          f"sigma = {result['sigma_ran']:.4f}, C = {result['clip']}, delta = {result['delta']:g}")
+    print(f"  claimed eps  = {result['epsilon_claimed']:.4f}  ({result['accountant'].upper()} accountant, "
+          f"sigma {result['sigma_claimed']:.4f})")
+    if result["noise_scale"] != 1.0:
+        print(f"  ran eps      = {result['epsilon_ran']:.4g}  (accountant on the sigma that actually ran)")
+    print(f"  eps_LB       = {result['epsilon_lb']:.4f}  at {result['confidence']:.0%} confidence "
+          f"({result['v']} of {result['r']} guesses correct, best of {result['tests']} guess counts, Bonferroni)")
+    print(f"  {'sound: eps_LB <= claimed eps' if result['sound'] else 'VIOLATION: eps_LB > claimed eps'}")
+    print(f"note: {result['note']}")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'audit.json'} and {Path(args.out) / 'audit.png'} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def cmd_mia(args: argparse.Namespace) -> int:
+    from shared.membership import MiaSpec, run_mia
+
+    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs})
+    spec = MiaSpec(methods=tuple(m for m in args.methods.split(",") if m), models=args.models, pool=args.pool,
+                   split=args.split, epsilon=args.epsilon, seed=args.seed)
+    res = run_mia(cfg, spec, args.out, progress=not args.quiet)
+    print(f"membership inference: {res['models']} models per method, each on a random half of {res['pool']} "
+          f"records of {res['split']} ({res['steps']} steps); every model attacked with the others as shadows")
+    print(f"{'method':<11} {'eps':>6} {'attack':<13} {'AUC':>6} {'TPR@1%':>7} {'TPR@0.1%':>8}")
+    for method, r in res["methods"].items():
+        eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "-"
+        for attack, a in r["attacks"].items():
+            print(f"{method:<11} {eps:>6} {attack:<13} {a['auc']:6.3f} {a['tpr@0.01fpr']:7.3f} {a['tpr@0.001fpr']:8.3f}")
+    print("chance is AUC 0.5 and TPR = FPR; eps is the accountant's value for the plan every model ran (delta "
+          f"{res['delta']:g})")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'mia.json'} and {Path(args.out) / 'mia.png'} ({res['seconds']:.0f} s)")
+    return 0
+
+
+def cmd_reid(args: argparse.Namespace) -> int:
+    from edge.reid import ReidSpec, run_reid
+
+    spec = ReidSpec(epsilons=args.epsilons, cells=args.cells, m=args.m, n=args.n, steps=args.steps,
+                    train_per_identity=args.train_per_identity, color=not args.gray, seed=args.seed)
+    res = run_reid(args.data, args.split, spec, args.out, progress=not args.quiet)
+    print(f"re-identification of {res['identities']} people ({res['query_frames']} query frames, chance "
+          f"{res['chance']:.3f}); attacker trained on {res['train_frames']} clean crops")
+    print(f"  clean {res['clean']:.3f}   blur sigma {res['blur_sigma']:g} px {res['blur']:.3f}   " + "   ".join(
+        f"plain pixelization b={r['b']} {r['top1']:.3f}" for r in res["plain_pixelization"]))
+    for r in res["pixelized"]:
+        print(f"  DP pixelization b={r['b']:<3} eps={r['eps']:<5g} {r['mode']:<9} top-1 {r['top1']:.3f}")
+    print(f"claim: {res['claim']}")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'reid.json'} and {Path(args.out) / 'reid.png'} ({res['seconds']:.0f} s)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    au = sub.add_parser("audit", help="one-run privacy audit: empirical lower bound on epsilon (Steinke et al. 2023)")
+    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"))
+    au.add_argument("--epsilon", type=float, required=True, help="target epsilon the run is calibrated to")
+    au.add_argument("--canaries", type=int, required=True, help="m canaries, each included with probability 1/2")
+    au.add_argument("--mode", choices=("gradient", "input"), default="gradient",
+                    help="gradient: white-box Dirac gradient canaries; input: mislabelled images, final model only")
+    au.add_argument("--confidence", type=float, default=0.95)
+    au.add_argument("--noise-scale", type=float, default=1.0,
+                    help="POSITIVE CONTROL ONLY: add this fraction of the calibrated noise (the claim is then false)")
+    au.add_argument("--epochs", type=int, default=None)
+    au.add_argument("--seed", type=int, default=None, help="reproducible canaries and noise (NOT for production)")
+    au.add_argument("--data", default=None)
+    au.add_argument("--out", default=None, help="write audit.json and audit.png here")
+    _add_common(au)
+    au.set_defaults(func=cmd_audit)
+
+    attack = sub.add_parser("attack", help="attacks on trained models and released frames")
+    at = attack.add_subparsers(dest="attack_command", required=True)
+    mia = at.add_parser("mia", help="membership inference (loss, confidence, LiRA) against K models per method")
+    mia.add_argument("--methods", default="nonprivate,dpsgd,fpdp", help="comma-separated training methods")
+    mia.add_argument("--models", type=int, default=8, help="models per method (each is target once, shadows else)")
+    mia.add_argument("--pool", type=int, default=200, help="records in the pool; each model trains on a random half")
+    mia.add_argument("--split", default="site-0")
+    mia.add_argument("--epsilon", type=float, default=None, help="default: the config's privacy.epsilon")
+    mia.add_argument("--epochs", type=int, default=None)
+    mia.add_argument("--seed", type=int, default=None)
+    mia.add_argument("--data", default=None)
+    mia.add_argument("--out", default=None, help="write mia.json and mia.png here")
+    _add_common(mia)
+    mia.set_defaults(func=cmd_mia)
+
+    reid = at.add_parser("reid", help="re-identification of people in DP-pixelized frames")
+    reid.add_argument("--data", required=True, help="a synthetic ward (with identities.json)")
+    reid.add_argument("--split", default="site-0")
+    reid.add_argument("--epsilons", type=_floats, default=(0.1, 0.5, 1.0, 5.0))
+    reid.add_argument("--cells", type=_ints, default=(8, 16), help="cell sides b")
+    reid.add_argument("--m", type=int, default=16)
+    reid.add_argument("--n", type=int, default=4, help="adaptive split of body cells (n x n)")
+    reid.add_argument("--steps", type=int, default=800, help="attacker training steps")
+    reid.add_argument("--train-per-identity", type=int, default=5)
+    reid.add_argument("--gray", action="store_true", help="grayscale frames (the pipeline's default release)")
+    reid.add_argument("--seed", type=int, default=0)
+    reid.add_argument("--out", default=None, help="write reid.json and reid.png here")
+    _add_common(reid, config=False)
+    reid.set_defaults(func=cmd_reid)

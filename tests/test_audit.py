@@ -1,0 +1,143 @@
+"""``fedpose audit`` end to end on a tiny ward: soundness of the one-run audit and a positive control.
+
+Soundness: the real mechanism (sigma from the accountant) must give eps_LB <= the claimed eps, at
+claimed eps 1 and 4, several seeds. Positive control: the same run with the noise deliberately
+100x too small for the claim must give eps_LB far above the claim, i.e. the audit catches a broken
+mechanism. Both go through ``shared.train.local_train``, the loop of ``fedpose train`` and the sites.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from shared.audit import AuditSpec, run_audit
+from shared.config import config_from_dict
+from shared.privacy.canaries import DiracCanaries, DiracGrads
+from shared.privacy.fpdp import DPSpec, dp_gradient
+from shared.privacy.subspace import flatten
+
+
+def tiny_dict(root) -> dict:
+    return {
+        "data": {
+            "root": str(root / "ward"),
+            "synth": {"sites": 2, "per_site": 40, "public": 40, "val": 24, "seed": 5, "image_size": 64},
+            "train_splits": ["site-0", "site-1"],
+            "input_size": [32, 32],
+        },
+        "model": {"joint_channels": 4, "hidden": 32},
+        "pretrain": {"out": str(root / "pre"), "epochs": 1, "batch_size": 16},
+        "privacy": {"k": 4, "m": 12, "basis_every": 4, "chunk_size": 16, "delta": 1.0e-5},
+        "train": {"epochs": 4, "batch_size": 32, "public_batch_size": 8, "strategy": "finetune"},
+    }
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit")
+    (root / "cfg.yaml").write_text(yaml.safe_dump(tiny_dict(root)))
+    return config_from_dict(tiny_dict(root))
+
+
+def test_a_dirac_canary_is_clipped_like_a_record_and_noised_with_the_sum():
+    # toy loss with 2 parameters of 3 + 2 entries; canary on flat coordinate 3 (b[0] in sorted order a, b)
+    params = {"a": torch.zeros(3), "b": torch.zeros(2)}
+
+    def loss_fn(p, batch):
+        return (batch["x"] * torch.cat([p["a"], p["b"]])).sum(1)
+
+    batch = {"x": torch.zeros(0, 5)}
+    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, n_private=4)
+    canary = DiracGrads(coords=torch.tensor([3, 3]), values=torch.tensor([0.5, 7.0]))
+    grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
+                           generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
+    flat = flatten(grads)
+    # each canary clipped to C = 0.5 (the 7.0 one too), summed, divided by q n = 2
+    assert flat[3].item() == pytest.approx((0.5 + 0.5) / 2, rel=1e-5)
+    assert flat[[0, 1, 2, 4]].abs().max().item() < 1e-6
+    with pytest.raises(ValueError, match="distinct"):
+        DiracCanaries(coords=torch.tensor([1, 1]), included=torch.tensor([True, False]), value=1.0)
+
+
+def test_only_included_canaries_are_drawn_at_rate_q():
+    canaries = DiracCanaries(coords=torch.arange(4000), included=torch.arange(4000) % 2 == 0, value=1.0)
+    drawn = canaries.draw(sample_rate=0.25, generator=torch.Generator().manual_seed(1))
+    assert (drawn.coords % 2 == 0).all()
+    assert abs(drawn.coords.numel() - 500) < 4 * (2000 * 0.25 * 0.75) ** 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+def test_audit_is_sound_at_the_claimed_epsilon(cfg, epsilon, tmp_path):
+    for seed in (0, 1):
+        result = run_audit(cfg, AuditSpec(method="dpsgd", epsilon=epsilon, canaries=1000, seed=seed),
+                           tmp_path / f"s{seed}", progress=False)
+        assert result["epsilon_claimed"] <= epsilon + 1e-9
+        assert result["epsilon_claimed"] == pytest.approx(epsilon, rel=0.02)  # calibrated to the target
+        assert 0.0 <= result["epsilon_lb"] <= result["epsilon_claimed"], result
+        assert result["sound"]
+    saved = json.loads((tmp_path / "s1" / "audit.json").read_text())
+    assert saved["epsilon_lb"] == result["epsilon_lb"] and len(saved["scores"]) == 1000
+    assert (tmp_path / "s1" / "audit.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epsilon, margin", [(1.0, 2.0), (4.0, 0.0)])
+def test_positive_control_a_wrong_sigma_is_caught(cfg, tmp_path, epsilon, margin):
+    # The run adds 1% of the noise the claim was calibrated with: a broken mechanism the audit must catch.
+    # With m = 1000 canaries the bound cannot exceed 5.27 (all of r = 1000 right at 0.05 / 6; 4.57 for all
+    # of r = 500), so the claim of 4 is only just exceeded and the claim of 1 far exceeded.
+    result = run_audit(cfg, AuditSpec(method="dpsgd", epsilon=epsilon, canaries=1000, noise_scale=0.01, seed=0),
+                       tmp_path, progress=False)
+    assert result["epsilon_lb"] > result["epsilon_claimed"] + margin, result
+    assert not result["sound"]
+    assert result["epsilon_ran"] > result["epsilon_claimed"]  # the accountant on what actually ran
+    assert "POSITIVE CONTROL" in result["note"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["proj", "fpdp"])
+def test_projection_and_feature_dp_audits_hold_and_say_what_they_claim(cfg, method, tmp_path):
+    result = run_audit(cfg, AuditSpec(method=method, epsilon=4.0, canaries=500, seed=2), tmp_path, progress=False)
+    assert result["epsilon_lb"] <= result["epsilon_claimed"]
+    assert "post-processing" in result["note"]
+    if method == "fpdp":
+        assert "psi(x)" in result["note"] and "not record-level" in result["note"]
+
+
+@pytest.mark.slow
+def test_input_space_canaries_black_box(cfg, tmp_path):
+    sound = run_audit(cfg, AuditSpec(method="fdp", epsilon=1.0, canaries=24, mode="input", seed=0), tmp_path,
+                      progress=False)
+    assert sound["epsilon_lb"] <= sound["epsilon_claimed"] and sound["mode"] == "input"
+    with pytest.raises(ValueError, match="held-out"):
+        run_audit(cfg, AuditSpec(method="dpsgd", epsilon=1.0, canaries=500, mode="input", seed=0), progress=False)
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="cannot be audited"):
+        AuditSpec(method="nonprivate", epsilon=1.0, canaries=10)
+    with pytest.raises(ValueError, match="canaries"):
+        AuditSpec(method="dpsgd", epsilon=1.0, canaries=1)
+    with pytest.raises(ValueError, match="noise_scale"):
+        AuditSpec(method="dpsgd", epsilon=1.0, canaries=10, noise_scale=0.0)
+
+
+@pytest.mark.slow
+def test_cli_prints_the_bound_next_to_the_claim(cfg, tmp_path, capsys):
+    from cli.main import main
+
+    config = Path(cfg.data.root).parent / "cfg.yaml"  # the module's ward and pretrained weights
+    code = main(["audit", "--config", str(config), "--method", "dpsgd", "--epsilon", "1", "--canaries", "200",
+                 "--seed", "4", "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "claimed eps" in printed and "eps_LB" in printed and "record-level" in printed
+    assert (tmp_path / "out" / "audit.json").is_file() and (tmp_path / "out" / "audit.png").is_file()
+    assert main(["audit", "--config", str(config), "--method", "dpsgd", "--epsilon", "1", "--canaries", "1"]) == 2
+    assert "canaries" in capsys.readouterr().err
