@@ -124,3 +124,125 @@ def test_the_ward_carries_patient_ids_and_mpii_without_a_sidecar_has_none(tmp_pa
     (copy / "patients.json").write_text(json.dumps(["p0"]))
     with pytest.raises(ValueError, match="patients.json"):
         load_split(tmp_path / "mpii", "train")
+
+
+# ---------------------------------------------------------------------------
+# the patient-level step: per-patient clipping inside the FP-DP step
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def toy():
+    import torch
+    from torch.func import functional_call
+
+    from test_privacy import ToyPose
+
+    torch.manual_seed(0)
+    model = ToyPose()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_fn(p, batch):
+        pred = functional_call(model, p, (batch["image"],))  # (B, 16, 2)
+        err = ((pred - batch["joints"]) ** 2).sum(-1) * batch["visible"]  # (B, 16)
+        return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
+
+    return loss_fn, params
+
+
+def _patient_loop(loss_fn, params, batch, groups, clip):
+    """Reference: per patient, the model on that patient's records, autograd of their mean loss, clip, sum."""
+    import torch
+
+    from shared.privacy.subspace import flatten
+
+    total = None
+    for patient in sorted(set(groups.tolist())):
+        rows = (groups == patient).nonzero().flatten()
+        leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        loss = loss_fn(leaves, {k: v[rows] for k, v in batch.items()}).mean()
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        flat = flatten(grads)
+        clipped = flat * min(1.0, clip / (float(flat.norm()) + 1e-6))
+        total = clipped if total is None else total + clipped
+    return total
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 64])
+def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
+    """clip(mean of a patient's per-record gradients, C), summed over patients; groups may span chunks."""
+    import torch
+
+    from shared.privacy.persample import clipped_group_sum
+    from shared.privacy.subspace import flatten
+    from test_privacy import make_batch
+
+    loss_fn, params = toy
+    batch = make_batch(11, seed=3)
+    groups = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3])  # 4 patients with 3, 1, 5, 2 records
+    loop = _patient_loop(loss_fn, params, batch, groups, clip=1e9)  # unclipped: the per-patient means
+    norms_ref = []
+    for patient in range(4):
+        one = _patient_loop(loss_fn, params, {k: v[groups == patient] for k, v in batch.items()},
+                            groups[groups == patient], clip=1e9)
+        norms_ref.append(float(one.norm()))
+    clip = sorted(norms_ref)[1] * 1.01  # some patients clipped, some not
+    want = _patient_loop(loss_fn, params, batch, groups, clip=clip)
+    summed, norms = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=clip, chunk_size=chunk_size)
+    torch.testing.assert_close(flatten(summed), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms, torch.tensor(norms_ref), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want, loop)  # clipping did something
+    # one record per patient is the record-level clipped sum
+    from shared.privacy.persample import clipped_grad_sum
+
+    per_record, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
+    singles, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
+    torch.testing.assert_close(flatten(singles), flatten(per_record), rtol=1e-5, atol=1e-6)
+
+
+def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
+    import torch
+
+    from shared.privacy.persample import clipped_group_sum
+    from test_privacy import make_batch
+
+    loss_fn, params = toy
+    batch = make_batch(4)
+    for bad in (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1]), torch.tensor([[0, 0, 1, 1]])):
+        with pytest.raises(ValueError, match="groups"):
+            clipped_group_sum(loss_fn, params, batch, groups=bad, clip_norm=1.0, chunk_size=2)
+    summed, norms = clipped_group_sum(loss_fn, params, make_batch(0), groups=torch.zeros(0, dtype=torch.long),
+                                      clip_norm=1.0, chunk_size=2)
+    assert norms.shape == (0,) and not any(v.any() for v in summed.values())
+
+
+def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(toy):
+    """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / (q_p n_patients), then V V^T g as before."""
+    import torch
+
+    from shared.privacy.fpdp import DPSpec, dp_gradient
+    from shared.privacy.noise import gaussian_noise_like, make_generator
+    from shared.privacy.persample import clipped_group_sum
+    from shared.privacy.subspace import flatten
+    from test_privacy import make_batch
+
+    loss_fn, params = toy
+    batch = make_batch(6, seed=4)
+    groups = torch.tensor([0, 0, 1, 1, 1, 2])
+    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12, unit="patient")
+    assert spec.expected_batch_size == pytest.approx(3.0)  # q_p x patients
+    got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
+                            generator=make_generator(8, "cpu")[0], basis=None)
+    summed, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=0.5, chunk_size=16)
+    noise = gaussian_noise_like(summed, std=1.3 * 0.5, generator=make_generator(8, "cpu")[0])
+    torch.testing.assert_close(flatten(got), (flatten(summed) + flatten(noise)) / 3.0, rtol=1e-5, atol=1e-6)
+    assert info["batch_size"] == 3 and info["unit"] == "patient"  # patients, not records
+    with pytest.raises(ValueError, match="groups"):
+        dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
+                    generator=make_generator(8, "cpu")[0], basis=None)
+    record = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12)
+    with pytest.raises(ValueError, match="groups"):
+        dp_gradient(loss_fn, params, spec=record, private_batch=batch, groups=groups, psi_batch=None,
+                    generator=make_generator(8, "cpu")[0], basis=None)
+    with pytest.raises(ValueError, match="unit"):
+        DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12, unit="frame")
