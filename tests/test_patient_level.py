@@ -246,3 +246,43 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
                     generator=make_generator(8, "cpu")[0], basis=None)
     with pytest.raises(ValueError, match="unit"):
         DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12, unit="frame")
+
+
+# ---------------------------------------------------------------------------
+# claims: both units name the unit; record-level claims give the group bound
+# ---------------------------------------------------------------------------
+
+
+def test_record_level_claims_state_the_group_bound_for_a_patient():
+    from shared.privacy.claims import privacy_claim
+    from shared.privacy.group import group_privacy
+
+    eps_k, delta_k = group_privacy(epsilon=0.8, delta=1e-5, k=8)
+    for method, level in (("dpsgd", "record-level (eps=0.8, delta=1e-05)-DP"), ("fpdp", "-Feature-DP")):
+        text = privacy_claim(method=method, epsilon=0.8, delta=1e-5, psi="blur(0.03)", seeded=False,
+                             accountant="rdp", unit="record", records_per_patient=8,
+                             records_source="this data's patient ids")
+        assert level in text and "add/remove-one-record" in text
+        assert f"a patient with up to 8 records (this data's patient ids)" in text
+        assert f"(eps={eps_k:.4g}, delta={delta_k:.3g})" in text and "group privacy" in text
+    vacuous = privacy_claim(method="dpsgd", epsilon=3.0, delta=1e-5, psi=None, seeded=False, accountant="rdp",
+                            records_per_patient=20, records_source="the policy cap")
+    assert "no guarantee" in vacuous
+    unknown = privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False, accountant="rdp")
+    assert "record-level" in unknown and "no cap on records per patient" in unknown and "k eps" in unknown
+
+
+def test_patient_level_claims_name_the_unit():
+    from shared.privacy.claims import privacy_claim
+
+    text = privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False, accountant="rdp",
+                         unit="patient", records_per_patient=8)
+    assert text.startswith("patient-level (eps=0.8, delta=1e-05)-DP per site")
+    assert "add/remove-one-patient" in text and "at most 8 of their records" in text and "group" not in text
+    feature = privacy_claim(method="fpdp", epsilon=0.8, delta=1e-5, psi="blur(0.03)", seeded=False,
+                            accountant="rdp", unit="patient", records_per_patient=None)
+    assert "Feature-DP at patient level" in feature and "every image of a patient" in feature
+    assert "not patient-level DP" in feature and "all of their records" in feature
+    with pytest.raises(ValueError, match="unit"):
+        privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False, accountant="rdp",
+                      unit="frame")
