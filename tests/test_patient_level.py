@@ -286,3 +286,98 @@ def test_patient_level_claims_name_the_unit():
     with pytest.raises(ValueError, match="unit"):
         privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False, accountant="rdp",
                       unit="frame")
+
+
+# ---------------------------------------------------------------------------
+# the training loop and the centralized run
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from federation_support import prepare_world, world_root
+
+    return prepare_world(world_root(tmp_path_factory))
+
+
+def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(world, monkeypatch):
+    """P4 at patient level: Poisson over patients with the q the result reports (the accountant's input)."""
+    import torch
+
+    import shared.train as train_module
+    from shared.config import replace
+    from shared.data.mpii import load_split
+    from shared.data.patients import group_by_patient
+    from shared.privacy.noise import make_generator
+    from shared.runs import initial_model
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 2, "privacy.unit": "patient",
+                            "privacy.max_records_per_patient": 3})
+    kept, groups = group_by_patient(load_split(cfg.data.root, "site-0"), cap=3)
+    assert groups.count == 5 and set(groups.sizes) == {3}
+    dataset = train_module.make_dataset(kept, cfg, train=True, seed=0)
+    draws, steps_seen = [], []
+    real_sample, real_step = train_module.poisson_sample, train_module.dp_gradient
+
+    def sample(n, *, sample_rate, generator):
+        out = real_sample(n, sample_rate=sample_rate, generator=generator)
+        draws.append((n, sample_rate, out.tolist()))
+        return out
+
+    def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
+        steps_seen.append((spec, private_batch["image"].shape[0], groups))
+        return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
+
+    monkeypatch.setattr(train_module, "poisson_sample", sample)
+    monkeypatch.setattr(train_module, "dp_gradient", step)
+    result = train_module.local_train(initial_model(cfg, progress=False), dataset, method="dpsgd", train=cfg.train,
+                                      privacy=cfg.privacy, sigma=1.0, steps=4, generator=make_generator(0)[0],
+                                      patients=groups, progress=False)
+    assert (result.unit, result.n, result.sample_rate) == ("patient", 5, pytest.approx(2 / 5))
+    assert [(n, q) for n, q, _ in draws] == [(5, pytest.approx(0.4))] * 4
+    for (_, _, sampled), (spec, records, step_groups) in zip(draws, steps_seen):
+        assert spec.unit == "patient" and spec.n_private == 5 and spec.sample_rate == pytest.approx(0.4)
+        assert records == 3 * len(sampled)  # every record (up to the cap) of every sampled patient
+        want = [j for j in range(len(sampled)) for _ in range(3)]
+        assert step_groups.tolist() == want and step_groups.dtype == torch.long
+    with pytest.raises(ValueError, match="patient"):  # patient unit without groups
+        train_module.local_train(initial_model(cfg, progress=False), dataset, method="dpsgd", train=cfg.train,
+                                 privacy=cfg.privacy, sigma=1.0, steps=1, generator=make_generator(0)[0],
+                                 progress=False)
+
+
+def test_fedpose_train_unit_patient_accounts_at_q_p_and_claims_patient_level(world, tmp_path):
+    from shared.config import replace
+    from shared.privacy.accountant import StepRecord, epsilon_spent
+    from shared.runs import run_train
+
+    cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "train.batch_size": 4,
+                            "privacy.unit": "patient", "privacy.max_records_per_patient": 4})
+    metrics = run_train(cfg, tmp_path / "run", progress=False)
+    patients = 10  # two sites of 40 images, 8 per identity
+    assert metrics["unit"] == "patient" and metrics["sample_rate"] == pytest.approx(4 / patients)
+    assert metrics["steps"] == 3  # ceil(10 patients / 4) per epoch
+    ran = StepRecord(sigma=metrics["sigma"], sample_rate=4 / patients, steps=3)
+    assert metrics["epsilon"] == pytest.approx(epsilon_spent([ran], delta=cfg.privacy.delta))
+    assert metrics["epsilon"] <= cfg.privacy.epsilon
+    assert "Feature-DP at patient level" in metrics["claim"] and "at most 4 of their records" in metrics["claim"]
+    assert metrics["max_records_per_patient"] == 4
+
+
+def test_fedpose_train_record_level_states_the_group_bound_from_the_data(world, tmp_path):
+    from shared.config import replace
+    from shared.privacy.group import group_privacy
+    from shared.runs import run_train
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.epochs": 1, "privacy.epsilon": 0.5})
+    metrics = run_train(cfg, tmp_path / "run", progress=False)
+    assert metrics["unit"] == "record" and metrics["max_records_per_patient"] == 8
+    eps_k, delta_k = group_privacy(epsilon=metrics["epsilon"], delta=cfg.privacy.delta, k=8)
+    assert metrics["group_epsilon"] == pytest.approx(eps_k) and metrics["group_delta"] == pytest.approx(delta_k)
+    assert "a patient with up to 8 records (the most any patient has in this data" in metrics["claim"]
+    assert f"eps={eps_k:.4g}" in metrics["claim"]
+    # a stated cap below what the data holds is refused; one above it is used as stated
+    with pytest.raises(ValueError, match="max_records_per_patient"):
+        run_train(replace(cfg, **{"privacy.max_records_per_patient": 4}), tmp_path / "r2", progress=False)
+    capped = run_train(replace(cfg, **{"privacy.max_records_per_patient": 10}), tmp_path / "r3", progress=False)
+    assert capped["max_records_per_patient"] == 10 and "up to 10 records" in capped["claim"]

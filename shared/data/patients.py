@@ -142,3 +142,25 @@ def group_by_patient(records: Sequence[PoseRecord], *, cap: int | None,
     if dropped:
         log.info("patient cap %d: %d of %d records left out (a fixed subset per patient)", cap, dropped, len(records))
     return [records[i] for i in kept_order], PatientGroups(members=members, largest=largest)
+
+
+def stated_group_size(records: Sequence[PoseRecord], cap: int | None) -> tuple[int | None, str | None]:
+    """(k, where k comes from) for the group-privacy bound of a record-level claim on ``records``.
+
+    With a stated ``cap`` the data must not hold more records of one patient
+    (checked where it carries patient ids; ValueError otherwise) and k is the
+    cap; without one, k is the most records any patient has (None when the
+    data has no patient ids: nothing can be stated).
+    """
+    largest = largest_group(records)
+    if cap is not None:
+        if largest is not None and largest > cap:
+            raise ValueError(f"max_records_per_patient = {cap}, but a patient has {largest} records in this data: "
+                             "a record-level claim would understate what it means for that patient; raise the "
+                             "cap or train at patient level")
+        checked = "checked against this data's patient ids" if largest is not None else \
+            "not checked: this data has no patient ids"
+        return cap, f"the stated max_records_per_patient, {checked}"
+    if largest is None:
+        return None, None
+    return largest, "the most any patient has in this data, from its patient ids"
