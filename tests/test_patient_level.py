@@ -381,3 +381,153 @@ def test_fedpose_train_record_level_states_the_group_bound_from_the_data(world, 
         run_train(replace(cfg, **{"privacy.max_records_per_patient": 4}), tmp_path / "r2", progress=False)
     capped = run_train(replace(cfg, **{"privacy.max_records_per_patient": 10}), tmp_path / "r3", progress=False)
     assert capped["max_records_per_patient"] == 10 and "up to 10 records" in capped["claim"]
+
+
+# ---------------------------------------------------------------------------
+# the site enforces its unit (P11) and records it (P12)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site_world(world):
+    from shared.runs import initial_model
+
+    return world, {k: v.clone() for k, v in initial_model(world, progress=False).state_dict().items()}
+
+
+def _patient_policy(cfg, tmp_path, **overrides):
+    from test_federation_site import _policy
+
+    return _policy(cfg, tmp_path, **{"unit": "patient", "sample_rate": 0.4, "max_records_per_patient": 6,
+                                     **overrides})
+
+
+def _unit_request(cfg, state, *, unit: str, sigma: float, sample_rate: float, round: int = 1):
+    from shared.config import replace
+    from test_federation_site import _request
+
+    return _request(replace(cfg, **{"privacy.unit": unit}), state, sigma=sigma, sample_rate=sample_rate,
+                    round=round)
+
+
+def test_a_patient_level_site_refuses_record_level_requests_and_records_its_unit(site_world, tmp_path):
+    from client.policy import min_sigma_for
+    from client.site import handle_train, site_info
+    from shared.federation_messages import METRICS, RefusalCode
+    from test_federation_site import _policy, _q, _refusal, _rows
+
+    cfg, state = site_world
+    policy = _patient_policy(cfg, tmp_path)
+    sigma = min_sigma_for(policy)
+    info = site_info(policy)
+    assert (info.unit, info.max_records_per_patient, info.sample_rate) == ("patient", 6, 0.4)
+    refusal = _refusal(_unit_request(cfg, state, unit="record", sigma=sigma, sample_rate=0.4), policy)
+    assert refusal.code == RefusalCode.POLICY and "unit" in refusal.reason
+    assert _rows(policy) == []  # nothing trained, nothing spent
+    reply = handle_train(_unit_request(cfg, state, unit="patient", sigma=sigma, sample_rate=0.4), policy)
+    assert reply[METRICS]["sample-rate"] == 0.4  # q_p, the policy's, what the accountant gets
+    (row,) = _rows(policy)
+    assert (row["unit"], row["sample_rate"], row["method"]) == ("patient", 0.4, "dpsgd")
+    # and a record-level site refuses a patient-level request (its q is over records)
+    record = _policy(cfg, tmp_path / "record")
+    refusal = _refusal(_unit_request(cfg, state, unit="patient", sigma=min_sigma_for(record), sample_rate=_q(cfg)),
+                       record)
+    assert refusal.code == RefusalCode.POLICY and _rows(record) == []
+    assert site_info(record).unit == "record" and site_info(record).max_records_per_patient is None
+
+
+def test_the_site_checks_its_cap_and_its_patient_ids(site_world, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from client.site import check_site, load_split_dir
+    from test_federation_site import _policy
+
+    cfg, _ = site_world
+    with pytest.raises(ValueError, match="max_records_per_patient = 4"):
+        check_site(_policy(cfg, tmp_path, max_records_per_patient=4))  # 8 images per identity
+    assert check_site(_policy(cfg, tmp_path, max_records_per_patient=8)).patients is None  # record level
+    checked = check_site(_patient_policy(cfg, tmp_path, max_records_per_patient=3))
+    assert checked.patients.count == 5 and len(checked.private) == 15  # a fixed 3 of each patient's 8
+    # delta < 1 / n is checked against the number of the unit that is sampled: 5 patients, 40 records
+    assert check_site(_patient_policy(cfg, tmp_path, delta=0.1)).patients.count == 5
+    with pytest.raises(ValueError, match="delta"):
+        check_site(_policy(cfg, tmp_path, delta=0.1))
+    with pytest.raises(ValueError, match="delta"):
+        check_site(_patient_policy(cfg, tmp_path, delta=0.25))
+    # data without patient ids (MPII-like): record level only
+    copy = tmp_path / "no-ids" / "site-0"
+    shutil.copytree(Path(cfg.data.root) / "site-0", copy)
+    (copy / "identities.json").unlink()
+    assert len(load_split_dir(copy, "site data")) == 40
+    with pytest.raises(ValueError, match="no patient id"):
+        check_site(_patient_policy(cfg, tmp_path, data_path=str(copy)))
+    assert check_site(_policy(cfg, tmp_path, data_path=str(copy), max_records_per_patient=2)).patients is None
+
+
+def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
+    from client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
+
+    cfg, _ = site_world
+    policy = _patient_policy(cfg, tmp_path)
+    assert load_policy(write_policy(tmp_path / "p.yaml", policy)) == policy
+    old = {k: v for k, v in policy_to_dict(policy).items() if k not in ("unit", "max_records_per_patient")}
+    assert policy_from_dict(old).unit == "record"  # a version-2 policy written before issue #11 is record level
+    for bad, match in (({"unit": "frame"}, "unit"), ({"max_records_per_patient": 0}, "max_records_per_patient"),
+                       ({"max_records_per_patient": 2.5}, "max_records_per_patient")):
+        with pytest.raises(ValueError, match=match):
+            policy_from_dict({**old, **bad})
+
+
+def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
+    import sqlite3
+
+    from client.ledger import Mechanism, SiteLedger
+
+    old = tmp_path / "v2.sqlite"
+    with SiteLedger(old, site="site-0") as ledger, ledger.round() as open_round:
+        open_round.record(site="site-0", federation="f", round=1, sigma=2.0, sample_rate=0.2, steps=2, delta=1e-3,
+                          budget=10.0, accountant="rdp",
+                          mechanism=Mechanism(method="dpsgd", psi=None, clip_norm=1.0, augment=True))
+    # make it a schema-2 file: drop the unit column
+    conn = sqlite3.connect(old)
+    conn.execute("ALTER TABLE spend DROP COLUMN unit")
+    conn.execute("PRAGMA user_version = 2")
+    conn.commit()
+    conn.close()
+    with SiteLedger(old, site="site-0") as ledger:
+        assert [r["unit"] for r in ledger.rows()] == ["record"]  # everything before issue #11 was record level
+        with ledger.round() as open_round:
+            open_round.record(site="site-0", federation="f", round=2, sigma=2.0, sample_rate=0.2, steps=2,
+                              delta=1e-3, budget=10.0, accountant="rdp",
+                              mechanism=Mechanism(method="dpsgd", psi=None, clip_norm=1.0, augment=True,
+                                                  unit="patient"))
+        assert [r["unit"] for r in ledger.rows()] == ["record", "patient"]
+        assert ledger.units() == {"record", "patient"}
+    conn = sqlite3.connect(old)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    conn.close()
+
+
+def test_site_info_carries_the_unit_and_the_server_leaves_out_a_site_of_another_unit():
+    from flwr.app import ConfigRecord
+
+    from server.plan import incompatibility
+    from shared.config import config_from_dict
+    from shared.federation_messages import SiteInfo
+
+    info = SiteInfo(site="a", epsilon=1.0, delta=1e-5, lifetime_rounds=5, rounds_per_federation=5, rounds_done=0,
+                    epsilon_spent=0.0, min_sigma=1.0, sample_rate=0.4, steps_per_round=10, clip_norm=1.0, psi="blur",
+                    psi_min=0.03, augment=True, accountant="rdp", methods=("fpdp",), unit="patient",
+                    max_records_per_patient=8)
+    assert SiteInfo.from_record(info.to_record()) == info
+    older = {k: v for k, v in dict(info.to_record()).items() if k not in ("unit", "max-records-per-patient")}
+    parsed = SiteInfo.from_record(ConfigRecord(older))  # a site of before issue #11: record level, no cap
+    assert (parsed.unit, parsed.max_records_per_patient) == ("record", None)
+    with pytest.raises(ValueError, match="unit"):
+        SiteInfo.from_record(ConfigRecord({**dict(info.to_record()), "unit": "frame"}))
+    cfg = config_from_dict({"privacy": {"clip_norm": 1.0, "psi_param": 0.03}, "data": {"input_size": [64, 64]}})
+    assert "unit" in incompatibility(info, cfg)
+    patient = config_from_dict({"privacy": {"clip_norm": 1.0, "psi_param": 0.03, "unit": "patient"},
+                                "data": {"input_size": [64, 64]}})
+    assert incompatibility(info, patient) is None
