@@ -111,14 +111,25 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
 
     The operator of a site knows its n, so it can state q = B / n in its
-    policy; the server never learns n.
+    policy; the server never learns n. At patient level (``privacy.unit``)
+    n counts patients and q is the patient rate q_p. At record level the
+    policy states the most records a patient has in the split (from its
+    patient ids) as its cap, unless the config gives one: the claim's group
+    bound is stated at it.
     """
     splits = cfg.data.train_splits
     if not 0 <= index < len(splits):
         raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
     root = Path(cfg.data.root).expanduser().resolve()
     name = splits[index]
-    n = len(load_split_dir(root / name, "site data"))
+    private = load_split_dir(root / name, "site data")
+    cap = cfg.privacy.max_records_per_patient
+    if cfg.privacy.unit == "patient":
+        n = group_by_patient(private, cap=cap)[1].count
+    else:
+        n = len(private)
+        if cap is None:
+            cap, _ = stated_group_size(private, None)
     public = load_split_dir(root / cfg.data.public_split, "public set")
     return policy_from_dict({
         "policy_version": 2,
@@ -138,6 +149,8 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "public_path": str(root / cfg.data.public_split),
         "public_digest": public_digest(public),
         "accountant": cfg.privacy.accountant,
+        "unit": cfg.privacy.unit,
+        "max_records_per_patient": cap,
     })
 
 

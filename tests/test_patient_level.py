@@ -531,3 +531,77 @@ def test_site_info_carries_the_unit_and_the_server_leaves_out_a_site_of_another_
     patient = config_from_dict({"privacy": {"clip_norm": 1.0, "psi_param": 0.03, "unit": "patient"},
                                 "data": {"input_size": [64, 64]}})
     assert incompatibility(info, patient) is None
+
+
+# ---------------------------------------------------------------------------
+# a federation of patient-level sites, end to end (in process)
+# ---------------------------------------------------------------------------
+
+
+class InProcessGrid:
+    """A Flower Grid whose nodes are the real site handlers (``client.client_app.on_query / on_train``), in process.
+
+    The server's own round loop (``server.run.run_federation``) drives it: planning from the sites'
+    declarations, requests, the sites' checks, training and ledgers, replies, aggregation, the claim.
+    Flower's simulation (Ray) runs the same handlers; ``tests/test_federation_sim.py`` covers that path.
+    """
+
+    def __init__(self, run_config: dict, sites: int) -> None:
+        from flwr.app import Context, RecordDict
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # the ServerApp's identity
+        self.run_config = run_config
+        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={"partition-id": i}, state=RecordDict(),
+                                        run_config={}) for i in range(sites)}
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import MessageType
+
+        from client.client_app import on_query, on_train
+
+        replies = []
+        for message in messages:
+            context = self.contexts[message.metadata.dst_node_id]
+            handler = on_query if message.metadata.message_type == MessageType.QUERY else on_train
+            replies.append(handler(message, context, dict(self.run_config)))
+        return replies
+
+
+@pytest.mark.slow
+def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
+    import json
+
+    from cli.fed import prepare_simulation
+    from client.ledger import SiteLedger
+    from shared.config import replace
+    from shared.privacy.accountant import StepRecord, epsilon_spent
+
+    from server.run import run_federation
+
+    cfg = replace(world, **{"privacy.unit": "patient", "privacy.max_records_per_patient": 4,
+                            "train.batch_size": 2, "train.method": "fpdp", "federation.basis_mode": "site",
+                            "federation.out": str(tmp_path / "fed")})
+    out = tmp_path / "fed"
+    config_path = prepare_simulation(cfg, out, progress=False)  # writes each site's default policy
+    run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
+    metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
+
+    assert metrics["rounds"] == 2 and metrics["unit"] == "patient"
+    assert metrics["claim"].startswith("(eps=") and "Feature-DP at patient level" in metrics["claim"]
+    assert "add/remove-one-patient" in metrics["claim"] and "at most 4 of their records" in metrics["claim"]
+    for site in ("site-0", "site-1"):
+        policy_text = (out / "sites" / site / "policy.yaml").read_text()
+        assert "unit: patient" in policy_text and "max_records_per_patient: 4" in policy_text
+        assert metrics["sites"][site]["sample_rate"] == pytest.approx(2 / 5)  # q_p: 2 of 5 patients per step
+        with SiteLedger(out / "sites" / site / "ledger.sqlite") as ledger:
+            rows = ledger.rows()
+            assert [r["unit"] for r in rows] == ["patient", "patient"]
+            fresh = epsilon_spent(ledger.history(), delta=cfg.privacy.delta)
+        assert rows[-1]["epsilon"] == pytest.approx(fresh, rel=1e-9)
+        assert metrics["sites"][site]["epsilon"] == pytest.approx(fresh, rel=1e-9)
+        assert fresh <= cfg.privacy.epsilon
+    assert json.loads((out / "metrics.json").read_text())["unit"] == "patient"
