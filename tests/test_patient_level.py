@@ -605,3 +605,42 @@ def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
         assert metrics["sites"][site]["epsilon"] == pytest.approx(fresh, rel=1e-9)
         assert fresh <= cfg.privacy.epsilon
     assert json.loads((out / "metrics.json").read_text())["unit"] == "patient"
+
+
+# ---------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------
+
+
+def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, capsys):
+    from pathlib import Path
+
+    import yaml
+
+    from cli.main import main
+    from client.policy import load_policy
+    from shared.config import dump_config
+
+    config = tmp_path / "cfg.yaml"
+    dump_config(world, config)
+    assert main(["train", "--config", str(config), "--method", "dpsgd", "--unit", "patient",
+                 "--max-records-per-patient", "4", "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "unit = patient" in out and "claim: patient-level" in out and "add/remove-one-patient" in out
+
+    root = Path(world.data.root)
+    policy = tmp_path / "site" / "policy.yaml"
+    assert main(["site-policy", "--out", str(policy), "--site", "hospital-a", "--epsilon", "1", "--delta", "1e-3",
+                 "--lifetime-rounds", "4", "--sample-rate", "0.4", "--steps-per-round", "2",
+                 "--data-path", str(root / "site-0"), "--unit", "patient", "--max-records-per-patient", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "unit: patient (5 patients" in out and "at most 6" in out
+    written = yaml.safe_load(policy.read_text())
+    assert (written["unit"], written["max_records_per_patient"]) == ("patient", 6)
+    assert load_policy(policy).unit == "patient"
+    assert main(["site-policy", "--check", str(policy)]) == 0
+    # a record-level policy whose stated cap is below what the data holds fails the site's own check
+    assert main(["site-policy", "--out", str(tmp_path / "r.yaml"), "--site", "b", "--epsilon", "1", "--delta", "1e-3",
+                 "--lifetime-rounds", "4", "--sample-rate", "0.2", "--steps-per-round", "2",
+                 "--data-path", str(root / "site-0"), "--max-records-per-patient", "3"]) == 2
+    assert "max_records_per_patient = 3" in capsys.readouterr().err
