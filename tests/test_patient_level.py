@@ -644,3 +644,23 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
                  "--lifetime-rounds", "4", "--sample-rate", "0.2", "--steps-per-round", "2",
                  "--data-path", str(root / "site-0"), "--max-records-per-patient", "3"]) == 2
     assert "max_records_per_patient = 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_record_level_federation_claims_the_group_bound_at_the_sites_caps(world, tmp_path):
+    from cli.fed import prepare_simulation
+    from shared.config import replace
+    from shared.privacy.group import group_privacy
+
+    from server.run import run_federation
+
+    cfg = replace(world, **{"train.method": "dpsgd", "federation.rounds": 1, "privacy.epsilon": 0.5,
+                            "federation.out": str(tmp_path / "fed")})
+    out = tmp_path / "fed"
+    config_path = prepare_simulation(cfg, out, progress=False)  # record level: each policy states its split's 8
+    run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
+    metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
+    assert metrics["unit"] == "record" and metrics["claim"].startswith("record-level")
+    eps_k, delta_k = group_privacy(epsilon=metrics["epsilon"], delta=metrics["delta"], k=8)
+    assert "a patient with up to 8 records (the largest cap the sites' policies state)" in metrics["claim"]
+    assert f"(eps={eps_k:.4g}, delta={delta_k:.3g})-DP by group privacy" in metrics["claim"]
