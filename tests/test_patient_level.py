@@ -263,7 +263,7 @@ def test_record_level_claims_state_the_group_bound_for_a_patient():
                              accountant="rdp", unit="record", records_per_patient=8,
                              records_source="this data's patient ids")
         assert level in text and "add/remove-one-record" in text
-        assert f"a patient with up to 8 records (this data's patient ids)" in text
+        assert "a patient with up to 8 records (this data's patient ids)" in text
         assert f"(eps={eps_k:.4g}, delta={delta_k:.3g})" in text and "group privacy" in text
     vacuous = privacy_claim(method="dpsgd", epsilon=3.0, delta=1e-5, psi=None, seeded=False, accountant="rdp",
                             records_per_patient=20, records_source="the policy cap")
@@ -578,7 +578,7 @@ def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
     from cli.fed import prepare_simulation
     from client.ledger import SiteLedger
     from shared.config import replace
-    from shared.privacy.accountant import StepRecord, epsilon_spent
+    from shared.privacy.accountant import epsilon_spent
 
     from server.run import run_federation
 
