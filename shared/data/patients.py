@@ -74,8 +74,8 @@ def largest_group(records: Sequence[PoseRecord]) -> int | None:
 class PatientGroups:
     """Records grouped by patient: ``members[j]`` are the indices (into the kept records) of patient j.
 
-    ``largest`` is the most records any patient had before the cap (private:
-    a site keeps it in its own log).
+    ``largest`` is the most records any patient had before the cap (private
+    data of the site: it is never sent; a record-level claim uses a stated cap).
     """
 
     members: tuple[tuple[int, ...], ...]
