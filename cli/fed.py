@@ -173,9 +173,10 @@ def ledger_rows(path: Path) -> tuple[str, list[dict[str, Any]]]:
                 " site_epsilon, budget, aggregated, state FROM spend ORDER BY site, id")]
             return "server", rows
         if "spend" in tables:
+            has_unit = "unit" in {r[1] for r in conn.execute("PRAGMA table_info(spend)")}  # schema 3 (issue #11)
             rows = [dict(r) for r in conn.execute(
-                "SELECT site, federation, round, method, psi, sigma, sample_rate, steps, delta, epsilon, budget,"
-                " accountant FROM spend ORDER BY id")]
+                "SELECT site, federation, round, method, psi, " + ("unit" if has_unit else "'record' AS unit") +
+                ", sigma, sample_rate, steps, delta, epsilon, budget, accountant FROM spend ORDER BY id")]
             return "site", rows
     finally:
         conn.close()
@@ -205,7 +206,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         columns = ["site", "round", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_run_epsilon",
                    "counted_epsilon", "site_epsilon", "budget", "aggregated", "state"]
     else:
-        columns = ["site", "federation", "round", "method", "psi", "sigma", "sample_rate", "steps", "delta",
+        columns = ["site", "federation", "round", "method", "psi", "unit", "sigma", "sample_rate", "steps", "delta",
                    "epsilon", "budget"]
     header = {"epsilon": "run eps (server)" if kind == "server" else "lifetime eps", "site_run_epsilon":
               "run eps (site)", "counted_epsilon": "run eps (counted)", "site_epsilon": "lifetime eps (site)"}
@@ -360,6 +361,7 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
             "data_path": args.data_path, "ledger_path": args.ledger_path or "ledger.sqlite",
             "public_path": args.public_path, "public_digest": digest, "min_sigma": args.min_sigma,
             "eval_path": args.eval_path, "accountant": args.accountant, "methods": args.methods.split(","),
+            "unit": args.unit, "max_records_per_patient": args.max_records_per_patient,
         }, base=out.parent)
         write_policy(out, policy)
         print(f"wrote {out}" + (f" (approving the public set {policy.public_path}, digest {digest})" if digest else ""))
@@ -372,6 +374,14 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
              "the private images (P2)" if checked.public is not None else ", no public set (basis_mode site needs one)"))
     print(f"ledger {policy.ledger_path}: writable, {rounds} rounds recorded, lifetime eps spent {spent:.4f} of "
           f"{policy.epsilon:g}")
+    cap = policy.max_records_per_patient
+    if policy.unit == "patient":
+        print(f"unit: patient ({checked.patients.count} patients; each contributes the clipped mean gradient of "
+              f"{'all' if cap is None else f'at most {cap}'} of their records; sample_rate is per patient)")
+    else:
+        print("unit: record" + (f" (stated cap {cap} records per patient: the claim's group bound)" if cap else
+                                " (no cap on records per patient stated: the claim says a patient with k records "
+                                "gets only k eps)"))
     print(f"minimum sigma this site accepts: {min_sigma_for(policy):.4f} ({policy.lifetime_rounds} lifetime rounds x "
           f"{policy.steps_per_round} steps at q={policy.sample_rate:g}, eps={policy.epsilon:g}, "
           f"delta={policy.delta:g}, {policy.accountant})")
@@ -433,6 +443,12 @@ def register(sub: Any) -> None:
                      help="minimum psi strength, a fraction of min(H, W): blur sigma or pixelate block (default 0.03)")
     pol.add_argument("--no-augment", action="store_true", help="pin augmentation off (default: on)")
     pol.add_argument("--methods", default="dpsgd,proj,fdp,fpdp", help="comma-separated methods the site accepts")
+    pol.add_argument("--unit", choices=("record", "patient"), default="record",
+                     help="privacy unit (default record); patient needs patient ids (patients.json) and makes "
+                          "--sample-rate the rate over patients")
+    pol.add_argument("--max-records-per-patient", type=int, default=None,
+                     help="patient: records of a patient used (a fixed subset); record: the stated cap of the claim's "
+                          "group-privacy bound (checked against the data's patient ids)")
     pol.add_argument("--data-path", default=None, help="the site's split directory (annotations.json, images/)")
     pol.add_argument("--ledger-path", default=None, help="default: ledger.sqlite beside the policy")
     pol.add_argument("--public-path", default=None,

@@ -79,6 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "privacy.clip_norm": args.clip,
             "train.seed": args.seed,
             "train.epochs": args.epochs,
+            "privacy.unit": args.unit,
+            "privacy.max_records_per_patient": args.max_records_per_patient,
             "data.root": args.data,
             "train.out": args.out,
         },
@@ -91,7 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(
             f"privacy: epsilon spent = {metrics['epsilon']:.4f} (target {metrics['target_epsilon']}), "
             f"delta = {metrics['delta']:g}, sigma = {metrics['sigma']:.4f}, q = {metrics['sample_rate']:.4f}, "
-            f"steps = {metrics['steps']}, C = {metrics['clip']}, accountant = {metrics['accountant']}"
+            f"steps = {metrics['steps']}, C = {metrics['clip']}, accountant = {metrics['accountant']}, "
+            f"unit = {metrics['unit']}"
         )
     print(f"claim: {metrics['claim']}")
     print(f"wrote {Path(args.out) / 'model.pt'} and {Path(args.out) / 'metrics.json'} ({metrics['seconds']:.0f} s)")
@@ -137,7 +140,7 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.config import METHODS, STRATEGIES
+    from shared.config import METHODS, STRATEGIES, UNITS
 
     parser = argparse.ArgumentParser(
         prog="fedpose", description="Federated, differentially private 2D human pose estimation."
@@ -169,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--clip", type=float, default=None)
     tr.add_argument("--epochs", type=int, default=None)
     tr.add_argument("--seed", type=int, default=None, help="reproducible noise (NOT for production)")
+    tr.add_argument("--unit", choices=UNITS, default=None,
+                    help="privacy unit: record (one image) or patient (all images of one person; needs patient ids; "
+                         "train.batch_size counts patients then)")
+    tr.add_argument("--max-records-per-patient", type=int, default=None,
+                    help="patient: records of a patient used (a fixed subset); record: the stated cap of the "
+                         "group-privacy bound in the claim")
     tr.add_argument("--data", default=None)
     tr.add_argument("--out", required=True)
     _add_common(tr)

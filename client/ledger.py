@@ -13,7 +13,9 @@ strength, clip, augmentation, sigma, q, steps and the cumulative epsilon
 after it. The ledger belongs to one site (``meta.site``): a ledger written by
 another site is refused. Schema 1 ledgers (no method/psi columns) are
 migrated in place; their old rows read method ``unknown``, so no
-record-level claim can be made over them.
+record-level claim can be made over them. Schema 3 adds the privacy unit of
+each row (issue #11); rows of schema 1 and 2 ledgers read ``record``, which
+is what every round before the unit existed ran.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from shared.privacy.ledger import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
 _SCHEMA = [
@@ -58,7 +60,8 @@ _SCHEMA = [
         method TEXT NOT NULL DEFAULT 'unknown',
         psi TEXT,                       -- fdp/fpdp: the feature map treated as public, e.g. blur(0.03)
         clip_norm REAL,
-        augment INTEGER
+        augment INTEGER,
+        unit TEXT NOT NULL DEFAULT 'record'  -- the privacy unit: record or patient
     )""",
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -71,6 +74,10 @@ _V1_TO_V2 = [
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
 ]
+_V2_TO_V3 = [
+    "ALTER TABLE spend ADD COLUMN unit TEXT NOT NULL DEFAULT 'record'",
+]
+_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3, 2: _V2_TO_V3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +88,7 @@ class Mechanism:
     psi: str | None  # e.g. "blur(0.03)"; None for dpsgd/proj
     clip_norm: float
     augment: bool
+    unit: str = "record"  # the privacy unit of the round: record or patient
 
 
 def _history(rows: list[Any]) -> list[StepRecord]:
@@ -131,7 +139,8 @@ class OpenRound:
         values = dict(site=site, federation=federation, round=int(round), sigma=float(sigma),
                       sample_rate=float(sample_rate), steps=int(steps), delta=float(delta), epsilon=eps,
                       budget=float(budget), accountant=accountant, recorded_at=utc_now(), method=mechanism.method,
-                      psi=mechanism.psi, clip_norm=float(mechanism.clip_norm), augment=int(mechanism.augment))
+                      psi=mechanism.psi, clip_norm=float(mechanism.clip_norm), augment=int(mechanism.augment),
+                      unit=mechanism.unit)
         self.conn.execute(f"INSERT INTO spend ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
                           tuple(values.values()))
         self.rows.append(values)
@@ -163,20 +172,20 @@ class SiteLedger:
     def _open(self, site: str | None) -> None:
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if version not in (0, 1, SCHEMA_VERSION):
-            raise ValueError(f"site ledger {self.path} has schema {version}, this fedpose reads 1 and {SCHEMA_VERSION}")
+        if version not in (*_MIGRATIONS, SCHEMA_VERSION):
+            raise ValueError(f"site ledger {self.path} has schema {version}, this fedpose reads 1 to {SCHEMA_VERSION}")
         if version == 0 and tables - {"sqlite_sequence"}:
             raise ValueError(f"{self.path} is not a fedpose site ledger (it holds tables {sorted(tables)})")
-        if version in (0, 1):
+        if version in _MIGRATIONS:
             with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
-                for statement in _SCHEMA if version == 0 else _V1_TO_V2:
+                for statement in _MIGRATIONS[version]:
                     self.conn.execute(statement)
                 self.conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             if version == 1:
                 log.warning("site ledger %s migrated from schema 1: its earlier rows record no method or psi "
                             "(method 'unknown'), so no record-level claim covers them", self.path)
         columns = {r[1] for r in self.conn.execute("PRAGMA table_info(spend)")}
-        if not {"federation", "round", "sigma", "sample_rate", "steps", "method", "psi"} <= columns:
+        if not {"federation", "round", "sigma", "sample_rate", "steps", "method", "psi", "unit"} <= columns:
             raise ValueError(f"{self.path} is not a fedpose site ledger (its 'spend' table lacks columns)")
         if site is not None:
             self._claim(site)
@@ -214,6 +223,10 @@ class SiteLedger:
     def epsilon(self, *, delta: float, accountant: str, federation: str | None = None) -> float:
         """Cumulative epsilon of everything recorded (or of one federation's rows), recomputed (P5)."""
         return cumulative_epsilon(self.history(federation), delta=delta, accountant=accountant)
+
+    def units(self) -> set[str]:
+        """The privacy units of the recorded rounds (P12): the claim is patient level only when this is {patient}."""
+        return {r["unit"] for r in self.rows()}
 
     def record_level(self) -> bool:
         """True when every row ran a record-level method (dpsgd/proj): only then is the claim record-level (P12)."""

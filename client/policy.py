@@ -19,6 +19,9 @@ server can only ask for it, never choose it (DESIGN.md section 4b)::
     psi: blur                     # fdp/fpdp: the feature map treated as public
     psi_min: 0.03                 # its minimum strength, a fraction of min(H, W): blur sigma or pixelate block
     augment: true                 # whether private batches are augmented (psi always sees the canonical crop)
+    unit: record                  # the privacy unit: record (one image) or patient (all images of one person)
+    max_records_per_patient: 8    # patient: records of a patient used (a fixed subset); record: the stated cap
+                                  # of the group-privacy bound in the claim (checked against the data's patient ids)
     # data
     data_path: data/site-0        # split directory (annotations.json, images/)
     ledger_path: ledger.sqlite    # the site's durable spend ledger
@@ -31,6 +34,15 @@ Relative paths are relative to the policy file's directory. A request that
 asks for anything weaker than this is refused with nothing trained and
 nothing spent; a policy written before version 2 is refused with a message
 that says what to add.
+
+Privacy unit (issue #11). ``unit`` and ``max_records_per_patient`` are optional
+version-2 fields: a policy without them means exactly what it meant before
+(record level, no cap stated), so the version is not bumped. At patient level
+``sample_rate`` is q_p, the Poisson rate over PATIENTS (expected patients per
+step / patients at the site), the data must carry patient ids, delta must be
+below 1 / patients, and a request for the other unit is refused (either way:
+a site's q means one unit). The cap is the site's own: a request's
+``privacy.max_records_per_patient`` is not read.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ log = logging.getLogger(__name__)
 
 POLICY_VERSION = 2
 PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
+UNITS = ("record", "patient")
 
 # What a version-1 policy must add (named in the refusal of an old file).
 _V2_FIELDS = ("policy_version: 2", "sample_rate", "steps_per_round", "clip_norm", "psi", "psi_min", "augment",
@@ -96,6 +109,8 @@ class SitePolicy:
     accountant: str = "rdp"
     methods: tuple[str, ...] = PRIVATE_METHODS
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
+    unit: str = "record"
+    max_records_per_patient: int | None = None
     policy_version: int = POLICY_VERSION
 
     def __post_init__(self) -> None:
@@ -143,6 +158,10 @@ class SitePolicy:
             raise ValueError(f"site policy: public_digest={self.public_digest!r} must be a sha256 hex digest")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"site policy: seed={self.seed!r} must be a non-negative int or null")
+        if self.unit not in UNITS:
+            raise ValueError(f"site policy: unit={self.unit!r} must be one of {list(UNITS)}")
+        if self.max_records_per_patient is not None:
+            _count("max_records_per_patient", self.max_records_per_patient)
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -167,6 +186,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "accountant": (str,),
     "methods": (list, tuple),
     "seed": (int, type(None)),
+    "unit": (str,),
+    "max_records_per_patient": (int, type(None)),
 }
 _FLOATS = ("epsilon", "delta", "sample_rate", "clip_norm", "psi_min", "min_sigma")
 

@@ -4,7 +4,8 @@ The server is not trusted. ``handle_train`` checks a train request against
 the site's own policy before the ledger is opened, and refuses (``Refusal``,
 nothing trained, ledger unchanged) anything weaker than the policy pins:
 
-- a method the policy does not allow; a sample rate other than the policy's;
+- a method the policy does not allow; another privacy unit (record or
+  patient, issue #11); a sample rate other than the policy's;
   more local steps than ``steps_per_round``; another clip norm; for fdp/fpdp
   another psi kind or a weaker psi; another augmentation setting;
 - sigma below the site's own minimum (``client.policy.sigma_shortfall``);
@@ -49,6 +50,7 @@ from client.policy import (
 )
 from shared.config import Config
 from shared.data.mpii import load_split
+from shared.data.patients import PatientGroups, group_by_patient, stated_group_size
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint, check_no_duplicates
 from shared.data.split import manifest_digest as public_digest
@@ -109,14 +111,25 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
 
     The operator of a site knows its n, so it can state q = B / n in its
-    policy; the server never learns n.
+    policy; the server never learns n. At patient level (``privacy.unit``)
+    n counts patients and q is the patient rate q_p. At record level the
+    policy states the most records a patient has in the split (from its
+    patient ids) as its cap, unless the config gives one: the claim's group
+    bound is stated at it.
     """
     splits = cfg.data.train_splits
     if not 0 <= index < len(splits):
         raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
     root = Path(cfg.data.root).expanduser().resolve()
     name = splits[index]
-    n = len(load_split_dir(root / name, "site data"))
+    private = load_split_dir(root / name, "site data")
+    cap = cfg.privacy.max_records_per_patient
+    if cfg.privacy.unit == "patient":
+        n = group_by_patient(private, cap=cap)[1].count
+    else:
+        n = len(private)
+        if cap is None:
+            cap, _ = stated_group_size(private, None)
     public = load_split_dir(root / cfg.data.public_split, "public set")
     return policy_from_dict({
         "policy_version": 2,
@@ -136,6 +149,8 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "public_path": str(root / cfg.data.public_split),
         "public_digest": public_digest(public),
         "accountant": cfg.privacy.accountant,
+        "unit": cfg.privacy.unit,
+        "max_records_per_patient": cap,
     })
 
 
@@ -169,10 +184,15 @@ def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
 
 @dataclass(frozen=True)
 class CheckedSite:
-    """A site's data after its own start-up checks passed."""
+    """A site's data after its own start-up checks passed.
+
+    ``private``: the records it trains on (at patient level at most the policy's cap per patient);
+    ``patients``: their patient groups at patient level, else None.
+    """
 
     private: list[PoseRecord]
     public: list[PoseRecord] | None
+    patients: PatientGroups | None = None
 
 
 _CHECKED: dict[tuple, CheckedSite] = {}
@@ -190,15 +210,24 @@ def _data_version(*paths: str | None) -> tuple:
 def check_site(policy: SitePolicy) -> CheckedSite:
     """The site's own checks of its policy and data; ValueError naming the problem (for the operator).
 
-    - the private data loads, and delta < 1/n;
+    - the private data loads, and delta < 1/n (n: records, or patients at
+      patient level, whose records are then grouped and capped);
+    - record level with a stated ``max_records_per_patient``: no patient has
+      more records (where the data carries patient ids);
     - no image appears twice in the private data (a duplicate is a group of
       two, which record-level DP does not cover);
     - the public set matches the digest the operator approved, and shares
       no image with the private data (P2: V would see it without noise).
     """
     private = load_split_dir(policy.data_path, "site data")
-    check_delta(policy.delta, len(private))
     check_no_duplicates(private, what=f"site data {policy.data_path}")
+    patients = None
+    if policy.unit == "patient":
+        private, patients = group_by_patient(private, cap=policy.max_records_per_patient)
+        check_delta(policy.delta, patients.count)
+    else:
+        check_delta(policy.delta, len(private))
+        stated_group_size(private, policy.max_records_per_patient)
     public = None
     if policy.public_path:
         public = load_split_dir(policy.public_path, "public set")
@@ -212,7 +241,7 @@ def check_site(policy: SitePolicy) -> CheckedSite:
         except ValueError as err:
             raise ValueError(f"public set {policy.public_path} holds some of this site's private images: {err}; "
                              "then approve its new digest") from err
-    return CheckedSite(private=private, public=public)
+    return CheckedSite(private=private, public=public, patients=patients)
 
 
 def site_check(policy: SitePolicy) -> CheckedSite:
@@ -245,7 +274,8 @@ def site_info(policy: SitePolicy) -> SiteInfo:
         epsilon_spent=spend["site_epsilon"],
         min_sigma=min_sigma_for(policy), sample_rate=policy.sample_rate, steps_per_round=policy.steps_per_round,
         clip_norm=policy.clip_norm, psi=policy.psi, psi_min=policy.psi_min, augment=policy.augment,
-        accountant=policy.accountant, methods=policy.methods,
+        accountant=policy.accountant, methods=policy.methods, unit=policy.unit,
+        max_records_per_patient=policy.max_records_per_patient,
     )
 
 
@@ -369,6 +399,8 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if method not in policy.methods:
         raise Refusal(RefusalCode.POLICY,
                       f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
+    if cfg.privacy.unit != policy.unit:  # its q, clipping and claim are per unit (issue #11)
+        raise Refusal(RefusalCode.POLICY, f"privacy unit {cfg.privacy.unit!r} is not this site's {policy.unit!r}")
     if request.sample_rate != policy.sample_rate:
         raise Refusal(RefusalCode.POLICY, f"sample rate {request.sample_rate!r} is not this site's "
                                           f"{policy.sample_rate!r}")
@@ -495,7 +527,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         basis = basis.to(device)
 
     psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in WITH_PSI else None
-    mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment)
+    mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment,
+                          unit=policy.unit)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
         if open_round.has_round(request.federation, request.round):  # a concurrent duplicate won the lock
             raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} was "
@@ -518,7 +551,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         result = local_train(
             model, make_dataset(checked.private, cfg, train=True, seed=seed), method=method, train=cfg.train,
             privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
-            sample_rate=policy.sample_rate, optimizer=optimizer,
+            sample_rate=policy.sample_rate, optimizer=optimizer, patients=checked.patients,
             schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
             progress=progress, desc=f"{policy.site} round {request.round}",
         )

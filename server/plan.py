@@ -12,7 +12,7 @@ with eps = min(server target, site budget) and delta = min(server delta,
 site delta), rounds = min(configured rounds, the site's rounds per
 federation, the rounds its lifetime still allows). A site whose policy the
 federation's config does not satisfy (method, local steps, clip, psi,
-augmentation) is left out with the reason logged: it would refuse anyway.
+augmentation, privacy unit) is left out with the reason logged: it would refuse anyway.
 The same sigma is used every round, so after the planned rounds the
 composition (P5) is exactly the calibrated one (<= eps) and the next round
 would exceed the budget: the site is then not sampled again.
@@ -64,6 +64,8 @@ def incompatibility(info: SiteInfo, cfg: Config) -> str | None:
         return f"clips at {info.clip_norm:g} (privacy.clip_norm = {cfg.privacy.clip_norm:g})"
     if cfg.data.augment != info.augment:
         return f"pins augment={info.augment} (data.augment = {cfg.data.augment})"
+    if cfg.privacy.unit != info.unit:
+        return f"trains at the {info.unit} unit (privacy.unit = {cfg.privacy.unit})"
     if method in ("fdp", "fpdp"):
         strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
         if cfg.privacy.psi != info.psi or strength < info.psi_min:

@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 # What a federation releases to the server besides the DP-noised weights (named in the claim, P10).
 FEDERATION_RELEASE = ("the server sees each site's DP-noised weights and what its policy declares public "
-                      "(sample rate, steps, clip, psi, budget, spend); never n, timings or anything else that "
-                      "depends on private data; sites are averaged uniformly")
+                      "(sample rate, steps, clip, psi, privacy unit, records cap, budget, spend); never n, timings "
+                      "or anything else that depends on private data; sites are averaged uniformly")
 
 QUERY_TIMEOUT = 300.0
 
@@ -381,6 +381,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     if new_plans:
         ledger.save_plans(new_plans)
         plans = ledger.plans()
+    for site, (_, info) in sites.items():  # what each site's policy states, for the claim (issue #11)
+        ledger.set_meta(f"max_records_per_patient/{site}", str(info.max_records_per_patient or 0))
     node_of = {s: nid for s, (nid, _) in sites.items()}
     usable = sorted(s for s in plans if s in node_of)
     if len(usable) < cfg.federation.min_sites:
@@ -536,8 +538,12 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
 
     psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if cfg.train.method in ("fdp", "fpdp") else None
     seeded = ledger.get_meta("seeded") == "1"
+    caps = [int(ledger.get_meta(f"max_records_per_patient/{site}") or 0) for site in plans]
+    patient_records = max(caps) if caps and min(caps) > 0 else None  # None: some site states no cap
     claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
-                          accountant=cfg.privacy.accountant, released=FEDERATION_RELEASE)
+                          accountant=cfg.privacy.accountant, released=FEDERATION_RELEASE, unit=cfg.privacy.unit,
+                          records_per_patient=patient_records,
+                          records_source="the largest cap the sites' policies state")
     initial = ledger.get_meta("initial_pckh_mean")
     metrics = {
         "federation": federation,
@@ -552,6 +558,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
         "epsilon": epsilon,
         "delta": delta,
         "accountant": cfg.privacy.accountant,
+        "unit": cfg.privacy.unit,
         "seeded": seeded,
         "claim": claim,
         "seconds": round(seconds, 2),

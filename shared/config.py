@@ -22,8 +22,10 @@ import yaml
 from shared.data.synth import WardSpec
 
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
+Unit = Literal["record", "patient"]
 Strategy = Literal["finetune", "full", "scratch"]
 METHODS: tuple[str, ...] = get_args(Method)
+UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
@@ -131,6 +133,15 @@ class PrivacyConfig:
     m: int = 100  # public samples for the basis
     basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
+    # The privacy unit: record (neighbouring datasets differ in one image) or patient (in all images of one
+    # person; needs patient ids: the ward's identities.json or a patients.json sidecar). At patient level
+    # train.batch_size is the expected number of PATIENTS per step (q_p = B / patients).
+    unit: Unit = "record"
+    # The most records of one patient that training uses. patient: each patient's clipped contribution is the
+    # mean gradient of at most this many of their records (a fixed subset, the rest left out). record: the data
+    # must hold no more per patient (checked where patient ids exist) and the claim states the group-privacy
+    # bound at this many records. null: all records (patient) / no cap stated (record).
+    max_records_per_patient: int | None = None
 
     def __post_init__(self) -> None:
         if self.epsilon <= 0:
@@ -150,6 +161,9 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.psi_param: must be > 0, got {self.psi_param}")
         if self.basis_every < 1 or self.chunk_size < 1:
             raise ConfigError("privacy.basis_every and privacy.chunk_size must be >= 1")
+        if self.max_records_per_patient is not None and self.max_records_per_patient < 1:
+            raise ConfigError(f"privacy.max_records_per_patient: must be >= 1 or null, got "
+                              f"{self.max_records_per_patient}")
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,10 @@ class SiteInfo:
     augment: bool
     accountant: str
     methods: tuple[str, ...]
+    # Issue #11: the privacy unit the site trains at and its records cap (None: none stated). Optional on the
+    # wire: a site of before has neither key, and meant record level.
+    unit: str = "record"
+    max_records_per_patient: int | None = None
 
     _KEYS = {
         "site": ("site", str), "epsilon": ("epsilon", (int, float)), "delta": ("delta", (int, float)),
@@ -247,6 +251,9 @@ class SiteInfo:
         from flwr.app import ConfigRecord
 
         values = {key: getattr(self, name) for name, (key, _) in self._KEYS.items()}
+        values["unit"] = self.unit
+        if self.max_records_per_patient is not None:
+            values["max-records-per-patient"] = self.max_records_per_patient
         return ConfigRecord({**values, "methods": list(self.methods)})
 
     @classmethod
@@ -259,7 +266,13 @@ class SiteInfo:
         for name, (key, kind) in cls._KEYS.items():
             value = _require(rec, key, kind, what)
             values[name] = float(value) if kind == (int, float) else value
-        info = cls(**values, methods=tuple(methods))
+        unit = rec.get("unit", "record")
+        if unit not in ("record", "patient"):
+            raise ValueError(f"{what}: unit={unit!r} must be 'record' or 'patient'")
+        cap = rec.get("max-records-per-patient")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"{what}: max-records-per-patient={cap!r} must be an int >= 1")
+        info = cls(**values, methods=tuple(methods), unit=unit, max_records_per_patient=cap)
         numbers = (info.epsilon, info.delta, info.epsilon_spent, info.min_sigma, info.sample_rate, info.clip_norm,
                    info.psi_min)
         if (not all(math.isfinite(v) for v in numbers) or not info.epsilon > 0 or not 0 < info.delta < 1

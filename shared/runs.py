@@ -18,6 +18,7 @@ import torch
 
 from shared.config import Config, ConfigError, dump_config
 from shared.data.mpii import load_split
+from shared.data.patients import PatientGroups, group_by_patient, stated_group_size
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint, check_no_duplicates
 from shared.data.synth import ensure_ward
@@ -25,6 +26,7 @@ from shared.model.posenet import PoseNet, build_model, build_pretrain_model, loa
 from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 from shared.privacy.claims import privacy_claim
+from shared.privacy.group import group_privacy
 from shared.privacy.psi import psi_label
 from shared.privacy.noise import make_generator
 from shared.train import (
@@ -72,13 +74,29 @@ def private_records(root: Path, cfg: Config) -> list[PoseRecord]:
     return out
 
 
-def check_batch_size(batch_size: int, n: int) -> None:
-    """Refuse an expected batch size above the number of private records (q = B / n would exceed 1)."""
+def check_batch_size(batch_size: int, n: int, unit: str = "record") -> None:
+    """Refuse an expected batch size above the number of privacy units (q = B / n would exceed 1)."""
     if batch_size > n:
+        what = "patients in the private data" if unit == "patient" else "private records"
         raise ConfigError(
-            f"train.batch_size = {batch_size} is larger than the {n} private records: the sample rate "
+            f"train.batch_size = {batch_size} is larger than the {n} {what}: the sample rate "
             f"q = B / n would be {batch_size / n:.3g} > 1; use train.batch_size <= {n}"
         )
+
+
+def training_records(records: list[PoseRecord], cfg: Config) -> tuple[list[PoseRecord], PatientGroups | None]:
+    """The records a run trains on and, at patient level, their patient groups (issue #11).
+
+    Patient level: at most ``privacy.max_records_per_patient`` records of each
+    patient (a fixed subset, ``group_by_patient``; its seed is train.seed or 0).
+    Record level (and nonprivate): every record, unchanged.
+    """
+    if cfg.privacy.unit != "patient" or cfg.train.method not in PRIVATE:
+        return records, None
+    try:
+        return group_by_patient(records, cap=cfg.privacy.max_records_per_patient, seed=cfg.train.seed or 0)
+    except ValueError as err:
+        raise ConfigError(f"privacy.unit: patient: {err}") from err
 
 
 # ---------------------------------------------------------------------------
@@ -161,7 +179,10 @@ def initial_model(cfg: Config, *, progress: bool = True) -> PoseNet:
 
 
 def plan_sigma(cfg: Config, *, n: int, steps: int) -> float:
-    """Noise multiplier meeting the target over the whole plan (calibrated once, never overshooting)."""
+    """Noise multiplier meeting the target over the whole plan (calibrated once, never overshooting).
+
+    ``n``: privacy units (records, or patients at patient level).
+    """
     if cfg.train.method == "nonprivate":
         return 0.0
     check_delta(cfg.privacy.delta, n)
@@ -190,8 +211,16 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)
     check_disjoint(public, private)  # P2: S_pub and private data share no image
-    n = len(private)
-    check_batch_size(cfg.train.batch_size, n)
+    unit = cfg.privacy.unit if method in PRIVATE else "record"
+    group_size = group_source = None
+    if unit == "record" and method in PRIVATE:  # what the record-level claim means for a patient
+        try:
+            group_size, group_source = stated_group_size(private, cfg.privacy.max_records_per_patient)
+        except ValueError as err:
+            raise ConfigError(f"privacy.{err}") from err
+    private, patients = training_records(private, cfg)
+    n = patients.count if patients is not None else len(private)
+    check_batch_size(cfg.train.batch_size, n, unit)
     steps = cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size)
     sigma = plan_sigma(cfg, n=n, steps=steps)
     generator, seeded = make_generator(cfg.train.seed, "cpu")
@@ -200,13 +229,14 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         torch.manual_seed(cfg.train.seed)
     dataset = make_dataset(private, cfg, train=True, seed=cfg.train.seed)
     public_eval = make_dataset(public, cfg, train=False)
-    log.info("training %s/%s on %d private records: %d steps, q=%.4f, sigma=%.4f", method,
-             cfg.train.strategy, n, steps, min(1.0, cfg.train.batch_size / n), sigma)
+    log.info("training %s/%s on %d private %ss (%d records): %d steps, q=%.4f, sigma=%.4f", method,
+             cfg.train.strategy, n, unit, len(private), steps, min(1.0, cfg.train.batch_size / n), sigma)
     result = local_train(
         model, dataset, method=method, train=cfg.train, privacy=cfg.privacy, sigma=sigma, steps=steps,
-        generator=generator, public_basis=public_eval, progress=progress, desc=f"train {method}",
+        generator=generator, public_basis=public_eval, patients=patients, progress=progress,
+        desc=f"train {method}",
     )
-    epsilon = epsilon_replace = None
+    epsilon = epsilon_replace = group_epsilon = group_delta = None
     released = None
     if method in PRIVATE:
         ran = StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)
@@ -216,13 +246,17 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
                                                     steps=result.steps)],
                                         delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
         released = (f"metrics.json and model.pt record the sample rate q = B/n (hence n): released with the model, "
-                    f"n is public and the guarantee is the replace-one-record one, eps={epsilon_replace:.4g}")
-    log.info("ran %d steps on n=%d records, mean Poisson batch %.1f (kept in this log only)", result.steps, n,
+                    f"n is public and the guarantee is the replace-one-{unit} one, eps={epsilon_replace:.4g}")
+        if group_size is not None:
+            group_epsilon, group_delta = group_privacy(epsilon=epsilon, delta=cfg.privacy.delta, k=group_size)
+    log.info("ran %d steps on n=%d %ss, mean Poisson batch %.1f (kept in this log only)", result.steps, n, unit,
              result.mean_batch)
     psi_name = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in ("fdp", "fpdp") else None
     claim = privacy_claim(
         method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
-        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released,
+        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released, unit=unit,
+        records_per_patient=cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
+        records_source=group_source,
     )
     report, _, _ = evaluate(model, val, progress=progress)
     metrics = {
@@ -230,6 +264,11 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "strategy": cfg.train.strategy,
         "epsilon": epsilon,
         "epsilon_replace_one": epsilon_replace,
+        "unit": unit,
+        # record level: the group size of the patient bound; patient level: the records cap (null: all)
+        "max_records_per_patient": cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
+        "group_epsilon": group_epsilon,
+        "group_delta": group_delta,
         "target_epsilon": cfg.privacy.epsilon if method in PRIVATE else None,
         "delta": cfg.privacy.delta if method in PRIVATE else None,
         "sigma": result.sigma,

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig, to_dict
 from shared.data.dataset import PoseDataset
+from shared.data.patients import PatientGroups
 from shared.data.records import PoseRecord
 from shared.data.transforms import Augment
 from shared.metrics import pckh_report
@@ -99,10 +100,11 @@ class LocalResult:
     sample_rate: float
     steps: int
     clip_norm: float
-    n: int
-    mean_batch: float
+    n: int  # privacy units: records, or patients at patient level
+    mean_batch: float  # in the same units
     seconds: float
     seconds_basis: float
+    unit: str = "record"
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ def local_train(
     optimizer: torch.optim.Optimizer | None = None,
     sample_rate: float | None = None,
     schedule_span: tuple[int, int] | None = None,
+    patients: PatientGroups | None = None,
     progress: bool = True,
     desc: str = "train",
     audit: AuditHooks | None = None,
@@ -170,12 +173,26 @@ def local_train(
     ``audit`` (``fedpose audit`` only, see ``AuditHooks``) adds Dirac gradient
     canaries to the private steps and lets the auditor see every released
     gradient; production callers leave it None.
+
+    ``privacy.unit == "patient"`` (issue #11): ``patients`` groups the records
+    of ``private`` by patient (``shared.data.patients.group_by_patient``, which
+    has already left out records beyond the cap); each step Poisson-samples
+    patients with q = train.batch_size / patients (or ``sample_rate``), takes
+    all of their records and clips each patient's mean gradient
+    (``fpdp.dp_gradient`` with ``groups``); n and q are then in patients.
     """
-    n = len(private)
-    if n == 0:
+    if len(private) == 0:
         raise ValueError("the private dataset is empty: a site needs at least one record to train")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    unit = privacy.unit if method != "nonprivate" else "record"
+    if unit == "patient":
+        if patients is None:
+            raise ValueError("privacy.unit is 'patient' but no patient groups were given (group_by_patient)")
+        if sorted(i for m in patients.members for i in m) != list(range(len(private))):
+            raise ValueError(f"the patient groups cover {sum(patients.sizes)} records, not the {len(private)} "
+                             "records of the dataset (build both from group_by_patient's kept records)")
+    n = patients.count if unit == "patient" else len(private)
     device = next(model.parameters()).device
     q = min(1.0, train.batch_size / n) if sample_rate is None else float(sample_rate)
     if not 0 < q <= 1:
@@ -194,6 +211,7 @@ def local_train(
         sample_rate=q,
         n_private=audit.normaliser_n if audit is not None and audit.normaliser_n is not None else n,
         chunk_size=privacy.chunk_size,
+        unit=unit,
     )
     psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
     canonical = None
@@ -217,12 +235,20 @@ def local_train(
             tb = time.perf_counter()
             basis = public_basis_at(model, loss_fn, trainable, public_basis, privacy, device)
             t_basis += time.perf_counter() - tb
+        groups = None
         if method == "nonprivate":
             idx = torch.from_numpy(pub_rng.choice(n, size=min(train.batch_size, n), replace=False))
+            batch_sizes.append(int(idx.numel()))
+        elif unit == "patient":
+            sampled = poisson_sample(n, sample_rate=q, generator=generator)  # patients
+            rows, group_ids = patients.expand(sampled.tolist())
+            idx = torch.tensor(rows, dtype=torch.long)
+            groups = torch.tensor(group_ids, dtype=torch.long)
+            batch_sizes.append(int(sampled.numel()))
         else:
             idx = poisson_sample(n, sample_rate=q, generator=generator)
+            batch_sizes.append(int(idx.numel()))
         batch = to_device(private.batch(idx.tolist()), device)
-        batch_sizes.append(int(idx.numel()))
         psi_batch = None
         if psi is not None:
             n_psi = len(canonical)
@@ -240,6 +266,7 @@ def local_train(
             psi_batch=psi_batch,
             generator=generator,
             basis=basis,
+            groups=groups,
             canaries=canary_batch,
         )
         if audit is not None and audit.observe is not None:
@@ -262,6 +289,7 @@ def local_train(
         mean_batch=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
         seconds=time.perf_counter() - t0,
         seconds_basis=t_basis,
+        unit=unit,
     )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import numpy as np
 
 from shared.data.joints import NUM_JOINTS
+from shared.data.patients import patient_sidecar, read_patient_ids
 from shared.data.records import PoseRecord, open_image, sanitize_joints
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def load_mpii(
     image_dir: str | Path,
     *,
     headboxes: str | Path | None = None,
+    patients: str | Path | None = None,
 ) -> list[PoseRecord]:
     """Read an MPII-layout annotation json into records (0-based pixels).
 
@@ -156,6 +158,8 @@ def load_mpii(
         headboxes: None, our ``headboxes.json`` sidecar, or the official
             ``mpii_gt_val.mat`` (its ``headboxes_src`` (2, 2, N) is aligned
             with the val json order). The count must match the annotations.
+        patients: None, or a sidecar json list with one patient id per annotation
+            (``shared.data.patients``); the count must match the annotations.
 
     Every image must exist (checked here, so a training run does not die
     hours later); its header is read to drop joints outside the image.
@@ -171,6 +175,7 @@ def load_mpii(
     if not isinstance(entries, list):
         raise ValueError(f"{ann_path}: expected a json list of annotations, got {type(entries).__name__}")
     boxes = _load_headboxes(headboxes, len(entries)) if headboxes is not None else [None] * len(entries)
+    ids = read_patient_ids(patients, len(entries)) if patients is not None else [None] * len(entries)
 
     records: list[PoseRecord] = []
     sizes: dict[Path, tuple[int, int]] = {}
@@ -199,7 +204,7 @@ def load_mpii(
         clean, visible = sanitize_joints(joints, vis > 0, sizes[path])
         dropped += int((vis > 0).sum() - visible.sum())
         try:
-            records.append(PoseRecord(path, center, scale, clean, visible, boxes[i]))
+            records.append(PoseRecord(path, center, scale, clean, visible, boxes[i], patient=ids[i]))
         except ValueError as err:
             raise ValueError(f"{ann_path}: entry {i} ({name}): {err}") from err
     if dropped:
@@ -232,7 +237,11 @@ def prediction_rows(
 
 
 def load_split(root: str | Path, split: str) -> list[PoseRecord]:
-    """Records of one split of our layout: ``<root>/<split>/{annotations,headboxes}.json, images/``."""
+    """Records of one split of our layout: ``<root>/<split>/{annotations,headboxes}.json, images/``.
+
+    Patient ids come from the split's sidecar when it has one (``patients.json``, or the synthetic
+    ward's ``identities.json``: ``shared.data.patients.patient_sidecar``); MPII has none.
+    """
     split_dir = Path(root) / split
     ann = split_dir / "annotations.json"
     if not ann.is_file():
@@ -240,4 +249,5 @@ def load_split(root: str | Path, split: str) -> list[PoseRecord]:
             if Path(root).is_dir() else []
         raise FileNotFoundError(f"no split {split!r} under {root} (missing {ann}); available: {available}")
     heads = split_dir / "headboxes.json"
-    return load_mpii(ann, split_dir / "images", headboxes=heads if heads.is_file() else None)
+    return load_mpii(ann, split_dir / "images", headboxes=heads if heads.is_file() else None,
+                     patients=patient_sidecar(split_dir))

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # MPII convention: the person box of a record has side PIXEL_STD * scale pixels.
 PIXEL_STD = 200.0
+MAX_PATIENT_ID = 256  # characters of a patient id
 
 
 def _frozen_array(value: object, *, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -49,6 +50,9 @@ class PoseRecord:
             the image (MPII ``joints_vis``: an occluded but annotated joint is
             visible here).
         headbox: optional (2, 2) float32 [[x1, y1], [x2, y2]] head box for PCKh.
+        patient: optional id of the person shown (the privacy unit of patient-level
+            DP, ``shared.data.patients``); None when the data carries no patient ids
+            (MPII, COCO).
 
     Arrays are copied and made read-only so a record really is immutable.
     Non-finite joints are rejected: readers must pass them through
@@ -63,6 +67,7 @@ class PoseRecord:
     joints: np.ndarray
     visible: np.ndarray
     headbox: np.ndarray | None = None
+    patient: str | None = None
 
     def __post_init__(self) -> None:
         image = Path(self.image)
@@ -107,6 +112,11 @@ class PoseRecord:
             if not np.all(np.isfinite(headbox)):
                 raise ValueError(f"PoseRecord.headbox must be finite, got {headbox.tolist()} for {image}")
             object.__setattr__(self, "headbox", headbox)
+
+        if self.patient is not None and (not isinstance(self.patient, str) or not self.patient
+                                         or len(self.patient) > MAX_PATIENT_ID):
+            raise ValueError(f"PoseRecord.patient must be a non-empty string of at most {MAX_PATIENT_ID} "
+                             f"characters or None, got {self.patient!r} for {image}")
 
     @property
     def box_side(self) -> float:

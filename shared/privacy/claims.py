@@ -5,6 +5,12 @@ labels are used without noise, so they are public by assumption and may be
 revealed by the model. Only dpsgd and proj give record-level DP. Saying
 "(eps, delta)-DP" for a Feature-DP run would overstate the guarantee, so the
 claim text is produced in one place and worded for each method.
+
+Every claim names its privacy unit (issue #11). A record-level claim also says
+what it means for a patient filmed in several frames: the group-privacy bound
+(``shared.privacy.group``) at the most records a patient has, or, when that
+number is not known, that a patient with k records gets only (k eps, ...).
+A patient-level claim covers all of a patient's records at once.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 
-from shared.privacy.fpdp import FEATURE_METHODS, METHODS, PROJECTED_METHODS
+from shared.privacy.fpdp import FEATURE_METHODS, METHODS, PROJECTED_METHODS, UNITS
+from shared.privacy.group import group_privacy
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,9 @@ def privacy_claim(
     seeded: bool,
     accountant: str,
     released: str | None = None,
+    unit: str = "record",
+    records_per_patient: int | None = None,
+    records_source: str | None = None,
 ) -> str:
     """One honest sentence (or a few) describing the guarantee of a finished run.
 
@@ -34,9 +44,17 @@ def privacy_claim(
     description (required for fdp/fpdp). ``seeded`` appends the P7 warning.
     ``released`` names what else the run releases beside the model (P10),
     and how that bears on the adjacency; it is appended as given.
+
+    ``unit``: the privacy unit that ran. ``records_per_patient``: at record
+    level, the most records any patient has (the group size of the bound;
+    None: not known), ``records_source`` saying where that number comes from
+    (a policy cap, this data's patient ids); at patient level, the cap on the
+    records of a patient that training used (None: all of them).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
+    if unit not in UNITS:
+        raise ValueError(f"unit={unit!r} is unknown; choose one of {UNITS}")
     if method == "nonprivate":
         text = "no privacy guarantee: non-private training on raw images"
     else:
@@ -47,20 +65,39 @@ def privacy_claim(
         if not 0 < delta < 1:
             raise ValueError(f"delta={delta!r} must be in (0, 1)")
         budget = f"(eps={epsilon:.4g}, delta={delta:.3g})"
-        mechanism = (
-            f"per site, Poisson sampling, add/remove-one-record adjacency, "
-            f"{accountant.upper()} accountant"
-        )
-        if method in FEATURE_METHODS:
-            if not psi:
-                raise ValueError(f"method={method!r} needs the psi description for its claim")
-            text = (
-                f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and the pose "
-                "labels are treated as public and may be revealed by the model; this is not "
-                "record-level DP"
+        if method in FEATURE_METHODS and not psi:
+            raise ValueError(f"method={method!r} needs the psi description for its claim")
+        if unit == "patient":
+            used = "all of their records" if records_per_patient is None else \
+                f"at most {records_per_patient} of their records"
+            mechanism = (
+                f"per site, Poisson sampling of patients, add/remove-one-patient adjacency (all of a "
+                f"patient's records; each sampled patient contributes the clipped mean gradient of {used}), "
+                f"{accountant.upper()} accountant"
             )
+            if method in FEATURE_METHODS:
+                text = (
+                    f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
+                    "patient and the pose labels are treated as public and may be revealed by the model; "
+                    "this is not patient-level DP of the images"
+                )
+            else:
+                text = f"patient-level {budget}-DP {mechanism}"
         else:
-            text = f"record-level {budget}-DP {mechanism}"
+            mechanism = (
+                f"per site, Poisson sampling, add/remove-one-record adjacency, "
+                f"{accountant.upper()} accountant"
+            )
+            if method in FEATURE_METHODS:
+                text = (
+                    f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and the pose "
+                    "labels are treated as public and may be revealed by the model; this is not "
+                    "record-level DP"
+                )
+            else:
+                text = f"record-level {budget}-DP {mechanism}"
+            text += "; " + _for_a_patient(epsilon, delta, records_per_patient, records_source,
+                                          feature=method in FEATURE_METHODS)
         if method in PROJECTED_METHODS:
             text += "; the projection basis is computed from public data only"
     if released and method != "nonprivate":
@@ -68,3 +105,17 @@ def privacy_claim(
     if seeded:
         text += "; seeded noise: not for production"
     return text
+
+
+def _for_a_patient(epsilon: float, delta: float, k: int | None, source: str | None, *, feature: bool) -> str:
+    """What a record-level guarantee means for a patient with up to k records (group privacy)."""
+    kind = "Feature-DP" if feature else "DP"
+    if k is None:
+        return (f"no cap on records per patient is stated: a patient with k records is protected only at "
+                f"(k eps, delta (e^(k eps) - 1) / (e^eps - 1))-{kind} by group privacy")
+    eps_k, delta_k = group_privacy(epsilon=float(epsilon), delta=float(delta), k=int(k))
+    where = f" ({source})" if source else ""
+    if delta_k >= 1:
+        return (f"for a patient with up to {k} records{where} group privacy gives no guarantee "
+                f"(delta {delta_k:.3g} >= 1)")
+    return f"for a patient with up to {k} records{where}: (eps={eps_k:.4g}, delta={delta_k:.3g})-{kind} by group privacy"

@@ -11,6 +11,14 @@
 Methods: nonprivate (plain mean gradient), dpsgd (no V, no g_pub), proj (V,
 no g_pub), fdp (g_pub, no V), fpdp (both).
 
+Privacy unit (issue #11): ``record`` as above; ``patient`` samples patients
+with rate q_p (Poisson over patients), replaces clip(g_i, C) by
+clip(mean of the patient's per-record gradients, C) for each sampled patient
+(at most ``privacy.max_records_per_patient`` records each) and divides by the
+expected number of sampled patients q_p n_patients. Noise, projection and the
+public gradient are unchanged; for fdp/fpdp psi(x) of every image of a patient
+stays public by assumption.
+
 Invariants enforced here:
 - P1: noise is drawn once per step and added to the SUM of clipped
   per-sample gradients; the projection is applied after the noise.
@@ -37,8 +45,10 @@ from shared.privacy.noise import gaussian_noise_like
 from shared.privacy.persample import (
     LossFn,
     batch_size_of,
+    check_groups,
     check_params,
     clipped_grad_sum,
+    clipped_group_sum,
     mean_grad,
 )
 from shared.privacy.psi import PsiBatch
@@ -50,6 +60,7 @@ Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 METHODS: tuple[str, ...] = ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
 PROJECTED_METHODS: tuple[str, ...] = ("proj", "fpdp")
 FEATURE_METHODS: tuple[str, ...] = ("fdp", "fpdp")
+UNITS: tuple[str, ...] = ("record", "patient")
 
 
 def _is_number(value: object) -> bool:
@@ -62,8 +73,10 @@ class DPSpec:
 
     clip_norm: per-sample L2 bound C. sigma: noise multiplier (noise std / C),
     calibrated by ``accountant.calibrate_sigma``. sample_rate: Poisson q.
-    n_private: the site's number of private records n (q n is the expected
-    batch size). chunk_size: per-sample gradients computed at a time (memory).
+    n_private: the site's number of privacy units n, records or patients
+    (q n is the expected batch size). chunk_size: per-sample gradients
+    computed at a time (memory). unit: ``record`` (clip each record's
+    gradient) or ``patient`` (clip each patient's mean gradient).
     """
 
     method: Method
@@ -72,10 +85,13 @@ class DPSpec:
     sample_rate: float
     n_private: int
     chunk_size: int = 16
+    unit: str = "record"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is unknown; choose one of {METHODS}")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit={self.unit!r} is unknown; choose one of {UNITS}")
         clip = self.clip_norm
         if not _is_number(clip) or not (clip > 0 and math.isfinite(clip)):
             raise ValueError(
@@ -115,7 +131,7 @@ class DPSpec:
 
     @property
     def expected_batch_size(self) -> float:
-        """q n: the normaliser of the private gradient (P4)."""
+        """q n: the normaliser of the private gradient (P4); at patient level, expected patients q_p n_p."""
         return self.sample_rate * self.n_private
 
 
@@ -137,13 +153,14 @@ def _noisy_private_sum(
     spec: DPSpec,
     generator: torch.Generator,
     basis: Tensor | None,
+    groups: Tensor | None = None,
     canaries: DiracGrads | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms).
+    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient).
 
     ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
     gradients of this step's Poisson-drawn Dirac canaries, clipped to C and
-    added to the same sum as the records' before the noise.
+    added to the same sum as the records' before the noise (record level only).
     """
     if spec.method == "nonprivate":
         raise ValueError("private_gradient is the DP path; method='nonprivate' uses mean_grad")
@@ -159,10 +176,20 @@ def _noisy_private_sum(
             f"method={spec.method!r} does not project, but a basis was given; pass basis=None "
             "or use method='proj'/'fpdp'"
         )
-    # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
-    summed, norms = clipped_grad_sum(
-        loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
-    )
+    _check_unit_groups(spec, groups)
+    if spec.unit == "patient":
+        if canaries is not None:
+            raise ValueError("audit canaries are per record: a patient-level run cannot be audited with them yet")
+        # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient.
+        summed, norms = clipped_group_sum(
+            loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
+            chunk_size=spec.chunk_size,
+        )
+    else:
+        # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
+        summed, norms = clipped_grad_sum(
+            loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
+        )
     if canaries is not None and canaries.coords.numel() > 0:
         flat = flatten(summed)  # (p,)
         flat = flat + canaries.clipped_sum(flat.numel(), clip_norm=spec.clip_norm, like=flat)
@@ -178,6 +205,15 @@ def _noisy_private_sum(
     return grads, norms
 
 
+def _check_unit_groups(spec: DPSpec, groups: Tensor | None) -> None:
+    if spec.unit == "patient" and groups is None:
+        raise ValueError("unit='patient' needs groups: the patient of every record of the batch "
+                         "(PatientGroups.expand)")
+    if spec.unit == "record" and groups is not None:
+        raise ValueError("unit='record' clips every record on its own, but groups were given; pass "
+                         "groups=None or use unit='patient'")
+
+
 def private_gradient(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -186,6 +222,7 @@ def private_gradient(
     spec: DPSpec,
     generator: torch.Generator,
     basis: Tensor | None,
+    groups: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n), then V (V^T g) if projecting.
 
@@ -194,7 +231,7 @@ def private_gradient(
     proj/fpdp and refused otherwise. Shapes of the result match ``params``.
     """
     grads, _ = _noisy_private_sum(
-        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups
     )
     return grads
 
@@ -226,6 +263,7 @@ def dp_gradient(
     psi_batch: PsiBatch | None,
     generator: torch.Generator | None,
     basis: Tensor | None,
+    groups: Tensor | None = None,
     canaries: DiracGrads | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
     """The update direction of one step for ``spec.method``, plus diagnostics.
@@ -235,8 +273,12 @@ def dp_gradient(
     + public. Inputs a method does not use (basis, psi batch) are refused
     rather than silently ignored.
 
-    ``info`` keys (always the same): method, batch_size (realised private),
-    expected_batch_size (q n), public_batch_size, mean_norm / max_norm /
+    ``groups`` (unit patient only): the patient of each record, 0..G-1, each
+    patient's records contiguous.
+
+    ``info`` keys (always the same): method, unit, batch_size (realised private:
+    records, or patients at patient level), expected_batch_size (q n),
+    public_batch_size, mean_norm / max_norm /
     clipped_fraction of the pre-clipping per-sample norms (NaN for
     nonprivate, which does not compute them; 0 for an empty batch), and
     noise_std, the per-coordinate noise std of the private gradient before
@@ -247,6 +289,10 @@ def dp_gradient(
     """
     check_params(params)
     size = batch_size_of(private_batch)
+    if spec.method != "nonprivate":
+        _check_unit_groups(spec, groups)
+        if groups is not None:
+            size = check_groups(groups, size)  # realised batch size in patients
     if spec.uses_public:
         if psi_batch is None:
             raise ValueError(
@@ -261,6 +307,7 @@ def dp_gradient(
     nan = float("nan")
     info: dict[str, float | int | str] = {
         "method": spec.method,
+        "unit": spec.unit,
         "batch_size": size,
         "expected_batch_size": spec.expected_batch_size,
         "public_batch_size": psi_batch.batch_size if psi_batch is not None else 0,
@@ -278,7 +325,8 @@ def dp_gradient(
     if generator is None:
         raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
     grads, norms = _noisy_private_sum(
-        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, canaries=canaries
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups,
+        canaries=canaries,
     )
     if norms.numel() > 0:
         info["mean_norm"] = float(norms.mean())

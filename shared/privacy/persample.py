@@ -238,6 +238,97 @@ def clipped_grad_sum(
     return summed, torch.cat(norms_parts)
 
 
+def check_groups(groups: Tensor, size: int) -> int:
+    """Validate per-record group ids (B,): 0, 1, ..., G-1, each group's records contiguous; returns G."""
+    if not isinstance(groups, Tensor) or groups.dim() != 1 or groups.shape[0] != size:
+        shape = tuple(groups.shape) if isinstance(groups, Tensor) else type(groups).__name__
+        raise ValueError(f"groups must be a 1-d tensor with one group id per record ({size}), got {shape}")
+    if groups.dtype.is_floating_point or groups.dtype == torch.bool:
+        raise ValueError(f"groups must hold integer group ids, got {groups.dtype}")
+    if size == 0:
+        return 0
+    steps = groups[1:] - groups[:-1]
+    if int(groups[0]) != 0 or bool(((steps != 0) & (steps != 1)).any()):
+        raise ValueError("groups must number the groups 0, 1, ..., G-1 with each group's records contiguous "
+                         f"(e.g. [0, 0, 1, 2, 2]), got {groups.tolist()[:20]}")
+    return int(groups[-1]) + 1
+
+
+def clipped_group_sum(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    *,
+    groups: Tensor,
+    clip_norm: float,
+    chunk_size: int,
+    randomness: str = "different",
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Sum over groups (patients) of clip(mean of the group's per-record gradients, C).
+
+    Patient-level DP-SGD (user-level DP, McMahan et al. 2018, "DP-FedAvg";
+    issue #11): a patient's contribution to the step is the gradient of the
+    mean loss over their records, clipped as a whole, so adding or removing a
+    patient with all of their records moves the sum by at most C, whatever the
+    number of records. ``groups`` (B,) numbers the patients of the batch 0..G-1
+    with each patient's records contiguous (``shared.data.patients.PatientGroups.expand``).
+
+    Same per-record machinery and chunking as ``clipped_grad_sum``: per chunk
+    the per-record gradients are summed per group (one ``index_add_``); a group
+    that continues into the next chunk carries its partial sum over, so memory
+    stays chunk_size x p plus one carried group. Returns ``(summed, norms)``:
+    ``norms`` (G,) are the per-patient mean gradients' norms before clipping
+    (private diagnostics).
+    """
+    clip = _check_clip_norm(clip_norm)
+    check_params(params)
+    size = batch_size_of(batch)
+    count = check_groups(groups, size)
+    groups = groups.to(device="cpu", dtype=torch.long)
+    summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
+    norms_parts: list[Tensor] = []
+    carry: dict[str, Tensor] | None = None  # partial per-record sum of the group continuing from the last chunk
+    carry_count = 0
+    start = 0
+    for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
+        b = next(iter(grads.values())).shape[0]
+        ids = groups[start:start + b]
+        local = ids - ids[0]  # 0..g-1 within the chunk
+        g = int(local[-1]) + 1
+        counts = torch.bincount(local, minlength=g).to(torch.float64)  # (g,)
+        sums = {}
+        for name, grad in grads.items():
+            flat = grad.reshape(b, -1)
+            sums[name] = flat.new_zeros((g, flat.shape[1])).index_add_(0, local.to(flat.device), flat)  # (g, numel)
+        if carry is not None:  # the first group of this chunk began in the previous one
+            for name in sums:
+                sums[name][0] += carry[name]
+            counts[0] += carry_count
+        stop = start + b
+        complete = g - 1 if stop < size and int(groups[stop]) == int(ids[-1]) else g
+        if complete < g:
+            carry = {name: value[g - 1].clone() for name, value in sums.items()}
+            carry_count = int(counts[g - 1])
+        else:
+            carry, carry_count = None, 0
+        if complete:
+            means = {name: value[:complete] / counts[:complete, None].to(value.dtype) for name, value in sums.items()}
+            per_param = [m.norm(dim=1) for m in means.values()]  # each (complete,)
+            norms = torch.stack(per_param, dim=0).norm(dim=0)  # (complete,): flat norm over all params
+            factors = clip_factors(norms, clip)
+            for name, mean in means.items():
+                summed[name].add_((factors.to(mean.dtype) @ mean).view_as(summed[name]))
+            norms_parts.append(norms)
+        start = stop
+        del grads, sums
+    if not norms_parts:
+        return summed, next(iter(summed.values())).new_zeros((0,))
+    norms = torch.cat(norms_parts)
+    if norms.shape[0] != count:  # pragma: no cover - bookkeeping guard
+        raise RuntimeError(f"clipped_group_sum finished {norms.shape[0]} of {count} groups")
+    return summed, norms
+
+
 def mean_grad(
     loss_fn: LossFn, params: Mapping[str, Tensor], batch: Mapping[str, Tensor]
 ) -> dict[str, Tensor]:
