@@ -235,8 +235,12 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
 def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: bool = False) -> list[Path]:
-    """CA, a server certificate for ``hosts`` (SAN) and ``nodes`` ECDSA node key pairs (OpenSSH format).
+    """CA, a server certificate for ``hosts`` and the loopback names (SAN) and ``nodes`` ECDSA node key
+    pairs (OpenSSH format).
 
     Files: ca.crt, ca.key, server.pem, server.key, node-<i> (private key) and node-<i>.pub.
     """
@@ -280,7 +284,9 @@ def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: boo
         .sign(ca_key, hashes.SHA256())
     )
     sans: list[x509.GeneralName] = []
-    for host in hosts:
+    # The SuperLink's own SuperExec (which starts every ServerApp) dials it on 127.0.0.1: without the
+    # loopback names the handshake fails and every run stays "pending". The first host is the one sites dial.
+    for host in dict.fromkeys([*hosts, *LOOPBACK_NAMES]):
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
@@ -319,9 +325,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if repo is not None:
         raise ValueError(f"{args.out} is inside the git work tree {repo}: private keys must never be written there; "
                          "choose a folder outside any repository (or use `fedpose provision`)")
-    hosts = args.host or ["localhost", "127.0.0.1", "::1"]
+    hosts = args.host or list(LOOPBACK_NAMES)
     written = make_certs(Path(args.out), nodes=args.nodes, hosts=hosts, days=args.days, force=args.force)
-    print(f"wrote {len(written)} files to {args.out}: CA (ca.crt, ca.key), server certificate for {', '.join(hosts)} "
+    print(f"wrote {len(written)} files to {args.out}: CA (ca.crt, ca.key), server certificate for {', '.join(dict.fromkeys([*hosts, *LOOPBACK_NAMES]))} "
           f"(server.pem, server.key), {args.nodes} node key pairs (node-<i>, node-<i>.pub)")
     print("keep ca.key, server.key and node-<i> private; register each node-<i>.pub with "
           "`flwr supernode register node-<i>.pub <connection>`")

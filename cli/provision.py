@@ -181,7 +181,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
-    kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost", "127.0.0.1"], port=args.port,
+    kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost"], port=args.port,
                      cfg=cfg, days=args.days)
     for name, path in kits.items():
         print(f"{name}: {path}")

@@ -105,6 +105,15 @@ def test_provision_writes_private_kits_with_0600_keys_and_refuses_a_git_tree(tmp
     for key in ("ca.key", "server.key"):
         assert stat.S_IMODE((server / key).stat().st_mode) == 0o600
     assert not list(server.glob("node-*"))  # no site's private key stays with the server
+    # The SuperLink's own SuperExec dials it on 127.0.0.1: without that name in the server certificate the
+    # TLS handshake fails and every run stays "pending" (found by following the deployment guide).
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((server / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "server.example.org" in names.get_values_for_type(x509.DNSName)
+    assert "localhost" in names.get_values_for_type(x509.DNSName)
+    assert "127.0.0.1" in [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
     assert "--name hospital-b" in (server / "register-sites.sh").read_text()
     # Each site's key pair is its own and matches its public half.
     assert (kits["hospital-a"] / "node.key.pub").read_text() != (kits["hospital-b"] / "node.key.pub").read_text()
