@@ -327,7 +327,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
                          "choose a folder outside any repository (or use `fedpose provision`)")
     hosts = args.host or list(LOOPBACK_NAMES)
     written = make_certs(Path(args.out), nodes=args.nodes, hosts=hosts, days=args.days, force=args.force)
-    print(f"wrote {len(written)} files to {args.out}: CA (ca.crt, ca.key), server certificate for {', '.join(dict.fromkeys([*hosts, *LOOPBACK_NAMES]))} "
+    names = ", ".join(dict.fromkeys([*hosts, *LOOPBACK_NAMES]))
+    print(f"wrote {len(written)} files to {args.out}: CA (ca.crt, ca.key), server certificate for {names} "
           f"(server.pem, server.key), {args.nodes} node key pairs (node-<i>, node-<i>.pub)")
     print("keep ca.key, server.key and node-<i> private; register each node-<i>.pub with "
           "`flwr supernode register node-<i>.pub <connection>`")
