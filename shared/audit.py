@@ -22,7 +22,10 @@ Two kinds of canaries:
 
 For proj / fpdp the projection is post-processing of the noisy gradient, so the
 bound must still hold; a Dirac coordinate mostly outside span(V) is then
-largely projected away and the audit is weak, which the result says. For
+largely projected away and that audit has no power. Those methods therefore
+default to in-span gradient canaries +-C V_t u_j (``placement='span'``), built
+inside ``dp_gradient`` on the V_t each step projects with and scored on the
+private release in V_t's coordinates (``span_scores``). For
 fdp / fpdp the claim is Feature-DP: psi(x) and the labels are public, so
 canaries differ only in x with psi(x) and the labels fixed: gradient canaries
 enter the private branch only, and input canaries are in the psi source in
