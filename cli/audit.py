@@ -21,9 +21,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs})
     spec = AuditSpec(method=args.method, epsilon=args.epsilon, canaries=args.canaries, mode=args.mode,
-                     confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed)
+                     confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed,
+                     placement=args.canary_placement)
     result = run_audit(cfg, spec, args.out, progress=not args.quiet)
-    print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries "
+    placed = f" ({result['placement']} placement)" if result["placement"] else ""
+    print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries{placed} "
           f"({result['included']} included), one run of {result['steps']} steps, q = {result['sample_rate']:.4f}, "
           f"sigma = {result['sigma_ran']:.4f}, C = {result['clip']}, delta = {result['delta']:g}")
     print(f"  claimed eps  = {result['epsilon_claimed']:.4f}  ({result['accountant'].upper()} accountant, "
@@ -98,7 +100,10 @@ def register(sub: Any) -> None:
     au.add_argument("--epsilon", type=float, required=True, help="target epsilon the run is calibrated to")
     au.add_argument("--canaries", type=int, required=True, help="m canaries, each included with probability 1/2")
     au.add_argument("--mode", choices=("gradient", "input"), default="gradient",
-                    help="gradient: white-box Dirac gradient canaries; input: mislabelled images, final model only")
+                    help="gradient: white-box gradient canaries; input: mislabelled images, final model only")
+    au.add_argument("--canary-placement", choices=("dirac", "span"), default=None,
+                    help="gradient canaries: dirac (C e_j, default for dpsgd/fdp) or span (+-C V_t u_j inside the "
+                         "projection's span, default for proj/fpdp, where a Dirac canary is projected away)")
     au.add_argument("--confidence", type=float, default=0.95)
     au.add_argument("--noise-scale", type=float, default=1.0,
                     help="POSITIVE CONTROL ONLY: add this fraction of the calibrated noise (the claim is then false)")

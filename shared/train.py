@@ -28,7 +28,7 @@ from shared.data.transforms import Augment
 from shared.metrics import pckh_report
 from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
 from shared.model.simcc import decode_simcc
-from shared.privacy.canaries import DiracCanaries
+from shared.privacy.canaries import DiracCanaries, SpanCanaries
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
@@ -108,13 +108,31 @@ class LocalResult:
 
 
 @dataclass(frozen=True)
+class ReleasedStep:
+    """The white-box auditor's view of step ``step`` (all of it covered by the accountant's composition).
+
+    update: the direction the optimizer applies (private + g_pub). private: the
+    noisy, projected-if-any private gradient, the step's DP release (update
+    minus g_pub, which is public). basis: the V this step projected with
+    (public, P2), None for dpsgd / fdp.
+    """
+
+    step: int
+    update: dict[str, torch.Tensor]
+    private: dict[str, torch.Tensor]
+    basis: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class AuditHooks:
     """What ``fedpose audit`` adds to a private run (``shared.audit``); never set in production.
 
-    canaries: Dirac gradient canaries, drawn every step with the records' q and
-    added to their clipped sum before the noise (``shared.privacy.canaries``).
-    observe(step, g): called with every released update direction g (the noisy,
-    possibly projected private gradient plus g_pub): the white-box auditor's view.
+    canaries: gradient canaries (Dirac or in-span), drawn every step with the
+    records' q and added to their clipped sum before the noise
+    (``shared.privacy.canaries``); in-span ones are built inside ``dp_gradient``
+    on the V that step projects with.
+    observe(released): called after every step with a ``ReleasedStep``: the
+    white-box auditor's view.
     normaliser_n: the n of the normaliser q n, fixed by the audit to the record
     count without canaries, so that the scale does not depend on how many
     input-space canaries were included.
@@ -124,8 +142,8 @@ class AuditHooks:
     differ only in x with psi(x) and labels fixed.
     """
 
-    canaries: DiracCanaries | None = None
-    observe: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    canaries: DiracCanaries | SpanCanaries | None = None
+    observe: Callable[[ReleasedStep], None] | None = None
     normaliser_n: int | None = None
     psi_source: PoseDataset | None = None
 
@@ -170,9 +188,9 @@ def local_train(
     labels (P3), and psi's strength is exactly the stated one; the private
     batch alone is augmented.
 
-    ``audit`` (``fedpose audit`` only, see ``AuditHooks``) adds Dirac gradient
+    ``audit`` (``fedpose audit`` only, see ``AuditHooks``) adds gradient
     canaries to the private steps and lets the auditor see every released
-    gradient; production callers leave it None.
+    gradient and the V it was projected with; production callers leave it None.
 
     ``privacy.unit == "patient"`` (issue #11): ``patients`` groups the records
     of ``private`` by patient (``shared.data.patients.group_by_patient``, which
@@ -204,6 +222,9 @@ def local_train(
     opt = optimizer or make_optimizer(params, train)
     if audit is not None and audit.canaries is not None and method == "nonprivate":
         raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
+    watched = audit is not None and audit.observe is not None
+    if watched and method == "nonprivate":
+        raise ValueError("the audit observes a DP step's release; method='nonprivate' has none")
     spec = DPSpec(
         method=method,
         clip_norm=privacy.clip_norm,
@@ -256,7 +277,8 @@ def local_train(
             psi_batch = apply_psi(psi, to_device(canonical.batch(pub_idx.tolist()), device))
         canary_batch = None
         if audit is not None and audit.canaries is not None:
-            canary_batch = audit.canaries.draw(sample_rate=q, generator=generator)
+            canary_batch = audit.canaries.draw(step, sample_rate=q, generator=generator)
+        released: list[dict[str, torch.Tensor]] = []
         current = {name: named[name].detach() for name in trainable}
         grads, info = dp_gradient(
             loss_fn,
@@ -268,9 +290,10 @@ def local_train(
             basis=basis,
             groups=groups,
             canaries=canary_batch,
+            on_private=released.append if watched else None,
         )
-        if audit is not None and audit.observe is not None:
-            audit.observe(step, grads)
+        if watched:
+            audit.observe(ReleasedStep(step=step, update=grads, private=released[0], basis=basis))
         for name in trainable:
             named[name].grad = grads[name].to(named[name].dtype)
         for group in opt.param_groups:

@@ -66,7 +66,7 @@ def test_a_dirac_canary_is_clipped_like_a_record_and_noised_with_the_sum():
 
 def test_only_included_canaries_are_drawn_at_rate_q():
     canaries = DiracCanaries(coords=torch.arange(4000), included=torch.arange(4000) % 2 == 0, value=1.0)
-    drawn = canaries.draw(sample_rate=0.25, generator=torch.Generator().manual_seed(1))
+    drawn = canaries.draw(0, sample_rate=0.25, generator=torch.Generator().manual_seed(1))
     assert (drawn.coords % 2 == 0).all()
     assert abs(drawn.coords.numel() - 500) < 4 * (2000 * 0.25 * 0.75) ** 0.5
 
@@ -138,6 +138,131 @@ def test_cli_prints_the_bound_next_to_the_claim(cfg, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "claimed eps" in printed and "eps_LB" in printed and "record-level" in printed
+    assert "(dirac placement)" in printed and json.loads((tmp_path / "out" / "audit.json").read_text())["placement"] == "dirac"
     assert (tmp_path / "out" / "audit.json").is_file() and (tmp_path / "out" / "audit.png").is_file()
     assert main(["audit", "--config", str(config), "--method", "dpsgd", "--epsilon", "1", "--canaries", "1"]) == 2
     assert "canaries" in capsys.readouterr().err
+
+
+# --- in-span canaries (proj / fpdp): C V_t u_j, following the basis V_t actually used at step t ---------------
+
+
+# One site (n = 40, q = 0.8), k = 16, 24 steps: the projected release has k numbers a step, so an in-span audit
+# needs more steps and dimensions than the Dirac one to see its canaries (measured on this ward: eps_LB 1.4 to
+# 1.9 for the control, claim 0.5; 100 canaries, more add cross-talk between included canaries).
+SPAN_CANARIES = 100
+SPAN_CONTROL_EPS = 0.5
+SPAN_CONTROL_MARGIN = 0.5
+
+
+@pytest.fixture(scope="module")
+def span_cfg(tmp_path_factory, cfg):
+    d = tiny_dict(Path(cfg.data.root).parent)  # the same ward
+    d["data"]["train_splits"] = ["site-0"]
+    d["pretrain"]["out"] = str(tmp_path_factory.mktemp("span") / "pre")
+    d["privacy"].update({"k": 16, "m": 32})
+    d["train"]["epochs"] = 12
+    return config_from_dict(d)
+
+
+def random_basis(p: int, k: int, seed: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(p, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return q.to(torch.float32)  # (p, k), orthonormal columns
+
+
+def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
+    from shared.privacy.canaries import SpanGrads
+
+    params = {"a": torch.zeros(6), "b": torch.zeros(4)}
+
+    def loss_fn(p, batch):
+        return (batch["x"] * torch.cat([p["a"], p["b"]])).sum(1)
+
+    batch = {"x": torch.zeros(0, 10)}
+    u = torch.tensor([[0.0, 0.6, 0.8]], dtype=torch.float64)  # one drawn canary, unit u in R^k
+    canary = SpanGrads(coeffs=7.0 * u)  # a gradient of norm 7: clipped to C like a record
+    spec = DPSpec(method="proj", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, n_private=4)
+    for seed in (0, 1):  # the canary follows whichever V the step projects with
+        basis = random_basis(10, 3, seed)
+        alone = canary.clipped_sum(10, clip_norm=0.5, like=torch.zeros(10), basis=basis)
+        assert alone.norm().item() == pytest.approx(0.5, rel=1e-5)  # norm C after clipping
+        assert (alone - basis @ (basis.T @ alone)).norm().item() < 1e-6  # inside span(V)
+        grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
+                               generator=torch.Generator().manual_seed(0), basis=basis, canaries=canary)
+        expected = basis.double() @ (0.5 * u[0]) / 2.0  # all of it survives the projection; / (q n)
+        assert torch.allclose(flatten(grads).double(), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="basis"):  # dpsgd has no V: span canaries are refused there
+        dp_gradient(loss_fn, params, spec=DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.0, sample_rate=0.5,
+                                                   n_private=4), private_batch=batch, psi_batch=None,
+                    generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
+
+
+def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
+    # Through the real loop: the V each drawn canary batch is built on is the V that step projects with,
+    # and it changes at every refresh (basis_every = 4 in the tiny config).
+    from shared.privacy.canaries import SpanCanaries
+    from shared.privacy.noise import make_generator
+    from shared.runs import ensure_data, initial_model, load_records, private_records
+    from shared.train import AuditHooks, local_train, make_dataset
+
+    root = ensure_data(cfg, progress=False)
+    model = initial_model(cfg, progress=False)
+    k = cfg.privacy.k
+    canaries = SpanCanaries.random(m=40, k=k, steps=6, included=torch.arange(40) % 2 == 0, value=1.0, seed=3)
+    used, released = [], []
+
+    class Spy:
+        def draw(self, step, *, sample_rate, generator):
+            drawn = canaries.draw(step, sample_rate=sample_rate, generator=generator)
+
+            class Recorded:
+                def clipped_sum(self, total, *, clip_norm, like, basis):
+                    used.append(basis)
+                    return drawn.clipped_sum(total, clip_norm=clip_norm, like=like, basis=basis)
+            return Recorded()
+
+    hooks = AuditHooks(canaries=Spy(), observe=released.append)
+    local_train(model, make_dataset(private_records(root, cfg), cfg, train=True, seed=0), method="proj",
+                train=cfg.train, privacy=cfg.privacy, sigma=1.0, steps=6, generator=make_generator(0, "cpu")[0],
+                public_basis=make_dataset(load_records(root, cfg.data.public_split), cfg, train=False),
+                progress=False, audit=hooks)
+    assert len(used) == len(released) == 6
+    for step, (basis, seen) in enumerate(zip(used, released)):
+        assert seen.step == step and seen.basis is basis  # the auditor sees the V the canaries were built on
+        private = flatten(seen.private)
+        assert (private - basis @ (basis.T @ private)).norm() < 1e-2 * private.norm()  # float32 V, p ~ 4e5
+    assert used[0] is used[3] and used[4] is not used[3]  # refreshed at step 4
+    assert not torch.allclose(used[0], used[4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["proj", "fpdp"])
+@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+def test_span_canary_audit_is_sound(span_cfg, method, epsilon):
+    for seed in (0, 1):
+        result = run_audit(span_cfg, AuditSpec(method=method, epsilon=epsilon, canaries=SPAN_CANARIES, seed=seed),
+                           progress=False)
+        assert result["placement"] == "span"  # the default for projecting methods
+        assert 0.0 <= result["epsilon_lb"] <= result["epsilon_claimed"], result
+        assert result["sound"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["proj", "fpdp"])
+def test_span_canary_positive_control_is_caught(span_cfg, method):
+    # 1% of the calibrated noise: the Dirac audit saw nothing here (eps_LB 0); in-span canaries must.
+    result = run_audit(span_cfg, AuditSpec(method=method, epsilon=SPAN_CONTROL_EPS, canaries=SPAN_CANARIES,
+                                           noise_scale=0.01, seed=0), progress=False)
+    assert result["placement"] == "span"
+    assert result["epsilon_lb"] > result["epsilon_claimed"] + SPAN_CONTROL_MARGIN, result
+    assert not result["sound"]
+
+
+def test_canary_placement_is_checked():
+    assert AuditSpec(method="fpdp", epsilon=1.0, canaries=10).placement == "span"
+    assert AuditSpec(method="proj", epsilon=1.0, canaries=10, placement="dirac").placement == "dirac"
+    assert AuditSpec(method="dpsgd", epsilon=1.0, canaries=10).placement == "dirac"
+    with pytest.raises(ValueError, match="span"):
+        AuditSpec(method="fdp", epsilon=1.0, canaries=10, placement="span")  # no V to lie in
+    with pytest.raises(ValueError, match="placement"):
+        AuditSpec(method="fpdp", epsilon=1.0, canaries=10, placement="diagonal")

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from shared.privacy.canaries import DiracGrads
+from shared.privacy.canaries import DiracGrads, SpanGrads
 from shared.privacy.noise import gaussian_noise_like
 from shared.privacy.persample import (
     LossFn,
@@ -154,13 +154,14 @@ def _noisy_private_sum(
     generator: torch.Generator,
     basis: Tensor | None,
     groups: Tensor | None = None,
-    canaries: DiracGrads | None = None,
+    canaries: DiracGrads | SpanGrads | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient).
 
     ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
-    gradients of this step's Poisson-drawn Dirac canaries, clipped to C and
-    added to the same sum as the records' before the noise (record level only).
+    gradients of this step's Poisson-drawn canaries, clipped to C and added to
+    the same sum as the records' before the noise (record level only). In-span canaries are built
+    here on ``basis``, the very V this step projects with.
     """
     if spec.method == "nonprivate":
         raise ValueError("private_gradient is the DP path; method='nonprivate' uses mean_grad")
@@ -190,9 +191,9 @@ def _noisy_private_sum(
         summed, norms = clipped_grad_sum(
             loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
         )
-    if canaries is not None and canaries.coords.numel() > 0:
+    if canaries is not None:
         flat = flatten(summed)  # (p,)
-        flat = flat + canaries.clipped_sum(flat.numel(), clip_norm=spec.clip_norm, like=flat)
+        flat = flat + canaries.clipped_sum(flat.numel(), clip_norm=spec.clip_norm, like=flat, basis=basis)
         summed = {name: value.clone() for name, value in unflatten(flat, like=summed).items()}
     # P1: N(0, sigma^2 C^2 I) drawn once and added to the sum, before any projection.
     noise = gaussian_noise_like(summed, std=spec.sigma * spec.clip_norm, generator=generator)
@@ -264,7 +265,8 @@ def dp_gradient(
     generator: torch.Generator | None,
     basis: Tensor | None,
     groups: Tensor | None = None,
-    canaries: DiracGrads | None = None,
+    canaries: DiracGrads | SpanGrads | None = None,
+    on_private: Callable[[dict[str, Tensor]], None] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
     """The update direction of one step for ``spec.method``, plus diagnostics.
 
@@ -284,8 +286,11 @@ def dp_gradient(
     noise_std, the per-coordinate noise std of the private gradient before
     projection (sigma C / (q n)).
     These are private statistics of the site: log them locally, do not send them.
-    ``canaries``: the privacy audit's Dirac gradient canaries of this step
-    (None outside the audit); refused for method='nonprivate'.
+    ``canaries``: the privacy audit's gradient canaries of this step (None
+    outside the audit); refused for method='nonprivate'.
+    ``on_private`` (audit only): called with the noisy, projected-if-any
+    private gradient, the step's DP release, before g_pub is added. Seeing it
+    apart from g_pub reveals nothing more: g_pub is a function of public data.
     """
     check_params(params)
     size = batch_size_of(private_batch)
@@ -319,7 +324,7 @@ def dp_gradient(
     if spec.method == "nonprivate":
         if basis is not None:
             raise ValueError("method='nonprivate' does not project; pass basis=None")
-        if canaries is not None:
+        if canaries is not None or on_private is not None:
             raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
         return mean_grad(loss_fn, params, private_batch), info
     if generator is None:
@@ -335,6 +340,8 @@ def dp_gradient(
     else:
         info["mean_norm"] = info["max_norm"] = info["clipped_fraction"] = 0.0
     info["noise_std"] = spec.sigma * spec.clip_norm / spec.expected_batch_size
+    if on_private is not None:
+        on_private(grads)
     if spec.uses_public:
         public = public_gradient(loss_fn, params, psi_batch)
         grads = {name: grads[name] + public[name] for name in grads}
