@@ -2,7 +2,7 @@
 
 ``audit`` runs the one-run privacy audit (shared/audit.py) and prints the
 empirical lower bound eps_LB next to the accountant's claim; ``attack mia``
-runs membership inference on trained pose models (shared/attacks/mia.py);
+runs membership inference on trained pose models (shared/membership.py);
 ``attack reid`` re-identifies people in DP-pixelized crops (edge/reid.py).
 Each writes JSON and a PNG under --out. Handlers import lazily.
 """
@@ -19,14 +19,15 @@ from cli.main import _add_common, _load
 def cmd_audit(args: argparse.Namespace) -> int:
     from shared.audit import AuditSpec, run_audit
 
-    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs})
+    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs, "privacy.unit": args.unit})
     spec = AuditSpec(method=args.method, epsilon=args.epsilon, canaries=args.canaries, mode=args.mode,
                      confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed,
                      placement=args.canary_placement)
     result = run_audit(cfg, spec, args.out, progress=not args.quiet)
     placed = f" ({result['placement']} placement)" if result["placement"] else ""
     print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries{placed} "
-          f"({result['included']} included), one run of {result['steps']} steps, q = {result['sample_rate']:.4f}, "
+          f"({result['included']} included), one run of {result['steps']} steps, {result['unit']} level, "
+          f"q = {result['sample_rate']:.4f}, "
           f"sigma = {result['sigma_ran']:.4f}, C = {result['clip']}, delta = {result['delta']:g}")
     print(f"  claimed eps  = {result['epsilon_claimed']:.4f}  ({result['accountant'].upper()} accountant, "
           f"sigma {result['sigma_claimed']:.4f})")
@@ -107,6 +108,8 @@ def register(sub: Any) -> None:
     au.add_argument("--confidence", type=float, default=0.95)
     au.add_argument("--noise-scale", type=float, default=1.0,
                     help="POSITIVE CONTROL ONLY: add this fraction of the calibrated noise (the claim is then false)")
+    au.add_argument("--unit", choices=("record", "patient"), default=None,
+                    help="privacy unit (default: the config's privacy.unit); at patient level a canary is a patient")
     au.add_argument("--epochs", type=int, default=None)
     au.add_argument("--seed", type=int, default=None, help="reproducible canaries and noise (NOT for production)")
     au.add_argument("--data", default=None)

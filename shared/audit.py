@@ -54,7 +54,7 @@ from shared.privacy.canaries import DiracCanaries, SpanCanaries
 from shared.privacy.noise import make_generator
 from shared.privacy.psi import psi_label
 from shared.privacy.subspace import flatten
-from shared.runs import check_batch_size, ensure_data, initial_model, load_records, private_records
+from shared.runs import check_batch_size, ensure_data, initial_model, load_records, private_records, training_records
 from shared.train import AuditHooks, ReleasedStep, local_train, make_dataset, select_device, steps_per_epoch, to_device, write_json
 
 log = logging.getLogger(__name__)
@@ -138,11 +138,18 @@ def canary_losses(model: torch.nn.Module, dataset: PoseDataset, device: torch.de
     return np.concatenate(out)
 
 
-def audit_note(method: str, mode: str, psi: str | None, placement: str | None = None) -> str:
-    """What the printed bound is about, per method (P8 wording)."""
+def audit_note(method: str, mode: str, psi: str | None, placement: str | None = None, *,
+               unit: str = "record") -> str:
+    """What the printed bound is about, per method and privacy unit (P8 wording)."""
     parts = []
-    if method in ("dpsgd", "proj"):
+    if method in ("dpsgd", "proj") and unit == "patient":
+        parts.append("the claim audited is patient-level DP (add/remove one patient and all of their records): "
+                     "each canary is one canary patient, its clipped mean gradient one C-vector, sampled at q_p")
+    elif method in ("dpsgd", "proj"):
         parts.append("the claim audited is record-level DP (add/remove one record): each canary is one record")
+    elif unit == "patient":
+        parts.append(f"the claim audited is patient-level Feature-DP relative to psi = {psi}: each canary is one "
+                     "canary patient, differing in x with psi(x) and the labels fixed")
     else:
         parts.append(f"the claim audited is Feature-DP relative to psi = {psi}: canaries differ in x with psi(x) "
                      "and the labels fixed (psi(x) and the labels are public by assumption), not record-level DP")
@@ -182,8 +189,13 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
     private = private_records(root, cfg)
     public = load_records(root, cfg.data.public_split)
     check_disjoint(public, private)
-    n = len(private)
-    check_batch_size(cfg.train.batch_size, n)
+    unit = cfg.privacy.unit
+    if unit == "patient" and spec.mode != "gradient":
+        raise ValueError("input-space canaries at patient level (a held-out canary patient with several images) "
+                         "are not built yet: audit a patient-level run with --mode gradient")
+    private, patients = training_records(private, cfg)  # patient level: records within the cap, their groups
+    n = patients.count if patients is not None else len(private)  # privacy units
+    check_batch_size(cfg.train.batch_size, n, unit)
     check_delta(cfg.privacy.delta, n)
     q = min(1.0, cfg.train.batch_size / n)
     steps = cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size)
@@ -235,9 +247,11 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
                 coords_seen.append(y.cpu().numpy())
 
         hooks = AuditHooks(canaries=canaries, observe=observe)
+        # At patient level each canary stands for a canary patient whose clipped mean gradient is the canary's
+        # C-vector: drawn at q_p with the patients and added to their per-patient sum before the noise.
         local_train(model, dataset, method=spec.method, train=cfg.train, privacy=cfg.privacy, sigma=sigma_ran,
-                    steps=steps, generator=generator, public_basis=public_eval, progress=progress, desc=desc,
-                    audit=hooks)
+                    steps=steps, generator=generator, public_basis=public_eval, patients=patients,
+                    progress=progress, desc=desc, audit=hooks)
         # The released gradient divides by q n: a canary drawn k times contributes k C / (q n) to its coordinate.
         if spec.placement == "span":
             released_coords = np.stack(coords_seen)  # (steps, k)
@@ -271,7 +285,10 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         "placement": spec.placement,
         "canaries": spec.canaries,
         "included": int(included.sum()),
-        "records": n,
+        "unit": unit,
+        "n": n,  # privacy units: records, or patients at patient level
+        "records": len(private),
+        **({"patients": n} if unit == "patient" else {}),
         "steps": steps,
         "sample_rate": q,
         "clip": cfg.privacy.clip_norm,
@@ -286,7 +303,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         "psi": psi,
         **bound,
         "sound": bool(bound["epsilon_lb"] <= eps_claimed),
-        "note": audit_note(spec.method, spec.mode, psi, spec.placement),
+        "note": audit_note(spec.method, spec.mode, psi, spec.placement, unit=unit),
         "seeded": seeded,
         "seconds": round(time.perf_counter() - t0, 2),
         "scores": [float(s) for s in scores],

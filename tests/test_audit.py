@@ -266,3 +266,30 @@ def test_canary_placement_is_checked():
         AuditSpec(method="fdp", epsilon=1.0, canaries=10, placement="span")  # no V to lie in
     with pytest.raises(ValueError, match="placement"):
         AuditSpec(method="fpdp", epsilon=1.0, canaries=10, placement="diagonal")
+
+
+# ---------------------------------------------------------------------------
+# patient level (issue #11, item 6): a canary is a canary patient
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise_scale", [1.0, 0.01])
+def test_patient_level_audit_samples_canary_patients_at_q_p(cfg, tmp_path, noise_scale):
+    # At patient level each Dirac canary stands for a patient whose clipped mean gradient is C e_j: it is
+    # Poisson-sampled at q_p = B / patients with the real patients and added to their per-patient sum.
+    from shared.config import replace
+
+    patient = replace(cfg, **{"privacy.unit": "patient", "train.batch_size": 4})
+    result = run_audit(patient, AuditSpec(method="dpsgd", epsilon=1.0, canaries=1000, noise_scale=noise_scale,
+                                          seed=0), tmp_path, progress=False)
+    assert result["unit"] == "patient" and result["n"] == result["patients"] < result["records"]
+    assert result["sample_rate"] == pytest.approx(4 / result["patients"])
+    assert "patient" in result["note"]
+    if noise_scale == 1.0:
+        assert result["epsilon_lb"] <= result["epsilon_claimed"]
+    else:  # the positive control is caught at patient level too
+        assert result["epsilon_lb"] > result["epsilon_claimed"] + 1.0, result
+    with pytest.raises(ValueError, match="patient"):
+        run_audit(patient, AuditSpec(method="dpsgd", epsilon=1.0, canaries=24, mode="input", seed=0),
+                  progress=False)

@@ -160,8 +160,9 @@ def _noisy_private_sum(
 
     ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
     gradients of this step's Poisson-drawn canaries, clipped to C and added to
-    the same sum as the records' before the noise (record level only). In-span canaries are built
-    here on ``basis``, the very V this step projects with.
+    the same sum as the records' before the noise (at patient level a canary is
+    a canary patient: one clipped C-vector in the per-patient sum). In-span
+    canaries are built here on ``basis``, the very V this step projects with.
     """
     if spec.method == "nonprivate":
         raise ValueError("private_gradient is the DP path; method='nonprivate' uses mean_grad")
@@ -179,8 +180,6 @@ def _noisy_private_sum(
         )
     _check_unit_groups(spec, groups)
     if spec.unit == "patient":
-        if canaries is not None:
-            raise ValueError("audit canaries are per record: a patient-level run cannot be audited with them yet")
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient.
         summed, norms = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
