@@ -14,15 +14,7 @@ import torch
 
 from edge.export.fold import fold_constants
 from edge.export.parity import verify_onnx
-from edge.export.spec import (
-    DEFAULT_TOLERANCE,
-    INPUT_NAME,
-    OPSET,
-    OUTPUT_NAMES,
-    Batch,
-    ExportError,
-    ExportReport,
-)
+from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OPSET, OUTPUT_NAMES, Batch, ExportError, ExportReport
 from edge.export.trt_ops import nonconstant_restricted_inputs, unsupported_ops
 from shared.model.posenet import PoseNet
 

@@ -26,10 +26,7 @@ from edge.pipeline.outputs import (
 )
 from edge.pipeline.source import FrameSource
 from edge.pipeline.tracking import BoxTracker, _external_box
-from edge.prepost import (
-    postprocess,
-    preprocess,
-)
+from edge.prepost import postprocess, preprocess
 
 log = logging.getLogger(__name__)
 

@@ -71,14 +71,7 @@ from edge.pixelize.frame import PixelizedFrame
 from edge.pixelize.grid import PAD_MODE
 from edge.pixelize.masks import body_mask_from_keypoints, load_mask
 from edge.pixelize.mechanism import pixelize
-from edge.pixelize.spec import (
-    MAX_CELL,
-    MAX_FRAME_PIXELS,
-    MAX_M,
-    MAX_NPZ_MEMBER_BYTES,
-    NoiseKind,
-    PixelizeSpec,
-)
+from edge.pixelize.spec import MAX_CELL, MAX_FRAME_PIXELS, MAX_M, MAX_NPZ_MEMBER_BYTES, NoiseKind, PixelizeSpec
 from edge.pixelize.storage import load_npz, restore, save_npz
 
 __all__ = [

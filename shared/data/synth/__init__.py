@@ -60,25 +60,12 @@ from shared.data.synth.body import (
     R_WRIST,
     THORAX,
 )
-from shared.data.synth.identity import (
-    FACES,
-    HAIR_STYLES,
-    SHIRT_PATTERNS,
-    Identity,
-    make_identity,
-)
+from shared.data.synth.identity import FACES, HAIR_STYLES, SHIRT_PATTERNS, Identity, make_identity
 from shared.data.synth.person import head_box, head_geometry, render_person
 from shared.data.synth.pose import place_pose, sample_pose, sample_pose_3d
 from shared.data.synth.render import person_box, render_frame
 from shared.data.synth.rng import _derive_rng  # noqa: F401  (tests check determinism through it)
-from shared.data.synth.styles import (
-    FLOOR_PATTERNS,
-    FURNITURE,
-    PUBLIC_STYLE,
-    Colour,
-    SiteStyle,
-    site_style,
-)
+from shared.data.synth.styles import FLOOR_PATTERNS, FURNITURE, PUBLIC_STYLE, Colour, SiteStyle, site_style
 from shared.data.synth.ward import (
     FORMAT,
     FORMAT_VERSION,

@@ -27,16 +27,7 @@ from shared.data.synth.body import (
     R_SHOULDER,
     THORAX,
 )
-from shared.data.synth.draw import (
-    _SHIFT,
-    _ellipse,
-    _fill,
-    _line,
-    _pick,
-    _poly,
-    _rect,
-    _shade,
-)
+from shared.data.synth.draw import _SHIFT, _ellipse, _fill, _line, _pick, _poly, _rect, _shade
 from shared.data.synth.identity import Identity
 from shared.data.synth.person import _body_unit, _draw_body, _facing, _lit, head_box
 from shared.data.synth.rng import _u
