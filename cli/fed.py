@@ -69,7 +69,7 @@ def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
 def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
     """Data, pretrained weights, the P2 check, site policies and the run's config file; returns its path."""
     from client.policy import write_policy
-    from client.site import default_policy
+    from client.policy_resolve import default_policy
     from shared.config import dump_config
     from shared.data.split import check_disjoint, check_no_duplicates
     from shared.data.mpii import load_split
@@ -343,7 +343,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_site_policy(args: argparse.Namespace) -> int:
     from client.ledger import SiteLedger
     from client.policy import load_policy, min_sigma_for, policy_from_dict, policy_to_dict, write_policy
-    from client.site import check_site, load_split_dir, public_digest
+    from client.site_data import check_site, load_split_dir, public_digest
 
     if args.check:
         policy = load_policy(args.check)
