@@ -17,6 +17,7 @@ PROJECTED = ("proj", "fpdp")
 WITH_PSI = ("fdp", "fpdp")
 _FEDERATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
+
 def parse_request(content: Any) -> TrainRequest:
     try:
         return TrainRequest.from_record(content[CONFIG])

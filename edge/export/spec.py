@@ -34,6 +34,7 @@ class ExportReport:
     nonconstant_inputs: tuple[str, ...] = ()
     fp16: bool = False
 
+
 def parse_batch(value: str | int) -> Batch:
     """``"dynamic"`` or a positive integer (the ``--batch`` flag)."""
     if isinstance(value, str) and value.strip().lower() == "dynamic":

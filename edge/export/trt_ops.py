@@ -38,6 +38,7 @@ TRT10_CONSTANT_INPUTS: dict[str, tuple[int, ...]] = {
     "Unsqueeze": (1,),  # axes
 }
 
+
 def unsupported_ops(model: Any) -> list[str]:
     """Op types (domain-qualified unless default) that the TensorRT 10 parser does not list."""
     bad = set()

@@ -18,6 +18,7 @@ KEYPOINTS_FILE = "keypoints.jsonl"
 VIDEO_FILE = "annotated.mp4"
 PIXELIZED_DIR = "pixelized"
 
+
 def draw_skeleton(
     image: np.ndarray, keypoints: np.ndarray, scores: np.ndarray, *, threshold: float, box: np.ndarray | None = None
 ) -> np.ndarray:
@@ -41,6 +42,7 @@ def _int_pt(p: Any) -> tuple[int, int]:
     x, y = float(p[0]), float(p[1])
     big = 1 << 20
     return int(round(min(max(x, -big), big))), int(round(min(max(y, -big), big)))
+
 
 def release_claim(
     spec: Any,

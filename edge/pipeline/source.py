@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class SourceError(RuntimeError):
     """The video source cannot be opened (or reopened)."""
 
+
 @dataclass(frozen=True)
 class ReconnectPolicy:
     """Reopen attempts after a failure: ``tries`` waits of base * 2^i seconds, capped at ``max_delay``."""

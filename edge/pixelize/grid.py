@@ -17,6 +17,7 @@ from edge.pixelize.spec import _MAX_PIXEL
 # and pull content from further inside, possibly from the previous cell.
 PAD_MODE = "symmetric"
 
+
 def _as_hwc(image: np.ndarray) -> np.ndarray:
     """(H, W) or (H, W, 3) uint8 -> (H, W, C) view."""
     img = np.asarray(image)

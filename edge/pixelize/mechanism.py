@@ -37,6 +37,7 @@ def _release(sums: np.ndarray, noise: np.ndarray, area: int) -> np.ndarray:
     np.clip(means, 0.0, _MAX_PIXEL, out=means)
     return means.astype(np.float32)
 
+
 def pixelize(
     image: np.ndarray,
     spec: PixelizeSpec,

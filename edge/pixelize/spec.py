@@ -19,6 +19,7 @@ MAX_NPZ_MEMBER_BYTES = 1 << 30
 MAX_CELL = 1 << 16  # largest cell side b accepted anywhere
 MAX_M = 1 << 31  # largest m-neighbourhood accepted by PixelizeSpec (pixelize() also bounds it by H x W)
 
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -16,6 +16,7 @@ from edge.pixelize.spec import MAX_FRAME_PIXELS, MAX_NPZ_MEMBER_BYTES
 
 _NPZ_KEYS = ("simple_means", "complex_means", "cell_mask", "b", "s_b", "height", "width", "channels")
 
+
 def save_npz(frame: PixelizedFrame, path: str | Path) -> None:
     """Store only what was released (noisy means, cell mask, sizes), compressed.
 
