@@ -12,6 +12,7 @@ import numpy as np
 
 from edge.export.spec import OPSET, ExportError
 
+# Ops evaluated element-wise on partially known 1-D shape vectors.
 _PARTIAL_BINARY = {"Add", "Sub", "Mul", "Div", "Mod"}
 _PARTIAL_OPS = {"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice"} | _PARTIAL_BINARY
 # Never fold: random ops would freeze one draw.
