@@ -65,7 +65,7 @@ def bench_case(variant: str, size: tuple[int, int], root: Path, *, threads: int,
                checkpoint: Path | None) -> dict[str, tuple[float, float]]:
     from edge.export import export_onnx
     from edge.quantize import quantize_int8
-    from edge.runtime import OnnxRuntime
+    from edge.onnx_runtime import OnnxRuntime
     from shared.config import ModelConfig
     from shared.model.posenet import build_model, load_checkpoint
 
@@ -112,7 +112,7 @@ def bench_pipeline(root: Path, *, threads: int, frames: int) -> tuple[float, flo
     """End-to-end FPS of ``run_pipeline`` (tinyvit-small 128x96, onnxruntime fp32) on the demo clip."""
     from edge.demo_video import DemoSpec, load_truth, write_demo_video
     from edge.pipeline import FrameSource, PipelineOptions, run_pipeline
-    from edge.runtime import OnnxRuntime
+    from edge.onnx_runtime import OnnxRuntime
 
     clip = root / "demo.mp4"
     write_demo_video(clip, DemoSpec(frames=frames, size=(320, 240), seed=0))

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from server.aggregate import ServerOptimizer
 from server.plan import _calibrated
-from server.run import fedavg
+from server.combine import fedavg
 from shared.config import load_config, replace
 from shared.data.mpii import load_split
 from shared.model.posenet import apply_strategy, make_loss_fn

@@ -105,7 +105,7 @@ def _write(path: Path, text: str, *, mode: int = 0o644) -> None:
 
 def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, days: int = 365) -> dict[str, Path]:
     """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}."""
-    from cli.fed import make_certs
+    from cli.certs import make_certs
 
     out = out.expanduser().resolve()
     repo = _inside_git_tree(out)

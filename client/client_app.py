@@ -24,7 +24,9 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.site import handle_train, resolve_policy, site_info, spend_so_far
+from client.policy_resolve import resolve_policy
+from client.site import handle_train
+from client.site_data import site_info, spend_so_far
 from shared.app_logging import setup_app_logging
 from shared.federation_messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
 

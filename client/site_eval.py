@@ -31,7 +31,7 @@ def evaluation_log(policy: SitePolicy) -> Path:
 
 def _eval_records(policy: SitePolicy, private: list[PoseRecord]) -> list[PoseRecord] | None:
     """The held-out records (cached per file version); None, with the reason logged, when unusable."""
-    from client.site import _data_version, load_split_dir
+    from client.site_data import _data_version, load_split_dir
     from shared.data.split import check_disjoint
 
     key = (policy.eval_path, policy.data_path, _data_version(policy.eval_path, policy.data_path))

@@ -221,7 +221,7 @@ def compare_precisions(
     fp32_onnx: str | Path, int8_onnx: str | Path, records: Sequence[PoseRecord], *, threads: int | None = None
 ) -> PrecisionReport:
     """PCKh of both files on ``records`` (the val split), for the export report."""
-    from edge.runtime import OnnxRuntime
+    from edge.onnx_runtime import OnnxRuntime
 
     with OnnxRuntime(fp32_onnx, threads=threads) as fp32, OnnxRuntime(int8_onnx, threads=threads) as int8:
         return PrecisionReport(

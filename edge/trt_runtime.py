@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.runtime import Runtime
+from edge.runtime_base import Runtime
 from edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,10 @@ refusal reports), aggregate the valid replies (if at least ``min_sites``;
 uniform over sites, each update norm-bounded, optionally median or trimmed
 mean: one hostile site cannot dominate), evaluate on the validation split and
 checkpoint weights + ledger + round atomically.
+
+The loop is here (``run_federation``, ``finish``); what it calls lives
+beside it: ``server.exchange`` (the Grid), ``server.replies`` (sorting
+replies), ``server.combine`` (aggregation).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +28,15 @@ import torch
 from server.aggregate import server_optimizer
 from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
-from server.ledger import Event, Report, ServerLedger, Spend
+from server.combine import aggregate, fedavg  # noqa: F401  (fedavg, Reply: imported from here by tests)
+from server.exchange import exchange, query_sites, sites_for_round, wait_for_nodes
+from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford, plan_site
 from server.prepare import require_prepared
+from server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
 from server.report import append_round, write_plot, write_report, write_rounds
-from server.validate import parse_ran, parse_weights, update_norm
 from shared.config import Config, ConfigError, dump_config
-from shared.federation_messages import (
-    ARRAYS,
-    BASIS,
-    CONFIG,
-    INFO,
-    RefusalCode,
-    SiteInfo,
-    TrainRequest,
-    parse_spend_suffix,
-    payload_bytes,
-    weights_record,
-)
+from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
 
 log = logging.getLogger(__name__)
 
@@ -49,272 +44,6 @@ log = logging.getLogger(__name__)
 FEDERATION_RELEASE = ("the server sees each site's DP-noised weights and what its policy declares public "
                       "(sample rate, steps, clip, psi, privacy unit, records cap, budget, spend); never n, timings "
                       "or anything else that depends on private data; sites are averaged uniformly")
-
-QUERY_TIMEOUT = 300.0
-
-
-def _node_unavailable() -> int:
-    """Flower's error code for a node that did not answer (also what ``exchange`` gives a missing reply)."""
-    from flwr.common.constant import ErrorCode
-
-    return int(ErrorCode.NODE_UNAVAILABLE)  # seconds for the sites' first answer (includes ClientApp start-up)
-
-
-@dataclass
-class Reply:
-    """A site's answer, independent of Flower's Message (so it can be processed and tested as data)."""
-
-    site: str
-    content: Any = None  # RecordDict, or None for an error reply
-    error_code: int | None = None
-    error_reason: str = ""
-    bytes_up: int = 0
-
-
-@dataclass
-class RoundOutcome:
-    updates: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    spends: list[Spend] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    reports: list[Report] = field(default_factory=list)
-    statuses: dict[str, tuple[str, str]] = field(default_factory=dict)
-    need_basis: list[str] = field(default_factory=list)
-    accepted: list[str] = field(default_factory=list)
-    seeded: bool = False  # a site ran with a fixed noise seed (P7: not for production)
-
-
-def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], plans: dict[str, SitePlan],
-                    keeper: BasisKeeper | None = None, global_weights: dict[str, torch.Tensor] | None = None,
-                    max_update_norm: float | None = None) -> RoundOutcome:
-    """Sort replies into updates to average, spends to record, refusals and rejections (logged, never averaged).
-
-    A refusal's reason ends with the site's own spend: it is kept as a report, so spend the server never
-    saw a reply for still counts. An update whose norm exceeds ``max_update_norm`` is rejected.
-    """
-    out = RoundOutcome()
-    for r in replies:
-        if r.error_code is not None:
-            code = r.error_code
-            kind = "refused" if code >= 1000 else "missed" if code == _node_unavailable() else "error"
-            reason, spend = parse_spend_suffix(r.error_reason)
-            if spend is not None:
-                out.reports.append(Report(site=r.site, source="refusal", site_epsilon=spend["site-epsilon"],
-                                          run_epsilon=spend["run-epsilon"], site_rounds=int(spend["site-rounds"])))
-            log.warning("site %s: %s (code %d): %s", r.site, kind, code, reason[:300])
-            if code == RefusalCode.NEED_BASIS:
-                out.need_basis.append(r.site)
-                if keeper is not None:
-                    keeper.forget(r.site)
-                continue
-            out.events.append(Event(site=r.site, kind=kind, code=code, reason=reason))
-            if code == RefusalCode.BUDGET:
-                out.statuses[r.site] = ("exhausted", reason)
-            elif code in (RefusalCode.WEAKER_NOISE, RefusalCode.POLICY, RefusalCode.MISCONFIGURED):
-                out.statuses[r.site] = ("refused", reason)
-            elif code == RefusalCode.BAD_BASIS and keeper is not None:
-                keeper.forget(r.site)
-            continue
-        try:
-            ran = parse_ran(r.content)
-        except ValueError as err:
-            log.warning("site %s: reply rejected, spend unknown: %s", r.site, err)
-            out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
-            continue
-        plan = plans[r.site]
-        if (ran.sigma, ran.sample_rate, ran.steps) != (plan.sigma, plan.sample_rate, plan.steps_per_round):
-            log.warning("site %s ran sigma=%g q=%g steps=%d, planned %g/%g/%d: recording what ran", r.site,
-                        ran.sigma, ran.sample_rate, ran.steps, plan.sigma, plan.sample_rate, plan.steps_per_round)
-        try:
-            weights = parse_weights(r.content, expected)
-            if max_update_norm is not None and global_weights is not None:
-                norm = update_norm(weights, global_weights)
-                if not norm <= max_update_norm:
-                    raise ValueError(f"update norm {norm:.4g} exceeds federation.max_update_norm={max_update_norm:g}")
-        except ValueError as err:
-            log.warning("site %s: reply rejected, not averaged (its spend is recorded): %s", r.site, err)
-            out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
-            weights = None
-        out.spends.append(Spend(site=r.site, sigma=ran.sigma, sample_rate=ran.sample_rate, steps=ran.steps,
-                                site_epsilon=ran.site_epsilon, run_epsilon=ran.run_epsilon,
-                                aggregated=weights is not None))
-        if weights is not None:
-            out.updates.append(weights)
-            out.accepted.append(r.site)
-            out.seeded = out.seeded or bool(r.content["metrics"]["seeded"])
-            if keeper is not None:
-                keeper.mark_held(r.site)
-    return out
-
-
-def aggregate(updates: list[dict[str, torch.Tensor]], how: str = "mean") -> dict[str, torch.Tensor]:
-    """Combine the sites' trainable tensors: uniform mean, coordinate-wise median, or trimmed mean.
-
-    Uniform: a site's weight never comes from a number it reports (a reply claiming 10^12 examples
-    would otherwise dominate), and n stays private (P10). All three are post-processing of DP updates.
-    """
-    if not updates:
-        raise ValueError("aggregate needs at least one update")
-    if how == "trimmed-mean" and len(updates) < 3:
-        raise ValueError(f"trimmed-mean needs at least 3 updates, got {len(updates)}")
-    out = {}
-    for name in updates[0]:
-        stacked = torch.stack([u[name].to(torch.float64) for u in updates])  # (sites, *shape)
-        if how == "mean":
-            value = stacked.mean(dim=0)
-        elif how == "median":
-            value = stacked.median(dim=0).values if len(updates) % 2 else stacked.sort(dim=0).values[
-                len(updates) // 2 - 1: len(updates) // 2 + 1].mean(dim=0)
-        elif how == "trimmed-mean":
-            value = stacked.sort(dim=0).values[1:-1].mean(dim=0)
-        else:
-            raise ValueError(f"aggregator {how!r} is not one of mean, median, trimmed-mean")
-        out[name] = value.to(torch.float32)
-    return out
-
-
-def fedavg(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Uniform average of the sites' trainable tensors (``aggregate(updates, "mean")``)."""
-    return aggregate(updates, "mean")
-
-
-# ---------------------------------------------------------------------------
-# talking to the grid
-# ---------------------------------------------------------------------------
-
-
-def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        ids = sorted(grid.get_node_ids())
-        if len(ids) >= count:
-            return ids
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(ids)} of the {count} sites needed (federation.min_sites) connected "
-                               f"within {timeout:.0f} s")
-        time.sleep(1.0)
-
-
-def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int, SiteInfo]]:
-    """Ask every node who it is; returns site -> (node id, info). Nodes that fail to answer are left out.
-
-    The query is empty: a site describes itself from its policy and ledger, and checks P2 (its
-    private images against the public set its operator approved) itself, never against anything
-    the server sends (a server-sent hash would be a membership oracle).
-    """
-    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-
-    msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=nid, message_type=MessageType.QUERY)
-            for nid in nodes]
-    sites: dict[str, tuple[int, SiteInfo]] = {}
-    for m in grid.send_and_receive(msgs, timeout=min(QUERY_TIMEOUT, cfg.federation.round_timeout)):
-        nid = m.metadata.src_node_id
-        if m.has_error():
-            reason, _ = parse_spend_suffix(str(m.error.reason))
-            log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, reason[:300])
-            continue
-        try:
-            info = SiteInfo.from_record(m.content[INFO])
-        except (KeyError, ValueError) as err:
-            log.warning("node %d sent a malformed site description: %s", nid, err)
-            continue
-        if info.site in sites:
-            log.warning("node %d claims site %s, already held by node %d: ignored", nid, info.site, sites[info.site][0])
-            continue
-        sites[info.site] = (nid, info)
-    log.info("sites: %s", {s: (nid, i.sample_rate) for s, (nid, i) in sorted(sites.items())})
-    return sites
-
-
-def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: int, timeout: float) -> list[Reply]:
-    """Send each site its RecordDict, collect replies (missing ones become 'missing' errors)."""
-    from flwr.app import Message, MessageType
-    from flwr.common.constant import ErrorCode
-
-    by_node = {nodes[s]: s for s in contents}
-    msgs = [Message(content, dst_node_id=nodes[site], message_type=MessageType.TRAIN, group_id=str(round))
-            for site, content in contents.items()]
-    replies = []
-    t0 = time.monotonic()
-    for m in grid.send_and_receive(msgs, timeout=timeout):
-        site = by_node.get(m.metadata.src_node_id)
-        if site is None:
-            continue
-        if m.has_error():
-            replies.append(Reply(site=site, error_code=int(m.error.code), error_reason=str(m.error.reason),
-                                 bytes_up=len(str(m.error.reason))))
-        else:
-            replies.append(Reply(site=site, content=m.content, bytes_up=payload_bytes(m.content)))
-    answered = {r.site for r in replies}
-    elapsed = time.monotonic() - t0
-    online = set(grid.get_node_ids())
-    for site in contents:
-        if site not in answered:
-            if nodes[site] not in online:
-                cause = f"its SuperNode went offline (no reply after {elapsed:.0f} s); it is asked again when it is back"
-            elif elapsed < timeout - 1:
-                cause = f"no reply after {elapsed:.0f} s: its message expired or the node restarted mid-round"
-            else:
-                cause = f"no reply within the round timeout of {timeout:.0f} s"
-            replies.append(Reply(site=site, error_code=int(ErrorCode.NODE_UNAVAILABLE), error_reason=cause))
-    return replies
-
-
-def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], cfg: Config) -> list[str]:
-    """Map sites to the nodes connected now: a site that came back (same or new node id) is asked again.
-
-    Returns the planned sites whose node is offline this round.
-    """
-    online = set(grid.get_node_ids())
-    unknown = sorted(online - set(node_of.values()))
-    if unknown:
-        for site, (nid, _) in query_sites(grid, unknown, cfg).items():
-            if site in plans:
-                if node_of.get(site) != nid:
-                    log.info("site %s is back (node %d): it is asked again", site, nid)
-                node_of[site] = nid
-    return sorted(s for s in plans if node_of.get(s) not in online)
-
-
-def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], ledger: ServerLedger,
-                    cfg: Config, rnd: int, *, poll: float = 5.0) -> tuple[list[str], list[str]]:
-    """The sites to ask in round ``rnd`` and the planned sites whose SuperNode is offline.
-
-    A site with budget left whose SuperNode is offline (crashed, restarting) is waited for, up to
-    ``federation.round_timeout``, when without it fewer than ``min_sites`` could train; a site
-    whose next round would exceed its budget is marked exhausted and never asked again.
-    """
-    deadline = time.monotonic() + cfg.federation.round_timeout
-    while True:
-        offline = refresh_nodes(grid, node_of, plans, cfg)
-        statuses = ledger.statuses()
-        newly: dict[str, tuple[str, str]] = {}
-        active, waiting = [], []
-        for site in sorted(plans):
-            if statuses[site][0] != "active":
-                continue
-            if not can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
-                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
-                log.info("site %s is exhausted: not sampled again", site)
-            elif site in node_of and site not in offline:
-                active.append(site)
-            else:
-                waiting.append(site)
-        if newly:
-            ledger.set_statuses(newly)
-        left = deadline - time.monotonic()
-        if len(active) >= cfg.federation.min_sites or not waiting or left <= 0:
-            if waiting and len(active) < cfg.federation.min_sites:
-                log.warning("round %d: %s still offline after %.0f s", rnd, ", ".join(waiting),
-                            cfg.federation.round_timeout)
-            return active, offline
-        log.info("round %d: waiting for %s to come back (SuperNode offline; %d of min_sites %d online, "
-                 "%.0f s left)", rnd, ", ".join(waiting), len(active), cfg.federation.min_sites, left)
-        time.sleep(min(poll, max(left, 0.1)))
-
-
-# ---------------------------------------------------------------------------
-# the run
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

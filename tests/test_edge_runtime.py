@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from edge.export import export_onnx
+from edge.onnx_runtime import OnnxRuntime
 from edge.pipeline import BoxTracker
 from edge.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
-from edge.runtime import OnnxRuntime, TorchRuntime, backend_for, make_runtime
+from edge.runtime import backend_for, make_runtime
+from edge.torch_runtime import TorchRuntime
 from shared.config import ModelConfig
 from shared.data.transforms import affine_matrix, warp_points
 from shared.model.posenet import build_model, save_checkpoint

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.tinyvit import LayerNorm2d
+from shared.model.tinyvit_blocks import LayerNorm2d
 
 
 class SimCCHead(nn.Module):

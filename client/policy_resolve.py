@@ -1,0 +1,102 @@
+"""Which policy a site runs under: deployment reads the file its node config names; simulation
+derives one per partition from the config (written once, then read back).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from client.policy import SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
+from client.site_data import load_split_dir
+from shared.config import Config
+from shared.data.patients import group_by_patient, stated_group_size
+from shared.data.split import manifest_digest as public_digest
+
+log = logging.getLogger(__name__)
+
+
+def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> SitePolicy:
+    """The site's policy.
+
+    Deployment: ``--node-config "site-policy='/etc/fedpose/policy.yaml'"``: the
+    policy names the data, the ledger and the public set; nothing the server
+    sends can change them. Simulation: the virtual node with ``partition-id``
+    i is site ``data.train_splits[i]``; its policy is
+    ``<out>/sites/<split>/policy.yaml`` (written by ``fedpose simulate``, or
+    created here from the config when absent).
+    """
+    if "site-policy" in node_config:
+        if "data-path" in node_config:
+            raise ValueError("node config: data-path is no longer read; the site policy's data_path names the data")
+        return load_policy(str(node_config["site-policy"]))
+    if "partition-id" in node_config:
+        from shared.run_config import config_from_run_config, out_dir
+
+        cfg = config_from_run_config(run_config)
+        return simulation_policy(cfg, out_dir(run_config, cfg), int(node_config["partition-id"]))
+    raise ValueError(
+        "this SuperNode has no site policy: start it with --node-config \"site-policy='/path/policy.yaml'\""
+    )
+
+
+def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
+    """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
+
+    The operator of a site knows its n, so it can state q = B / n in its
+    policy; the server never learns n. At patient level (``privacy.unit``)
+    n counts patients and q is the patient rate q_p. At record level the
+    policy states the most records a patient has in the split (from its
+    patient ids) as its cap, unless the config gives one: the claim's group
+    bound is stated at it.
+    """
+    splits = cfg.data.train_splits
+    if not 0 <= index < len(splits):
+        raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
+    root = Path(cfg.data.root).expanduser().resolve()
+    name = splits[index]
+    private = load_split_dir(root / name, "site data")
+    cap = cfg.privacy.max_records_per_patient
+    if cfg.privacy.unit == "patient":
+        n = group_by_patient(private, cap=cap)[1].count
+    else:
+        n = len(private)
+        if cap is None:
+            cap, _ = stated_group_size(private, None)
+    public = load_split_dir(root / cfg.data.public_split, "public set")
+    return policy_from_dict({
+        "policy_version": 2,
+        "site": name,
+        "epsilon": cfg.privacy.epsilon,
+        "delta": cfg.privacy.delta,
+        "lifetime_rounds": cfg.federation.rounds,
+        "rounds_per_federation": cfg.federation.rounds,
+        "sample_rate": min(1.0, cfg.train.batch_size / n),
+        "steps_per_round": cfg.federation.local_steps,
+        "clip_norm": cfg.privacy.clip_norm,
+        "psi": cfg.privacy.psi,
+        "psi_min": psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size),
+        "augment": cfg.data.augment,
+        "data_path": str(root / name),
+        "ledger_path": str(out / "sites" / name / "ledger.sqlite"),
+        "public_path": str(root / cfg.data.public_split),
+        "public_digest": public_digest(public),
+        "accountant": cfg.privacy.accountant,
+        "unit": cfg.privacy.unit,
+        "max_records_per_patient": cap,
+    })
+
+
+def simulation_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
+    splits = cfg.data.train_splits
+    if not 0 <= index < len(splits):
+        raise ValueError(f"partition-id {index} has no split: data.train_splits has {len(splits)} ({list(splits)})")
+    path = out / "sites" / splits[index] / "policy.yaml"
+    if path.is_file():
+        return load_policy(path)
+    policy = default_policy(cfg, out, index)
+    write_policy(path, policy)
+    log.info("site %s: wrote default simulation policy %s", policy.site, path)
+    return policy

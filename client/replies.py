@@ -1,0 +1,65 @@
+"""Replies kept at the site, so that a repeated (federation, round) gets its stored reply back and is
+never trained twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.policy import SitePolicy
+from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
+
+log = logging.getLogger(__name__)
+
+
+
+def _reply_path(policy: SitePolicy, federation: str, round: int) -> Path:
+    return Path(policy.ledger_path).parent / "replies" / f"{federation}-r{int(round)}.pt"
+
+
+def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[str, torch.Tensor],
+                metrics: dict[str, float | int]) -> None:
+    """Keep the latest reply of a federation (atomic), so that a repeated round gets it back unchanged.
+
+    It is DP output already released (post-processing); only the latest round of each federation is kept.
+    """
+    path = _reply_path(policy, federation, round)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, tmp)
+    tmp.replace(path)
+    for old in path.parent.glob(f"{federation}-r*.pt"):
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
+def stored_reply(policy: SitePolicy, federation: str, round: int) -> Any:
+    """The reply this site sent for (federation, round), or None when it is not kept."""
+    from flwr.app import MetricRecord, RecordDict
+
+    path = _reply_path(policy, federation, round)
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        weights, metrics = saved["weights"], saved["metrics"]
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        log.error("site %s: stored reply %s is unreadable (%s): answering 'already spent'", policy.site, path, err)
+        return None
+    return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})
+
+
+def repeated_round(policy: SitePolicy, federation: str, round: int) -> Any:
+    """The stored reply of a (federation, round) already spent, or an ALREADY_SPENT refusal: never a second spend."""
+    reply = stored_reply(policy, federation, round)
+    if reply is not None:
+        log.info("site %s: round %d of federation %s was already spent: resending its stored reply", policy.site,
+                 round, federation)
+        return reply
+    raise Refusal(RefusalCode.ALREADY_SPENT, f"round {round} of federation {federation} was already trained and "
+                                             "spent here; it is never trained twice")

@@ -1,0 +1,86 @@
+"""A train request: parsed, checked against what the site's policy pins (P11), and its weights loaded
+or refused; reads no private data.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from client.policy import SitePolicy, psi_strength, sigma_shortfall
+from shared.federation_messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
+from shared.privacy.psi import psi_label
+
+PROJECTED = ("proj", "fpdp")
+WITH_PSI = ("fdp", "fpdp")
+_FEDERATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def parse_request(content: Any) -> TrainRequest:
+    try:
+        return TrainRequest.from_record(content[CONFIG])
+    except (KeyError, ValueError, TypeError, OverflowError) as err:
+        raise Refusal(RefusalCode.BAD_REQUEST, f"malformed train request: {err}") from err
+
+
+def check_request(request: TrainRequest, policy: SitePolicy) -> None:
+    """Refuse (POLICY / WEAKER_NOISE) a request weaker than what the policy pins (P11); reads no private data."""
+    cfg = request.config
+    method = cfg.train.method
+    if request.site != policy.site:
+        raise Refusal(RefusalCode.BAD_REQUEST, f"request is for site {request.site!r}, this is {policy.site!r}")
+    if not _FEDERATION_ID.match(request.federation):
+        raise Refusal(RefusalCode.BAD_REQUEST, "federation id must be 1-64 letters, digits, '.', '_' or '-'")
+    if method not in policy.methods:
+        raise Refusal(RefusalCode.POLICY,
+                      f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
+    if cfg.privacy.unit != policy.unit:  # its q, clipping and claim are per unit (issue #11)
+        raise Refusal(RefusalCode.POLICY, f"privacy unit {cfg.privacy.unit!r} is not this site's {policy.unit!r}")
+    if request.sample_rate != policy.sample_rate:
+        raise Refusal(RefusalCode.POLICY, f"sample rate {request.sample_rate!r} is not this site's "
+                                          f"{policy.sample_rate!r}")
+    if request.steps > policy.steps_per_round:
+        raise Refusal(RefusalCode.POLICY, f"{request.steps} local steps exceed this site's steps_per_round="
+                                          f"{policy.steps_per_round}")
+    if cfg.privacy.clip_norm != policy.clip_norm:
+        raise Refusal(RefusalCode.POLICY, f"clip norm {cfg.privacy.clip_norm!r} is not this site's "
+                                          f"{policy.clip_norm!r}")
+    if cfg.data.augment != policy.augment:
+        raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
+                                          f"augment={policy.augment}")
+    if method in WITH_PSI:
+        if cfg.privacy.psi != policy.psi:
+            raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi!r} is not this site's {policy.psi!r}")
+        strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
+        if not strength >= policy.psi_min:
+            label = psi_label(cfg.privacy.psi, cfg.privacy.psi_param)
+            raise Refusal(RefusalCode.POLICY, f"psi {label} has strength {strength:.4g} of min(H, W), below "
+                                              f"this site's psi_min="
+                                              f"{policy.psi_min:g}")
+    shortfall = sigma_shortfall(policy, sigma=request.sigma)
+    if shortfall is not None:
+        raise Refusal(RefusalCode.WEAKER_NOISE, shortfall)
+
+
+def load_weights(content: Any, model: torch.nn.Module) -> None:
+    """Load the global weights into ``model`` or refuse: exactly its tensors, its shapes, all finite."""
+    if ARRAYS not in content.array_records:
+        raise Refusal(RefusalCode.BAD_REQUEST, "train request carries no weights")
+    expected = model.state_dict()
+    try:
+        tensors = record_tensors(content[ARRAYS])
+    except (ValueError, TypeError) as err:
+        raise Refusal(RefusalCode.BAD_REQUEST, f"weights cannot be read: {err}") from err
+    if set(tensors) != set(expected):
+        raise Refusal(RefusalCode.BAD_REQUEST, "weights do not fit the model: names differ "
+                                               f"(missing {sorted(set(expected) - set(tensors))[:3]}, "
+                                               f"unexpected {sorted(set(tensors) - set(expected))[:3]})")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise Refusal(RefusalCode.BAD_REQUEST, f"weights do not fit the model: {name} has shape "
+                                                   f"{tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise Refusal(RefusalCode.BAD_REQUEST, f"weights contain NaN or Inf ({name})")
+    model.load_state_dict(tensors, strict=True)

@@ -1,0 +1,102 @@
+"""The projection basis V at the site: received and checked, cached by version, or computed from the
+site's copy of the public set at the received global weights (P2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.policy import SitePolicy
+from client.site_data import CheckedSite
+from shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
+from shared.privacy.subspace import check_orthonormal
+
+
+def _cache_path(policy: SitePolicy, federation: str, version: int) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", federation)
+    return Path(policy.ledger_path).parent / "basis-cache" / f"{safe}-v{version}.npy"
+
+
+def cache_basis(policy: SitePolicy, federation: str, version: int, basis: torch.Tensor) -> None:
+    """Keep the latest V of a federation on disk (atomic), dropping older versions."""
+    path = _cache_path(policy, federation, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        np.save(fh, basis.detach().cpu().numpy(), allow_pickle=False)
+    tmp.replace(path)
+    prefix = path.name.rsplit("-v", 1)[0] + "-v"
+    for old in path.parent.glob(f"{prefix}*.npy"):
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
+def cached_basis(policy: SitePolicy, federation: str, version: int) -> torch.Tensor | None:
+    path = _cache_path(policy, federation, version)
+    if not path.is_file():
+        return None
+    return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.float32))
+
+
+def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
+    """Refuse a V that is not (p, k), not finite, or without orthonormal columns (to 1e-3)."""
+    if basis.dim() != 2 or tuple(basis.shape) != (p, k):
+        raise Refusal(
+            RefusalCode.BAD_BASIS,
+            f"basis has shape {tuple(basis.shape)}, expected ({p}, {k}) for the trainable parameters of this strategy",
+        )
+    if not bool(torch.isfinite(basis).all()):
+        raise Refusal(RefusalCode.BAD_BASIS, "basis contains NaN or Inf")
+    try:
+        check_orthonormal(basis, tol=1e-3)
+    except ValueError as err:
+        raise Refusal(RefusalCode.BAD_BASIS, str(err)) from err
+
+
+def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, trainable: list[str],
+                 checked: CheckedSite, policy: SitePolicy) -> tuple[torch.Tensor, float]:
+    """V for this round: received (checked), cached by version, or computed here (basis_mode site).
+
+    Nothing is written here: ``handle_train`` caches V only once the round is recorded, so a server
+    cannot fill the site's disk with bases under new federation ids while every request is refused.
+    """
+    cfg = request.config
+    named = dict(model.named_parameters())
+    p = sum(named[name].numel() for name in trainable)
+    k = cfg.privacy.k
+    if BASIS in content.array_records:
+        try:
+            version, basis = record_basis(content[BASIS])
+        except ValueError as err:
+            raise Refusal(RefusalCode.BAD_BASIS, str(err)) from err
+        if version != request.basis_version:
+            raise Refusal(RefusalCode.BAD_BASIS, f"basis version {version} != requested {request.basis_version}")
+        check_basis(basis, p=p, k=k)
+        return basis, 0.0
+    cached = cached_basis(policy, request.federation, request.basis_version)
+    if cached is not None:
+        check_basis(cached, p=p, k=k)
+        return cached, 0.0
+    if request.basis_mode == "broadcast":
+        raise Refusal(RefusalCode.NEED_BASIS, f"basis version {request.basis_version} is not cached here; send V")
+    # basis_mode "site": V from the site's copy of the PUBLIC set at the received global weights (P2).
+    if checked.public is None:
+        raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
+    from shared.model.posenet import make_loss_fn
+    from shared.train import make_dataset, public_basis_at
+
+    public = checked.public  # approved by digest and disjoint from the private data (site_check, P2)
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    basis = public_basis_at(model, make_loss_fn(model, trainable), trainable,
+                            make_dataset(public, cfg, train=False), cfg.privacy, device).cpu()
+    seconds = time.perf_counter() - t0
+    check_basis(basis, p=p, k=k)
+    return basis, seconds

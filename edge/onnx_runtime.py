@@ -1,0 +1,71 @@
+"""onnxruntime backend (``.onnx``, CPU or CUDA with onnxruntime-gpu); imported in the constructor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edge.runtime_base import Runtime
+
+
+class OnnxRuntime(Runtime):
+    """onnxruntime session on an exported ``.onnx`` (CPU, or CUDA with onnxruntime-gpu)."""
+
+    backend = "onnxruntime"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        providers: list[str] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as err:  # pragma: no cover - a core dependency
+            raise ImportError("onnxruntime is not installed: pip install onnxruntime (or onnxruntime-gpu)") from err
+
+        self.model_path = Path(model_path)
+        if not self.model_path.is_file():
+            raise FileNotFoundError(f"ONNX model {self.model_path} does not exist")
+        available = ort.get_available_providers()
+        wanted = providers or ["CPUExecutionProvider"]
+        missing = [p for p in wanted if p not in available]
+        if missing:
+            raise ValueError(
+                f"onnxruntime providers {missing} are not available here (available: {available}); "
+                "for CUDAExecutionProvider install onnxruntime-gpu (pip install 'fedpose[gpu]')"
+            )
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads is not None:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        try:
+            self._session = ort.InferenceSession(str(self.model_path), sess_options=options, providers=wanted)
+        except Exception as err:  # onnxruntime raises its own Fail / InvalidProtobuf / InvalidGraph types
+            raise ValueError(f"{self.model_path} is not a loadable ONNX model: {err}") from err
+        inputs = self._session.get_inputs()
+        names = [o.name for o in self._session.get_outputs()]
+        if len(inputs) != 1 or "simcc_x" not in names or "simcc_y" not in names:
+            raise ValueError(
+                f"{self.model_path} is not a fedpose pose model (inputs {[i.name for i in inputs]}, outputs {names}); "
+                "export one with `fedpose edge export`"
+            )
+        self._input_name = inputs[0].name
+        shape = inputs[0].shape  # e.g. ['batch', 3, 128, 96] or [1, 3, 128, 96]
+        if len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]) or shape[1] != 3:
+            raise ValueError(f"{self.model_path}: input shape {shape} is not (N, 3, H, W) with fixed H, W")
+        self._input_size = (int(shape[2]), int(shape[3]))
+        self._batch = int(shape[0]) if isinstance(shape[0], int) else None
+        self._half = "float16" in inputs[0].type
+        self.providers = self._session.get_providers()
+
+    def _run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        feed = x.astype(np.float16) if self._half else x
+        sx, sy = self._session.run(["simcc_x", "simcc_y"], {self._input_name: feed})
+        return sx, sy
+
+    def close(self) -> None:
+        self._session = None

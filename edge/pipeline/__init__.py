@@ -1,0 +1,55 @@
+"""The on-camera pipeline: frames in, keypoints (and optionally DP-pixelized frames) out.
+
+    FrameSource (OpenCV, reconnects) -> BoxTracker (ROI, then previous keypoints)
+      -> preprocess -> runtime.infer -> postprocess -> keypoints.jsonl
+      [-> DP pixelization of the frame, body mask from the keypoints -> pixelized/*.npz]
+      [-> annotated video: skeleton over the raw frame; with pixelization the
+          pixelized frame alone, or with ``overlay`` the skeleton drawn over it]
+
+Frames never leave the device: what is written is keypoints, and, with
+``pixelize``, only the DP-pixelized release (the raw frame is never saved
+then, not even in the annotated video). keypoints.jsonl and any overlay are
+computed from the raw frames and are not covered by the pixelization
+guarantee: ``release_claim`` names every output a run wrote (DESIGN 4b).
+
+The person box follows rtmlib's PoseTracker idea without a detector: the
+configured ROI (e.g. the bed) on the first frame, afterwards the padded box
+around the previous frame's confident keypoints, smoothed; when too few
+keypoints are confident the tracker falls back to the ROI (or the full frame).
+
+Robustness: end of a file ends the run; a live source (camera index,
+rtsp/http URL) that stops delivering is reopened with exponential backoff,
+a bounded number of times; frames that cannot be decoded are counted and
+skipped. A source that cannot be opened at all raises ``SourceError``.
+
+The package: source (``FrameSource``, reconnects), tracking (``BoxTracker``, ROI), options
+(``PipelineOptions``, ``PipelineReport``, ``--pixelize`` parsing), outputs (records, drawing, pixelized
+frames, ``release_claim``), loop (``run_pipeline``).
+"""
+
+
+from edge.pipeline.loop import run_pipeline
+from edge.pipeline.options import PipelineOptions, PipelineReport, parse_pixelize
+from edge.pipeline.outputs import KEYPOINTS_FILE, PIXELIZED_DIR, VIDEO_FILE, draw_skeleton, release_claim
+from edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError, is_live, parse_source
+from edge.pipeline.tracking import MAX_ROI_COORD, BoxTracker, parse_roi
+
+__all__ = [
+    "BoxTracker",
+    "FrameSource",
+    "KEYPOINTS_FILE",
+    "MAX_ROI_COORD",
+    "PIXELIZED_DIR",
+    "PipelineOptions",
+    "PipelineReport",
+    "ReconnectPolicy",
+    "SourceError",
+    "VIDEO_FILE",
+    "draw_skeleton",
+    "is_live",
+    "parse_pixelize",
+    "parse_roi",
+    "parse_source",
+    "release_claim",
+    "run_pipeline",
+]

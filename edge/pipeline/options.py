@@ -1,0 +1,127 @@
+"""What a pipeline run is asked to do (``PipelineOptions``, ``--pixelize`` parsing) and what it did
+(``PipelineReport``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_COLOR_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                "off": False}
+
+
+def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
+    """``"eps=0.5,b=16,m=16,n=4[,noise=laplace][,color=1]"`` -> (PixelizeSpec, color) or None."""
+    if value is None:
+        return None
+    from edge.pixelize import PixelizeSpec
+
+    fields: dict[str, str] = {}
+    for part in value.split(","):
+        if "=" not in part:
+            raise ValueError(f"--pixelize entries must be key=value (eps=..,b=..,m=..,n=..), got {part!r}")
+        key, val = (s.strip() for s in part.split("=", 1))
+        if key in fields:
+            raise ValueError(f"--pixelize {value!r}: {key} is given twice")
+        fields[key] = val
+    unknown = set(fields) - {"eps", "b", "m", "n", "noise", "color"}
+    if unknown:
+        raise ValueError(f"--pixelize: unknown keys {sorted(unknown)}; use eps, b, m, n, noise, color")
+    missing = {"eps", "b", "m"} - set(fields)
+    if missing:
+        raise ValueError(f"--pixelize needs {sorted(missing)} (e.g. eps=0.5,b=16,m=16,n=4)")
+    try:
+        spec = PixelizeSpec(
+            eps=float(fields["eps"]),
+            b=int(fields["b"]),
+            m=int(fields["m"]),
+            n=int(fields.get("n", "1")),
+            noise=fields.get("noise", "discrete"),
+        )
+    except ValueError as err:
+        raise ValueError(f"--pixelize {value!r}: {err}") from err
+    word = fields.get("color", "0").lower()
+    if word not in _COLOR_WORDS:
+        raise ValueError(f"--pixelize {value!r}: color must be one of {sorted(_COLOR_WORDS)}, got {word!r}")
+    color = _COLOR_WORDS[word]
+    return spec, color
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the camera pipeline does besides inference."""
+
+    out_dir: Path
+    roi: tuple[float, float, float, float] | None = None
+    max_frames: int | None = None
+    write_video: bool = False
+    show: bool = False
+    # With pixelize: draw the raw frame's skeleton and person box over the published (video/--show) frames.
+    # Off by default: the overlay releases raw-derived keypoints in the video; the claim names it when on.
+    overlay: bool = False
+    pixelize: Any = None  # edge.pixelize.PixelizeSpec or None
+    pixelize_color: bool = False
+    score_threshold: float = 0.05
+    min_keypoints: int = 4
+    smoothing: float = 0.3
+    seed: int | None = None  # pixelization noise; None = OS entropy (production, DESIGN P7)
+    # External person box (x, y, w, h) per frame index, e.g. from a detector or a demo clip's ground truth;
+    # it replaces the tracker for that frame (box_source "external"), None falls back to the tracker.
+    boxes: Callable[[int], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_frames is not None and self.max_frames < 1:
+            raise ValueError(f"--max-frames must be >= 1, got {self.max_frames}")
+        if not 0.0 <= self.score_threshold <= 1.0:
+            raise ValueError(f"score threshold must be in [0, 1], got {self.score_threshold}")
+
+
+@dataclass
+class PipelineReport:
+    """What a run did; ``summary()`` is what the CLI prints."""
+
+    frames: int = 0
+    bad_frames: int = 0
+    reconnects: int = 0
+    source_lost: bool = False
+    seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    track_lost: int = 0
+    empty_masks: int = 0  # pixelized frames with no keypoint above the score threshold (coarse grid everywhere)
+    keypoints_path: Path | None = None
+    video_path: Path | None = None
+    pixelized_dir: Path | None = None
+    overlay: bool = False
+    claim: str | None = None
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.seconds if self.seconds > 0 else 0.0
+
+    def latency(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else math.nan
+
+    def summary(self) -> str:
+        lines = [
+            f"frames: {self.frames} ({self.bad_frames} unreadable skipped, {self.reconnects} reconnects"
+            + (", source lost" if self.source_lost else "") + ")",
+            f"throughput: {self.fps:.1f} FPS end to end over {self.seconds:.2f} s",
+            f"latency (preprocess + infer + postprocess): p50 {self.latency(50):.2f} ms, "
+            f"p95 {self.latency(95):.2f} ms",
+        ]
+        if self.keypoints_path:
+            lines.append(f"keypoints: {self.keypoints_path}")
+        if self.video_path:
+            lines.append(f"video: {self.video_path}")
+        if self.pixelized_dir:
+            lines.append(f"pixelized frames (NPZ, restore with `fedpose edge restore`): {self.pixelized_dir}")
+            if self.empty_masks:
+                lines.append(f"body mask empty on {self.empty_masks} of {self.frames} frames (no keypoint above the "
+                             "score threshold): those frames are pixelized with the coarse grid everywhere")
+        return "\n".join(lines)

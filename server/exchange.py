@@ -1,0 +1,149 @@
+"""Talking to the sites over Flower's Grid: wait for nodes, ask who they are, send a round's requests
+and collect the replies, refresh who is connected and choose who takes part in a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from server.ledger import ServerLedger
+from server.plan import SitePlan, can_afford
+from server.replies import Reply
+from shared.config import Config
+from shared.federation_messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT = 300.0  # seconds for the sites' first answer (includes ClientApp start-up)
+
+
+def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = sorted(grid.get_node_ids())
+        if len(ids) >= count:
+            return ids
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(ids)} of the {count} sites needed (federation.min_sites) connected "
+                               f"within {timeout:.0f} s")
+        time.sleep(1.0)
+
+
+def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int, SiteInfo]]:
+    """Ask every node who it is; returns site -> (node id, info). Nodes that fail to answer are left out.
+
+    The query is empty: a site describes itself from its policy and ledger, and checks P2 (its
+    private images against the public set its operator approved) itself, never against anything
+    the server sends (a server-sent hash would be a membership oracle).
+    """
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=nid, message_type=MessageType.QUERY)
+            for nid in nodes]
+    sites: dict[str, tuple[int, SiteInfo]] = {}
+    for m in grid.send_and_receive(msgs, timeout=min(QUERY_TIMEOUT, cfg.federation.round_timeout)):
+        nid = m.metadata.src_node_id
+        if m.has_error():
+            reason, _ = parse_spend_suffix(str(m.error.reason))
+            log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, reason[:300])
+            continue
+        try:
+            info = SiteInfo.from_record(m.content[INFO])
+        except (KeyError, ValueError) as err:
+            log.warning("node %d sent a malformed site description: %s", nid, err)
+            continue
+        if info.site in sites:
+            log.warning("node %d claims site %s, already held by node %d: ignored", nid, info.site, sites[info.site][0])
+            continue
+        sites[info.site] = (nid, info)
+    log.info("sites: %s", {s: (nid, i.sample_rate) for s, (nid, i) in sorted(sites.items())})
+    return sites
+
+
+def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: int, timeout: float) -> list[Reply]:
+    """Send each site its RecordDict, collect replies (missing ones become 'missing' errors)."""
+    from flwr.app import Message, MessageType
+    from flwr.common.constant import ErrorCode
+
+    by_node = {nodes[s]: s for s in contents}
+    msgs = [Message(content, dst_node_id=nodes[site], message_type=MessageType.TRAIN, group_id=str(round))
+            for site, content in contents.items()]
+    replies = []
+    t0 = time.monotonic()
+    for m in grid.send_and_receive(msgs, timeout=timeout):
+        site = by_node.get(m.metadata.src_node_id)
+        if site is None:
+            continue
+        if m.has_error():
+            replies.append(Reply(site=site, error_code=int(m.error.code), error_reason=str(m.error.reason),
+                                 bytes_up=len(str(m.error.reason))))
+        else:
+            replies.append(Reply(site=site, content=m.content, bytes_up=payload_bytes(m.content)))
+    answered = {r.site for r in replies}
+    elapsed = time.monotonic() - t0
+    online = set(grid.get_node_ids())
+    for site in contents:
+        if site not in answered:
+            if nodes[site] not in online:
+                cause = f"its SuperNode went offline (no reply after {elapsed:.0f} s); it is asked again when it is back"
+            elif elapsed < timeout - 1:
+                cause = f"no reply after {elapsed:.0f} s: its message expired or the node restarted mid-round"
+            else:
+                cause = f"no reply within the round timeout of {timeout:.0f} s"
+            replies.append(Reply(site=site, error_code=int(ErrorCode.NODE_UNAVAILABLE), error_reason=cause))
+    return replies
+
+
+def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], cfg: Config) -> list[str]:
+    """Map sites to the nodes connected now: a site that came back (same or new node id) is asked again.
+
+    Returns the planned sites whose node is offline this round.
+    """
+    online = set(grid.get_node_ids())
+    unknown = sorted(online - set(node_of.values()))
+    if unknown:
+        for site, (nid, _) in query_sites(grid, unknown, cfg).items():
+            if site in plans:
+                if node_of.get(site) != nid:
+                    log.info("site %s is back (node %d): it is asked again", site, nid)
+                node_of[site] = nid
+    return sorted(s for s in plans if node_of.get(s) not in online)
+
+
+def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], ledger: ServerLedger,
+                    cfg: Config, rnd: int, *, poll: float = 5.0) -> tuple[list[str], list[str]]:
+    """The sites to ask in round ``rnd`` and the planned sites whose SuperNode is offline.
+
+    A site with budget left whose SuperNode is offline (crashed, restarting) is waited for, up to
+    ``federation.round_timeout``, when without it fewer than ``min_sites`` could train; a site
+    whose next round would exceed its budget is marked exhausted and never asked again.
+    """
+    deadline = time.monotonic() + cfg.federation.round_timeout
+    while True:
+        offline = refresh_nodes(grid, node_of, plans, cfg)
+        statuses = ledger.statuses()
+        newly: dict[str, tuple[str, str]] = {}
+        active, waiting = [], []
+        for site in sorted(plans):
+            if statuses[site][0] != "active":
+                continue
+            if not can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
+                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
+                log.info("site %s is exhausted: not sampled again", site)
+            elif site in node_of and site not in offline:
+                active.append(site)
+            else:
+                waiting.append(site)
+        if newly:
+            ledger.set_statuses(newly)
+        left = deadline - time.monotonic()
+        if len(active) >= cfg.federation.min_sites or not waiting or left <= 0:
+            if waiting and len(active) < cfg.federation.min_sites:
+                log.warning("round %d: %s still offline after %.0f s", rnd, ", ".join(waiting),
+                            cfg.federation.round_timeout)
+            return active, offline
+        log.info("round %d: waiting for %s to come back (SuperNode offline; %d of min_sites %d online, "
+                 "%.0f s left)", rnd, ", ".join(waiting), len(active), cfg.federation.min_sites, left)
+        time.sleep(min(poll, max(left, 0.1)))

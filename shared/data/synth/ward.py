@@ -1,0 +1,244 @@
+"""A ward on disk: the spec, rendering one sample and writing every split
+in the MPII json layout (plus head boxes, identities and meta), with a manifest for reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from shared.data.mpii import box_to_json
+from shared.data.records import PoseRecord, inside
+from shared.data.synth.identity import Identity, make_identity
+from shared.data.synth.person import head_box
+from shared.data.synth.pose import place_pose, sample_pose_3d
+from shared.data.synth.render import person_box, render_frame
+from shared.data.synth.rng import _derive_rng
+from shared.data.synth.styles import PUBLIC_STYLE, SiteStyle, site_style
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fedpose-synthetic-ward"
+FORMAT_VERSION = 1  # on-disk layout
+RENDER_VERSION = 1  # bump whenever the same spec would produce different pixels or labels
+
+
+@dataclass(frozen=True)
+class WardSpec:
+    """What to generate (also the ``data.synth`` section of the config).
+
+    sites: number of private sites (splits site-0 .. site-{sites-1});
+    per_site / public / val: images per split (val is spread evenly over the
+    site styles, with people that appear nowhere else); images_per_identity:
+    consecutive images of a split showing the same person.
+    """
+
+    sites: int = 3
+    per_site: int = 400
+    public: int = 600
+    val: int = 240
+    seed: int = 0
+    image_size: int = 128
+    images_per_identity: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("sites", "per_site", "public", "val", "seed", "image_size", "images_per_identity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"WardSpec.{name} must be an int, got {value!r}")
+        for name in ("sites", "per_site", "public", "val", "images_per_identity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WardSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"WardSpec.seed must be >= 0, got {self.seed}")
+        if not 32 <= self.image_size <= 1024:
+            raise ValueError(f"WardSpec.image_size must be in [32, 1024] px, got {self.image_size}")
+
+    def splits(self) -> dict[str, int]:
+        """Split name -> image count."""
+        return {"public": self.public, "val": self.val, **{f"site-{i}": self.per_site for i in range(self.sites)}}
+
+
+
+def _style_for(spec: WardSpec, split: str, index: int) -> tuple[SiteStyle, str]:
+    """Style and identity key of image ``index`` of ``split``."""
+    person = index // spec.images_per_identity
+    if split == "public":
+        return PUBLIC_STYLE, f"public/{person:05d}"
+    if split == "val":
+        site = index % spec.sites
+        return site_style(site), f"val/s{site}/{(index // spec.sites) // spec.images_per_identity:05d}"
+    if split.startswith("site-"):
+        return site_style(int(split[5:])), f"{split}/{person:05d}"
+    raise ValueError(f"unknown split {split!r}; expected public, val or site-<i>")
+
+
+def identity_of(spec: WardSpec, identity_id: str) -> Identity:
+    """Appearance of a person named in ``identities.json`` (for attribute-inference attacks)."""
+    return make_identity(_derive_rng(spec.seed, "identity", identity_id))
+
+
+def render_sample(spec: WardSpec, split: str, index: int) -> tuple[np.ndarray, PoseRecord, str, str]:
+    """Image ``index`` of ``split``: (BGR image, record with a placeholder path, identity id, pose kind).
+
+    Depends only on (spec.seed, spec.image_size, spec.images_per_identity,
+    spec.sites for val, split, index), never on other images.
+    """
+    style, identity_id = _style_for(spec, split, index)
+    identity = identity_of(spec, identity_id)
+    rng = _derive_rng(spec.seed, split, index)
+    kinds = [k for k, _ in style.pose_mix]
+    weights = np.array([w for _, w in style.pose_mix])
+    kind = str(kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))])
+    pose = sample_pose_3d(kind, rng)
+    size = spec.image_size
+    joints = place_pose(pose, kind=kind, style=style, size=size, rng=rng)
+    image = render_frame(joints, style=style, identity=identity, size=size, rng=rng, kind=kind, depth=pose[:, 2])
+    visible = inside(joints, (size, size))
+    center, scale = person_box(joints)
+    record = PoseRecord(Path("/") / split / f"{index:06d}.png", center, scale,
+                        np.where(visible[:, None], joints, 0.0), visible, head_box(joints))
+    return image, record, identity_id, kind
+
+
+def manifest_for(spec: WardSpec) -> dict:
+    """What ``manifest.json`` of a ward generated from ``spec`` contains."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "render_version": RENDER_VERSION,
+        "spec": dataclasses.asdict(spec),
+        "splits": spec.splits(),
+        "layout": "<split>/annotations.json (MPII json, 1-based), headboxes.json, identities.json, "
+                  "meta.json, images/*.png",
+    }
+
+
+def _write_split(split_dir: Path, spec: WardSpec, split: str, count: int, bar) -> None:
+    images = split_dir / "images"
+    images.mkdir(parents=True)
+    annotations, headboxes, identities, meta = [], [], [], []
+    for index in range(count):
+        image, record, identity_id, kind = render_sample(spec, split, index)
+        name = f"{split}_{index:06d}.png"
+        if not cv2.imwrite(str(images / name), image):
+            raise OSError(f"cannot write image file {images / name}")
+        center, scale = box_to_json(record.center, record.scale)
+        joints = np.where(record.visible[:, None], record.joints + 1.0, -1.0)
+        annotations.append({
+            "image": name,
+            "center": [round(c, 4) for c in center],
+            "scale": round(scale, 6),
+            "joints": [[round(float(x), 4), round(float(y), 4)] for x, y in joints],
+            "joints_vis": [int(v) for v in record.visible],
+        })
+        headboxes.append([[round(float(v) + 1.0, 4) for v in corner] for corner in record.headbox])
+        identities.append(identity_id)
+        meta.append({"identity": identity_id, "kind": kind, "style": _style_for(spec, split, index)[0].name})
+        bar.update(1)
+    for file_name, payload in (("annotations.json", annotations), ("headboxes.json", headboxes),
+                               ("identities.json", identities), ("meta.json", meta)):
+        (split_dir / file_name).write_text(json.dumps(payload))
+
+
+def generate_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True) -> Path:
+    """Write every split of ``spec`` under ``out_dir`` and return its path.
+
+    Files appear atomically: everything is written to a temporary sibling
+    directory that is renamed into place at the end, so an interrupted run
+    leaves no half-written ward behind. Refuses to touch an existing
+    non-empty directory (use ``ensure_ward`` to reuse one).
+    """
+    from tqdm import tqdm
+
+    if not isinstance(spec, WardSpec):
+        raise ValueError(f"spec must be a WardSpec, got {type(spec).__name__}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not empty; use ensure_ward() or pick another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    splits = spec.splits()
+    start = time.perf_counter()
+    try:
+        with tqdm(total=sum(splits.values()), desc=f"synthetic ward -> {out}", unit="img",
+                  disable=not progress) as bar:
+            for split, count in splits.items():
+                _write_split(tmp / split, spec, split, count, bar)
+        (tmp / "manifest.json").write_text(json.dumps(manifest_for(spec), indent=2))
+        try:
+            if out.exists():
+                out.rmdir()  # empty (checked above); rename() needs it gone on some systems
+            tmp.rename(out)
+        except OSError:
+            if _read_manifest(out) == manifest_for(spec):  # a concurrent process won the race
+                log.info("%s was generated concurrently with the same spec; using it", out)
+                shutil.rmtree(tmp)
+                return out
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    elapsed = time.perf_counter() - start
+    total = sum(splits.values())
+    log.info("generated %d synthetic images in %.1f s (%.0f images/min) at %s",
+             total, elapsed, 60.0 * total / max(elapsed, 1e-9), out)
+    return out
+
+
+def _read_manifest(out: Path) -> dict | None:
+    path = out / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot parse {path}: {err}; delete {out} to regenerate it") from err
+
+
+def ensure_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True) -> Path:
+    """Return ``out_dir`` holding the ward of ``spec``, generating it only if it is absent.
+
+    An existing directory generated from a different spec (or by an older
+    generator) is never overwritten: that raises ValueError naming the
+    differences, so results are not silently mixed.
+    """
+    out = Path(out_dir)
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return generate_ward(out, spec, progress=progress)
+    found = _read_manifest(out)
+    if found is None:
+        raise ValueError(f"{out} exists but has no manifest.json, so it is not a synthetic ward; "
+                         "point data.root elsewhere or delete it")
+    wanted = manifest_for(spec)
+    if found != wanted:
+        keys = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
+        details = [f"{k}: on disk {found.get(k)!r}, requested {wanted.get(k)!r}" for k in keys]
+        raise ValueError(f"{out} holds a different synthetic ward ({'; '.join(details)}); "
+                         "delete it or choose another directory")
+    log.info("reusing synthetic ward at %s", out)
+    return out
+
+
+def load_identities(root: str | Path, split: str) -> list[str]:
+    """Identity id of every record of a split (aligned with annotations.json)."""
+    path = Path(root) / split / "identities.json"
+    try:
+        ids = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"identity sidecar not found: {path}") from err
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot parse identity sidecar {path}: {err}") from err
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"{path}: expected a json list of identity strings")
+    return ids
