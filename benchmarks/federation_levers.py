@@ -2,7 +2,7 @@
 
 No Flower processes: each round, every site runs ``shared.train.local_train`` on its own private
 split with its own Poisson sampling and its own sigma (calibrated for rounds x local_steps at
-q = B / n exactly as server/plan.py does), the site-side basis exactly as client/site.py
+q = B / n exactly as server/plan.py does), the site-side basis exactly as client/site_basis.py
 ``obtain_basis`` does for ``basis_mode: site`` (``public_basis_at`` at the received global weights,
 a new version every ``privacy.basis_every`` rounds as server/basis.py decides), then
 ``server.run.fedavg`` (+ the server optimizer of server/aggregate.py) and ``shared.train.evaluate``
