@@ -20,15 +20,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from shared.audit_hooks import AuditHooks, ReleasedStep
 from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig, to_dict
 from shared.data.dataset import PoseDataset
 from shared.data.patients import PatientGroups
 from shared.data.records import PoseRecord
 from shared.data.transforms import Augment
-from shared.metrics import pckh_report
+from shared.evaluation import evaluate, predict  # noqa: F401  (re-exported: runs, sites and tests import them from here)
 from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
-from shared.model.simcc import decode_simcc
-from shared.privacy.canaries import DiracCanaries, SpanCanaries
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
@@ -105,47 +104,6 @@ class LocalResult:
     seconds: float
     seconds_basis: float
     unit: str = "record"
-
-
-@dataclass(frozen=True)
-class ReleasedStep:
-    """The white-box auditor's view of step ``step`` (all of it covered by the accountant's composition).
-
-    update: the direction the optimizer applies (private + g_pub). private: the
-    noisy, projected-if-any private gradient, the step's DP release (update
-    minus g_pub, which is public). basis: the V this step projected with
-    (public, P2), None for dpsgd / fdp.
-    """
-
-    step: int
-    update: dict[str, torch.Tensor]
-    private: dict[str, torch.Tensor]
-    basis: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class AuditHooks:
-    """What ``fedpose audit`` adds to a private run (``shared.audit``); never set in production.
-
-    canaries: gradient canaries (Dirac or in-span), drawn every step with the
-    records' q and added to their clipped sum before the noise
-    (``shared.privacy.canaries``); in-span ones are built inside ``dp_gradient``
-    on the V that step projects with.
-    observe(released): called after every step with a ``ReleasedStep``: the
-    white-box auditor's view.
-    normaliser_n: the n of the normaliser q n, fixed by the audit to the record
-    count without canaries, so that the scale does not depend on how many
-    input-space canaries were included.
-    psi_source: the records psi batches are drawn from (default: the private
-    records). For fdp / fpdp the audit puts every input-space canary there, IN or
-    OUT, because Feature-DP treats psi(x) and the labels as public: canaries may
-    differ only in x with psi(x) and labels fixed.
-    """
-
-    canaries: DiracCanaries | SpanCanaries | None = None
-    observe: Callable[[ReleasedStep], None] | None = None
-    normaliser_n: int | None = None
-    psi_source: PoseDataset | None = None
 
 
 def local_train(
@@ -382,50 +340,6 @@ def public_basis_at(
 def steps_per_epoch(n: int, batch_size: int) -> int:
     """Expected steps for one pass over n records at expected batch size B: ceil(n / B)."""
     return max(1, math.ceil(n / batch_size))
-
-
-# ---------------------------------------------------------------------------
-# evaluation
-# ---------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order."""
-    device = next(model.parameters()).device
-    model.eval()
-    pts, scores = [], []
-    n = len(dataset)
-    for start in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
-        idx = list(range(start, min(start + batch_size, n)))
-        batch = dataset.batch(idx)
-        x_logits, y_logits, _ = model(batch["image"].to(device))
-        kp, sc = decode_simcc(x_logits.cpu().numpy(), y_logits.cpu().numpy(), split_ratio=model.cfg.split_ratio)
-        pts.append(kp)
-        scores.append(sc)
-    model.train()
-    if not pts:
-        return np.zeros((0, 16, 2), np.float32), np.zeros((0, 16), np.float32)
-    return np.concatenate(pts), np.concatenate(scores)
-
-
-def evaluate(
-    model: PoseNet, records: list[PoseRecord], *, batch_size: int = 64, progress: bool = False
-) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores)."""
-    from shared.data.transforms import inverse_transform, record_boxes
-
-    if not records:
-        raise ValueError("nothing to evaluate: the split has no records")
-    if any(r.headbox is None for r in records):
-        raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
-    dataset = PoseDataset(records, input_size=model.input_size, augment=None)
-    kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress)
-    kp_image = inverse_transform(kp_input, *record_boxes(records), model.input_size)
-    gt = np.stack([r.joints for r in records])
-    vis = np.stack([r.visible for r in records])
-    heads = np.stack([r.headbox for r in records])
-    return pckh_report(kp_image, gt, vis, heads), kp_image, scores
 
 
 def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:

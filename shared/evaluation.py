@@ -1,0 +1,54 @@
+"""Predictions and PCKh of a model on a list of records (the evaluation of runs, federations and sites)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from shared.data.dataset import PoseDataset
+from shared.data.records import PoseRecord
+from shared.metrics import pckh_report
+from shared.model.posenet import PoseNet
+from shared.model.simcc import decode_simcc
+
+
+@torch.no_grad()
+def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order."""
+    device = next(model.parameters()).device
+    model.eval()
+    pts, scores = [], []
+    n = len(dataset)
+    for start in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
+        idx = list(range(start, min(start + batch_size, n)))
+        batch = dataset.batch(idx)
+        x_logits, y_logits, _ = model(batch["image"].to(device))
+        kp, sc = decode_simcc(x_logits.cpu().numpy(), y_logits.cpu().numpy(), split_ratio=model.cfg.split_ratio)
+        pts.append(kp)
+        scores.append(sc)
+    model.train()
+    if not pts:
+        return np.zeros((0, 16, 2), np.float32), np.zeros((0, 16), np.float32)
+    return np.concatenate(pts), np.concatenate(scores)
+
+
+def evaluate(
+    model: PoseNet, records: list[PoseRecord], *, batch_size: int = 64, progress: bool = False
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores)."""
+    from shared.data.transforms import inverse_transform, record_boxes
+
+    if not records:
+        raise ValueError("nothing to evaluate: the split has no records")
+    if any(r.headbox is None for r in records):
+        raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
+    dataset = PoseDataset(records, input_size=model.input_size, augment=None)
+    kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress)
+    kp_image = inverse_transform(kp_input, *record_boxes(records), model.input_size)
+    gt = np.stack([r.joints for r in records])
+    vis = np.stack([r.visible for r in records])
+    heads = np.stack([r.headbox for r in records])
+    return pckh_report(kp_image, gt, vis, heads), kp_image, scores
