@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-import yaml
-
 from shared.data.synth import WardSpec
+from shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from shared.errors import ConfigError
+from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
 
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Unit = Literal["record", "patient"]
@@ -27,10 +27,6 @@ Strategy = Literal["finetune", "full", "scratch"]
 METHODS: tuple[str, ...] = get_args(Method)
 UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type/range."""
 
 
 # Upper bounds on sizes read from configs (and checkpoints), checked before anything is allocated.
@@ -357,95 +353,6 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return _build(Config, data)
 
 
-# Largest YAML file (config, site policy) read: real ones are a few KB.
-MAX_YAML_BYTES = 1 << 20
-
-_FLOAT_TAG = "tag:yaml.org,2002:float"
-# YAML 1.2's float syntax: PyYAML (YAML 1.1) reads ``1e-5`` (no dot) as a string.
-_FLOAT_RE = re.compile(
-    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""",
-    re.X,
-)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-5`` as a float and refuses aliases and duplicate keys.
-
-    Aliases (``*name``) are refused outright: they are never needed in a fedpose
-    file and a few hundred bytes of nested aliases expand to gigabytes
-    ("billion laughs") once anything walks the data.
-    """
-
-    yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, f"YAML aliases (*{event.anchor}) are not accepted", event.start_mark
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:  # an unhashable key: SafeLoader's own error follows
-                    break
-                if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"duplicate key {key!r} (the later value would silently win)", key_node.start_mark,
-                    )
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
-
-
-def parse_yaml(text: str, *, what: str) -> Any:
-    """Parse YAML text with the strict loader; errors are ``ConfigError`` naming ``what``."""
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{what} is not valid YAML: {err}") from err
-    except RecursionError as err:
-        raise ConfigError(f"{what} is nested too deeply") from err
-
-
-def read_yaml(path: str | Path, *, what: str) -> Any:
-    """Parse a YAML file; errors name ``what`` and the file (``ConfigError``, a ValueError).
-
-    The one YAML reader of the project (configs, site policies, run-config
-    overrides): UTF-8 only, at most ``MAX_YAML_BYTES``, no aliases, no
-    duplicate keys, ``1e-5`` read as a float (YAML 1.2 float syntax).
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_YAML_BYTES + 1)
-    except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
-    if len(raw) > MAX_YAML_BYTES:
-        raise ConfigError(f"{what} {path} is too large (over {MAX_YAML_BYTES} bytes)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start}): {err.reason}") from err
-    return parse_yaml(text, what=f"{what} {path}")
-
-
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Load a YAML config file, apply dotted-key overrides, validate everything."""
     data = read_yaml(path, what="config file")
@@ -463,61 +370,5 @@ def replace(cfg: Config, **dotted: Any) -> Config:
     return config_from_dict(unflatten({**flatten(cfg), **dotted}))
 
 
-# ---------------------------------------------------------------------------
-# flat (Flower run config) view
-# ---------------------------------------------------------------------------
-
-
-def flatten_plain(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            out.update(flatten_plain(value, path))
-        else:
-            out[path] = value
-    return out
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """Nested plain dict (tuples as lists) of a config dataclass."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
-        elif isinstance(value, tuple):
-            out[f.name] = list(value)
-        else:
-            out[f.name] = value
-    return out
-
-
-def flatten(cfg: Config) -> dict[str, Any]:
-    """Dotted-key view; lists stay lists (callers needing scalars join them)."""
-    return flatten_plain(to_dict(cfg))
-
-
-def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        parts = key.split(".")
-        node = out
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"config key {key}: {part} is a value, not a section")
-            node = nxt
-        node[parts[-1]] = value
-    return out
-
-
-class _NoAliasDumper(yaml.SafeDumper):
-    """Never writes anchors/aliases (the strict reader refuses them)."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.dump(to_dict(cfg), Dumper=_NoAliasDumper, sort_keys=False))
+    dump_yaml(to_dict(cfg), path)

@@ -1,0 +1,52 @@
+"""Dotted-key (flat) views of nested config data: Flower's run config holds flat scalars only."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shared.errors import ConfigError
+
+
+def flatten_plain(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(flatten_plain(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict (tuples as lists) of a config dataclass."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def flatten(cfg: Any) -> dict[str, Any]:
+    """Dotted-key view; lists stay lists (callers needing scalars join them)."""
+    return flatten_plain(to_dict(cfg))
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"config key {key}: {part} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
