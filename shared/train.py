@@ -197,6 +197,11 @@ def local_train(
     )
     psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
     canonical = None
+    psi_only = make_psi_from(privacy) if train.images == "psi" else None
+    if psi_only is not None:
+        if method != "nonprivate":
+            raise ValueError(f"train.images='psi' is a non-private baseline; method is {method!r}")
+        private = private.canonical()  # psi of each record's canonical crop, as the public term of fdp / fpdp
     if psi is not None:
         canonical = audit.psi_source if audit is not None and audit.psi_source is not None else private.canonical()
     # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
@@ -222,6 +227,8 @@ def local_train(
         else:
             idx = poisson_sample(n, sample_rate=q, generator=generator)
         batch = to_device(private.batch(idx.tolist()), device)
+        if psi_only is not None:
+            batch = dict(apply_psi(psi_only, batch).tensors)
         batch_sizes.append(int(idx.numel()))
         psi_batch = None
         if psi is not None:
