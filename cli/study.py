@@ -118,7 +118,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     print(f"study {args.config}{' (quick)' if args.quick else ''}: {len(unique)} cells, "
           f"{len(unique) - len(todo)} done, {len(todo)} to run", flush=True)
     failed: list[str] = []
-    if todo:
+    if todo and args.report_only:
+        print(f"--report-only: {len(todo)} unfinished cells left out of the report", flush=True)
+    elif todo:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         if args.threads is not None:
             threads = args.threads
@@ -131,7 +133,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         # above a nonprivate one; the cell count is in its postfix.
         total = sum(cost(c) for c in todo)
         bar = tqdm(total=round(total), desc="study", disable=args.quiet, dynamic_ncols=True,
-                   bar_format="{l_bar}{bar}| {percent:.0f}% of the work [{elapsed}<{remaining}] {postfix}")
+                   bar_format="{l_bar}{bar}| {percentage:3.0f}% of the work [{elapsed}<{remaining}] {postfix}")
         finished = len(unique) - len(todo)
         bar.set_postfix_str(f"{finished}/{len(unique)} cells")
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -167,6 +169,8 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, help="results directory (cells/<id>/ per run; rerun to resume)")
     p.add_argument("--quick", action="store_true", help="the study file's quick grid (CI-sized)")
     p.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the CSV, tables and figures of the cells finished so far")
     p.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: cores / jobs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="debug logging")
