@@ -108,8 +108,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     from shared.study import collect, cost, expand, is_done, load_study
     from shared.study_report import write_report
 
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
     study = load_study(args.config, quick=args.quick)
     out = Path(args.out)
     cells = expand(study)

@@ -227,10 +227,10 @@ def local_train(
         else:
             idx = poisson_sample(n, sample_rate=q, generator=generator)
         batch = to_device(private.batch(idx.tolist()), device)
-        if psi_only is not None:
-            batch = dict(apply_psi(psi_only, batch).tensors)
         batch_sizes.append(int(idx.numel()))
         psi_batch = None
+        if psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
+            batch = dict(apply_psi(psi_only, batch).tensors)
         if psi is not None:
             n_psi = len(canonical)
             pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)
