@@ -344,7 +344,7 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
         for j, record in enumerate(val):
             ax = axes[i][j]
             image = np.asarray(Image.open(record.image).convert("RGB"))
-            ax.imshow(image)
+            ax.imshow(image, interpolation="nearest")
             for pts, colour in ((record.joints, "lime"), (keypoints[j], "red")):
                 for a, b in SKELETON:
                     if record.visible[a] and record.visible[b]:
@@ -357,6 +357,8 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
                 ax.set_ylabel(label, fontsize=8)
     fig.suptitle(f"validation predictions (red) and ground truth (green), centralized, {strategy}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
+    # The ward's sensor noise makes a true-colour PNG ~1 MB: a 256-colour palette keeps it small enough to commit.
+    Image.open(path).convert("RGB").quantize(colors=256).save(path, optimize=True)
     return path
