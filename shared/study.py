@@ -289,16 +289,21 @@ def _isolate_caches(cell: Cell, base: Config) -> Cell:
     derived from the cached artefact's own config, so variants that agree
     share them; the cell id is unchanged (computed before).
     """
+    def cache_key(c: Config) -> dict[str, Any]:  # what the cached data and weights depend on (not where they are)
+        key = {s: to_dict(getattr(c, s)) for s in ("data", "model", "pretrain")}
+        key["data"].pop("root")
+        key["pretrain"].pop("out")
+        return key
+
     cfg, values = cell.config, {}
-    if to_dict(cfg.data) != to_dict(base.data):
-        data = {k: v for k, v in to_dict(cfg.data).items() if k != "root"}
-        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+    if cfg.data.root != base.data.root or cfg.pretrain.out != base.pretrain.out:
+        return cell  # the variant names its own data or weights: used as given
+    mine = cache_key(cfg)
+    if mine["data"] != cache_key(base)["data"]:
+        digest = hashlib.sha256(json.dumps(mine["data"], sort_keys=True).encode()).hexdigest()[:10]
         values["data.root"] = str(Path(base.data.root).parent / f"study-data-{digest}")
-    if any(to_dict(getattr(cfg, s)) != to_dict(getattr(base, s)) for s in ("data", "model", "pretrain")):
-        fp = {s: to_dict(getattr(cfg, s)) for s in ("data", "model", "pretrain")}
-        fp["pretrain"] = {k: v for k, v in fp["pretrain"].items() if k != "out"}
-        fp["data"] = {k: v for k, v in fp["data"].items() if k != "root"}
-        digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:10]
+    if mine != cache_key(base):
+        digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:10]
         values["pretrain.out"] = str(Path(base.pretrain.out).parent / f"study-pretrained-{digest}")
     if not values:
         return cell

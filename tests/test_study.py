@@ -76,6 +76,7 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
 
     text = study_text(seeds="[1]", settings="[centralized]", epsilons="[0.8]") + (
         "ablations:\n  k: [{privacy.k: 10}, {privacy.k: 50}]\n  dplh: [{model.task_uncertainty: false}]\n"
+        "  mine: [{data.root: /elsewhere/ward, data.synth.seed: 3}]\n"
     )
     cells = expand(load_study(write_study(tmp_path, text)))
     k = [c for c in cells if c.ablation == "k"]
@@ -86,6 +87,9 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
     dplh = next(c for c in cells if c.ablation == "dplh")
     assert dplh.config.model.task_uncertainty is False
     assert dplh.config.pretrain.out != grid_fpdp.config.pretrain.out  # another model: its own pretraining
+    assert dplh.config.data.root == grid_fpdp.config.data.root  # same data: shared
+    mine = next(c for c in cells if c.ablation == "mine")
+    assert mine.config.data.root == "/elsewhere/ward"  # a variant that names its data keeps it
 
 
 @pytest.mark.parametrize(
