@@ -295,14 +295,13 @@ def _isolate_caches(cell: Cell, base: Config) -> Cell:
         key["pretrain"].pop("out")
         return key
 
+    # A variant that names its own data root or weights folder keeps it (used as given).
     cfg, values = cell.config, {}
-    if cfg.data.root != base.data.root or cfg.pretrain.out != base.pretrain.out:
-        return cell  # the variant names its own data or weights: used as given
     mine = cache_key(cfg)
-    if mine["data"] != cache_key(base)["data"]:
+    if cfg.data.root == base.data.root and mine["data"] != cache_key(base)["data"]:
         digest = hashlib.sha256(json.dumps(mine["data"], sort_keys=True).encode()).hexdigest()[:10]
         values["data.root"] = str(Path(base.data.root).parent / f"study-data-{digest}")
-    if mine != cache_key(base):
+    if cfg.pretrain.out == base.pretrain.out and mine != cache_key(base):
         digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:10]
         values["pretrain.out"] = str(Path(base.pretrain.out).parent / f"study-pretrained-{digest}")
     if not values:

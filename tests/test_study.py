@@ -90,6 +90,7 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
     assert dplh.config.data.root == grid_fpdp.config.data.root  # same data: shared
     mine = next(c for c in cells if c.ablation == "mine")
     assert mine.config.data.root == "/elsewhere/ward"  # a variant that names its data keeps it
+    assert mine.config.pretrain.out not in (grid_fpdp.config.pretrain.out, dplh.config.pretrain.out)
 
 
 @pytest.mark.parametrize(
