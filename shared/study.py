@@ -10,8 +10,10 @@ same point always gets the same id, and a cell is done iff
 again. Running cells is the CLI's job (``cli/study.py``: one subprocess per
 cell); tables and figures are ``shared/study_report.py``.
 
-Another axis (e.g. a privacy unit) is one entry of ``AXES`` plus one field
-of ``StudyAxes``.
+Another axis (e.g. the privacy unit, ``privacy.unit``) is a field of
+``StudyAxes`` and of ``Cell``, one more loop in ``expand`` putting its value
+in with ``_cell``, and a column in ``COLUMNS``; cell ids need nothing (they
+hash the resolved config).
 """
 
 from __future__ import annotations
@@ -44,13 +46,6 @@ Baseline = Literal["psi-only", "pretrained"]
 SETTINGS: tuple[str, ...] = get_args(Setting)
 BASELINES: tuple[str, ...] = get_args(Baseline)
 
-# Study axis -> the config key its values are put in (method and strategy are axes of every cell).
-AXES: tuple[tuple[str, str], ...] = (
-    ("methods", "train.method"),
-    ("epsilons", "privacy.epsilon"),
-    ("clips", "privacy.clip_norm"),
-    ("strategies", "train.strategy"),
-)
 # Keys that only say where a run writes: not part of a cell's identity.
 _OUTPUT_KEYS = ("train.out", "federation.out")
 
