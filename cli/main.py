@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge", "cli.audit"):
+    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge", "cli.audit", "cli.study"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

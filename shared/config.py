@@ -179,8 +179,16 @@ class TrainConfig:
     seed: int | None = None  # None: noise from OS entropy (production); an int: reproducible, not for production
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out: str = "runs/train"
+    # raw: train on the images; psi: the non-private baseline "psi(x) only" (trained on psi of each record's
+    # canonical crop, what the public term of fdp / fpdp sees); nonprivate only.
+    images: Literal["raw", "psi"] = "raw"
 
     def __post_init__(self) -> None:
+        if self.images == "psi" and self.method != "nonprivate":
+            raise ConfigError(
+                f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is {self.method!r} "
+                "(fdp / fpdp already add the psi(x) gradient): use train.method: nonprivate or train.images: raw"
+            )
         if self.epochs < 1 or self.batch_size < 1 or self.public_batch_size < 1:
             raise ConfigError("train.epochs, train.batch_size and train.public_batch_size must be >= 1")
         if self.lr <= 0:

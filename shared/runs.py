@@ -277,6 +277,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": psi_name,
+        "images": cfg.train.images if cfg.train.images == "raw" else psi_label(cfg.privacy.psi, cfg.privacy.psi_param),
         "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
         "seeded": seeded,
         "claim": claim,

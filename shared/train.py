@@ -194,6 +194,11 @@ def local_train(
     )
     psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
     canonical = None
+    psi_only = make_psi_from(privacy) if train.images == "psi" else None
+    if psi_only is not None:
+        if method != "nonprivate":
+            raise ValueError(f"train.images='psi' is a non-private baseline; method is {method!r}")
+        private = private.canonical()  # psi of each record's canonical crop, as the public term of fdp / fpdp
     if psi is not None:
         canonical = audit.psi_source if audit is not None and audit.psi_source is not None else private.canonical()
     # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
@@ -229,6 +234,8 @@ def local_train(
             batch_sizes.append(int(idx.numel()))
         batch = to_device(private.batch(idx.tolist()), device)
         psi_batch = None
+        if psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
+            batch = dict(apply_psi(psi_only, batch).tensors)
         if psi is not None:
             n_psi = len(canonical)
             pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)

@@ -51,3 +51,39 @@ def test_local_train_follows_the_schedule_within_its_span(tiny, schedule):
     with pytest.raises(ValueError, match="do not fit"):
         local_train(model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=3,
                     generator=torch.Generator().manual_seed(0), schedule_span=(6, 8), progress=False)
+
+
+def test_psi_only_images_are_refused_for_private_methods():
+    from shared.config import ConfigError, Config, config_from_dict
+
+    assert Config().train.images == "raw"
+    with pytest.raises(ConfigError, match="train.images"):
+        config_from_dict({"train": {"method": "fpdp", "images": "psi"}})
+    assert config_from_dict({"train": {"method": "nonprivate", "images": "psi"}}).train.images == "psi"
+
+
+def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatch):
+    """The psi(x)-only baseline: every training image is psi(canonical crop), never a raw or augmented one."""
+    import shared.train as train_mod
+    from shared.privacy.psi import apply_psi
+
+    cfg, dataset = tiny
+    cfg = replace(cfg, **{"train.method": "nonprivate", "train.images": "psi"})
+    seen = []
+    real = train_mod.dp_gradient
+
+    def spy(loss_fn, params, *, private_batch, **kwargs):
+        seen.append(private_batch["image"].clone())
+        return real(loss_fn, params, private_batch=private_batch, **kwargs)
+
+    monkeypatch.setattr(train_mod, "dp_gradient", spy)
+    model = initial_model(cfg, progress=False)
+    local_train(model, dataset, method="nonprivate", train=cfg.train, privacy=cfg.privacy, sigma=0.0, steps=2,
+                generator=torch.Generator().manual_seed(0), progress=False)
+    canonical = dataset.canonical()
+    everything = apply_psi(train_mod.make_psi_from(cfg.privacy),
+                           canonical.batch(list(range(len(canonical))))).tensors["image"]
+    assert len(seen) == 2
+    for batch in seen:
+        for image in batch:
+            assert (everything - image).abs().flatten(1).amax(1).min() < 1e-6

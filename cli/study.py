@@ -1,0 +1,188 @@
+"""``fedpose study``: the privacy-utility grid, one subprocess per cell, resumable, with tables and figures.
+
+Registered by ``cli.main``. The grid and its cells are ``shared/study.py``;
+this module runs them: the data and the public pretrained weights every cell
+needs are prepared once here, then each unfinished cell runs in its own
+process (``python -m cli.study CELL_DIR``) so parallel cells never share
+torch's threads: ``--jobs N`` processes with cores / N threads each.
+A centralized cell is ``shared.runs.run_train``; a federated one is
+``fedpose simulate`` (Flower simulation, one site per private split); the
+pretrained baseline evaluates the public-pretrained weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fedpose")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def prepare(cells: list[Any], *, progress: bool) -> None:
+    """Data and public pretrained weights of every distinct cache the cells use (cached; run once, here)."""
+    from shared.runs import ensure_data, ensure_pretrained
+
+    done: set[tuple[str, str]] = set()
+    for cell in cells:
+        cfg = cell.config
+        key = (cfg.data.root, cfg.pretrain.out)
+        if key in done:
+            continue
+        done.add(key)
+        ensure_data(cfg, progress=progress)
+        if cfg.train.strategy != "scratch" or cell.kind == "pretrained":
+            ensure_pretrained(cfg, progress=progress)
+
+
+def write_cell(out: Path, cell: Any) -> Path:
+    """The cell's folder with what its process needs: cell.json and config.yaml."""
+    from shared.config import dump_config
+    from shared.study import cell_dir
+
+    path = cell_dir(out, cell)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "cell.json").write_text(json.dumps(cell.describe(), indent=1))
+    dump_config(cell.config, path / "config.yaml")
+    return path
+
+
+def run_cell(path: Path) -> None:
+    """Run the cell in ``path`` (in this process) and write its metrics.json last (the done marker)."""
+    from shared.config import load_config
+
+    spec = json.loads((path / "cell.json").read_text())
+    cfg = load_config(path / "config.yaml")
+    if spec["kind"] == "train":
+        from shared.runs import run_train
+
+        run_train(cfg, path, progress=False)
+    elif spec["kind"] == "pretrained":
+        from shared.model.posenet import load_checkpoint
+        from shared.runs import ensure_data, ensure_pretrained, load_records
+        from shared.train import evaluate, write_json
+
+        t0 = time.perf_counter()
+        weights = ensure_pretrained(cfg, progress=False)
+        model, _ = load_checkpoint(weights)
+        report, _, _ = evaluate(model, load_records(ensure_data(cfg, progress=False), cfg.data.val_split))
+        write_json(path / "metrics.json", {"kind": "pretrained", "checkpoint": str(Path(weights).resolve()),
+                                           "epsilon": None, **report,
+                                           "seconds": round(time.perf_counter() - t0, 2)})
+    elif spec["kind"] == "federated":
+        from cli.main import main
+
+        args = ["simulate", "--config", str(path / "config.yaml"), "--out", str(path), "--quiet"]
+        if (path / "checkpoint.pt").exists() or (path / "ledger.sqlite").exists():
+            args.append("--resume")  # an interrupted federation continues from its checkpoint
+        code = main(args)
+        if code != 0 or not (path / "metrics.json").is_file():
+            raise RuntimeError(f"fedpose simulate failed in {path} (exit {code})")
+    else:
+        raise ValueError(f"{path}/cell.json: unknown kind {spec['kind']!r}")
+
+
+def launch(path: Path, threads: int) -> tuple[int, float]:
+    """Run one cell in its own process (log in ``path/log.txt``); returns (exit code, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t0 = time.perf_counter()
+    with open(path / "log.txt", "ab") as fh:
+        code = subprocess.call([sys.executable, "-m", "cli.study", str(path)], stdout=fh,
+                               stderr=subprocess.STDOUT, env=env)
+    return code, time.perf_counter() - t0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from shared.study import collect, cost, expand, is_done, load_study
+    from shared.study_report import write_report
+
+    if args.jobs < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
+    study = load_study(args.config, quick=args.quick)
+    out = Path(args.out)
+    cells = expand(study)
+    unique = list({c.id: c for c in cells}.values())
+    todo = [c for c in unique if not is_done(out, c)]
+    print(f"study {args.config}{' (quick)' if args.quick else ''}: {len(unique)} cells, "
+          f"{len(unique) - len(todo)} done, {len(todo)} to run", flush=True)
+    failed: list[str] = []
+    if todo and args.report_only:
+        print(f"--report-only: {len(todo)} unfinished cells left out of the report", flush=True)
+    elif todo:
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        if args.threads is not None:
+            threads = args.threads
+        import torch
+
+        torch.set_num_threads(threads * args.jobs)
+        prepare(todo, progress=not args.quiet)
+        paths = {c.id: write_cell(out, c) for c in todo}
+        # The bar counts expected work (``shared.study.cost``), so its time left weighs a federated fpdp cell
+        # above a nonprivate one; the cell count is in its postfix.
+        total = sum(cost(c) for c in todo)
+        bar = tqdm(total=round(total), desc="study", disable=args.quiet, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {percentage:3.0f}% of the work [{elapsed}<{remaining}] {postfix}")
+        finished = len(unique) - len(todo)
+        bar.set_postfix_str(f"{finished}/{len(unique)} cells")
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {pool.submit(launch, paths[c.id], threads): c for c in todo}
+            for future in as_completed(futures):
+                cell = futures[future]
+                code, seconds = future.result()
+                what = f"{cell.setting} {cell.method} {cell.strategy or ''} eps={cell.epsilon} C={cell.clip} " \
+                       f"seed={cell.seed}{' ' + cell.variant if cell.variant else ''}"
+                if code == 0 and is_done(out, cell):
+                    tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s)")
+                else:
+                    failed.append(cell.id)
+                    tqdm.write(f"FAILED {cell.id}  {what}  (exit {code}; see {paths[cell.id] / 'log.txt'})")
+                finished += 1
+                bar.set_postfix_str(f"{finished}/{len(unique)} cells", refresh=False)
+                bar.update(min(round(cost(cell)), bar.total - bar.n))
+        bar.close()
+    rows = collect(out, cells)
+    written = write_report(out, rows, cells, study)
+    print(f"wrote {', '.join(str(p.relative_to(out)) for p in written)} in {out} ({len(rows)} rows)")
+    if failed:
+        print(f"{len(failed)} cells failed: {', '.join(failed)}; run the same command again to retry them",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("study", help="the privacy-utility grid (methods x eps x C x strategy, centralized and "
+                                     "federated): CSV, tables, figures; resumable")
+    p.add_argument("--config", default="configs/study.yaml", help="study file (default configs/study.yaml)")
+    p.add_argument("--out", required=True, help="results directory (cells/<id>/ per run; rerun to resume)")
+    p.add_argument("--quick", action="store_true", help="the study file's quick grid (CI-sized)")
+    p.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the CSV, tables and figures of the cells finished so far")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: cores / jobs)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_study)
+
+
+if __name__ == "__main__":  # one cell, in its own process: python -m cli.study CELL_DIR
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m cli.study CELL_DIR (run by fedpose study)")
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run_cell(Path(sys.argv[1]))

@@ -1,0 +1,199 @@
+"""`fedpose study`: the privacy-utility grid (config validation, grid expansion, the quick grid end to end)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_study(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "study.yaml"
+    path.write_text(text)
+    return path
+
+
+def study_text(**fields: str) -> str:
+    base = {
+        "base": str(REPO / "configs" / "default.yaml"),
+        "methods": "[nonprivate, dpsgd, fpdp]",
+        "epsilons": "[0.2, 0.8]",
+        "clips": "[1.0]",
+        "strategies": "[full]",
+        "settings": "[centralized, federated]",
+        "seeds": "[1, 2]",
+        "baselines": "[psi-only, pretrained]",
+    }
+    base.update(fields)
+    return "".join(f"{k}: {v}\n" for k, v in base.items() if v is not None)
+
+
+def test_shipped_study_config_and_its_quick_grid_load():
+    from shared.study import load_study
+
+    full = load_study(REPO / "configs" / "study.yaml")
+    assert full.axes.methods == ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
+    assert full.axes.epsilons == (0.2, 0.4, 0.6, 0.8)
+    assert full.axes.clips == (0.01, 0.1, 1.0)
+    assert full.axes.strategies == ("finetune", "full", "scratch")
+    assert full.axes.settings == ("centralized", "federated")
+    quick = load_study(REPO / "configs" / "study.yaml", quick=True)
+    assert len(quick.axes.epsilons) == 1 and quick.base.train.epochs == 1
+
+
+def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):
+    from shared.study import expand, load_study
+
+    cells = expand(load_study(write_study(tmp_path, study_text())))
+    grid = [c for c in cells if not c.ablation]
+    # nonprivate: once per strategy and seed (eps and C do not apply), centralized only (a federation
+    # trains privately); dpsgd and fpdp: 2 eps x 1 C x 2 settings x 2 seeds; baselines: psi-only per seed,
+    # pretrained once.
+    by_method = {m: [c for c in grid if c.method == m] for m in ("nonprivate", "dpsgd", "fpdp", "psi-only",
+                                                                   "pretrained")}
+    assert len(by_method["nonprivate"]) == 2 and {c.setting for c in by_method["nonprivate"]} == {"centralized"}
+    assert all(c.epsilon is None and c.clip is None for c in by_method["nonprivate"])
+    assert len(by_method["dpsgd"]) == len(by_method["fpdp"]) == 2 * 2 * 2
+    assert len(by_method["psi-only"]) == 2 and len(by_method["pretrained"]) == 1
+    ids = [c.id for c in grid]
+    assert len(set(ids)) == len(ids)  # every point has its own id
+    fpdp = next(c for c in grid if c.method == "fpdp" and c.setting == "federated" and c.epsilon == 0.2)
+    assert fpdp.config.train.method == "fpdp" and fpdp.config.privacy.epsilon == 0.2 and fpdp.config.train.seed == 1
+    # ids are stable: the same study expands to the same ids
+    assert [c.id for c in expand(load_study(write_study(tmp_path, study_text())))] == [c.id for c in cells]
+
+
+def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_path):
+    from shared.study import expand, load_study
+
+    text = study_text(seeds="[1]", settings="[centralized]", epsilons="[0.8]") + (
+        "ablations:\n  k: [{privacy.k: 10}, {privacy.k: 50}]\n  dplh: [{model.task_uncertainty: false}]\n"
+        "  mine: [{data.root: /elsewhere/ward, data.synth.seed: 3}]\n"
+    )
+    cells = expand(load_study(write_study(tmp_path, text)))
+    k = [c for c in cells if c.ablation == "k"]
+    assert [c.variant for c in k] == ["privacy.k=10", "privacy.k=50"]
+    assert k[0].config.privacy.k == 10 and k[0].method == "fpdp"
+    grid_fpdp = next(c for c in cells if not c.ablation and c.method == "fpdp")
+    assert k[1].id == grid_fpdp.id  # the default k is the grid's own cell: run once
+    dplh = next(c for c in cells if c.ablation == "dplh")
+    assert dplh.config.model.task_uncertainty is False
+    assert dplh.config.pretrain.out != grid_fpdp.config.pretrain.out  # another model: its own pretraining
+    assert dplh.config.data.root == grid_fpdp.config.data.root  # same data: shared
+    mine = next(c for c in cells if c.ablation == "mine")
+    assert mine.config.data.root == "/elsewhere/ward"  # a variant that names its data keeps it
+    assert mine.config.pretrain.out not in (grid_fpdp.config.pretrain.out, dplh.config.pretrain.out)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("methods", "[fpdp, sgd]", "study.methods\\[1\\]"),
+        ("methods", "[]", "study.methods: list at least one"),
+        ("epsilons", "[0.8, -1]", "study.epsilons: .* > 0"),
+        ("clips", "[0]", "study.clips: .* > 0"),
+        ("seeds", "[1, 1]", "study.seeds: 1 is listed twice"),
+        ("settings", "[centralised]", "study.settings\\[0\\]"),
+        ("baselines", "[blur]", "study.baselines\\[0\\]"),
+        ("strategies", "full", "study.strategies: expected a list"),
+        ("base", "nowhere.yaml", "cannot read config file"),
+        ("seeds", "[1]\nepochs: 3", "unknown config key study.epochs"),
+        ("seeds", "[1]\noverrides: {train.lr: fast}", "train.lr"),
+        ("seeds", "[1]\nablations: {k: [{privacy.kk: 3}]}", "study ablations.k\\[0\\].*privacy.kk"),
+        ("seeds", "[1]\nablations: {k: 3}", "study ablations.k: expected a list"),
+    ],
+)
+def test_bad_study_configs_name_what_is_wrong(tmp_path, field, value, message):
+    from shared.study import expand, load_study
+
+    with pytest.raises(ConfigError, match=message):
+        expand(load_study(write_study(tmp_path, study_text(**{field: value}))))
+
+
+def test_quick_without_a_quick_section_is_refused(tmp_path):
+    from shared.study import load_study
+
+    with pytest.raises(ConfigError, match="no 'quick' section"):
+        load_study(write_study(tmp_path, study_text()), quick=True)
+
+
+def test_gap_recovered_per_point_with_the_centralized_reference_for_federations():
+    from shared.study_report import gap_rows
+
+    def row(method, setting, eps, mean, seed=1):
+        return {"method": method, "setting": setting, "strategy": "full", "clip": None if method == "nonprivate"
+                else 1.0, "epsilon": None if method == "nonprivate" else eps, "seed": seed, "ablation": "",
+                "mean": mean}
+
+    rows = [row("nonprivate", "centralized", None, 60.0), row("dpsgd", "centralized", 0.8, 40.0),
+            row("fpdp", "centralized", 0.8, 55.0), row("proj", "centralized", 0.8, 41.0),
+            row("fdp", "centralized", 0.8, 42.0), row("dpsgd", "federated", 0.8, 30.0),
+            row("fpdp", "federated", 0.8, 36.0)]
+    gaps = {g["setting"]: g for g in gap_rows(rows)}
+    assert gaps["centralized"]["gap_recovered"] == pytest.approx(0.75)
+    assert gaps["centralized"]["ordering"] == "holds"
+    assert gaps["federated"]["gap_recovered"] == pytest.approx(6 / 30)
+    assert gaps["federated"]["reference"] == "centralized nonprivate"
+    assert gaps["federated"]["ordering"] == "n/a (proj, fdp not run)"
+
+
+@pytest.mark.slow
+def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "cli.main", "study", "--config", str(REPO / "configs" / "study.yaml"),
+           "--out", str(tmp_path / "study"), "--quick"]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = tmp_path / "study"
+    with open(out / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    columns = ["cell_id", "setting", "method", "strategy", "epsilon", "clip", "seed", "ablation", "variant", "head",
+               "shoulder", "elbow", "wrist", "hip", "knee", "ankle", "mean", "mean@0.1", "eps_spent", "seconds"]
+    assert list(rows[0]) == columns
+    settings = {(r["method"], r["setting"]) for r in rows}
+    assert {("fpdp", "centralized"), ("fpdp", "federated"), ("dpsgd", "federated"), ("nonprivate", "centralized"),
+            ("psi-only", "centralized"), ("pretrained", "centralized")} <= settings
+    for r in rows:
+        assert 0.0 <= float(r["mean"]) <= 100.0
+        if r["method"] in ("dpsgd", "fpdp"):
+            assert 0.0 < float(r["eps_spent"]) <= float(r["epsilon"]) + 1e-9
+    assert (out / "tables.md").read_text().count("| Head | Shoulder | Elbow | Wrist | Hip | Knee | Ankle | Mean |") >= 2
+    assert (out / "gap_recovered.csv").is_file() and (out / "gap_recovered.md").is_file()
+    assert (out / "pckh_vs_eps_finetune_C1.png").stat().st_size > 0
+    assert (out / "qualitative.png").stat().st_size > 0
+    done = sorted(out.glob("cells/*/metrics.json"))
+    stamps = [p.stat().st_mtime_ns for p in done]
+
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"{len(done)} cells, {len(done)} done, 0 to run" in second.stdout
+    assert [p.stat().st_mtime_ns for p in done] == stamps  # nothing was rerun
+
+
+def test_progress_weights_cells_by_their_expected_cost(tmp_path):
+    from shared.study import cost, expand, load_study
+
+    cells = {(c.setting, c.method, c.epsilon): c for c in expand(load_study(write_study(tmp_path, study_text())))}
+    central = [cost(cells[("centralized", m, 0.8)]) for m in ("dpsgd", "fpdp")]
+    assert 0 < cost(cells[("centralized", "pretrained", None)]) < cost(cells[("centralized", "nonprivate", None)])
+    assert central[0] < central[1]
+    assert cost(cells[("federated", "fpdp", 0.8)]) > 0
+
+
+def test_report_only_runs_nothing_and_reports_what_is_finished(tmp_path, capsys):
+    from cli.main import main
+
+    config = write_study(tmp_path, study_text())
+    assert main(["study", "--config", str(config), "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "0 done, 21 to run" in printed and "21 unfinished cells left out" in printed
+    assert not (tmp_path / "out" / "cells").exists()
+    assert (tmp_path / "out" / "results.csv").read_text().startswith("cell_id,setting,method,")
