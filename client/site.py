@@ -75,7 +75,6 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
     model = build_model(cfg.model, cfg.data.input_size)
     load_weights(content, model)
     model.to(device)
-    evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)
     trainable = apply_strategy(model, cfg.train.strategy)
     basis, seconds_basis = None, 0.0
     if method in PROJECTED:
@@ -100,6 +99,9 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         if eps_after > policy.epsilon:
             raise Refusal(RefusalCode.BUDGET, f"this round would spend eps={eps_after:.4g} > budget {policy.epsilon:g} "
                                               f"(delta={policy.delta:g}, {policy.accountant})")
+        # Only a request that will train gets the received model scored: a refused one (any number of
+        # them) costs the site no evaluation and no evaluation.jsonl row. The weights are still the global ones.
+        evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)
         # Reproducible noise (tests only, P7) is seeded from the ledger row, never from a server field (P11).
         seed = None if policy.seed is None else policy.seed + open_round.rounds_done
         generator, seeded = make_generator(seed, "cpu")

@@ -245,3 +245,11 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
     for reply in replies:  # nothing about the evaluation travels: the reply carries exactly what it did before
         assert set(reply[METRICS].keys()) == set(REPLY_METRICS)
         assert set(reply.keys()) == {ARRAYS, METRICS}
+    # A refused request (here: past the policy's 2 rounds) is never evaluated: no work, no row.
+    from shared.federation_messages import Refusal
+
+    request = TrainRequest(federation="fed-eval", round=3, site="site-0", sigma=5.0, sample_rate=_q(cfg), steps=1,
+                           basis_version=0, basis_mode="broadcast", config=cfg)
+    with pytest.raises(Refusal):
+        handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
+    assert len(evaluation_log(policy).read_text().splitlines()) == 2
