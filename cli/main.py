@@ -79,6 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "privacy.clip_norm": args.clip,
             "train.seed": args.seed,
             "train.epochs": args.epochs,
+            "train.batch_size": args.batch_size,
             "privacy.unit": args.unit,
             "privacy.max_records_per_patient": args.max_records_per_patient,
             "data.root": args.data,
@@ -171,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--epsilon", type=float, default=None)
     tr.add_argument("--clip", type=float, default=None)
     tr.add_argument("--epochs", type=int, default=None)
+    tr.add_argument("--batch-size", type=int, default=None,
+                    help="expected batch: records, or patients at --unit patient (sets q = B / n)")
     tr.add_argument("--seed", type=int, default=None, help="reproducible noise (NOT for production)")
     tr.add_argument("--unit", choices=UNITS, default=None,
                     help="privacy unit: record (one image) or patient (all images of one person; needs patient ids; "

@@ -1,0 +1,150 @@
+"""Every results table and figure of the README, from one command (issue #14).
+
+    python benchmarks/reproduce.py [--out runs/reproduce] [--only NAME ...] [--list] [--dry-run] [--force]
+
+Each entry below fills one README block (the text between ``<!-- results-NAME -->`` and
+``<!-- /results-NAME -->``; ``tests/test_reproduce.py`` checks that every results table and figure of the
+README lies in such a block and that every block has an entry here) with the commands that measured it,
+in order. Every command runs in its own process from the repository root with this interpreter; its
+output goes to the terminal (the commands' own progress bars) and to ``OUT/NAME/<i>.log``. An entry is
+done when ``OUT/NAME/done.json`` exists (each command's exit code and seconds): rerunning the command
+skips it (``--force`` reruns), and a failed command stops its entry and is rerun next time.
+
+The README states, per block, the machine and load it was measured under; on this 2-core CPU the whole
+list takes about 9 hours (the study and the 3-seed tables dominate). A GPU site sets ``CUDA`` torch and
+runs the same list. Run it as a file (Opacus installs a top-level ``benchmarks`` package that shadows
+``python -m benchmarks...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FEDPOSE = ("{py}", "-m", "cli.main")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the README block: <!-- results-NAME -->
+    what: str
+    commands: tuple[tuple[str, ...], ...]  # "{py}" is this interpreter, "{out}" this entry's folder
+
+
+def _levers(tag: str, *flags: str) -> tuple[str, ...]:
+    return ("{py}", "benchmarks/federation_levers.py", "--rounds", "19", "--eval-every", "3", "--no-progress",
+            "--out", "{out}", "--tag", tag, *flags)
+
+
+def _train(out: str, *flags: str) -> tuple[str, ...]:
+    return (*FEDPOSE, "train", "--config", "configs/default.yaml", "--method", "fpdp", "--seed", "1", "--quiet",
+            "--out", "{out}/" + out, *flags)
+
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry("federation", "the main command: the default federation, then the edge step", (
+        (*FEDPOSE, "simulate", "--config", "configs/default.yaml", "--out", "{out}/federation"),
+        (*FEDPOSE, "edge", "demo-video", "--out", "{out}/demo.mp4"),
+        (*FEDPOSE, "edge", "export", "--checkpoint", "{out}/federation/model.pt", "--out", "{out}/model.onnx"),
+        (*FEDPOSE, "edge", "run", "--model", "{out}/model.onnx", "--source", "{out}/demo.mp4", "--out-dir",
+         "{out}/edge", "--video", "--pixelize", "eps=1,b=16,m=16,n=4"),
+    )),
+    Entry("methods", "the five methods on the default config, 3 seeds", (
+        ("{py}", "benchmarks/compare_methods.py", "--config", "configs/default.yaml", "--seeds", "1", "2", "3",
+         "--out", "{out}", "--reuse"),
+    )),
+    Entry("patient", "record level vs patient level (fpdp, one seed)", (
+        _train("record"),
+        _train("patient-64", "--unit", "patient"),
+        _train("patient-16", "--unit", "patient", "--batch-size", "16"),
+    )),
+    Entry("levers", "does the federation learn: the levers at 19 rounds x 10 local steps", (
+        _levers("default fresh Adam FedAvg", "--seeds", "1", "2", "3"),
+        _levers("dpsgd, fresh Adam FedAvg", "--method", "dpsgd", "--seeds", "1"),
+        _levers("local SGD 0.01 + server Adam 0.01", "--optimizer", "sgd", "--lr", "0.01", "--server-optimizer",
+                "adam", "--server-lr", "0.01", "--seeds", "1"),
+    )),
+    Entry("study", "the privacy-utility grid that fits this CPU", (
+        (*FEDPOSE, "study", "--config", "configs/study-cpu.yaml", "--out", "{out}", "--threads", "1"),
+    )),
+    Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
+        ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
+    )),
+    Entry("benchmarks", "step time, downlink, edge latency, DP pixelization", (
+        ("{py}", "benchmarks/dp_step.py", "--repeats", "3"),
+        ("{py}", "benchmarks/federation.py", "--json", "{out}/federation.json"),
+        ("{py}", "benchmarks/edge_latency.py", "--repeats", "30", "--frames", "120", "--threads", "2"),
+        ("{py}", "benchmarks/pixelize.py"),
+    )),
+)
+
+
+def command(entry_cmd: tuple[str, ...], out: Path) -> list[str]:
+    return [part.replace("{py}", sys.executable).replace("{out}", str(out)) for part in entry_cmd]
+
+
+def run_entry(entry: Entry, out: Path) -> bool:
+    """Run one entry's commands in order; True when all succeeded (then done.json is written)."""
+    out.mkdir(parents=True, exist_ok=True)
+    steps = []
+    for i, part in enumerate(entry.commands, 1):
+        argv = command(part, out)
+        print(f"  [{i}/{len(entry.commands)}] {' '.join(argv)}", flush=True)
+        t0 = time.perf_counter()
+        with open(out / f"{i}.log", "w", encoding="utf-8") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    bufsize=1)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            code = proc.wait()
+        seconds = time.perf_counter() - t0
+        steps.append({"command": argv, "exit_code": code, "seconds": round(seconds, 1)})
+        if code != 0:
+            print(f"  failed (exit {code}) after {seconds:.0f} s: see {out / f'{i}.log'}", flush=True)
+            return False
+    (out / "done.json").write_text(json.dumps({"entry": entry.name, "steps": steps}, indent=2) + "\n")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/reproduce"))
+    parser.add_argument("--only", nargs="+", choices=[e.name for e in ENTRIES], help="these entries only")
+    parser.add_argument("--list", action="store_true", help="list the entries and whether each is done")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--force", action="store_true", help="rerun entries that are done")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    chosen = [e for e in ENTRIES if not args.only or e.name in args.only]
+    if args.list or args.dry_run:
+        for e in chosen:
+            done = (out / e.name / "done.json").exists()
+            print(f"{e.name:<11} {'done' if done else 'to run':<7} README <!-- results-{e.name} -->: {e.what}")
+            if args.dry_run:
+                for part in e.commands:
+                    print("    " + " ".join(command(part, out / e.name)))
+        return 0
+    failed = []
+    t0 = time.perf_counter()
+    for n, e in enumerate(chosen, 1):
+        if (out / e.name / "done.json").exists() and not args.force:
+            print(f"[{n}/{len(chosen)}] {e.name}: done (rerun with --force)", flush=True)
+            continue
+        print(f"[{n}/{len(chosen)}] {e.name}: {e.what} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+        if not run_entry(e, out / e.name):
+            failed.append(e.name)
+    print(f"{len(chosen) - len(failed)} of {len(chosen)} entries done in {time.perf_counter() - t0:.0f} s; outputs "
+          f"under {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
