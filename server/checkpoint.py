@@ -2,7 +2,8 @@
 
 The file is written to a temporary sibling, fsynced and renamed over the
 previous one, so a killed server leaves either the old or the new
-checkpoint, never a mix. ``--resume`` loads it, reconciles the SQLite
+checkpoint, never a mix. The server optimizer's moments (FedAvgM / FedAdam) are in
+it too, so a resumed federation takes the same steps. ``--resume`` loads it, reconciles the SQLite
 ledger with the snapshot (``ServerLedger.reconcile``) and continues at
 ``round + 1``: completed rounds are neither lost nor counted twice.
 """
@@ -29,6 +30,7 @@ class ServerState:
     weights: dict[str, torch.Tensor]
     ledger: dict[str, Any]  # ServerLedger.snapshot() after that round
     history: list[dict[str, Any]]  # rounds.jsonl records so far
+    optimizer: dict[str, Any] | None = None  # ServerOptimizer.state_dict() (FedAvgM / FedAdam moments)
 
 
 def save_state(path: str | Path, state: ServerState) -> None:
@@ -41,6 +43,7 @@ def save_state(path: str | Path, state: ServerState) -> None:
         "weights": {k: v.detach().cpu() for k, v in state.weights.items()},
         "ledger": state.ledger,
         "history": state.history,
+        "optimizer": state.optimizer,
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
@@ -68,5 +71,5 @@ def load_state(path: str | Path) -> ServerState:
         raise ValueError(f"{path} is not a fedpose server checkpoint (format {FORMAT})")
     return ServerState(
         round=int(payload["round"]), federation=str(payload["federation"]), weights=payload["weights"],
-        ledger=payload["ledger"], history=list(payload["history"]),
+        ledger=payload["ledger"], history=list(payload["history"]), optimizer=payload.get("optimizer"),
     )

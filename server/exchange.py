@@ -8,8 +8,9 @@ import logging
 import time
 from typing import Any
 
-from server.ledger import ServerLedger
+from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford
+from server.policy_watch import watch
 from server.replies import Reply
 from shared.config import Config
 from shared.federation_messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
@@ -96,33 +97,50 @@ def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: 
     return replies
 
 
-def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], cfg: Config) -> list[str]:
+def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], cfg: Config,
+                  recheck: set[str] | None = None) -> tuple[list[str], dict[str, SiteInfo]]:
     """Map sites to the nodes connected now: a site that came back (same or new node id) is asked again.
 
-    Returns the planned sites whose node is offline this round.
+    Nodes not seen before are asked who they are, and so are the sites in ``recheck`` (those that
+    refused, missed a round or were offline: they may have changed their policy) once their node is
+    online; each site asked is removed from ``recheck``. Returns the planned sites whose node is
+    offline this round and what every site asked declared.
     """
+    recheck = set() if recheck is None else recheck
     online = set(grid.get_node_ids())
-    unknown = sorted(online - set(node_of.values()))
-    if unknown:
-        for site, (nid, _) in query_sites(grid, unknown, cfg).items():
+    ask = set(online - set(node_of.values()))
+    ask |= {node_of[s] for s in recheck if s in node_of and node_of[s] in online}
+    infos: dict[str, SiteInfo] = {}
+    if ask:
+        for site, (nid, info) in query_sites(grid, sorted(ask), cfg).items():
+            infos[site] = info
+            recheck.discard(site)
             if site in plans:
                 if node_of.get(site) != nid:
                     log.info("site %s is back (node %d): it is asked again", site, nid)
                 node_of[site] = nid
-    return sorted(s for s in plans if node_of.get(s) not in online)
+    offline = sorted(s for s in plans if node_of.get(s) not in online)
+    recheck |= set(offline)
+    return offline, infos
 
 
 def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], ledger: ServerLedger,
-                    cfg: Config, rnd: int, *, poll: float = 5.0) -> tuple[list[str], list[str]]:
-    """The sites to ask in round ``rnd`` and the planned sites whose SuperNode is offline.
+                    cfg: Config, rnd: int, *, recheck: set[str] | None = None,
+                    poll: float = 5.0) -> tuple[list[str], list[str], list[Event]]:
+    """The sites to ask in round ``rnd``, the planned sites whose SuperNode is offline, and policy changes.
+
+    Sites in ``recheck`` are asked again what their policy declares (``server/policy_watch.py``):
+    a change is an event, and a site whose policy no longer fits its plan is not asked to train.
 
     A site with budget left whose SuperNode is offline (crashed, restarting) is waited for, up to
     ``federation.round_timeout``, when without it fewer than ``min_sites`` could train; a site
     whose next round would exceed its budget is marked exhausted and never asked again.
     """
     deadline = time.monotonic() + cfg.federation.round_timeout
+    events: list[Event] = []
     while True:
-        offline = refresh_nodes(grid, node_of, plans, cfg)
+        offline, infos = refresh_nodes(grid, node_of, plans, cfg, recheck)
+        events += watch(ledger, plans, infos, cfg)
         statuses = ledger.statuses()
         newly: dict[str, tuple[str, str]] = {}
         active, waiting = [], []
@@ -143,7 +161,7 @@ def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePla
             if waiting and len(active) < cfg.federation.min_sites:
                 log.warning("round %d: %s still offline after %.0f s", rnd, ", ".join(waiting),
                             cfg.federation.round_timeout)
-            return active, offline
+            return active, offline, events
         log.info("round %d: waiting for %s to come back (SuperNode offline; %d of min_sites %d online, "
                  "%.0f s left)", rnd, ", ".join(waiting), len(active), cfg.federation.min_sites, left)
         time.sleep(min(poll, max(left, 0.1)))

@@ -36,11 +36,17 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+# How the plot marks what happened in a round (report.md lists each with its reason).
+EVENT_MARKERS = {"missed": "x", "refused": "v", "rejected": "s", "error": "P", "resumed": "^", "policy-changed": "D"}
+
+
 def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: Mapping[str, float], *,
-               initial_pckh: float | None = None) -> Path:
+               initial_pckh: float | None = None, events: Sequence[Mapping[str, Any]] = ()) -> Path:
     """Two panels: PCKh mean over rounds; epsilon per site over rounds with each site's budget line.
 
     Round 0 is the starting model (public pretraining only): PCKh ``initial_pckh``, nothing spent.
+    ``events`` (the ledger's: round, site, kind) are marked along the bottom of the PCKh panel, one
+    row per kind: missed rounds, refusals, rejected replies, errors, resumes, policy changes.
     """
     import matplotlib
 
@@ -60,6 +66,14 @@ def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: 
     ax1.set_ylabel("PCKh@0.5 mean (validation)")
     ax1.set_title("global model")
     ax1.grid(alpha=0.3)
+    kinds = [k for k in EVENT_MARKERS if any(e["kind"] == k for e in events)]
+    for row, kind in enumerate(kinds):
+        at = sorted({int(e["round"]) for e in events if e["kind"] == kind})
+        count = sum(e["kind"] == kind for e in events)
+        ax1.scatter(at, [0.03 + 0.05 * row] * len(at), marker=EVENT_MARKERS[kind], color="0.3",
+                    transform=ax1.get_xaxis_transform(), label=f"{kind} ({count})", clip_on=False, zorder=3)
+    if kinds:
+        ax1.legend(fontsize=8, loc="upper left")
     sites = sorted({s for r in records for s in r["epsilon"]} | set(budgets))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, site in enumerate(sites):
@@ -74,7 +88,7 @@ def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: 
             ax2.axhline(budgets[site], color=colour, linestyle="--", linewidth=1)
     ax2.set_xlabel("round")
     ax2.set_ylabel("epsilon spent (cumulative)")
-    ax2.set_title("privacy spent per site (dashed: budget; dotted: lifetime)")
+    ax2.set_title("privacy spent per site (dashed: budget; dotted: lifetime)", fontsize=10)
     ax2.grid(alpha=0.3)
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -127,7 +141,7 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
                      f"{sec['train']:.1f} | {sec['basis']:.1f} | {sec['aggregation']:.2f} |")
     lines += ["", f"![PCKh and privacy per round]({plot})", ""]
     if events:
-        lines += ["## Refusals, rejected replies, missed rounds and resumes", "", "| round | site | kind | code | reason |",
+        lines += ["## Events: missed rounds, refusals, rejected replies, resumes, policy changes", "", "| round | site | kind | code | reason |",
                   "|---|---|---|---|---|"]
         for e in events:
             reason = str(e["reason"]).replace("|", "/").replace("\n", " ")[:200]

@@ -30,6 +30,7 @@ from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
 from server.combine import aggregate, fedavg  # noqa: F401  (fedavg, Reply: imported from here by tests)
 from server.exchange import exchange, query_sites, sites_for_round, wait_for_nodes
+from server.policy_watch import watch
 from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford, plan_site
 from server.prepare import require_prepared
@@ -113,21 +114,31 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     for site, (_, info) in sites.items():  # what each site's policy states, for the claim (issue #11)
         ledger.set_meta(f"max_records_per_patient/{site}", str(info.max_records_per_patient or 0))
     node_of = {s: nid for s, (nid, _) in sites.items()}
+    # What each site declares, against what it declared before this server (re)started (issue #9).
+    noticed = watch(ledger, plans, {s: info for s, (_, info) in sites.items()}, cfg)
+    recheck: set[str] = set()  # sites to ask again what their policy declares (refused, missed, offline)
     usable = sorted(s for s in plans if s in node_of)
     if len(usable) < cfg.federation.min_sites:
         raise RuntimeError(f"only {len(usable)} sites ({usable}) answered and can take part, fewer than "
                            f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
     keeper = BasisKeeper(cfg, public)
-    server_opt = server_optimizer(cfg)  # server/aggregate.py; in memory (a resumed server starts it afresh)
+    server_opt = server_optimizer(cfg)  # server/aggregate.py; its moments are in the checkpoint
+    if resume and state.optimizer is not None:
+        server_opt.load_state_dict(state.optimizer)
 
     if resume:
         ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,
-                                                  reason=f"server resumed from the checkpoint of round {start - 1}")])
+                                                  reason=f"server resumed from the checkpoint of round {start - 1}"),
+                                            *noticed])
+        noticed = []
     for rnd in range(start, cfg.federation.rounds + 1):
-        active, offline = sites_for_round(grid, node_of, plans, ledger, cfg, rnd)
+        active, offline, changed = sites_for_round(grid, node_of, plans, ledger, cfg, rnd, recheck=recheck)
+        noticed += changed
         if len(active) < cfg.federation.min_sites:
             log.info("round %d: %d sites can still train (< min_sites %d): stopping", rnd, len(active),
                      cfg.federation.min_sites)
+            if noticed:
+                ledger.record_round(rnd, [], noticed)
             break
 
         seconds_basis = keeper.refresh(rnd, model, trainable)
@@ -183,7 +194,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         report, _, _ = evaluate(model, val)
         seconds_eval = time.perf_counter() - t0
 
-        ledger.record_round(rnd, outcome.spends, outcome.events, outcome.statuses, outcome.reports)
+        ledger.record_round(rnd, outcome.spends, noticed + outcome.events, outcome.statuses, outcome.reports)
+        noticed = []
         if outcome.seeded and ledger.get_meta("seeded") != "1":
             log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
             ledger.set_meta("seeded", "1")
@@ -191,6 +203,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         for r in replies:
             up[r.site] = up.get(r.site, 0) + r.bytes_up
         missed = sorted({r.site for r in replies if r.error_code == _node_unavailable()})
+        recheck |= set(missed) | {e.site for e in outcome.events if e.kind == "refused"}
         down = {site: b for site, b in down.items() if site not in missed}  # nothing reached a dead node
         record = {
             "round": rnd,
@@ -215,7 +228,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         }
         history.append(record)
         save_state(paths.checkpoint, ServerState(round=rnd, federation=federation, weights=model.state_dict(),
-                                                 ledger=ledger.snapshot(), history=history))
+                                                 ledger=ledger.snapshot(), history=history,
+                                                 optimizer=server_opt.state_dict()))
         append_round(paths.rounds, record)
         log.info("round %d: PCKh %.2f, eps %s, accepted %s", rnd, record["pckh_mean"],
                  {s: round(e, 4) for s, e in record["epsilon"].items()}, record["accepted"])
@@ -296,7 +310,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
                                                     "rounds": len(history), "epsilon": epsilon, "delta": delta})
     write_json(paths.out / "metrics.json", metrics)
     plot = write_plot(paths.out / "federation.png", history, {s: p.epsilon for s, p in plans.items()},
-                      initial_pckh=metrics["initial_pckh_mean"])
+                      initial_pckh=metrics["initial_pckh_mean"], events=ledger.events())
     write_report(paths.out / "report.md", records=history, metrics=metrics,
                  plans={s: p.to_dict() for s, p in plans.items()}, events=ledger.events(), plot=plot.name)
     log.info("federation %s done: %d rounds, PCKh %.2f; %s", federation, len(history), metrics["pckh_mean"], claim)

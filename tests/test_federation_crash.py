@@ -23,6 +23,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+import yaml
 
 from federation_support import Pilot, kill_group, ledger_rows, prepare_world, wait_for, world_root
 from shared.config import dump_config
@@ -85,6 +86,10 @@ def test_supernode_and_superlink_killed_then_recovered(tmp_path: Path, tmp_path_
         run1 = pilot.submit(pilot.app, f"config='{config_path}' out='{out1}'")
         wait_for(lambda: len(_rounds(out1)) >= 1, 300, "round 1 of the first federation", poll=0.5)
         kill_group(pilot.supernodes[0])
+        # While it is down the hospital raises its budget (item 7: a policy change is its own event).
+        policy = yaml.safe_load(pilot.policy(0).read_text())
+        policy["epsilon"] = 3.0
+        pilot.policy(0).write_text(yaml.safe_dump(policy, sort_keys=False))
         pilot.start_site(0, "supernode-0-restarted")
         status = pilot.wait_finished(run1, 600)
         assert status == "finished:completed", pilot.run_log(run1)[-6000:]
@@ -97,6 +102,8 @@ def test_supernode_and_superlink_killed_then_recovered(tmp_path: Path, tmp_path_
         assert rounds[-1]["accepted"] == ["site-0", "site-1"], "site-0 came back: it is asked again"
         report = (out1 / "report.md").read_text()
         assert "no reply within the round timeout" not in report  # the real cause, not a timeout
+        changed = [line for line in report.splitlines() if "| site-0 | policy-changed |" in line]
+        assert len(changed) == 1 and "epsilon: 2.0 -> 3.0" in changed[0], report
         _check_accounting(pilot, out1)
 
         # 2. kill -9 of the SuperLink (and its ServerApp) after a site committed round 2 of a new federation.

@@ -170,3 +170,28 @@ def test_fresh_site_optimizer_writes_no_state(world, tmp_path):
     sigma = min_sigma_for(policy)
     handle_train(_content(cfg, state, sigma=sigma, round=1), policy)
     assert not (tmp_path / "optimizer").exists()
+
+
+def test_a_resumed_server_takes_the_same_fedadam_step_as_one_that_never_stopped(tmp_path):
+    """The server optimizer's moments travel in the server checkpoint (issue #9): resuming does not reset them."""
+    from server.checkpoint import ServerState
+    from server.checkpoint import load_state as load_server_state
+    from server.checkpoint import save_state as save_server_state
+
+    gen = torch.Generator().manual_seed(0)
+    w = {"a": torch.randn(4, 3, generator=gen), "b": torch.randn(5, generator=gen)}
+    averages = [{k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in w.items()} for _ in range(3)]
+    running = ServerOptimizer("adam", lr=0.05)
+    w1 = running.apply(w, averages[0])
+    w2 = running.apply(w1, averages[1])
+    save_server_state(tmp_path / "checkpoint.pt", ServerState(round=2, federation="f", weights=w2, ledger={},
+                                                              history=[], optimizer=running.state_dict()))
+    state = load_server_state(tmp_path / "checkpoint.pt")
+    resumed = ServerOptimizer("adam", lr=0.05)
+    resumed.load_state_dict(state.optimizer)
+    expected = running.apply(w2, averages[2])
+    got = resumed.apply(state.weights, averages[2])
+    fresh = ServerOptimizer("adam", lr=0.05).apply(w2, averages[2])
+    for name in w:
+        assert torch.equal(got[name], expected[name])
+        assert not torch.allclose(fresh[name], expected[name])  # what a reset would have done instead

@@ -253,3 +253,62 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
     with pytest.raises(Refusal):
         handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
     assert len(evaluation_log(policy).read_text().splitlines()) == 2
+
+
+def _info(**changes):
+    from shared.federation_messages import SiteInfo
+
+    base = dict(site="a", epsilon=2.0, delta=1e-3, lifetime_rounds=6, rounds_per_federation=6, rounds_done=0,
+                epsilon_spent=0.0, min_sigma=0.9, sample_rate=0.2, steps_per_round=2, clip_norm=1.0, psi="blur",
+                psi_min=0.03, augment=True, accountant="rdp", methods=("dpsgd", "fpdp"))
+    return SiteInfo(**{**base, **changes})
+
+
+def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_again(tmp_path):
+    """Item 7: a site that edits its policy mid-federation (or while the server is down) shows up as a
+    policy-changed event naming each field; a change the plan no longer satisfies marks it refused."""
+    from federation_support import tiny_config
+    from server.policy_watch import watch
+    from server.report import write_plot, write_report
+
+    cfg = tiny_config(tmp_path / "data", federation={"local_steps": 2})
+    path = tmp_path / "server.sqlite"
+    ledger = ServerLedger(path)
+    ledger.save_plans([SitePlan(site=s, epsilon=2.0, delta=1e-3, sample_rate=0.2, steps_per_round=2, rounds=3,
+                                sigma=1.2, accountant="rdp", site_min_sigma=0.9) for s in ("a", "b")])
+    assert watch(ledger, ledger.plans(), {"a": _info(), "b": _info(site="b")}, cfg) == []  # first sight: stored
+    # Spend moves every round: not a policy change.
+    assert watch(ledger, ledger.plans(), {"a": _info(rounds_done=1, epsilon_spent=0.5)}, cfg) == []
+    # A loosened policy (more budget, a smaller minimum sigma): an event; the plan still fits, the site stays.
+    events = watch(ledger, ledger.plans(), {"a": _info(epsilon=3.0, min_sigma=0.7)}, cfg)
+    assert [(e.site, e.kind) for e in events] == [("a", "policy-changed")]
+    assert "epsilon: 2.0 -> 3.0" in events[0].reason and "min_sigma: 0.9 -> 0.7" in events[0].reason
+    assert ledger.statuses()["a"][0] == "active"
+    ledger.record_round(1, [], events)
+    ledger.close()
+    # The server restarts (resume): b raised its minimum sigma above the plan's while it was down.
+    ledger = ServerLedger(path)
+    events = watch(ledger, ledger.plans(), {"a": _info(epsilon=3.0, min_sigma=0.7), "b": _info(site="b", min_sigma=1.5)},
+                   cfg)
+    assert [(e.site, e.kind) for e in events] == [("b", "policy-changed")]
+    status, reason = ledger.statuses()["b"]
+    assert status == "refused" and "needs sigma >= 1.5" in reason and "1.2" in reason
+    ledger.record_round(2, [], events)
+    # A method withdrawn is a change the plan cannot meet either.
+    events = watch(ledger, ledger.plans(), {"a": _info(epsilon=3.0, min_sigma=0.7, methods=("dpsgd",))}, cfg)
+    assert "methods: ['dpsgd', 'fpdp'] -> ['dpsgd']" in events[0].reason
+    assert ledger.statuses()["a"] == ("refused", "its policy changed: does not allow method fpdp (allows ['dpsgd'])")
+    ledger.record_round(3, [], events)
+    # report.md lists the changes; the plot marks them (it differs from the same plot without events).
+    rows = ledger.events()
+    assert [r["kind"] for r in rows] == ["policy-changed"] * 3
+    metrics = {"federation": "f", "rounds": 0, "method": "fpdp", "strategy": "full", "basis_mode": "site",
+               "pckh_mean": 40.0, "initial_pckh_mean": 39.0, "claim": "c", "sites": {}}
+    report = write_report(tmp_path / "report.md", records=[], metrics=metrics, events=rows, plot="p.png",
+                          plans={s: p.to_dict() for s, p in ledger.plans().items()}).read_text()
+    assert "| 2 | b | policy-changed | 0 | min_sigma: 0.9 -> 1.5 |" in report
+    records = [{"round": r, "pckh_mean": 40.0 + r, "epsilon": {"a": 0.1 * r}} for r in (1, 2, 3)]
+    plain = write_plot(tmp_path / "plain.png", records, {"a": 2.0}).read_bytes()
+    marked = write_plot(tmp_path / "marked.png", records, {"a": 2.0}, events=rows).read_bytes()
+    assert plain != marked
+    ledger.close()
