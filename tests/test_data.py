@@ -153,6 +153,29 @@ def test_sites_differ_and_public_style_is_separate() -> None:
             assert np.abs(means[a] - means[b]).max() > 10
 
 
+def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, ward: Path) -> None:
+    """The study's domain-shift ablation: data.synth.public_style = shifted."""
+    from shared.config import config_from_dict
+
+    shifted = synth.generate_ward(tmp_path / "shifted", dataclasses.replace(TINY, public_style="shifted"),
+                                  progress=False)
+    base, other = _files(ward), _files(shifted)
+    for name in base:
+        if name.startswith(("site-", "val/")):
+            assert base[name] == other[name], name  # the sites and validation are the same images
+    public = [n for n in base if n.startswith("public/images/")]
+    assert public and all(base[n] != other[n] for n in public)
+    assert base["public/annotations.json"] != other["public/annotations.json"]  # people larger, other poses
+    # A ward generated before the field existed (no public_style in its manifest) is still the default ward.
+    assert "public_style" not in json.loads((ward / "manifest.json").read_text())["spec"]
+    with pytest.raises(ValueError, match="public_style"):
+        synth.ensure_ward(ward, dataclasses.replace(TINY, public_style="shifted"), progress=False)
+    with pytest.raises(ValueError, match="public_style must be one of"):
+        synth.WardSpec(public_style="night")
+    cfg = config_from_dict({"data": {"synth": {"public_style": "shifted"}}})
+    assert cfg.data.synth.public_style == "shifted"
+
+
 def test_ensure_ward_reuses_matching_and_refuses_mismatched(tmp_path: Path, ward: Path) -> None:
     before = (ward / "site-0" / "annotations.json").stat().st_mtime_ns
     assert synth.ensure_ward(ward, TINY, progress=False) == ward

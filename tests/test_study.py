@@ -47,6 +47,13 @@ def test_shipped_study_config_and_its_quick_grid_load():
     assert full.axes.settings == ("centralized", "federated")
     quick = load_study(REPO / "configs" / "study.yaml", quick=True)
     assert len(quick.axes.epsilons) == 1 and quick.base.train.epochs == 1
+    # The domain-shift ablation: the shifted public set is generated and pretrained on apart from the shared cache.
+    from shared.study import expand
+
+    public_set = {c.config.data.synth.public_style: c for c in expand(full) if c.ablation == "public_set"}
+    assert set(public_set) == {"public", "shifted"}
+    same, shifted = public_set["public"], public_set["shifted"]
+    assert shifted.config.data.root != same.config.data.root and shifted.config.pretrain.out != same.config.pretrain.out
 
 
 def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):

@@ -153,6 +153,18 @@ PUBLIC_STYLE = SiteStyle(
     pose_mix=_mix(standing=1, walking=1, sitting=1, lying=1, bending=1, arms_raised=1),
 )
 
+# A public set from another domain (the study's domain-shift ablation, ``data.synth.public_style: shifted``):
+# a dim, noisy, low-mounted camera in a gym-like room, people large in frame, mostly upright and active.
+SHIFTED_PUBLIC_STYLE = SiteStyle(
+    name="public-shifted", wall=(70, 80, 60), floor=(50, 60, 90), floor_pattern="wood",
+    palette=((30, 30, 140), (20, 90, 160), (120, 60, 30), (40, 40, 40), (90, 90, 90), (30, 110, 60)),
+    furniture=("bars", "mat", "door", "poster"), clutter=(1, 4),
+    horizon=(0.5, 0.75), person_height=(0.65, 0.95), foreshorten=1.0, gain=0.6, cast=(0.85, 1.0, 1.2),
+    vignette=0.35, noise=9.0, blur=0.8, colour_jitter=40.0, occluder_prob=0.1, bedding=(150, 150, 150),
+    pose_mix=_mix(standing=3, walking=3, sitting=0.5, lying=0.2, bending=2, arms_raised=3),
+)
+PUBLIC_STYLES = {"public": PUBLIC_STYLE, "shifted": SHIFTED_PUBLIC_STYLE}
+
 
 def _jitter_colour(colour: Colour, rng: np.random.Generator, amount: float) -> Colour:
     shifted = np.asarray(colour, dtype=np.float64) + rng.normal(0.0, amount / 2.0) + rng.normal(0.0, amount / 3.0, 3)

@@ -23,7 +23,7 @@ from shared.data.synth.person import head_box
 from shared.data.synth.pose import place_pose, sample_pose_3d
 from shared.data.synth.render import person_box, render_frame
 from shared.data.synth.rng import _derive_rng
-from shared.data.synth.styles import PUBLIC_STYLE, SiteStyle, site_style
+from shared.data.synth.styles import PUBLIC_STYLES, SiteStyle, site_style
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,13 @@ class WardSpec:
     seed: int = 0
     image_size: int = 128
     images_per_identity: int = 8
+    # The public split's camera and room: "public" (the generic public style) or "shifted" (another domain:
+    # the study's domain-shift ablation). The sites, val and every record's pose and person are unchanged.
+    public_style: str = "public"
 
     def __post_init__(self) -> None:
+        if self.public_style not in PUBLIC_STYLES:
+            raise ValueError(f"WardSpec.public_style must be one of {sorted(PUBLIC_STYLES)}, got {self.public_style!r}")
         for name in ("sites", "per_site", "public", "val", "seed", "image_size", "images_per_identity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -73,7 +78,7 @@ def _style_for(spec: WardSpec, split: str, index: int) -> tuple[SiteStyle, str]:
     """Style and identity key of image ``index`` of ``split``."""
     person = index // spec.images_per_identity
     if split == "public":
-        return PUBLIC_STYLE, f"public/{person:05d}"
+        return PUBLIC_STYLES[spec.public_style], f"public/{person:05d}"
     if split == "val":
         site = index % spec.sites
         return site_style(site), f"val/s{site}/{(index // spec.sites) // spec.images_per_identity:05d}"
@@ -116,7 +121,8 @@ def manifest_for(spec: WardSpec) -> dict:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "render_version": RENDER_VERSION,
-        "spec": dataclasses.asdict(spec),
+        "spec": {k: v for k, v in dataclasses.asdict(spec).items()
+                 if not (k == "public_style" and v == "public")},  # wards generated before the field stay valid
         "splits": spec.splits(),
         "layout": "<split>/annotations.json (MPII json, 1-based), headboxes.json, identities.json, "
                   "meta.json, images/*.png",
