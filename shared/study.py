@@ -40,6 +40,7 @@ from shared.config import (
     to_dict,
     unflatten,
 )
+from shared.config_flat import identity_flat
 
 Setting = Literal["centralized", "federated"]
 Baseline = Literal["psi-only", "pretrained"]
@@ -195,7 +196,7 @@ def with_variant(cfg: Config, dotted: dict[str, Any]) -> Config:
 
 def cell_id(cfg: Config, *, kind: str) -> str:
     """Stable id of a run: the hash of its resolved config (output paths left out) and what runs."""
-    flat = {k: v for k, v in flatten(cfg).items() if k not in _OUTPUT_KEYS}
+    flat = {k: v for k, v in identity_flat(cfg).items() if k not in _OUTPUT_KEYS}
     if kind == "pretrained":  # only the public pretraining decides the weights
         flat = {k: v for k, v in flat.items() if k.split(".")[0] in ("data", "model", "pretrain")}
     text = json.dumps({"kind": kind, "config": flat}, sort_keys=True, default=str)

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.audit_hooks import AuditHooks, ReleasedStep
-from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig, to_dict
+from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig
 from shared.data.dataset import PoseDataset
 from shared.data.patients import PatientGroups
 from shared.data.records import PoseRecord
@@ -356,7 +356,9 @@ def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: i
 
 def config_fingerprint(cfg: Config, *sections: str) -> dict[str, Any]:
     """The config sections that determine a cached artefact (compared on reuse)."""
-    d = to_dict(cfg)
+    from shared.config_flat import identity_flat, unflatten
+
+    d = unflatten(identity_flat(cfg))
     return {s: d[s] for s in sections}
 
 
