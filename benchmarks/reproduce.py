@@ -10,9 +10,9 @@ output goes to the terminal (the commands' own progress bars) and to ``OUT/NAME/
 done when ``OUT/NAME/done.json`` exists (each command's exit code and seconds): rerunning the command
 skips it (``--force`` reruns), and a failed command stops its entry and is rerun next time.
 
-The README states, per block, the machine and load it was measured under; on this 2-core CPU the whole
-list takes about 9 hours (the study and the 3-seed tables dominate). A GPU site sets ``CUDA`` torch and
-runs the same list. Run it as a file (Opacus installs a top-level ``benchmarks`` package that shadows
+The README states, per block, the machine and load it was measured under; on the 2-core CPU the whole
+list takes about 5 hours (the study, the levers and the 3-seed table dominate); with a CUDA build of torch
+the same commands train on the GPU. Run it as a file (Opacus installs a top-level ``benchmarks`` package that shadows
 ``python -m benchmarks...``).
 """
 
