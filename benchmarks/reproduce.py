@@ -72,6 +72,8 @@ ENTRIES: tuple[Entry, ...] = (
     )),
     Entry("study", "the privacy-utility grid that fits this CPU", (
         (*FEDPOSE, "study", "--config", "configs/study-cpu.yaml", "--out", "{out}", "--threads", "1"),
+        (*FEDPOSE, "study", "--config", "configs/study-ablations-cpu.yaml", "--out", "{out}/ablations", "--threads",
+         "1", "--jobs", "2"),
     )),
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
