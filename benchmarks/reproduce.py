@@ -37,8 +37,8 @@ class Entry:
     commands: tuple[tuple[str, ...], ...]  # "{py}" is this interpreter, "{out}" this entry's folder
 
 
-def _levers(tag: str, *flags: str) -> tuple[str, ...]:
-    return ("{py}", "benchmarks/federation_levers.py", "--rounds", "19", "--eval-every", "3", "--no-progress",
+def _levers(tag: str, *flags: str, rounds: int = 19) -> tuple[str, ...]:
+    return ("{py}", "benchmarks/federation_levers.py", "--rounds", str(rounds), "--eval-every", "3", "--no-progress",
             "--out", "{out}", "--tag", tag, *flags)
 
 
@@ -69,6 +69,10 @@ ENTRIES: tuple[Entry, ...] = (
         _levers("dpsgd, fresh Adam FedAvg", "--method", "dpsgd", "--seeds", "1"),
         _levers("local SGD 0.01 + server Adam 0.01", "--optimizer", "sgd", "--lr", "0.01", "--server-optimizer",
                 "adam", "--server-lr", "0.01", "--seeds", "1"),
+        _levers("keep site Adam state", "--site-optimizer", "keep", "--seeds", "1"),
+        _levers("default at 10 rounds", "--seeds", "1", rounds=10),
+        ("{py}", "benchmarks/compare_methods.py", "--config", "configs/default.yaml", "--methods", "fpdp", "--seeds",
+         "1", "2", "3", "--out", "{out}/centralized", "--reuse"),
     )),
     Entry("study", "the privacy-utility grid that fits this CPU", (
         (*FEDPOSE, "study", "--config", "configs/study-cpu.yaml", "--out", "{out}", "--threads", "1"),
