@@ -30,9 +30,9 @@ from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
 from server.combine import aggregate, fedavg  # noqa: F401  (fedavg, Reply: imported from here by tests)
 from server.exchange import exchange, query_sites, sites_for_round, wait_for_nodes
-from server.policy_watch import watch
 from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford, plan_site
+from server.policy_watch import watch
 from server.prepare import require_prepared
 from server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
 from server.report import append_round, write_plot, write_report, write_rounds
