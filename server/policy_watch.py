@@ -7,7 +7,8 @@ site that refused, missed a round or came back from offline (``server/exchange.p
 declaration with the one it holds (kept in the ledger's meta, so a resumed server compares across its
 own crash), and records every change as a ``policy-changed`` event (report.md, the plot). A site whose
 new policy the federation's fixed plan no longer satisfies is marked ``refused`` before it is sent a
-request it would refuse; its budget and spend stay exactly as accounted.
+request it would refuse; its budget and spend stay exactly as accounted. A refused site is asked again
+every round, and rejoins once what it declares has changed and fits the plan again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def watch(ledger: ServerLedger, plans: Mapping[str, SitePlan], infos: Mapping[st
           cfg: Config) -> list[Event]:
     """Compare what ``infos`` declare with what the ledger holds; store them; return the change events.
 
-    An active site whose declaration no longer fits its plan is marked refused (not asked again).
+    An active site whose declaration no longer fits its plan is marked refused (not asked again); a
+    refused site whose declaration changed and fits the plan again is active again (a hospital that
+    undoes or fixes its change rejoins; one that changed nothing stays out, so a refusal the
+    declaration cannot explain is not retried every round).
     """
     events: list[Event] = []
     statuses: dict[str, tuple[str, str]] = {}
@@ -83,13 +87,17 @@ def watch(ledger: ServerLedger, plans: Mapping[str, SitePlan], infos: Mapping[st
             events.append(Event(site=site, kind="policy-changed", code=0, reason="; ".join(diff)))
         if stored is None or diff:
             ledger.set_meta(_META + site, json.dumps(now, sort_keys=True))
-        if site not in plans or current.get(site, ("", ""))[0] != "active":
+        status = current.get(site, ("", ""))[0]
+        if site not in plans or status not in ("active", "refused"):
             continue
         conflict = plan_conflict(plans[site], info, cfg)
-        if conflict is not None:
+        if conflict is not None and status == "active":
             log.warning("site %s: its policy no longer fits this federation's plan (%s): not asked again", site,
                         conflict)
             statuses[site] = ("refused", f"its policy changed: {conflict}")
+        elif conflict is None and status == "refused" and diff:
+            log.info("site %s changed its policy and fits the plan again: it is asked again", site)
+            statuses[site] = ("active", "its policy changed and fits the plan again")
     if statuses:
         ledger.set_statuses(statuses)
     return events

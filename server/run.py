@@ -204,6 +204,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             up[r.site] = up.get(r.site, 0) + r.bytes_up
         missed = sorted({r.site for r in replies if r.error_code == _node_unavailable()})
         recheck |= set(missed) | {e.site for e in outcome.events if e.kind == "refused"}
+        recheck |= {s for s, (status, _) in ledger.statuses().items() if status == "refused" and s in plans}
         down = {site: b for site, b in down.items() if site not in missed}  # nothing reached a dead node
         record = {
             "round": rnd,

@@ -294,6 +294,13 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
     status, reason = ledger.statuses()["b"]
     assert status == "refused" and "needs sigma >= 1.5" in reason and "1.2" in reason
     ledger.record_round(2, [], events)
+    # Asked again next round: nothing changed, so it stays out (a refusal its declaration cannot explain is not
+    # retried); once it lowers the floor back it fits the plan again and rejoins.
+    assert watch(ledger, ledger.plans(), {"b": _info(site="b", min_sigma=1.5)}, cfg) == []
+    assert ledger.statuses()["b"][0] == "refused"
+    events += watch(ledger, ledger.plans(), {"b": _info(site="b", min_sigma=0.9)}, cfg)
+    assert ledger.statuses()["b"] == ("active", "its policy changed and fits the plan again")
+    ledger.record_round(2, [], events[1:])
     # A method withdrawn is a change the plan cannot meet either.
     events = watch(ledger, ledger.plans(), {"a": _info(epsilon=3.0, min_sigma=0.7, methods=("dpsgd",))}, cfg)
     assert "methods: ['dpsgd', 'fpdp'] -> ['dpsgd']" in events[0].reason
@@ -301,7 +308,7 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
     ledger.record_round(3, [], events)
     # report.md lists the changes; the plot marks them (it differs from the same plot without events).
     rows = ledger.events()
-    assert [r["kind"] for r in rows] == ["policy-changed"] * 3
+    assert [r["kind"] for r in rows] == ["policy-changed"] * 4
     metrics = {"federation": "f", "rounds": 0, "method": "fpdp", "strategy": "full", "basis_mode": "site",
                "pckh_mean": 40.0, "initial_pckh_mean": 39.0, "claim": "c", "sites": {}}
     report = write_report(tmp_path / "report.md", records=[], metrics=metrics, events=rows, plot="p.png",
