@@ -71,6 +71,8 @@ ENTRIES: tuple[Entry, ...] = (
                 "adam", "--server-lr", "0.01", "--seeds", "1"),
         _levers("keep site Adam state", "--site-optimizer", "keep", "--seeds", "1"),
         _levers("default at 10 rounds", "--seeds", "1", rounds=10),
+        _levers("B 32, 20 local steps", "--batch-size", "32", "--local-steps", "20", "--seeds", "1"),
+        _levers("B 128, 5 local steps", "--batch-size", "128", "--local-steps", "5", "--seeds", "1"),
         ("{py}", "benchmarks/compare_methods.py", "--config", "configs/default.yaml", "--methods", "fpdp", "--seeds",
          "1", "2", "3", "--out", "{out}/centralized", "--reuse"),
     )),
