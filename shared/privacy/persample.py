@@ -313,8 +313,7 @@ def clipped_group_sum(
             carry, carry_count = None, 0
         if complete:
             means = {name: value[:complete] / counts[:complete, None].to(value.dtype) for name, value in sums.items()}
-            per_param = [m.norm(dim=1) for m in means.values()]  # each (complete,)
-            norms = torch.stack(per_param, dim=0).norm(dim=0)  # (complete,): flat norm over all params
+            norms = per_sample_norms(means)  # (complete,): flat norm over all params, one per group
             factors = clip_factors(norms, clip)
             for name, mean in means.items():
                 summed[name].add_((factors.to(mean.dtype) @ mean).view_as(summed[name]))
