@@ -53,11 +53,17 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 # Config fields added after artefacts were cached, each with the value that means "as before". Identity views
-# (the fingerprint of cached pretrained weights, a study cell's id) leave such a field out at that value, so an
-# artefact made before the field existed stays valid and a study cell keeps its id.
+# (the fingerprint of cached pretrained weights, a study cell's id, a synthetic ward's manifest) leave such a
+# field out at that value, so an artefact made before the field existed stays valid and a study cell keeps its id.
 LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public"}
+
+
+def without_as_before(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flat ``values`` (keys under ``prefix``) without the later-added fields that hold their as-before value."""
+    return {k: v for k, v in values.items()
+            if not (prefix + k in LATER_FIELDS and LATER_FIELDS[prefix + k] == v)}
 
 
 def identity_flat(cfg: Any) -> dict[str, Any]:
     """``flatten(cfg)`` without the later-added fields that hold their as-before value."""
-    return {k: v for k, v in flatten(cfg).items() if not (k in LATER_FIELDS and LATER_FIELDS[k] == v)}
+    return without_as_before(flatten(cfg))

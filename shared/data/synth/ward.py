@@ -16,6 +16,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from shared.config_flat import without_as_before
 from shared.data.mpii import box_to_json
 from shared.data.records import PoseRecord, inside
 from shared.data.synth.identity import Identity, make_identity
@@ -121,8 +122,7 @@ def manifest_for(spec: WardSpec) -> dict:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "render_version": RENDER_VERSION,
-        "spec": {k: v for k, v in dataclasses.asdict(spec).items()
-                 if not (k == "public_style" and v == "public")},  # wards generated before the field stay valid
+        "spec": without_as_before(dataclasses.asdict(spec), "data.synth."),  # older wards stay valid
         "splits": spec.splits(),
         "layout": "<split>/annotations.json (MPII json, 1-based), headboxes.json, identities.json, "
                   "meta.json, images/*.png",
