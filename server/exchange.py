@@ -63,27 +63,6 @@ def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int
     return sites
 
 
-def describe_sites(grid: Any, cfg: Config, *, poll: float = 5.0) -> dict[str, tuple[int, SiteInfo]]:
-    """Wait for ``min_sites`` nodes and ask who they are, asking again the nodes that did not answer yet.
-
-    After a SuperLink restart its database lists every registered node at once, while a SuperNode
-    may still be reconnecting (its query fails with "Node Unavailable"): such nodes are asked again
-    every ``poll`` seconds until ``min_sites`` sites have described themselves or
-    ``federation.round_timeout`` has passed.
-    """
-    deadline = time.monotonic() + cfg.federation.round_timeout
-    sites = query_sites(grid, wait_for_nodes(grid, cfg.federation.min_sites, cfg.federation.round_timeout), cfg)
-    while len(sites) < cfg.federation.min_sites and time.monotonic() < deadline:
-        log.info("%d of min_sites %d sites described themselves; asking the others again", len(sites),
-                 cfg.federation.min_sites)
-        time.sleep(poll)
-        missing = sorted(set(grid.get_node_ids()) - {nid for nid, _ in sites.values()})
-        if missing:
-            for site, entry in query_sites(grid, missing, cfg).items():
-                sites.setdefault(site, entry)
-    return sites
-
-
 def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: int, timeout: float) -> list[Reply]:
     """Send each site its RecordDict, collect replies (missing ones become 'missing' errors)."""
     from flwr.app import Message, MessageType
