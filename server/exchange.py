@@ -39,13 +39,29 @@ def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int
     private images against the public set its operator approved) itself, never against anything
     the server sends (a server-sent hash would be a membership oracle).
     """
+    return ask_sites(grid, nodes, cfg)[0]
+
+
+def ask_sites(grid: Any, nodes: list[int], cfg: Config) -> tuple[dict[str, tuple[int, SiteInfo]], set[int]]:
+    """``query_sites``, and the nodes from which no answer came at all.
+
+    A node is silent when the SuperLink answered for it ("Node Unavailable": its heartbeat lapsed)
+    or nothing came before the timeout. A node that answered with an error (its site refused, its
+    operator did not approve this app) is not silent: asking it again would get the same answer.
+    """
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
     msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=nid, message_type=MessageType.QUERY)
             for nid in nodes]
     sites: dict[str, tuple[int, SiteInfo]] = {}
+    answered: set[int] = set()
     for m in grid.send_and_receive(msgs, timeout=min(QUERY_TIMEOUT, cfg.federation.round_timeout)):
         nid = m.metadata.src_node_id
+        if nid not in nodes:  # the SuperLink answering for a node it lost ("Node Unavailable")
+            log.warning("a node did not describe itself (code %d): %s", m.error.code if m.has_error() else -1,
+                        str(m.error.reason)[:300] if m.has_error() else "unexpected sender")
+            continue
+        answered.add(nid)
         if m.has_error():
             reason, _ = parse_spend_suffix(str(m.error.reason))
             log.warning("node %d did not describe itself (code %d): %s", nid, m.error.code, reason[:300])
@@ -60,6 +76,39 @@ def query_sites(grid: Any, nodes: list[int], cfg: Config) -> dict[str, tuple[int
             continue
         sites[info.site] = (nid, info)
     log.info("sites: %s", {s: (nid, i.sample_rate) for s, (nid, i) in sorted(sites.items())})
+    return sites, set(nodes) - answered
+
+
+def describe_sites(grid: Any, cfg: Config, *, poll: float = 5.0) -> dict[str, tuple[int, SiteInfo]]:
+    """Wait for ``min_sites`` nodes and ask who they are, waiting for the nodes that did not answer at all.
+
+    After a SuperLink restart its database lists every node that was online until that node's
+    heartbeat lapses, even one whose SuperNode has not reconnected yet: the query to it comes back
+    "Node Unavailable". While fewer than ``min_sites`` sites have described themselves, such silent
+    nodes (once online again) and nodes that connect later are asked every ``poll`` seconds, up to
+    ``federation.round_timeout``. When every node answered, refusals included, nothing is waited for.
+    """
+    need = cfg.federation.min_sites
+    deadline = time.monotonic() + cfg.federation.round_timeout
+    nodes = wait_for_nodes(grid, need, cfg.federation.round_timeout)
+    sites, silent = ask_sites(grid, nodes, cfg)
+    asked = set(nodes)
+    if len(sites) < need and silent:
+        log.info("%d of min_sites %d sites described themselves; waiting up to %.0f s for node(s) %s, which did "
+                 "not answer (a SuperNode still reconnecting?)", len(sites), need, cfg.federation.round_timeout,
+                 sorted(silent))
+    while len(sites) < need and silent and time.monotonic() < deadline:
+        time.sleep(poll)
+        online = set(grid.get_node_ids())
+        ask = sorted((online & silent) | (online - asked))
+        if not ask:
+            continue
+        found, still = ask_sites(grid, ask, cfg)
+        asked |= set(ask)
+        silent = (silent - set(ask)) | still
+        for site, entry in found.items():
+            log.info("node %d answered: site %s", entry[0], site)
+            sites.setdefault(site, entry)
     return sites
 
 

@@ -29,7 +29,7 @@ from server.aggregate import server_optimizer
 from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
 from server.combine import aggregate, fedavg  # noqa: F401  (fedavg, Reply: imported from here by tests)
-from server.exchange import exchange, query_sites, sites_for_round, wait_for_nodes
+from server.exchange import describe_sites, exchange, sites_for_round
 from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford, plan_site
 from server.policy_watch import watch
@@ -104,8 +104,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         write_rounds(paths.rounds, [])
     dump_config(cfg, paths.out / "config.yaml")
 
-    nodes = wait_for_nodes(grid, cfg.federation.min_sites, cfg.federation.round_timeout)
-    sites = query_sites(grid, nodes, cfg)
+    sites = describe_sites(grid, cfg)
     plans = ledger.plans()
     new_plans = [p for s, (_, info) in sorted(sites.items()) if s not in plans and (p := plan_site(info, cfg))]
     if new_plans:

@@ -65,7 +65,7 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from server.run import wait_for_nodes
+        from server.exchange import wait_for_nodes
 
         node = wait_for_nodes(grid, 1, 180)[0]
         log: list[dict[str, Any]] = []

@@ -10,7 +10,8 @@ SuperLink still holds the session of the one that crashed).
    the next round.
 2. The SuperLink (with its ServerApp) is killed while round 2 of a second federation is under
    way, after a site has committed round 2 in its own ledger; it is restarted and the federation
-   is resumed with ``resume=true`` only. Every site's ledger then equals what the server's claim
+   is resumed with ``resume=true`` only; one site's SuperNode comes back only after the resumed
+   server first asked it (it waits for it). Every site's ledger then equals what the server's claim
    accounts: the claim is never below any site's ledger, and no round was spent twice.
 
 Every wait is bounded; everything is stopped by process group in ``finally``.
@@ -117,9 +118,16 @@ def test_supernode_and_superlink_killed_then_recovered(tmp_path: Path, tmp_path_
 
         wait_for(round2_committed, 300, "a site to commit round 2 of the second federation", poll=0.05)
         kill_group(pilot.superlink)
+        # site-0's SuperNode goes down with it and comes back only after the resumed server has asked it:
+        # the restarted SuperLink's database still lists it (until its heartbeat lapses), so that first
+        # query comes back "Node Unavailable", and the server must wait for it rather than give up.
+        kill_group(pilot.supernodes[0])
         crashed_at = len(_rounds(out2))
         pilot.start_superlink("superlink-restarted")
         run3 = pilot.submit(pilot.app, f"out='{out2}' resume=true")
+        wait_for(lambda: "did not describe itself" in pilot.run_log(run3) or pilot.status(run3).startswith("finished"),
+                 240, "the resumed server to ask the absent site-0", poll=5.0)
+        pilot.start_site(0, "supernode-0-after-superlink")
         status = pilot.wait_finished(run3, 600)
         assert status == "finished:completed", pilot.run_log(run3)[-6000:]
     finally:
