@@ -11,7 +11,7 @@ import torch
 
 from client.policy import SitePolicy, psi_strength, sigma_shortfall
 from shared.federation_messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
-from shared.privacy.psi import psi_label
+from shared.privacy.psi import psi_label_of
 
 PROJECTED = ("proj", "fpdp")
 WITH_PSI = ("fdp", "fpdp")
@@ -55,7 +55,7 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
             raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi!r} is not this site's {policy.psi!r}")
         strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
         if not strength >= policy.psi_min:
-            label = psi_label(cfg.privacy.psi, cfg.privacy.psi_param)
+            label = psi_label_of(cfg.privacy)
             raise Refusal(RefusalCode.POLICY, f"psi {label} has strength {strength:.4g} of min(H, W), below "
                                               f"this site's psi_min="
                                               f"{policy.psi_min:g}")

@@ -43,7 +43,7 @@ from client.site_basis import cache_basis, obtain_basis
 from client.site_data import site_check
 from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
 from shared.privacy.accountant import StepRecord
-from shared.privacy.psi import psi_label
+from shared.privacy.psi import psi_label_of
 
 # Names other code and the tests have imported from client.site; their homes are the modules above.
 from client.policy_resolve import default_policy, resolve_policy, simulation_policy  # noqa: F401
@@ -81,7 +81,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         basis, seconds_basis = obtain_basis(content, request, model, trainable, checked, policy)
         basis = basis.to(device)
 
-    psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in WITH_PSI else None
+    psi = psi_label_of(cfg.privacy) if method in WITH_PSI else None
     mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment,
                           unit=policy.unit)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:

@@ -76,6 +76,10 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     paths.out.mkdir(parents=True, exist_ok=True)
     if cfg.train.method == "nonprivate":
         raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
+    if cfg.privacy.psi == "dp-pixelize":  # a site's psi is pinned by its policy, which has no eps_pix / m fields
+        raise ConfigError("privacy.psi: dp-pixelize is for centralized runs only: in a federation each site would "
+                          "have to keep its one release per record across rounds and pin eps_pix and m in its "
+                          "policy, which sites cannot do yet; choose blur or pixelate")
     require_prepared(cfg)  # server/prepare.py: public data and pretrained weights exist (no silent generation)
     root = Path(cfg.data.root)
     public = load_split(root, cfg.data.public_split)
@@ -277,9 +281,9 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
         }
     epsilon = max((s["epsilon"] for s in per_site.values()), default=0.0)
     delta = max((s["delta"] for s in per_site.values()), default=cfg.privacy.delta)
-    from shared.privacy.psi import psi_label
+    from shared.privacy.psi import psi_label_of
 
-    psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if cfg.train.method in ("fdp", "fpdp") else None
+    psi = psi_label_of(cfg.privacy) if cfg.train.method in ("fdp", "fpdp") else None
     seeded = ledger.get_meta("seeded") == "1"
     caps = [int(ledger.get_meta(f"max_records_per_patient/{site}") or 0) for site in plans]
     patient_records = max(caps) if caps and min(caps) > 0 else None  # None: some site states no cap

@@ -52,7 +52,7 @@ from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, 
 from shared.privacy.audit_bound import best_lower_bound
 from shared.privacy.canaries import DiracCanaries, SpanCanaries
 from shared.privacy.noise import make_generator
-from shared.privacy.psi import psi_label
+from shared.privacy.psi import psi_label_of
 from shared.privacy.subspace import flatten
 from shared.runs import check_batch_size, ensure_data, initial_model, load_records, private_records, training_records
 from shared.train import AuditHooks, ReleasedStep, local_train, make_dataset, select_device, steps_per_epoch, to_device, write_json
@@ -211,7 +211,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         torch.manual_seed(spec.seed)
     dataset = make_dataset(private, cfg, train=True, seed=spec.seed)
     public_eval = make_dataset(public, cfg, train=False)
-    psi = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if spec.method in ("fdp", "fpdp") else None
+    psi = psi_label_of(cfg.privacy) if spec.method in ("fdp", "fpdp") else None
     desc = f"audit {spec.method} ({spec.mode} canaries)"
 
     released_coords = None

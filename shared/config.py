@@ -122,9 +122,13 @@ class PrivacyConfig:
     delta: float = 1e-5
     clip_norm: float = 1.0
     accountant: Literal["rdp", "prv"] = "rdp"
-    psi: Literal["blur", "pixelate"] = "blur"
-    # blur: sigma as a fraction of min(H, W); pixelate: block size in input px.
+    psi: Literal["blur", "pixelate", "dp-pixelize"] = "blur"
+    # blur: sigma as a fraction of min(H, W); pixelate, dp-pixelize: block size in input px.
     psi_param: float = 0.06
+    # dp-pixelize only (centralized runs): psi(x) is a DP pixelization of each record's canonical crop, released
+    # once per record: eps_pix-DP for changes of up to psi_m pixels (edge/pixelize's mechanism, 3 channels).
+    psi_eps: float = 1.0
+    psi_m: int = 1
     k: int = 50  # projection rank
     m: int = 100  # public samples for the basis
     basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
@@ -157,6 +161,13 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.psi_param: must be > 0, got {self.psi_param}")
         if self.basis_every < 1 or self.chunk_size < 1:
             raise ConfigError("privacy.basis_every and privacy.chunk_size must be >= 1")
+        if self.psi == "dp-pixelize" and (self.psi_param != int(self.psi_param) or self.psi_param < 2):
+            raise ConfigError(f"privacy.psi_param: dp-pixelize takes a cell side in whole pixels >= 2, got "
+                              f"{self.psi_param:g}")
+        if not (math.isfinite(self.psi_eps) and self.psi_eps > 0):
+            raise ConfigError(f"privacy.psi_eps: must be a finite number > 0, got {self.psi_eps}")
+        if self.psi_m < 1:
+            raise ConfigError(f"privacy.psi_m: must be >= 1 (pixels that may differ), got {self.psi_m}")
         if self.max_records_per_patient is not None and self.max_records_per_patient < 1:
             raise ConfigError(f"privacy.max_records_per_patient: must be >= 1 or null, got "
                               f"{self.max_records_per_patient}")

@@ -55,7 +55,7 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 # Config fields added after artefacts were cached, each with the value that means "as before". Identity views
 # (the fingerprint of cached pretrained weights, a study cell's id, a synthetic ward's manifest) leave such a
 # field out at that value, so an artefact made before the field existed stays valid and a study cell keeps its id.
-LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public"}
+LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.psi_eps": 1.0, "privacy.psi_m": 1}
 
 
 def without_as_before(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -27,7 +27,7 @@ from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 from shared.privacy.claims import privacy_claim
 from shared.privacy.group import group_privacy
-from shared.privacy.psi import psi_label
+from shared.privacy.psi import psi_label_of
 from shared.privacy.noise import make_generator
 from shared.train import (
     PRIVATE,
@@ -251,12 +251,13 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
             group_epsilon, group_delta = group_privacy(epsilon=epsilon, delta=cfg.privacy.delta, k=group_size)
     log.info("ran %d steps on n=%d %ss, mean Poisson batch %.1f (kept in this log only)", result.steps, n, unit,
              result.mean_batch)
-    psi_name = psi_label(cfg.privacy.psi, cfg.privacy.psi_param) if method in ("fdp", "fpdp") else None
+    psi_name = psi_label_of(cfg.privacy) if method in ("fdp", "fpdp") else None
     claim = privacy_claim(
         method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
         psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released, unit=unit,
         records_per_patient=cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
         records_source=group_source,
+        psi_dp=(cfg.privacy.psi_eps, cfg.privacy.psi_m) if cfg.privacy.psi == "dp-pixelize" else None,
     )
     report, _, _ = evaluate(model, val, progress=progress)
     metrics = {
@@ -277,7 +278,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": psi_name,
-        "images": cfg.train.images if cfg.train.images == "raw" else psi_label(cfg.privacy.psi, cfg.privacy.psi_param),
+        "images": cfg.train.images if cfg.train.images == "raw" else psi_label_of(cfg.privacy),
         "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
         "seeded": seeded,
         "claim": claim,

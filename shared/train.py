@@ -29,7 +29,8 @@ from shared.data.transforms import Augment
 from shared.evaluation import evaluate, predict  # noqa: F401  (re-exported: runs, sites and tests import them from here)
 from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
 from shared.privacy.fpdp import DPSpec, dp_gradient
-from shared.privacy.psi import apply_psi, make_psi
+from shared.pixelization.spec import PixelizeSpec
+from shared.privacy.psi import DPPixelize, PsiBatch, apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
 from shared.privacy.subspace import compute_basis
 
@@ -49,15 +50,28 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_psi_from(privacy: PrivacyConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """psi of the config: Gaussian blur (sigma = psi_param * min(H, W)) or pixelation (block psi_param px)."""
+def make_psi_from(privacy: PrivacyConfig, generator: torch.Generator) -> Callable[..., torch.Tensor]:
+    """psi of the config: Gaussian blur (sigma = psi_param * min(H, W)), pixelation (block psi_param px) or
+    DP pixelization (its noise seeded from ``generator``, the run's noise source)."""
     if privacy.psi == "blur":
         return make_psi("gaussian_blur", blur_sigma_frac=privacy.psi_param)
+    if privacy.psi == "dp-pixelize":
+        seed = torch.randint(0, 2**31 - 1, (4,), generator=generator).tolist()
+        return DPPixelize(PixelizeSpec(eps=privacy.psi_eps, b=int(privacy.psi_param), m=privacy.psi_m),
+                          rng=np.random.default_rng(seed))
     return make_psi("pixelate", block_size=int(privacy.psi_param))
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "index"}
+
+
+def psi_on(psi: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor], device: torch.device) -> PsiBatch:
+    """``apply_psi`` on ``batch`` moved to ``device``; a per-record psi (dp-pixelize) also gets the indices."""
+    moved = to_device(batch, device)
+    if getattr(psi, "per_record", False):
+        moved["index"] = batch["index"]
+    return apply_psi(psi, moved)
 
 
 def lr_factor(schedule: str, step: int, total: int) -> float:
@@ -192,9 +206,9 @@ def local_train(
         chunk_size=privacy.chunk_size,
         unit=unit,
     )
-    psi = make_psi_from(privacy) if method in WITH_PUBLIC else None
+    psi = make_psi_from(privacy, generator) if method in WITH_PUBLIC else None
     canonical = None
-    psi_only = make_psi_from(privacy) if train.images == "psi" else None
+    psi_only = make_psi_from(privacy, generator) if train.images == "psi" else None
     if psi_only is not None:
         if method != "nonprivate":
             raise ValueError(f"train.images='psi' is a non-private baseline; method is {method!r}")
@@ -232,14 +246,15 @@ def local_train(
         else:
             idx = poisson_sample(n, sample_rate=q, generator=generator)
             batch_sizes.append(int(idx.numel()))
-        batch = to_device(private.batch(idx.tolist()), device)
+        raw = private.batch(idx.tolist())
+        batch = to_device(raw, device)
         psi_batch = None
         if psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
-            batch = dict(apply_psi(psi_only, batch).tensors)
+            batch = {k: v for k, v in psi_on(psi_only, raw, device).tensors.items() if k != "index"}
         if psi is not None:
             n_psi = len(canonical)
             pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)
-            psi_batch = apply_psi(psi, to_device(canonical.batch(pub_idx.tolist()), device))
+            psi_batch = psi_on(psi, canonical.batch(pub_idx.tolist()), device)
         canary_batch = None
         if audit is not None and audit.canaries is not None:
             canary_batch = audit.canaries.draw(step, sample_rate=q, generator=generator)

@@ -81,7 +81,7 @@ def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatc
     local_train(model, dataset, method="nonprivate", train=cfg.train, privacy=cfg.privacy, sigma=0.0, steps=2,
                 generator=torch.Generator().manual_seed(0), progress=False)
     canonical = dataset.canonical()
-    everything = apply_psi(train_mod.make_psi_from(cfg.privacy),
+    everything = apply_psi(train_mod.make_psi_from(cfg.privacy, torch.Generator().manual_seed(0)),
                            canonical.batch(list(range(len(canonical))))).tensors["image"]
     assert len(seen) == 2
     for batch in seen:

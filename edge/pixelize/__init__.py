@@ -60,18 +60,19 @@ row-major cell order; then the subcells of complex cells, shape
 Laplace array per level; discrete draws two geometric arrays per level
 (noise = first - second).
 
-The package: spec (``PixelizeSpec``, input bounds), grid (padding, multiplicity, block sums),
-frame (``PixelizedFrame``, the release), mechanism (``pixelize``), storage (NPZ save/load/restore),
-masks (complex region from keypoints or a file), claim (what the tool prints).
+The mechanism lives in ``shared/pixelization`` (training uses it as a psi too): spec (``PixelizeSpec``,
+input bounds), grid (padding, multiplicity, block sums), frame (``PixelizedFrame``, the release),
+mechanism (``pixelize``). This package adds storage (NPZ save/load/restore), masks (complex region from
+keypoints or a file) and claim (what the tool prints).
 """
 
 
 from edge.pixelize.claim import pixelize_claim
-from edge.pixelize.frame import PixelizedFrame
-from edge.pixelize.grid import PAD_MODE
+from shared.pixelization.frame import PixelizedFrame
+from shared.pixelization.grid import PAD_MODE
 from edge.pixelize.masks import body_mask_from_keypoints, load_mask
-from edge.pixelize.mechanism import pixelize
-from edge.pixelize.spec import MAX_CELL, MAX_FRAME_PIXELS, MAX_M, MAX_NPZ_MEMBER_BYTES, NoiseKind, PixelizeSpec
+from shared.pixelization.mechanism import pixelize
+from shared.pixelization.spec import MAX_CELL, MAX_FRAME_PIXELS, MAX_M, MAX_NPZ_MEMBER_BYTES, NoiseKind, PixelizeSpec
 from edge.pixelize.storage import load_npz, restore, save_npz
 
 __all__ = [

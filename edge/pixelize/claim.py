@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from edge.pixelize.spec import PixelizeSpec, _is_int
+from shared.pixelization.spec import PixelizeSpec, _is_int
 
 _MASK_SOURCES = ("none", "keypoints", "file")
 

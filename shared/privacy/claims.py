@@ -36,6 +36,7 @@ def privacy_claim(
     unit: str = "record",
     records_per_patient: int | None = None,
     records_source: str | None = None,
+    psi_dp: tuple[float, int] | None = None,
 ) -> str:
     """One honest sentence (or a few) describing the guarantee of a finished run.
 
@@ -50,6 +51,10 @@ def privacy_claim(
     None: not known), ``records_source`` saying where that number comes from
     (a policy cap, this data's patient ids); at patient level, the cap on the
     records of a patient that training used (None: all of them).
+
+    ``psi_dp`` = (eps_pix, m) when psi is itself a DP mechanism (dp-pixelize, released once per
+    record): the claim adds what holds for a change of up to m pixels of one record, by basic
+    composition of the psi release with the Feature-DP guarantee.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
@@ -98,6 +103,12 @@ def privacy_claim(
                 text = f"record-level {budget}-DP {mechanism}"
             text += "; " + _for_a_patient(epsilon, delta, records_per_patient, records_source,
                                           feature=method in FEATURE_METHODS)
+        if psi_dp is not None and method in FEATURE_METHODS:
+            eps_pix, m = psi_dp
+            one = "patient's records" if unit == "patient" else "record"
+            text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each image, released once: a "
+                     f"change of up to {m} pixels of one {one} is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
+                     "(basic composition), a larger change is covered by the Feature-DP statement only")
         if method in PROJECTED_METHODS:
             text += "; the projection basis is computed from public data only"
     if released and method != "nonprivate":

@@ -17,6 +17,12 @@ What each map reveals:
 - Pixelate: the mean colour of every b x b block, i.e. a (H/b) x (W/b)
   thumbnail of the image, upsampled back to H x W. Everything visible at that
   resolution is revealed; for small b faces can remain recognisable.
+- DPPixelize: the pixelation above with noise on every cell mean (Fan's DP
+  pixelization, ``shared/pixelization``), drawn once per record and kept.
+  The one map here that is a mechanism: psi(x) is eps_pix-DP for changes of
+  up to m pixels of a record's crop (a small m covers a face's few pixels at
+  most; a whole changed image is not covered), and the claim adds eps_pix to
+  the Feature-DP eps for that neighbourhood.
 
 Invariant P3: the public gradient depends on x only through psi(x) and the
 labels. ``apply_psi`` is the only intended way to build the ``PsiBatch`` that
@@ -32,9 +38,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from shared.pixelization.mechanism import pixelize
+from shared.pixelization.spec import PixelizeSpec
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +162,45 @@ class Pixelate:
         return f"pixelation, {self.block_size} x {self.block_size} block means"
 
 
+@dataclass
+class DPPixelize:
+    """DP pixelization of each record, released once: psi(x_i) is the same noisy release at every step.
+
+    ``shared/pixelization``'s mechanism (Fan's Algorithm 2, uniform b x b grid, 3 channels) on the
+    record's canonical crop as uint8: every cell mean gets noise of scale 255 m 3 K / (b^2 eps), so the
+    release is eps-DP for changes of up to m pixels of that crop. The first draw for a record is kept
+    (``released``) and returned at every later step: a record's pixelization is released once, never
+    averaged over fresh draws, so eps_pix is spent once per record, not once per step. The noise comes
+    from ``rng`` (seeded from the run's noise generator: OS entropy unless the run is seeded), never
+    from the image, so knowing a candidate image does not give the noise. Call it with the records'
+    indices in the canonical dataset (``apply_psi`` passes ``batch["index"]``).
+    """
+
+    spec: PixelizeSpec
+    rng: np.random.Generator
+    released: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    name: str = field(default="dp-pixelize", init=False)
+    per_record: bool = field(default=True, init=False)
+
+    def __call__(self, images: Tensor, index: Tensor) -> Tensor:
+        """(B, C, H, W) float in [0, 1] and (B,) record indices -> the records' releases, float in [0, 1]."""
+        _check_images(images)
+        if not isinstance(index, Tensor) or tuple(index.shape) != (images.shape[0],):
+            raise ValueError(f"dp-pixelize needs one record index per image, got {getattr(index, 'shape', index)}")
+        out = []
+        for image, key in zip(images, index.tolist()):
+            if key not in self.released:
+                crop = image.permute(1, 2, 0).mul(255.0).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+                frame = pixelize(crop, self.spec, rng=self.rng).render()  # (H, W, C) uint8
+                self.released[key] = torch.from_numpy(frame).permute(2, 0, 1).contiguous()  # (C, H, W) uint8
+            out.append(self.released[key])
+        return torch.stack(out).to(device=images.device, dtype=images.dtype).div_(255.0)
+
+    def describe(self) -> str:
+        return (f"DP pixelization, {self.spec.b} x {self.spec.b} cells, eps_pix={self.spec.eps:g} for changes of up "
+                f"to m={self.spec.m} pixels, released once per record")
+
+
 def make_psi(name: str, **params: float | int) -> GaussianBlur | Pixelate:
     """Build a feature map by name: "gaussian_blur" (default in configs) or "pixelate"."""
     if name in ("gaussian_blur", "blur"):
@@ -191,7 +240,12 @@ def apply_psi(psi: FeatureMap, batch: Mapping[str, Tensor]) -> PsiBatch:
     if not isinstance(batch, Mapping) or IMAGE_KEY not in batch:
         raise ValueError(f"apply_psi needs a batch dict with an {IMAGE_KEY!r} entry")
     with torch.no_grad():
-        mapped = psi(batch[IMAGE_KEY])
+        if getattr(psi, "per_record", False):  # dp-pixelize: each record's one release
+            if "index" not in batch:
+                raise ValueError(f"psi {psi.name} needs the records' indices (batch['index'])")
+            mapped = psi(batch[IMAGE_KEY], batch["index"])
+        else:
+            mapped = psi(batch[IMAGE_KEY])
     tensors = {name: value for name, value in batch.items() if name != IMAGE_KEY}
     tensors[IMAGE_KEY] = mapped
     return PsiBatch(tensors=MappingProxyType(tensors), psi_name=psi.name)
@@ -215,6 +269,18 @@ def psi_strength(kind: str, param: float, input_size: tuple[int, int]) -> float:
     raise ValueError(f"psi={kind!r} is not one of {PSI_KINDS}")
 
 
-def psi_label(kind: str, param: float) -> str:
-    """How claims and ledger rows name a feature map, e.g. ``blur(0.03)``: one spelling everywhere."""
+def psi_label_of(privacy: object) -> str:
+    """``psi_label`` of a privacy config section (``psi``, ``psi_param``, ``psi_eps``, ``psi_m``)."""
+    return psi_label(privacy.psi, privacy.psi_param, eps=privacy.psi_eps, m=privacy.psi_m)  # type: ignore[attr-defined]
+
+
+def psi_label(kind: str, param: float, *, eps: float | None = None, m: int | None = None) -> str:
+    """How claims and ledger rows name a feature map, e.g. ``blur(0.03)``: one spelling everywhere.
+
+    dp-pixelize also names its eps_pix and m: ``dp-pixelize(8, eps=1, m=1)``.
+    """
+    if kind == "dp-pixelize":
+        if eps is None or m is None:
+            raise ValueError("psi_label: dp-pixelize needs its eps and m")
+        return f"{kind}({param:g}, eps={eps:g}, m={m})"
     return f"{kind}({param:g})"

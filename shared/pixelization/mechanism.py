@@ -8,9 +8,9 @@ import logging
 
 import numpy as np
 
-from edge.pixelize.frame import PixelizedFrame
-from edge.pixelize.grid import _as_hwc, _block_any, _block_sums, _mirror_pad, _pad_amount, _pad_multiplicity
-from edge.pixelize.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, PixelizeSpec
+from shared.pixelization.frame import PixelizedFrame
+from shared.pixelization.grid import _as_hwc, _block_any, _block_sums, _mirror_pad, _pad_amount, _pad_multiplicity
+from shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, PixelizeSpec
 
 log = logging.getLogger(__name__)
 
