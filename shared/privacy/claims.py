@@ -107,7 +107,7 @@ def privacy_claim(
             eps_pix, m = psi_dp
             one = "patient's records" if unit == "patient" else "record"
             text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each image, released once: a "
-                     f"change of up to {m} pixels of one {one} is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
+                     f"change of up to {m} pixel{'s' if m != 1 else ''} of one {one} is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
                      "(basic composition), a larger change is covered by the Feature-DP statement only")
         if method in PROJECTED_METHODS:
             text += "; the projection basis is computed from public data only"
