@@ -105,10 +105,13 @@ def privacy_claim(
                                           feature=method in FEATURE_METHODS)
         if psi_dp is not None and method in FEATURE_METHODS:
             eps_pix, m = psi_dp
-            one = "patient's records" if unit == "patient" else "record"
-            text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each image, released once: a "
-                     f"change of up to {m} pixel{'s' if m != 1 else ''} of one {one} is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
-                     "(basic composition), a larger change is covered by the Feature-DP statement only")
+            pixels = f"{m} pixel{'s' if m != 1 else ''}"
+            text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each record's input crop, released "
+                     f"once: a change of up to {pixels} in one record's crop is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
+                     "(basic composition)")
+            if unit == "patient":
+                text += f", in j of a patient's records (eps + j x {eps_pix:g}, {delta:.3g})-DP"
+            text += "; a larger change is covered by the Feature-DP statement only"
         if method in PROJECTED_METHODS:
             text += "; the projection basis is computed from public data only"
     if released and method != "nonprivate":
