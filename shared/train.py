@@ -247,10 +247,11 @@ def local_train(
             idx = poisson_sample(n, sample_rate=q, generator=generator)
             batch_sizes.append(int(idx.numel()))
         raw = private.batch(idx.tolist())
-        batch = to_device(raw, device)
-        psi_batch = None
         if psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
             batch = {k: v for k, v in psi_on(psi_only, raw, device).tensors.items() if k != "index"}
+        else:
+            batch = to_device(raw, device)
+        psi_batch = None
         if psi is not None:
             n_psi = len(canonical)
             pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)
