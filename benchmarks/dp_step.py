@@ -73,7 +73,7 @@ def _run(kind: str, variant: str, repeats: int, queue) -> None:
     opt = torch.optim.SGD(params, lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     n = 1000
-    spec_args = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / n, n_private=n, chunk_size=BATCH)
+    spec_args = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / n, expected_batch=float(BATCH), chunk_size=BATCH)
     basis = None
     psi_batch = None
     if kind == "fpdp":

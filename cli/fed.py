@@ -70,26 +70,22 @@ def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
-    """Data, pretrained weights, the P2 check, site policies and the run's config file; returns its path."""
-    from client.policy import write_policy
+    """Data, pretrained weights, site policies and each site's own checks (P2 disjointness, duplicates), and
+    the run's config file; returns its path."""
+    from client.policy import load_policy, write_policy
     from client.policy_resolve import default_policy
+    from client.site_data import prepare_site
     from shared.config import dump_config
-    from shared.data.mpii import load_split
-    from shared.data.split import check_disjoint, check_no_duplicates
     from shared.runs import ensure_data, ensure_pretrained
 
-    root = ensure_data(cfg, progress=progress)
+    ensure_data(cfg, progress=progress)
     if cfg.train.strategy != "scratch":
         ensure_pretrained(cfg, progress=progress)
-    public = load_split(root, cfg.data.public_split)
-    for split in cfg.data.train_splits:
-        private = load_split(root, split)
-        check_disjoint(public, private)  # P2, by image content
-        check_no_duplicates(private, what=f"site data {split}")  # one image = one record
     for i, split in enumerate(cfg.data.train_splits):
         path = out / "sites" / split / "policy.yaml"
         if not path.exists():
             write_policy(path, default_policy(cfg, out, i))
+        prepare_site(load_policy(path))  # each simulated site's operator step: its own checks, once per run
     config_path = out / "run-config.yaml"
     dump_config(cfg, config_path)
     return config_path
@@ -212,8 +208,11 @@ def register(sub: Any) -> None:
     pol.add_argument("--lifetime-rounds", type=int, default=None, help="rounds over the ledger's whole life")
     pol.add_argument("--rounds-per-federation", type=int, default=None,
                      help="rounds in any one federation (default: --lifetime-rounds)")
+    pol.add_argument("--expected-batch", type=float, default=None,
+                     help="B: the expected private batch per step (records, or patients with --unit patient); the "
+                          "public constant the noisy sum is divided by")
     pol.add_argument("--sample-rate", type=float, default=None,
-                     help="Poisson rate q of the private batch, e.g. batch size / n (n never leaves the site)")
+                     help="Poisson rate q of the private batch (default: B / n, computed here from the data once)")
     pol.add_argument("--steps-per-round", type=int, default=None, help="most local steps per round")
     pol.add_argument("--clip-norm", type=float, default=1.0, help="per-sample clip C (default 1.0)")
     pol.add_argument("--psi", choices=("blur", "pixelate"), default="blur", help="fdp/fpdp feature map (default blur)")

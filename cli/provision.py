@@ -25,13 +25,14 @@ POLICY_TEMPLATE = """\
 #   fedpose site-policy --check {policy}
 # which validates it, runs the site's own checks and prints the public set's digest to approve
 # (or write the whole policy with `fedpose site-policy --out ...`, see the README's deployment guide).
-policy_version: 2
+policy_version: 3
 site: {site}
 epsilon: {epsilon}                 # lifetime budget over this site's whole ledger
 delta: {delta}                  # must be < 1/n for the site's n records
 lifetime_rounds: {lifetime_rounds}
 rounds_per_federation: {rounds}
 sample_rate: FILL-ME          # batch size {batch_size} / n (n = the number of records in data_path); n never leaves the site
+expected_batch: {batch_size}            # B: the public constant the noisy sum is divided by
 steps_per_round: {local_steps}
 clip_norm: {clip_norm}
 psi: {psi}

@@ -1,11 +1,16 @@
-"""The site's own durable spend ledger (P6, P12): SQLite, WAL, one transaction per round.
+"""The site's own durable spend ledger (P6, P12, P13): SQLite, WAL, one transaction per charge.
 
-A round is checked, trained and recorded inside ONE ``BEGIN IMMEDIATE``
-transaction (``SiteLedger.round``): the budget check sees every committed
-round, a concurrent request waits (bounded, with a message) for the lock
-instead of passing the same check, and a process killed while training leaves
-no row (nothing was released: the reply is sent only after the commit). Spend
-is therefore recorded before it can leave the site, never after.
+A round is charged on attempt: its budget check and its row (state
+``charged``) are one ``BEGIN IMMEDIATE`` transaction (``SiteLedger.round``),
+committed BEFORE the first private record is read. Whatever happens after
+(a crash, an out-of-memory error, a bug) the round has been paid for, so a
+failure that depends on private data is never free. When the round's reply is
+stored the row becomes ``done`` and its noise seed is erased. A charged round
+that never finished is replayed when it is asked for again: the same noise
+seed (drawn from OS entropy at the charge and kept only in this file until
+then) on the same data gives the same release, so the round is never spent
+twice; on changed data it is refused (``data_version``), since the same noise
+on two different datasets would cancel in their difference.
 
 Each row records what actually ran (P12): federation and round (a repeated
 (federation, round) is refused, never trained twice), method, psi and its
@@ -40,7 +45,7 @@ from shared.privacy.ledger import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
 _SCHEMA = [
@@ -61,7 +66,10 @@ _SCHEMA = [
         psi TEXT,                       -- fdp/fpdp: the feature map treated as public, e.g. blur(0.03)
         clip_norm REAL,
         augment INTEGER,
-        unit TEXT NOT NULL DEFAULT 'record'  -- the privacy unit: record or patient
+        unit TEXT NOT NULL DEFAULT 'record', -- the privacy unit: record or patient
+        state TEXT NOT NULL DEFAULT 'done',   -- charged (paid, not yet released) or done
+        noise_seed INTEGER,                   -- charged rows only: the round's secret seed, erased when done
+        data_version TEXT                     -- the data the round was charged on (a replay needs the same)
     )""",
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -77,7 +85,12 @@ _V1_TO_V2 = [
 _V2_TO_V3 = [
     "ALTER TABLE spend ADD COLUMN unit TEXT NOT NULL DEFAULT 'record'",
 ]
-_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3, 2: _V2_TO_V3}
+_V3_TO_V4 = [
+    "ALTER TABLE spend ADD COLUMN state TEXT NOT NULL DEFAULT 'done'",
+    "ALTER TABLE spend ADD COLUMN noise_seed INTEGER",
+    "ALTER TABLE spend ADD COLUMN data_version TEXT",
+]
+_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4, 2: _V2_TO_V3 + _V3_TO_V4, 3: _V3_TO_V4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,9 +140,18 @@ class OpenRound:
 
     def record(
         self, *, site: str, federation: str, round: int, sigma: float, sample_rate: float, steps: int,
-        delta: float, budget: float, accountant: str, mechanism: Mechanism,
+        delta: float, budget: float, accountant: str, mechanism: Mechanism, state: str = "done",
+        noise_seed: int | None = None, data_version: str | None = None,
     ) -> float:
-        """Insert the round's row (validated first); returns the cumulative epsilon written."""
+        """Insert the round's row (validated first); returns the cumulative epsilon written.
+
+        ``state='charged'`` (the site's rounds): the spend is on disk before any private record is read;
+        ``noise_seed`` and ``data_version`` let an unfinished round be replayed, never spent twice.
+        """
+        if state not in ("charged", "done"):
+            raise ValueError(f"state={state!r} must be 'charged' or 'done'")
+        if (state == "charged") != (noise_seed is not None):
+            raise ValueError("a charged row keeps its noise seed until it is done; a done row keeps none")
         if self.recorded:
             raise ValueError("this round already has its ledger row; one row per round")
         if self.has_round(federation, round):
@@ -140,7 +162,7 @@ class OpenRound:
                       sample_rate=float(sample_rate), steps=int(steps), delta=float(delta), epsilon=eps,
                       budget=float(budget), accountant=accountant, recorded_at=utc_now(), method=mechanism.method,
                       psi=mechanism.psi, clip_norm=float(mechanism.clip_norm), augment=int(mechanism.augment),
-                      unit=mechanism.unit)
+                      unit=mechanism.unit, state=state, noise_seed=noise_seed, data_version=data_version)
         self.conn.execute(f"INSERT INTO spend ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
                           tuple(values.values()))
         self.rows.append(values)
@@ -224,6 +246,21 @@ class SiteLedger:
         """Cumulative epsilon of everything recorded (or of one federation's rows), recomputed (P5)."""
         return cumulative_epsilon(self.history(federation), delta=delta, accountant=accountant)
 
+    def row_of(self, federation: str, round: int) -> dict[str, Any] | None:
+        """The row of (federation, round), or None when that round was never charged here."""
+        row = self.conn.execute("SELECT * FROM spend WHERE federation = ? AND round = ?", (federation, int(round)))
+        found = row.fetchone()
+        return dict(found) if found is not None else None
+
+    def finish(self, federation: str, round: int) -> None:
+        """The round's reply is stored: mark it done and erase its noise seed (a leaked ledger reveals no noise)."""
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            updated = self.conn.execute(
+                "UPDATE spend SET state = 'done', noise_seed = NULL WHERE federation = ? AND round = ?",
+                (federation, int(round))).rowcount
+        if updated != 1:
+            raise ValueError(f"federation {federation} round {round} was never charged in {self.path}")
+
     def units(self) -> set[str]:
         """The privacy units of the recorded rounds (P12): the claim is patient level only when this is {patient}."""
         return {r["unit"] for r in self.rows()}
@@ -234,9 +271,10 @@ class SiteLedger:
 
     @contextmanager
     def round(self) -> Iterator[OpenRound]:
-        """One round = one transaction: check inside, train inside, ``record`` once, commit on exit.
+        """One charge = one transaction: check the budget inside, ``record`` once, commit on exit.
 
-        Raising inside (a refusal, a crash) rolls back: the ledger is unchanged.
+        Raising inside (a refusal) rolls back: the ledger is unchanged. The site trains only after
+        this commits (charge on attempt, P13); centralized bookkeeping may record a done row directly.
         """
         with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
             rows = [dict(r) for r in self.conn.execute("SELECT * FROM spend ORDER BY id").fetchall()]

@@ -3,7 +3,7 @@
 Everything that decides the site's guarantee is pinned here, so a hostile
 server can only ask for it, never choose it (DESIGN.md section 4b)::
 
-    policy_version: 2
+    policy_version: 3
     site: hospital-a
     # budget (over the ledger's whole life: every federation the site ever joins)
     epsilon: 0.8
@@ -13,7 +13,8 @@ server can only ask for it, never choose it (DESIGN.md section 4b)::
     min_sigma: null               # null: derived from epsilon, delta, q, steps_per_round, lifetime_rounds
     # mechanism
     methods: [dpsgd, proj, fdp, fpdp]   # nonprivate is never accepted
-    sample_rate: 0.16             # Poisson rate q of the private batch (the site's, never n-derived by the server)
+    sample_rate: 0.16             # Poisson rate q of the private batch (public: the server's accountant uses it)
+    expected_batch: 64            # B, the public constant the noisy sum is divided by (P15): about q x n
     steps_per_round: 10           # at most this many local steps per round
     clip_norm: 1.0                # per-sample clip C
     psi: blur                     # fdp/fpdp: the feature map treated as public
@@ -29,11 +30,23 @@ server can only ask for it, never choose it (DESIGN.md section 4b)::
     public_digest: 9f2c...        # manifest digest of that public set, approved by the operator
     eval_path: data/site-0-eval   # optional held-out split: the site evaluates each global model on it, locally
     accountant: rdp
+    # resources and timing (P13: nothing the server chooses makes them depend on the private data)
+    chunk_size: 16                # per-sample gradients held in memory at a time
+    max_parameters: 20000000      # the largest model (all its tensors) a request may send
+    max_input_size: [256, 256]    # the largest model input (H, W) a request may ask for
+    round_seconds: null           # a reply leaves this many seconds after its request arrived (null: when done)
 
 Relative paths are relative to the policy file's directory. A request that
 asks for anything weaker than this is refused with nothing trained and
 nothing spent; a policy written before version 2 is refused with a message
-that says what to add.
+that says what to add; so is a version-2 policy, which did not pin the
+normaliser (``expected_batch``).
+
+``sample_rate`` and ``expected_batch`` are public constants: the server's
+accountant needs q, and B divides the noisy sum. An operator who sets
+B = q x n reveals n (approximately) through them, which the claim names;
+``fedpose site-policy --expected-batch B`` computes q = B / n from the site's
+data when the policy is written, once, not per round.
 
 Privacy unit (issue #11). ``unit`` and ``max_records_per_patient`` are optional
 version-2 fields: a policy without them means exactly what it meant before
@@ -63,11 +76,13 @@ from shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-export
 
 log = logging.getLogger(__name__)
 
-POLICY_VERSION = 2
+POLICY_VERSION = 3
 PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
 UNITS = ("record", "patient")
 
 # What a version-1 policy must add (named in the refusal of an old file).
+_V3_FIELDS = ("policy_version: 3", "expected_batch (the public normaliser B of the noisy sum: about sample_rate x "
+              "the site's records; `fedpose site-policy --expected-batch B` writes a policy with it)")
 _V2_FIELDS = ("policy_version: 2", "sample_rate", "steps_per_round", "clip_norm", "psi", "psi_min", "augment",
               "lifetime_rounds and rounds_per_federation (instead of max_rounds)",
               "public_digest (with public_path; `fedpose site-policy --check` prints it)")
@@ -102,6 +117,7 @@ class SitePolicy:
     augment: bool
     data_path: str
     ledger_path: str
+    expected_batch: float
     min_sigma: float | None = None
     public_path: str | None = None
     public_digest: str | None = None
@@ -111,11 +127,18 @@ class SitePolicy:
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
     unit: str = "record"
     max_records_per_patient: int | None = None
+    chunk_size: int = 16
+    max_parameters: int = 20_000_000
+    max_input_size: tuple[int, int] = (256, 256)
+    round_seconds: float | None = None
     policy_version: int = POLICY_VERSION
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or not self.site.strip():
             raise ValueError("site policy: site must be a non-empty name")
+        if self.policy_version == 2:
+            raise ValueError("site policy: version 2 does not pin the normaliser of the noisy sum; add "
+                             + "; ".join(_V3_FIELDS))
         if self.policy_version != POLICY_VERSION:
             raise ValueError(f"site policy: policy_version={self.policy_version!r}, this fedpose reads "
                              f"{POLICY_VERSION}")
@@ -124,9 +147,10 @@ class SitePolicy:
         if not self.delta < 1:
             raise ValueError(f"site policy: delta={self.delta} must be in (0, 1), e.g. 1e-5")
         _positive("sample_rate", self.sample_rate, upper=1.0)
+        _positive("expected_batch", self.expected_batch)
         _positive("clip_norm", self.clip_norm)
         _positive("psi_min", self.psi_min)
-        for name in ("lifetime_rounds", "rounds_per_federation", "steps_per_round"):
+        for name in ("lifetime_rounds", "rounds_per_federation", "steps_per_round", "chunk_size", "max_parameters"):
             _count(name, getattr(self, name))
         if self.rounds_per_federation > self.lifetime_rounds:
             raise ValueError(f"site policy: rounds_per_federation={self.rounds_per_federation} exceeds "
@@ -162,6 +186,11 @@ class SitePolicy:
             raise ValueError(f"site policy: unit={self.unit!r} must be one of {list(UNITS)}")
         if self.max_records_per_patient is not None:
             _count("max_records_per_patient", self.max_records_per_patient)
+        if (len(self.max_input_size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 32
+                                                 for v in self.max_input_size)):
+            raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
+        if self.round_seconds is not None:
+            _positive("round_seconds", self.round_seconds)
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -188,8 +217,13 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "seed": (int, type(None)),
     "unit": (str,),
     "max_records_per_patient": (int, type(None)),
+    "expected_batch": (int, float),
+    "chunk_size": (int,),
+    "max_parameters": (int,),
+    "max_input_size": (list, tuple),
+    "round_seconds": (int, float, type(None)),
 }
-_FLOATS = ("epsilon", "delta", "sample_rate", "clip_norm", "psi_min", "min_sigma")
+_FLOATS = ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm", "psi_min", "min_sigma", "round_seconds")
 
 
 def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SitePolicy:
@@ -199,6 +233,9 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
     if "policy_version" not in data:
         raise ValueError("site policy: this policy predates policy version 2 and pins too little of the "
                          "guarantee (a server could choose the rest); add " + "; ".join(_V2_FIELDS))
+    if data["policy_version"] == 2:
+        raise ValueError("site policy: this is a version-2 policy, which does not pin the normaliser of the noisy "
+                         "sum (a server could read the site's size from its replies); add " + "; ".join(_V3_FIELDS))
     names = {f.name for f in dataclasses.fields(SitePolicy)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -219,6 +256,8 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
         if not all(isinstance(m, str) for m in values["methods"]):
             raise ValueError(f"site policy: methods={values['methods']!r} must be a list of method names")
         values["methods"] = tuple(values["methods"])
+    if "max_input_size" in values:
+        values["max_input_size"] = tuple(values["max_input_size"])
     for key in _FLOATS:
         if values.get(key) is not None:
             try:
@@ -246,6 +285,7 @@ def load_policy(path: str | Path) -> SitePolicy:
 def policy_to_dict(policy: SitePolicy) -> dict[str, Any]:
     out = dataclasses.asdict(policy)
     out["methods"] = list(policy.methods)
+    out["max_input_size"] = list(policy.max_input_size)
     order = ["policy_version"] + [k for k in out if k != "policy_version"]
     return {k: out[k] for k in order}
 

@@ -45,9 +45,10 @@ def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]
 def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
 
-    The operator of a site knows its n, so it can state q = B / n in its
-    policy; the server never learns n. At patient level (``privacy.unit``)
-    n counts patients and q is the patient rate q_p. At record level the
+    The operator of a site knows its n, so it states q = B / n and the
+    normaliser B (``expected_batch``) in its policy: both public constants,
+    which reveal n only as the operator's own choice of q does. At patient
+    level (``privacy.unit``) n counts patients and q is the patient rate q_p. At record level the
     policy states the most records a patient has in the split (from its
     patient ids) as its cap, unless the config gives one: the claim's group
     bound is stated at it.
@@ -67,13 +68,14 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
             cap, _ = stated_group_size(private, None)
     public = load_split_dir(root / cfg.data.public_split, "public set")
     return policy_from_dict({
-        "policy_version": 2,
+        "policy_version": 3,
         "site": name,
         "epsilon": cfg.privacy.epsilon,
         "delta": cfg.privacy.delta,
         "lifetime_rounds": cfg.federation.rounds,
         "rounds_per_federation": cfg.federation.rounds,
         "sample_rate": min(1.0, cfg.train.batch_size / n),
+        "expected_batch": float(cfg.train.batch_size),
         "steps_per_round": cfg.federation.local_steps,
         "clip_norm": cfg.privacy.clip_norm,
         "psi": cfg.privacy.psi,
@@ -96,7 +98,10 @@ def simulation_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     path = out / "sites" / splits[index] / "policy.yaml"
     if path.is_file():
         return load_policy(path)
+    from client.site_data import prepare_site
+
     policy = default_policy(cfg, out, index)
     write_policy(path, policy)
+    prepare_site(policy)  # the simulated site's operator step: its checks, once
     log.info("site %s: wrote default simulation policy %s", policy.site, path)
     return policy

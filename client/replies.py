@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, we
 
 log = logging.getLogger(__name__)
 
+# Federation ids are 1-64 of [A-Za-z0-9_.-] (client.request); the round is the last -r<digits>.
+_REPLY_NAME = re.compile(r"(?P<federation>[A-Za-z0-9_.-]{1,64})-r(?P<round>[0-9]+)\.pt")
 
 
 def _reply_path(policy: SitePolicy, federation: str, round: int) -> Path:
@@ -33,9 +36,15 @@ def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[s
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, tmp)
     tmp.replace(path)
-    for old in path.parent.glob(f"{federation}-r*.pt"):
-        if old != path:
+    for old in path.parent.glob("*.pt"):  # this federation's older replies: its exact id, never a prefix of another
+        if old != path and _reply_of(old.name) is not None and _reply_of(old.name)[0] == federation:
             old.unlink(missing_ok=True)
+
+
+def _reply_of(name: str) -> tuple[str, int] | None:
+    """(federation, round) of a stored reply's file name ``<federation>-r<round>.pt``, else None."""
+    match = _REPLY_NAME.fullmatch(name)
+    return (match["federation"], int(match["round"])) if match else None
 
 
 def stored_reply(policy: SitePolicy, federation: str, round: int) -> Any:

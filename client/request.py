@@ -1,5 +1,5 @@
-"""A train request: parsed, checked against what the site's policy pins (P11), and its weights loaded
-or refused; reads no private data.
+"""A train request: parsed, checked against what the site's policy pins (P11) and against its resource
+bounds (P13), and its weights loaded or refused; reads no private data.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.privacy.clip_norm != policy.clip_norm:
         raise Refusal(RefusalCode.POLICY, f"clip norm {cfg.privacy.clip_norm!r} is not this site's "
                                           f"{policy.clip_norm!r}")
+    h, w = cfg.data.input_size
+    if h > policy.max_input_size[0] or w > policy.max_input_size[1]:
+        raise Refusal(RefusalCode.POLICY, f"input size {h}x{w} exceeds this site's max_input_size "
+                                          f"{policy.max_input_size[0]}x{policy.max_input_size[1]}")
     if cfg.data.augment != policy.augment:
         raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
                                           f"augment={policy.augment}")
@@ -62,6 +66,14 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     shortfall = sigma_shortfall(policy, sigma=request.sigma)
     if shortfall is not None:
         raise Refusal(RefusalCode.WEAKER_NOISE, shortfall)
+
+
+def check_model_size(model: torch.nn.Module, policy: SitePolicy) -> None:
+    """Refuse a model larger than the policy's ``max_parameters``: memory is the site's to pin (P13)."""
+    count = sum(t.numel() for t in model.state_dict().values())
+    if count > policy.max_parameters:
+        raise Refusal(RefusalCode.POLICY, f"the requested model has {count:,} parameters, more than this site's "
+                                          f"max_parameters={policy.max_parameters:,}")
 
 
 def load_weights(content: Any, model: torch.nn.Module) -> None:

@@ -1,93 +1,146 @@
-"""What a hospital site does with a server request (DESIGN.md sections 2 and 4b; P6, P10, P11, P12).
+"""What a hospital site does with a server request (DESIGN.md sections 2 and 4b; P6, P10-P15).
 
-The server is not trusted. ``handle_train`` checks a train request against
-the site's own policy before the ledger is opened, and refuses (``Refusal``,
-nothing trained, ledger unchanged) anything weaker than the policy pins:
+The server is not trusted. ``handle_train`` checks a train request against the site's own policy
+and refuses (``Refusal``, nothing trained, ledger unchanged) anything weaker than the policy pins:
 
-- a method the policy does not allow; another privacy unit (record or
-  patient, issue #11); a sample rate other than the policy's;
-  more local steps than ``steps_per_round``; another clip norm; for fdp/fpdp
-  another psi kind or a weaker psi; another augmentation setting;
+- a method the policy does not allow; another privacy unit; a sample rate other than the policy's;
+  more local steps than ``steps_per_round``; another clip norm; for fdp/fpdp another psi kind or a
+  weaker psi; another augmentation setting; a model or an input larger than the policy's bounds;
 - sigma below the site's own minimum (``client.policy.sigma_shortfall``);
 - weights or a basis V that are malformed, non-finite or of the wrong shape;
-- then, inside the ledger transaction: a (federation, round) already spent,
-  more rounds than ``rounds_per_federation`` or ``lifetime_rounds``, or a
-  round that would push its accountant's epsilon over its budget.
+- a site whose own checks are not current for its policy and files (``site_ready``);
+- then, inside the ledger transaction: more rounds than ``rounds_per_federation`` or
+  ``lifetime_rounds``, or a round that would push its accountant's epsilon over its budget.
 
-What the site checks about itself (its public set matches the digest its
-operator approved, public and private images are disjoint, no private image
-appears twice, delta < 1/n) runs locally, once per policy and data version
-(``site_check``), never as an answer to a server field: no reply depends on
-private data except through the DP-noised weights (P10). Then it trains with
-``shared.train.local_train``, records what actually ran in its ledger in the
-same transaction, and only then returns the reply: spend is on disk before
-anything leaves the site.
+None of this reads a private record, so a refusal's text and time do not depend on private data.
 
-This module is the round itself (``handle_train``); the steps it calls live
-beside it: ``client.request`` (parse, check against the policy, load
-weights), ``client.site_data`` (the site's own checks, ``site_info``),
-``client.site_basis`` (V), ``client.replies`` (repeated rounds) and
-``client.policy_resolve`` (which policy a node runs under).
+Charge on attempt (P13): the round's row is committed (state ``charged``, with a secret noise seed)
+BEFORE the first private record is read. Whatever happens after, a crash, an error, an exhausted
+memory, the round has been paid for. The round then trains with the site's pinned resources (its
+chunk size, its normaliser, P15) and a reply checked finite is stored, and the row marked done,
+before it leaves. A (federation, round) asked again gets its stored reply; one that was charged but
+never finished is replayed on the same seed and the same data, so it is never spent twice. With
+``round_seconds`` in the policy the reply (or the error) of a charged round leaves at that fixed
+deadline after the request arrived, not when training happened to end.
+
+This module is the round itself; the steps it calls live beside it: ``client.request`` (parse, check
+against the policy, load weights), ``client.site_data`` (the site's own checks), ``client.site_basis``
+(V), ``client.replies`` (stored replies) and ``client.policy_resolve`` (which policy a node runs under).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from client.ledger import Mechanism, SiteLedger
 from client.policy import SitePolicy
 from client.replies import repeated_round, store_reply
-from client.request import PROJECTED, WITH_PSI, check_request, load_weights, parse_request
+from client.request import PROJECTED, WITH_PSI, check_model_size, check_request, load_weights, parse_request
 from client.site_basis import cache_basis, obtain_basis
-from client.site_data import site_check
+from client.site_data import SiteCheck, load_checked, site_ready
 from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
 from shared.privacy.accountant import StepRecord
 from shared.privacy.psi import psi_label_of
 
 # Names other code and the tests have imported from client.site; their homes are the modules above.
 from client.policy_resolve import default_policy, resolve_policy, simulation_policy  # noqa: F401
-from client.site_data import check_site, load_split_dir, public_digest, site_info, spend_so_far  # noqa: F401
+from client.site_data import check_site, load_split_dir, prepare_site, public_digest, site_info, spend_so_far  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 
+class SiteFailure(RuntimeError):
+    """A charged round that could not produce a reply; its spend stays on the ledger (P13)."""
+
+
+@contextmanager
+def site_lock(policy: SitePolicy) -> Iterator[None]:
+    """One round at a time per site, across processes (Flower starts one per message); released on death."""
+    path = Path(policy.ledger_path).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _wait_until(deadline: float | None) -> None:
+    """Hold the reply until ``deadline`` (time.monotonic()), when the policy sets one."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+def _augment_seed(secret: int) -> int:
+    """The round's augmentation seed, derived from its secret so that a replay draws the same crops."""
+    return int.from_bytes(hashlib.sha256(b"fedpose-augment" + secret.to_bytes(8, "big")).digest()[:4], "big")
+
+
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
-    """Run one requested round or raise ``Refusal``; returns the reply RecordDict."""
-    from flwr.app import MetricRecord, RecordDict
-
-    from client.site_eval import evaluate_global
+    """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
     from shared.model.posenet import apply_strategy, build_model
-    from shared.optim_state import keep_site_optimizer, site_optimizer
-    from shared.privacy.noise import make_generator
-    from shared.train import local_train, make_dataset, round_span, select_device
+    from shared.train import select_device
 
+    arrived = time.monotonic()
     request = parse_request(content)
     cfg = request.config
-    method = cfg.train.method
     check_request(request, policy)
-    checked = site_check(policy)
-    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
-        if any(r["federation"] == request.federation and r["round"] == request.round for r in ledger.rows()):
+    ready = site_ready(policy)
+    with site_lock(policy):
+        with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+            row = ledger.row_of(request.federation, request.round)
+        if row is not None and row["state"] == "done":
             return repeated_round(policy, request.federation, request.round)
+        if row is not None and row["data_version"] != ready.data_version:
+            raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
+                                                     "was already charged here; it is never trained twice")
 
-    device = select_device(cfg.train.device)
-    model = build_model(cfg.model, cfg.data.input_size)
-    load_weights(content, model)
-    model.to(device)
-    trainable = apply_strategy(model, cfg.train.strategy)
-    basis, seconds_basis = None, 0.0
-    if method in PROJECTED:
-        basis, seconds_basis = obtain_basis(content, request, model, trainable, checked, policy)
-        basis = basis.to(device)
+        device = select_device(cfg.train.device)
+        model = build_model(cfg.model, cfg.data.input_size)
+        check_model_size(model, policy)
+        load_weights(content, model)
+        model.to(device)
+        trainable = apply_strategy(model, cfg.train.strategy)
+        basis, seconds_basis = None, 0.0
+        if request.config.train.method in PROJECTED:  # from public data only (P2): before the charge
+            basis, seconds_basis = obtain_basis(content, request, model, trainable, policy)
+            basis = basis.to(device)
+        if row is None:
+            row = _charge(request, policy, ready)
+        else:
+            log.warning("site %s: round %d of federation %s was charged but never finished: replaying it on its "
+                        "own seed (not spent again)", policy.site, request.round, request.federation)
+        deadline = arrived + policy.round_seconds if policy.round_seconds is not None else None
+        try:
+            return _train_charged(content, request, policy, ready, row, model, trainable, basis, seconds_basis,
+                                  progress=progress)
+        finally:
+            _wait_until(deadline)
 
-    psi = psi_label_of(cfg.privacy) if method in WITH_PSI else None
+
+def _charge(request: Any, policy: SitePolicy, ready: SiteCheck) -> dict[str, Any]:
+    """Check the budget and commit the round's spend (state charged) before any private record is read."""
+    from shared.privacy.noise import round_secret
+
+    method = request.config.train.method
+    psi = psi_label_of(request.config.privacy) if method in WITH_PSI else None
     mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment,
                           unit=policy.unit)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
-        if open_round.has_round(request.federation, request.round):  # a concurrent duplicate won the lock
+        if open_round.has_round(request.federation, request.round):  # pragma: no cover - the site lock prevents it
             raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} was "
-                                                     "already trained and spent here; it is never trained twice")
+                                                     "already charged here; it is never trained twice")
         if open_round.rounds_done >= policy.lifetime_rounds:
             raise Refusal(RefusalCode.BUDGET, f"site already took part in {open_round.rounds_done} rounds "
                                               f"(lifetime_rounds={policy.lifetime_rounds})")
@@ -99,33 +152,64 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         if eps_after > policy.epsilon:
             raise Refusal(RefusalCode.BUDGET, f"this round would spend eps={eps_after:.4g} > budget {policy.epsilon:g} "
                                               f"(delta={policy.delta:g}, {policy.accountant})")
-        # Only a request that will train gets the received model scored: a refused one (any number of
-        # them) costs the site no evaluation and no evaluation.jsonl row. The weights are still the global ones.
-        evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)
-        # Reproducible noise (tests only, P7) is seeded from the ledger row, never from a server field (P11).
-        seed = None if policy.seed is None else policy.seed + open_round.rounds_done
-        generator, seeded = make_generator(seed, "cpu")
-        optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
-        result = local_train(
-            model, make_dataset(checked.private, cfg, train=True, seed=seed), method=method, train=cfg.train,
-            privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator, basis=basis,
-            sample_rate=policy.sample_rate, optimizer=optimizer, patients=checked.patients,
-            schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
-            progress=progress, desc=f"{policy.site} round {request.round}",
-        )
-        eps = open_round.record(
-            site=policy.site, budget=policy.epsilon, federation=request.federation, round=request.round,
-            sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps, delta=policy.delta,
-            accountant=policy.accountant, mechanism=mechanism,
-        )
-        run_eps = open_round.epsilon(delta=policy.delta, accountant=policy.accountant, federation=request.federation)
-        rounds_done = open_round.rounds_done
-    keep_site_optimizer(cfg, optimizer, model, trainable, policy.ledger_path, request.federation)
-    # Timings and the realised batch sizes track n: they stay in this log, never in the reply (P10).
-    log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f, mean batch %.1f) in %.1f s (+%.1f s basis); "
-             "eps spent %.4f of %.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,
-             result.mean_batch, result.seconds, seconds_basis, eps, policy.epsilon)
+        # Reproducible noise (tests only, P7) is seeded from the ledger, never from a server field (P11).
+        secret = round_secret() if policy.seed is None else policy.seed + open_round.rounds_done
+        open_round.record(site=policy.site, budget=policy.epsilon, federation=request.federation,
+                          round=request.round, sigma=request.sigma, sample_rate=policy.sample_rate,
+                          steps=request.steps, delta=policy.delta, accountant=policy.accountant, mechanism=mechanism,
+                          state="charged", noise_seed=secret, data_version=ready.data_version)
+        return dict(open_round.rows[-1])
+
+
+def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any],
+                   model: Any, trainable: list[str], basis: Any, seconds_basis: float, *, progress: bool) -> Any:
+    """The charged round: private data is read from here on; any failure is already paid for."""
+    import torch
+    from flwr.app import MetricRecord, RecordDict
+
+    from client.site_eval import evaluate_global
+    from shared.optim_state import keep_site_optimizer, site_optimizer
+    from shared.privacy.noise import generator_from_secret, make_generator
+    from shared.train import local_train, make_dataset, round_span
+
+    cfg = request.config
+    checked = load_checked(policy, ready)
+    # Only a charged round gets the received model scored at the site: a refused one costs no evaluation.
+    evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)
+    secret = int(row["noise_seed"])
+    if policy.seed is None:
+        generator, seeded = generator_from_secret(secret), False
+    else:
+        generator, seeded = make_generator(secret, "cpu")
+    optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
+    result = local_train(
+        model, make_dataset(checked.private, cfg, train=True, seed=_augment_seed(secret)), method=cfg.train.method,
+        train=cfg.train, privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator,
+        basis=basis, sample_rate=policy.sample_rate, expected_batch=policy.expected_batch,
+        chunk_size=policy.chunk_size, optimizer=optimizer, patients=checked.patients,
+        schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
+        progress=progress, desc=f"{policy.site} round {request.round}",
+    )
+    ran = (result.sigma, result.sample_rate, result.steps)
+    if ran != (row["sigma"], row["sample_rate"], row["steps"]):  # pragma: no cover - local_train runs what it is given
+        raise SiteFailure(f"the round ran {ran}, not the charged {(row['sigma'], row['sample_rate'], row['steps'])}")
     named = dict(model.named_parameters())
+    weights = {k: named[k].detach() for k in trainable}
+    if not all(bool(torch.isfinite(w).all()) for w in weights.values()):
+        # Every private contribution was finite and bounded (P14), so this is post-processing of the DP
+        # release (e.g. a learning rate that overflows): saying so reveals nothing more. Spent already.
+        raise SiteFailure("the round's weights are not finite (the request's optimizer settings overflow)")
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        eps = ledger.epsilon(delta=policy.delta, accountant=policy.accountant)
+        run_eps = ledger.epsilon(delta=policy.delta, accountant=policy.accountant, federation=request.federation)
+        rounds_done = ledger.rounds_done()
+    # Timings, the realised batch sizes and the zeroed contributions track the private data: they stay in
+    # this log, never in the reply (P10, P13).
+    log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f, B=%g, mean batch %.1f) in %.1f s (+%.1f s "
+             "basis); %d non-finite private contributions zeroed, %d public gradients left out; eps spent %.4f of "
+             "%.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,
+             policy.expected_batch, result.mean_batch, result.seconds, seconds_basis, result.zeroed,
+             result.public_zeroed, eps, policy.epsilon)
     metrics = {
         "sigma": float(result.sigma),
         "sample-rate": float(result.sample_rate),
@@ -136,8 +220,10 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         "site-rounds": int(rounds_done),
         "seeded": int(seeded),
     }
-    weights = {k: named[k] for k in trainable}
     store_reply(policy, request.federation, request.round, weights, metrics)
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        ledger.finish(request.federation, request.round)
+    keep_site_optimizer(cfg, optimizer, model, trainable, policy.ledger_path, request.federation)
     if basis is not None:
         cache_basis(policy, request.federation, request.basis_version, basis)
     return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 
 from client.policy import SitePolicy
-from client.site_data import CheckedSite
+from client.site_data import load_public
 from shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
 from shared.privacy.subspace import check_orthonormal
+
+_CACHE_NAME = re.compile(r"(?P<federation>[A-Za-z0-9_.-]+)-v(?P<version>[0-9]+)\.npy")
 
 
 def _cache_path(policy: SitePolicy, federation: str, version: int) -> Path:
@@ -32,9 +34,10 @@ def cache_basis(policy: SitePolicy, federation: str, version: int, basis: torch.
     with open(tmp, "wb") as fh:
         np.save(fh, basis.detach().cpu().numpy(), allow_pickle=False)
     tmp.replace(path)
-    prefix = path.name.rsplit("-v", 1)[0] + "-v"
-    for old in path.parent.glob(f"{prefix}*.npy"):
-        if old != path:
+    mine = path.name.rsplit("-v", 1)[0]
+    for old in path.parent.glob("*.npy"):  # this federation's older versions: its exact id, never a prefix
+        match = _CACHE_NAME.fullmatch(old.name)
+        if old != path and match is not None and match["federation"] == mine:
             old.unlink(missing_ok=True)
 
 
@@ -61,7 +64,7 @@ def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
 
 
 def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, trainable: list[str],
-                 checked: CheckedSite, policy: SitePolicy) -> tuple[torch.Tensor, float]:
+                 policy: SitePolicy) -> tuple[torch.Tensor, float]:
     """V for this round: received (checked), cached by version, or computed here (basis_mode site).
 
     Nothing is written here: ``handle_train`` caches V only once the round is recorded, so a server
@@ -87,12 +90,12 @@ def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, tr
     if request.basis_mode == "broadcast":
         raise Refusal(RefusalCode.NEED_BASIS, f"basis version {request.basis_version} is not cached here; send V")
     # basis_mode "site": V from the site's copy of the PUBLIC set at the received global weights (P2).
-    if checked.public is None:
+    public = load_public(policy)  # approved by digest and disjoint from the private data (the site's checks)
+    if public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
     from shared.model.posenet import make_loss_fn
     from shared.train import make_dataset, public_basis_at
 
-    public = checked.public  # approved by digest and disjoint from the private data (site_check, P2)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     basis = public_basis_at(model, make_loss_fn(model, trainable), trainable,

@@ -1,25 +1,43 @@
-"""The site's data and its own start-up checks (public digest, P2 disjointness, no duplicates,
-delta < 1/n), run once per policy and data version; what the site declares to the server.
+"""The site's data and its own checks (public digest, P2 disjointness, duplicates, patient cap, delta < 1/n),
+run by its operator, not per message (P13); what the site declares to the server.
+
+``prepare_site`` is the operator's step (``fedpose site check``, ``fedpose site start --policy``,
+``fedpose site-policy --check``, and ``fedpose simulate`` for its simulated sites): it reads every
+private image once, leaves out the records that would break the claim (an image present twice, a
+private image also in the public set, records of a patient beyond the policy's cap) with an alert for
+the operator, and records the outcome beside the ledger (``<ledger>.check.json``), keyed by the policy
+and by the data's version (file sizes and modification times, never their content).
+
+Serving a message (``site_ready``) reads only that record and a few ``stat`` calls: a query or a
+refused request costs the same time and gives the same answer whatever the private data holds. The
+private records are loaded only after a round is charged (``load_checked``). What the server can
+still observe is whether the site's files changed since its operator last checked them (a refusal
+until the operator runs the check again), never what changed; the threat model names it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from client.ledger import SiteLedger
-from client.policy import SitePolicy, min_sigma_for
+from client.policy import SitePolicy, min_sigma_for, policy_to_dict
 from shared.data.mpii import load_split
-from shared.data.patients import PatientGroups, group_by_patient, stated_group_size
+from shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
 from shared.data.records import PoseRecord
-from shared.data.split import check_disjoint, check_no_duplicates
+from shared.data.split import content_hash
 from shared.data.split import manifest_digest as public_digest
 from shared.federation_messages import Refusal, RefusalCode, SiteInfo
 from shared.privacy.accountant import check_delta
 
 log = logging.getLogger(__name__)
 
+CHECK_VERSION = 1
 
 
 def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
@@ -34,89 +52,221 @@ def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
 
 @dataclass(frozen=True)
 class CheckedSite:
-    """A site's data after its own start-up checks passed.
+    """A site's data after its own checks.
 
-    ``private``: the records it trains on (at patient level at most the policy's cap per patient);
-    ``patients``: their patient groups at patient level, else None.
+    ``private``: the records it trains on (records that would break the claim left out);
+    ``patients``: their patient groups at patient level, else None; ``dropped``: indices (in the split's
+    load order) of the records left out; ``alerts``: what the operator should know, in words.
     """
 
     private: list[PoseRecord]
     public: list[PoseRecord] | None
     patients: PatientGroups | None = None
+    dropped: tuple[int, ...] = ()
+    alerts: tuple[str, ...] = ()
 
 
-_CHECKED: dict[tuple, CheckedSite] = {}
+@dataclass(frozen=True)
+class SiteCheck:
+    """The persisted outcome of ``prepare_site`` (the site's own file; it never leaves the site)."""
+
+    policy: str  # fingerprint of the policy checked
+    data_version: str  # of the private, public and eval files when checked
+    records: int  # private records kept (the site's n at record level)
+    units: int  # privacy units kept: records, or patients at patient level
+    dropped: tuple[int, ...]
+    alerts: tuple[str, ...]
+    checked_at: str
+    version: int = CHECK_VERSION
+    extra: dict = field(default_factory=dict)
 
 
-def _data_version(*paths: str | None) -> tuple:
+def policy_fingerprint(policy: SitePolicy) -> str:
+    """sha256 of the policy's canonical JSON: a changed policy needs its checks run again."""
+    return hashlib.sha256(json.dumps(policy_to_dict(policy), sort_keys=True).encode()).hexdigest()
+
+
+def _split_version(path: str | None) -> list[list]:
+    """(name, size, mtime_ns) of a split's metadata files and images folder: O(1) ``stat`` calls, no reading."""
+    if not path:
+        return []
+    root = Path(path)
     out = []
-    for path in paths:
-        if path:
-            stat = (Path(path) / "annotations.json").stat()
-            out.append((path, stat.st_mtime_ns, stat.st_size))
-    return tuple(out)
+    for name in ("annotations.json", "headboxes.json", "images", *PATIENT_SIDECARS):
+        try:
+            info = (root / name).stat()
+        except FileNotFoundError:
+            continue
+        out.append([str(root / name), info.st_size if name != "images" else 0, info.st_mtime_ns])
+    return out
+
+
+def data_version(policy: SitePolicy) -> str:
+    """Version of the site's files (private, public, eval) from their sizes and modification times.
+
+    An image replaced in place under the same name is not seen here; re-run the check after such an edit.
+    """
+    parts = [_split_version(p) for p in (policy.data_path, policy.public_path, policy.eval_path)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _check_path(policy: SitePolicy) -> Path:
+    return Path(policy.ledger_path).with_suffix(".check.json")
+
+
+def _duplicates(records: list[PoseRecord], public_hashes: set[str]) -> tuple[set[int], int, int]:
+    """Indices of records whose image repeats an earlier private image or is in the public set."""
+    seen: dict[str, Path] = {}
+    drop: set[int] = set()
+    repeated = in_public = 0
+    by_image: dict[Path, str] = {}
+    for index, record in enumerate(records):
+        if record.image not in by_image:
+            by_image[record.image] = content_hash(record.image)
+            digest = by_image[record.image]
+            if digest in public_hashes:
+                in_public += 1
+            elif digest in seen:
+                repeated += 1
+            else:
+                seen[digest] = record.image
+        digest = by_image[record.image]
+        if digest in public_hashes or seen.get(digest) != record.image:
+            drop.add(index)
+    return drop, repeated, in_public
 
 
 def check_site(policy: SitePolicy) -> CheckedSite:
-    """The site's own checks of its policy and data; ValueError naming the problem (for the operator).
+    """The site's own checks of its policy and data (reads every private image; the operator's step).
 
-    - the private data loads, and delta < 1/n (n: records, or patients at
-      patient level, whose records are then grouped and capped);
-    - record level with a stated ``max_records_per_patient``: no patient has
-      more records (where the data carries patient ids);
-    - no image appears twice in the private data (a duplicate is a group of
-      two, which record-level DP does not cover);
-    - the public set matches the digest the operator approved, and shares
-      no image with the private data (P2: V would see it without noise).
+    Hard failures (ValueError naming the problem, for the operator): unreadable or empty data, a public
+    set whose digest is not the approved one, delta >= 1/n. Records that would break the claim are left
+    out, each kind with an alert: an image present twice (a duplicate is a group of two, which
+    record-level DP does not cover), a private image also in the public set (V would see it without
+    noise, P2), records of a patient beyond ``max_records_per_patient``. Leaving them out here, once,
+    keeps the outcome off every reply: the server sees the same site whatever the data holds.
     """
     private = load_split_dir(policy.data_path, "site data")
-    check_no_duplicates(private, what=f"site data {policy.data_path}")
-    patients = None
-    if policy.unit == "patient":
-        private, patients = group_by_patient(private, cap=policy.max_records_per_patient)
-        check_delta(policy.delta, patients.count)
-    else:
-        check_delta(policy.delta, len(private))
-        stated_group_size(private, policy.max_records_per_patient)
     public = None
+    public_hashes: set[str] = set()
     if policy.public_path:
         public = load_split_dir(policy.public_path, "public set")
         digest = public_digest(public)
         if digest != policy.public_digest:
             raise ValueError(f"public set {policy.public_path} has manifest digest {digest}, but the policy approves "
-                             f"{policy.public_digest}: approve the new set (`fedpose site-policy --check`) or "
+                             f"{policy.public_digest}: approve the new set (`fedpose site approve-public`) or "
                              "restore the approved one")
-        try:
-            check_disjoint(public, private)
-        except ValueError as err:
-            raise ValueError(f"public set {policy.public_path} holds some of this site's private images: {err}; "
-                             "then approve its new digest") from err
-    return CheckedSite(private=private, public=public, patients=patients)
+        public_hashes = {content_hash(path) for path in dict.fromkeys(r.image for r in public)}
+    drop, repeated, in_public = _duplicates(private, public_hashes)
+    alerts = []
+    if repeated:
+        alerts.append(f"{repeated} private image(s) repeat another private image (same pixels): their records are "
+                      "left out, each image is trained on once")
+    if in_public:
+        alerts.append(f"{in_public} private image(s) are also in the public set: their records are left out of "
+                      "training (the public set must not hold private images)")
+    kept = [i for i in range(len(private)) if i not in drop]
+    records = [private[i] for i in kept]
+    patients = None
+    cap = policy.max_records_per_patient
+    has_ids = all(r.patient is not None for r in records)
+    if policy.unit == "patient" or (cap is not None and has_ids):
+        grouped, patients = group_by_patient(records, cap=cap)
+        if len(grouped) < len(records):
+            keep_ids = {id(r) for r in grouped}
+            beyond = [i for i, r in zip(kept, records) if id(r) not in keep_ids]
+            drop.update(beyond)
+            alerts.append(f"{len(beyond)} record(s) of patients with more than max_records_per_patient={cap} are "
+                          "left out (a fixed subset of each such patient is kept)")
+            records = grouped
+        if policy.unit != "patient":
+            patients = None
+    units = patients.count if patients is not None else len(records)
+    if units == 0:
+        raise ValueError(f"site data {policy.data_path}: no record is left to train on after the checks")
+    check_delta(policy.delta, units)
+    for alert in alerts:
+        log.warning("site %s: %s", policy.site, alert)
+    return CheckedSite(private=records, public=public, patients=patients, dropped=tuple(sorted(drop)),
+                       alerts=tuple(alerts))
 
 
-def site_check(policy: SitePolicy) -> CheckedSite:
-    """``check_site`` once per policy and data version; a failure refuses every request, generically.
+def prepare_site(policy: SitePolicy) -> SiteCheck:
+    """Run the site's checks and record their outcome beside the ledger (atomic); the operator's step."""
+    version = data_version(policy)
+    checked = check_site(policy)
+    record = SiteCheck(policy=policy_fingerprint(policy), data_version=version, records=len(checked.private),
+                       units=checked.patients.count if checked.patients is not None else len(checked.private),
+                       dropped=checked.dropped, alerts=checked.alerts,
+                       checked_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if data_version(policy) != version:
+        raise ValueError(f"site data {policy.data_path} changed while it was being checked: run the check again")
+    path = _check_path(policy)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(record), indent=1))
+    tmp.replace(path)
+    log.info("site %s: policy and data checked (%d records kept, %d left out); outcome in %s", policy.site,
+             record.records, len(record.dropped), path)
+    return record
 
-    The detail goes to the site's own log; the server only learns that the
-    site is misconfigured, the same answer whatever it sends (P10).
+
+def read_site_check(policy: SitePolicy) -> SiteCheck | None:
+    """The recorded outcome of the site's checks, or None when there is none (or it is unreadable)."""
+    path = _check_path(policy)
+    try:
+        data = json.loads(path.read_text())
+        data["dropped"] = tuple(data["dropped"])
+        data["alerts"] = tuple(data["alerts"])
+        return SiteCheck(**data)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def site_ready(policy: SitePolicy) -> SiteCheck:
+    """The site's checks passed for this policy and these files, or a generic refusal; reads no private data.
+
+    A message never runs the checks itself: their time and outcome would depend on the private data. The
+    refusal says the same thing whatever is wrong; the detail goes to the site's own log.
     """
-    key = (policy, _data_version(policy.data_path, policy.public_path))
-    if key not in _CHECKED:
-        try:
-            checked = check_site(policy)
-        except (OSError, ValueError) as err:
-            log.error("site %s is misconfigured and refuses every request until fixed: %s", policy.site, err)
-            raise Refusal(RefusalCode.MISCONFIGURED,
-                          "this site's own checks failed; its operator must run `fedpose site-policy --check`") from err
-        log.info("site %s: policy and data checked (public set digest, P2 disjointness, no duplicates)", policy.site)
-        _CHECKED.clear()
-        _CHECKED[key] = checked
-    return _CHECKED[key]
+    record = read_site_check(policy)
+    problem = None
+    if record is None or record.version != CHECK_VERSION:
+        problem = "its checks have not been run"
+    elif record.policy != policy_fingerprint(policy):
+        problem = "its policy changed since its checks ran"
+    elif record.data_version != data_version(policy):
+        problem = "its data files changed since its checks ran"
+    if problem is not None:
+        log.error("site %s refuses every request until its operator runs `fedpose site check --policy ...`: %s",
+                  policy.site, problem)
+        raise Refusal(RefusalCode.MISCONFIGURED,
+                      "this site's own checks are not current; its operator must run `fedpose site check`")
+    return record
+
+
+def load_public(policy: SitePolicy) -> list[PoseRecord] | None:
+    """The site's copy of the public set (approved by digest when the checks ran); None without one."""
+    return load_split_dir(policy.public_path, "public set") if policy.public_path else None
+
+
+def load_checked(policy: SitePolicy, ready: SiteCheck) -> CheckedSite:
+    """The records to train on, as the checks left them: only after the round is charged (reads private data)."""
+    private = load_split_dir(policy.data_path, "site data")
+    drop = set(ready.dropped)
+    records = [r for i, r in enumerate(private) if i not in drop]
+    patients = None
+    if policy.unit == "patient":
+        records, patients = group_by_patient(records, cap=policy.max_records_per_patient)
+    if len(records) != ready.records:
+        raise ValueError(f"site data {policy.data_path} holds other records than when it was checked "
+                         f"({len(records)} kept now, {ready.records} then): run `fedpose site check` again")
+    return CheckedSite(private=records, public=None, patients=patients, dropped=ready.dropped, alerts=ready.alerts)
 
 
 def site_info(policy: SitePolicy) -> SiteInfo:
     """Answer to the server's query: what the policy declares, and the spend so far (never n)."""
-    site_check(policy)
+    site_ready(policy)
     spend = spend_so_far(policy, None)
     return SiteInfo(
         site=policy.site, epsilon=policy.epsilon, delta=policy.delta, lifetime_rounds=policy.lifetime_rounds,

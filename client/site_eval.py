@@ -31,10 +31,10 @@ def evaluation_log(policy: SitePolicy) -> Path:
 
 def _eval_records(policy: SitePolicy, private: list[PoseRecord]) -> list[PoseRecord] | None:
     """The held-out records (cached per file version); None, with the reason logged, when unusable."""
-    from client.site_data import _data_version, load_split_dir
+    from client.site_data import data_version, load_split_dir
     from shared.data.split import check_disjoint
 
-    key = (policy.eval_path, policy.data_path, _data_version(policy.eval_path, policy.data_path))
+    key = (policy.eval_path, policy.data_path, data_version(policy))
     if key not in _LOADED:
         records: list[PoseRecord] | None = None
         try:

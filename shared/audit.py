@@ -171,7 +171,7 @@ def audit_note(method: str, mode: str, psi: str | None, placement: str | None = 
 def span_scores(released: np.ndarray, directions: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Score of in-span canary j: sum_t signs[t, j] <y_t, u_j>, y_t (steps, k) the releases in V_t coordinates.
 
-    With y_t = V_t^T g_t q n / C, a drawn canary adds signs[t, j] u_j to y_t, so
+    With y_t = V_t^T g_t B / C (B the public normaliser), a drawn canary adds signs[t, j] u_j to y_t, so
     an included canary scores about its number of draws; everything else in y_t
     (other canaries, the records' gradient inside span(V), the noise) enters with
     a random sign and only adds variance. (Weighting the columns of y by their
@@ -238,12 +238,13 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
             canaries = SpanCanaries.random(m=spec.canaries, k=cfg.privacy.k, steps=steps,
                                            included=torch.from_numpy(included), value=cfg.privacy.clip_norm,
                                            seed=int(rng.integers(2**62)), skip=spec.span_skip)
-            # y_t = V_t^T g_t * q n / C: the release in V_t's coordinates, one drawn canary = +-u_j
+            # y_t = V_t^T g_t * B / C: the release in V_t's coordinates, one drawn canary = +-u_j (B: the public
+            # normaliser the mechanism divides by, train.batch_size)
             coords_seen: list[np.ndarray] = []
 
             def observe(seen: ReleasedStep) -> None:
                 flat = flatten(seen.private).to(torch.float64)
-                y = seen.basis.to(torch.float64).T @ flat * (q * n / cfg.privacy.clip_norm)  # (k,)
+                y = seen.basis.to(torch.float64).T @ flat * (cfg.train.batch_size / cfg.privacy.clip_norm)  # (k,)
                 coords_seen.append(y.cpu().numpy())
 
         hooks = AuditHooks(canaries=canaries, observe=observe)
@@ -252,7 +253,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         local_train(model, dataset, method=spec.method, train=cfg.train, privacy=cfg.privacy, sigma=sigma_ran,
                     steps=steps, generator=generator, public_basis=public_eval, patients=patients,
                     progress=progress, desc=desc, audit=hooks)
-        # The released gradient divides by q n: a canary drawn k times contributes k C / (q n) to its coordinate.
+        # The released gradient divides by B: a canary drawn k times contributes k C / B to its coordinate.
         if spec.placement == "span":
             released_coords = np.stack(coords_seen)  # (steps, k)
             scores = span_scores(released_coords, canaries.directions.numpy(), canaries.signs.numpy())
@@ -270,10 +271,12 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         psi_source = None
         if spec.method in ("fdp", "fpdp"):  # psi(x) and labels of every canary, IN or OUT, are public
             psi_source = PoseDataset(private + canary_records, input_size=cfg.data.input_size, augment=None)
-        hooks = AuditHooks(normaliser_n=n, psi_source=psi_source)
+        hooks = AuditHooks(psi_source=psi_source)
+        # The mechanism as it runs: Poisson rate q over the records the run was planned for, the noisy sum
+        # divided by the public constant B = train.batch_size whatever the canaries included (P15).
         local_train(model, train_set, method=spec.method, train=cfg.train, privacy=cfg.privacy, sigma=sigma_ran,
-                    steps=steps, generator=generator, public_basis=public_eval, sample_rate=q, progress=progress,
-                    desc=desc, audit=hooks)
+                    steps=steps, generator=generator, public_basis=public_eval, sample_rate=q,
+                    expected_batch=float(cfg.train.batch_size), progress=progress, desc=desc, audit=hooks)
         scores = before - canary_losses(model, canary_set, device)  # how much training lowered each canary's loss
 
     bound = best_lower_bound(scores, included, delta=delta, confidence=spec.confidence)

@@ -42,9 +42,6 @@ class AuditHooks:
     on the V that step projects with.
     observe(released): called after every step with a ``ReleasedStep``: the
     white-box auditor's view.
-    normaliser_n: the n of the normaliser q n, fixed by the audit to the record
-    count without canaries, so that the scale does not depend on how many
-    input-space canaries were included.
     psi_source: the records psi batches are drawn from (default: the private
     records). For fdp / fpdp the audit puts every input-space canary there, IN or
     OUT, because Feature-DP treats psi(x) and the labels as public: canaries may
@@ -53,5 +50,4 @@ class AuditHooks:
 
     canaries: DiracCanaries | SpanCanaries | None = None
     observe: Callable[[ReleasedStep], None] | None = None
-    normaliser_n: int | None = None
     psi_source: PoseDataset | None = None

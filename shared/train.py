@@ -118,6 +118,10 @@ class LocalResult:
     seconds: float
     seconds_basis: float
     unit: str = "record"
+    # P14 diagnostics (private: the site's own log only): non-finite private contributions and public
+    # gradients left out over the run.
+    zeroed: int = 0
+    public_zeroed: int = 0
 
 
 def local_train(
@@ -134,6 +138,8 @@ def local_train(
     basis: torch.Tensor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     sample_rate: float | None = None,
+    expected_batch: float | None = None,
+    chunk_size: int | None = None,
     schedule_span: tuple[int, int] | None = None,
     patients: PatientGroups | None = None,
     progress: bool = True,
@@ -144,7 +150,7 @@ def local_train(
 
     Per step (DESIGN.md section 3):
       private batch ~ Poisson(q) from raw images, q = train.batch_size / n   (P4)
-      g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n)                 (P1)
+      g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B                     (P1, P15)
       g = V (V^T g) for proj / fpdp, V from public data only                (P2)
       + g_pub = mean grad on psi(x) of a site batch for fdp / fpdp          (P3)
     The basis is either given (federated: broadcast by the server) or, when
@@ -154,6 +160,11 @@ def local_train(
     ``train.schedule`` (a federated site: offset = steps of earlier rounds);
     default (0, steps). ``sample_rate``: the Poisson rate q (a site: its
     policy's, so that nothing released depends on n); default B / n.
+    ``expected_batch``: the public normaliser B of the noisy sum (a site: its
+    policy's declared expected batch; P15); default ``train.batch_size``, the
+    B a centralized config states. ``chunk_size``: per-sample gradients held
+    at a time (a site: its policy's, so memory never depends on the request or
+    the realised batch); default ``privacy.chunk_size``.
 
     psi sees the canonical crop of each record (no augmentation), so the
     public gradient depends on x only through psi(x) of the record and its
@@ -187,6 +198,9 @@ def local_train(
     q = min(1.0, train.batch_size / n) if sample_rate is None else float(sample_rate)
     if not 0 < q <= 1:
         raise ValueError(f"sample_rate={sample_rate!r} must be in (0, 1]")
+    if (sample_rate is None) != (expected_batch is None):
+        raise ValueError("give sample_rate and expected_batch together (a site's policy pins both), or neither")
+    normaliser = float(train.batch_size) if expected_batch is None else float(expected_batch)
     trainable = apply_strategy(model, train.strategy)
     named = dict(model.named_parameters())
     params = [named[name] for name in trainable]
@@ -202,8 +216,8 @@ def local_train(
         clip_norm=privacy.clip_norm,
         sigma=sigma if method != "nonprivate" else 0.0,
         sample_rate=q,
-        n_private=audit.normaliser_n if audit is not None and audit.normaliser_n is not None else n,
-        chunk_size=privacy.chunk_size,
+        expected_batch=normaliser,
+        chunk_size=privacy.chunk_size if chunk_size is None else chunk_size,
         unit=unit,
     )
     psi = make_psi_from(privacy, generator) if method in WITH_PUBLIC else None
@@ -227,6 +241,7 @@ def local_train(
     t0 = time.perf_counter()
     t_basis = 0.0
     batch_sizes: list[int] = []
+    zeroed = public_zeroed = 0
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     for step in bar:
         if method in PROJECTED and public_basis is not None and step % privacy.basis_every == 0:
@@ -253,8 +268,10 @@ def local_train(
             batch = to_device(raw, device)
         psi_batch = None
         if psi is not None:
+            # Exactly public_batch_size psi images every step (drawn with replacement from a smaller set): the
+            # step's memory and time never depend on how many records the site holds (P13).
             n_psi = len(canonical)
-            pub_idx = pub_rng.choice(n_psi, size=min(train.public_batch_size, n_psi), replace=False)
+            pub_idx = pub_rng.choice(n_psi, size=train.public_batch_size, replace=n_psi < train.public_batch_size)
             psi_batch = psi_on(psi, canonical.batch(pub_idx.tolist()), device)
         canary_batch = None
         if audit is not None and audit.canaries is not None:
@@ -273,6 +290,8 @@ def local_train(
             canaries=canary_batch,
             on_private=released.append if watched else None,
         )
+        zeroed += int(info["zeroed"])
+        public_zeroed += int(info["public_zeroed"])
         if watched:
             audit.observe(ReleasedStep(step=step, update=grads, private=released[0], basis=basis))
         for name in trainable:
@@ -294,6 +313,8 @@ def local_train(
         seconds=time.perf_counter() - t0,
         seconds_basis=t_basis,
         unit=unit,
+        zeroed=zeroed,
+        public_zeroed=public_zeroed,
     )
 
 

@@ -11,7 +11,8 @@ and reason (or its record keys and metrics), and the site ledger's rows before a
 The attacks are the threat model's: a membership probe, a weaker psi, another psi kind,
 another augmentation, less noise, a larger q, more local steps, more rounds, method
 switches, another clip, malformed / non-orthonormal / NaN bases, NaN and oversized weights,
-an unknown request field, another site's name and a replayed round.
+an unknown request field, another site's name, a replayed round, an oversized input, a request for
+every per-sample gradient at once, and finite weights that overflow the private gradients.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
                 import hashlib
 
                 digest = hashlib.sha256()
+                finite = True
                 if ARRAYS in reply.content.array_records:
                     for key, array in sorted(reply.content[ARRAYS].items()):
                         digest.update(key.encode() + np.ascontiguousarray(array.numpy()).tobytes())
+                        finite = finite and bool(np.isfinite(array.numpy()).all())
                 entry.update(code=None, keys=sorted(reply.content.keys()), weights_digest=digest.hexdigest(),
+                             finite=finite,
                              metrics=dict(reply.content[METRICS]) if METRICS in reply.content.metric_records else {},
                              info=dict(reply.content["info"]) if "info" in reply.content.config_records else {})
             log.append(entry)
@@ -157,9 +161,19 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
         send("weights-extra-tensor", extra)
         send("unknown-field", train(round=2, extra={"seed": 7}))
         send("other-site", train(round=2, site="hospital-z"))
+        send("input-oversized", train(round=2, config=with_cfg(**{"data.input_size": [512, 512]})))
         send("replay-1", train(round=1))
-        send("honest-2", train(round=2))
-        send("round-beyond-policy", train(round=3))
+        # The server asks for every per-sample gradient at once; the site keeps its own chunk size (P13).
+        send("honest-2", train(round=2, config=with_cfg(**{"privacy.chunk_size": 100000})))
+        # Finite weights that overflow the private per-sample gradients (the first convolution scaled by
+        # 1e22): before P14 the reply was NaN whenever an affected record was sampled, a membership oracle.
+        # Here it must come back finite and spent like any round. V is broadcast (any orthonormal V is
+        # public), so the site's own V, which would see the same overflow on public data, is not needed.
+        crafted = {k: v.clone() for k, v in state.items()}
+        crafted["patch_embed.conv1.conv.weight"] = crafted["patch_embed.conv1.conv.weight"] * 1e22
+        send("nan-trigger", train(round=3, weights=crafted, basis_mode="broadcast",
+                                  basis=basis_record(q_basis.float(), version=1, dtype="float32")))
+        send("round-beyond-policy", train(round=4))
 
     return app
 
@@ -181,8 +195,11 @@ def main(argv: list[str]) -> int:
     from client.policy import policy_from_dict
 
     pinned = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["fpdp"],
-                               "lifetime_rounds": 2, "rounds_per_federation": 2})
+                               "lifetime_rounds": 3, "rounds_per_federation": 3})
     write_policy(policy_path, pinned)
+    from client.site_data import prepare_site
+
+    prepare_site(pinned)  # the site's operator checks the changed policy
     private_hash = content_hash(load_split(Path(cfg.data.root), site)[0].image)
 
     from flwr.simulation import run_simulation

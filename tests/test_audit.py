@@ -52,7 +52,7 @@ def test_a_dirac_canary_is_clipped_like_a_record_and_noised_with_the_sum():
         return (batch["x"] * torch.cat([p["a"], p["b"]])).sum(1)
 
     batch = {"x": torch.zeros(0, 5)}
-    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, n_private=4)
+    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, expected_batch=2.0)
     canary = DiracGrads(coords=torch.tensor([3, 3]), values=torch.tensor([0.5, 7.0]))
     grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
                            generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
@@ -181,7 +181,7 @@ def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
     batch = {"x": torch.zeros(0, 10)}
     u = torch.tensor([[0.0, 0.6, 0.8]], dtype=torch.float64)  # one drawn canary, unit u in R^k
     canary = SpanGrads(coeffs=7.0 * u)  # a gradient of norm 7: clipped to C like a record
-    spec = DPSpec(method="proj", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, n_private=4)
+    spec = DPSpec(method="proj", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, expected_batch=2.0)
     for seed in (0, 1):  # the canary follows whichever V the step projects with
         basis = random_basis(10, 3, seed)
         alone = canary.clipped_sum(10, clip_norm=0.5, like=torch.zeros(10), basis=basis)
@@ -193,7 +193,7 @@ def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
         assert torch.allclose(flatten(grads).double(), expected, atol=1e-6)
     with pytest.raises(ValueError, match="basis"):  # dpsgd has no V: span canaries are refused there
         dp_gradient(loss_fn, params, spec=DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.0, sample_rate=0.5,
-                                                   n_private=4), private_batch=batch, psi_batch=None,
+                                                   expected_batch=2.0), private_batch=batch, psi_batch=None,
                     generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
 
 

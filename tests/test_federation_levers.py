@@ -126,17 +126,20 @@ def test_state_round_trip_and_refusals(tmp_path):
 
 
 def _policy(cfg, tmp_path, *, rounds: int):
-    """The tiny world's site-0 under a version-2 policy that pins this config's mechanism."""
-    from client.site import load_split_dir, public_digest
+    """The tiny world's site-0 under a policy that pins this config's mechanism, its checks run."""
+    from client.site import load_split_dir, prepare_site, public_digest
 
     root = Path(cfg.data.root)
-    return policy_from_dict({
-        "policy_version": 2, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": rounds,
-        "rounds_per_federation": rounds, "sample_rate": min(1.0, cfg.train.batch_size / 40), "steps_per_round": 2,
+    policy = policy_from_dict({
+        "policy_version": 3, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": rounds,
+        "rounds_per_federation": rounds, "sample_rate": min(1.0, cfg.train.batch_size / 40),
+        "expected_batch": float(cfg.train.batch_size), "steps_per_round": 2,
         "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
         "augment": cfg.data.augment, "data_path": str(root / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
         "public_path": str(root / "public"), "public_digest": public_digest(load_split_dir(root / "public", "public")),
     })
+    prepare_site(policy)
+    return policy
 
 
 def _content(cfg, state, *, sigma: float, round: int):

@@ -54,17 +54,24 @@ def _digest(cfg) -> str:
     return public_digest(load_split_dir(Path(cfg.data.root) / "public", "public set"))
 
 
-def _policy(cfg, tmp_path: Path, *, max_rounds: int = 2, **overrides):
+def _policy(cfg, tmp_path: Path, *, max_rounds: int = 2, prepare: bool = True, **overrides):
+    """A site policy over the tiny world's site-0; ``prepare``: run the site's own checks (its operator's step)."""
+    from client.site_data import prepare_site
+
     data = {
-        "policy_version": 2, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": max_rounds,
-        "rounds_per_federation": max_rounds, "sample_rate": _q(cfg), "steps_per_round": 2,
+        "policy_version": 3, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": max_rounds,
+        "rounds_per_federation": max_rounds, "sample_rate": _q(cfg), "expected_batch": float(cfg.train.batch_size),
+        "steps_per_round": 2,
         "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
         "augment": cfg.data.augment,
         "data_path": str(Path(cfg.data.root) / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
         "public_path": str(Path(cfg.data.root) / "public"), "public_digest": _digest(cfg),
     }
     data.update(overrides)
-    return policy_from_dict(data)
+    policy = policy_from_dict(data)
+    if prepare:
+        prepare_site(policy)
+    return policy
 
 
 def _request(cfg, state, *, sigma: float, steps: int = 1, round: int = 1, method: str = "dpsgd",
@@ -167,11 +174,12 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert not (tmp_path / "tight" / "basis-cache").exists()
 
 
-def test_site_checks_its_public_set_itself_and_refuses_generically_when_it_fails(world, tmp_path):
-    """P2 is the site's own start-up check against the public set its operator approved (finding 8.1)."""
+def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tmp_path):
+    """P2 is the site's own check against the public set its operator approved (finding 8.1); a private image in
+    the public set is left out of training with an alert for the operator, never a visible refusal (P13)."""
     import shutil
 
-    from client.site import check_site, site_check
+    from client.site_data import check_site, prepare_site, site_ready
 
     cfg, state, _, _ = world
     policy = _policy(cfg, tmp_path)
@@ -187,20 +195,26 @@ def test_site_checks_its_public_set_itself_and_refuses_generically_when_it_fails
     victim = sorted((public / "images").iterdir())[0]
     shutil.copyfile(first, victim)
     with pytest.raises(ValueError, match="digest"):
-        check_site(_policy(cfg, tmp_path, public_path=str(public)))
-    # ... and approving that set anyway is still refused: it is not disjoint from the private data.
+        check_site(_policy(cfg, tmp_path / "a", public_path=str(public), prepare=False))
+    # ... and approving that set anyway leaves the overlapping private record out, with an alert, locally.
     from client.site import load_split_dir, public_digest
 
-    approved = _policy(cfg, tmp_path, public_path=str(public),
-                       public_digest=public_digest(load_split_dir(public, "public")))
-    with pytest.raises(ValueError, match="private images"):
-        check_site(approved)
-    # The server only ever sees one generic answer, whatever it sent.
+    approved = _policy(cfg, tmp_path / "b", public_path=str(public),
+                       public_digest=public_digest(load_split_dir(public, "public")), prepare=False)
+    checked = check_site(approved)
+    assert len(checked.private) == 39 and len(checked.dropped) == 1
+    assert any("also in the public set" in alert for alert in checked.alerts)
+    # Before its operator ran the checks the site refuses generically; after, it answers as any site.
     with pytest.raises(Refusal) as refused:
-        site_check(approved)
+        site_ready(approved)
     assert refused.value.code == RefusalCode.MISCONFIGURED and "private" not in refused.value.reason
     assert _refusal(_request(cfg, state, sigma=min_sigma_for(approved)), approved).code == RefusalCode.MISCONFIGURED
     assert _rows(approved) == []
+    prepare_site(approved)
+    assert site_info(approved).site == info.site
+    reply = handle_train(_request(cfg, state, sigma=min_sigma_for(approved)), approved)
+    assert sorted(reply[METRICS].keys()) == sorted(["sigma", "sample-rate", "steps", "site-epsilon", "run-epsilon",
+                                                    "site-delta", "site-rounds", "seeded"])
 
 
 def test_policy_file_is_validated(world, tmp_path):
@@ -212,7 +226,8 @@ def test_policy_file_is_validated(world, tmp_path):
     for bad, needle in ((text + "epsilom: 1.0\n", "epsilom"),
                         (text.replace("lifetime_rounds: 2", "lifetime_rounds: two"), "lifetime_rounds"),
                         (text.replace("delta: 0.001", "delta: 2.0"), "delta"),
-                        (text.replace("policy_version: 2\n", ""), "policy version 2.*sample_rate.*psi_min")):
+                        (text.replace("policy_version: 3\n", ""), "policy version 2.*sample_rate.*psi_min"),
+                        (text.replace("policy_version: 3\n", "policy_version: 2\n"), "version-2.*expected_batch")):
         path.write_text(bad)
         with pytest.raises(ValueError, match=needle):
             load_policy(path)
@@ -246,22 +261,23 @@ for rnd in range(int(sys.argv[5]), int(sys.argv[6]) + 1):
 """
 
 
-def _locked(db: Path) -> bool:
-    """True while another connection holds the ledger's write transaction (a round in progress)."""
+def _rows_ro(db: Path) -> list[dict]:
+    """The ledger's rows read without taking any lock (a reader beside the running site)."""
     if not db.exists():
-        return False
-    conn = sqlite3.connect(db, timeout=0)
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    conn.row_factory = sqlite3.Row
     try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("ROLLBACK")
-        return False
+        return [dict(r) for r in conn.execute("SELECT * FROM spend ORDER BY id")]
     except sqlite3.OperationalError:
-        return True
+        return []
     finally:
         conn.close()
 
 
-def test_site_killed_mid_round_keeps_a_consistent_ledger(world, tmp_path):
+def test_site_killed_mid_round_has_paid_for_it_and_replays_it_once(world, tmp_path):
+    """P13: a round is charged before its first private record is read; a kill -9 while it trains keeps the
+    charge (a failure is never free), and the round asked again is replayed on its own seed, not spent twice."""
     cfg, _, _, _ = world
     config_path = tmp_path / "site.yaml"
     dump_config(cfg, config_path)
@@ -277,8 +293,8 @@ def test_site_killed_mid_round_keeps_a_consistent_ledger(world, tmp_path):
     child = start([*args, "1", "5"], log, env)
     try:
         wait_for(lambda: "done 1" in log.read_text() or child.poll() is not None, 240, "round 1 at the site")
-        wait_for(lambda: _locked(db) or child.poll() is not None, 120, "round 2 inside its ledger transaction",
-                 poll=0.05)
+        wait_for(lambda: any(r["state"] == "charged" for r in _rows_ro(db)) or child.poll() is not None, 120,
+                 "round 2 charged and training", poll=0.02)
         assert child.poll() is None, log.read_text()[-3000:]
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
@@ -288,18 +304,23 @@ def test_site_killed_mid_round_keeps_a_consistent_ledger(world, tmp_path):
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()
-    assert not _locked(db)  # the killed transaction was rolled back, the lock released
     with SiteLedger(db) as ledger:
         rows = ledger.rows()
-        assert [r["round"] for r in rows] == list(range(1, done + 1))  # completed rounds only, each once
-        fresh = epsilon_spent(ledger.history(), delta=policy.delta)
-        assert rows[-1]["epsilon"] == pytest.approx(fresh, rel=1e-12)
+        # every finished round, plus the killed one: it was paid for before it read a private record
+        assert [r["round"] for r in rows] == list(range(1, done + 2))
+        assert [r["state"] for r in rows] == ["done"] * done + ["charged"]
+        assert rows[-1]["noise_seed"] is not None and all(r["noise_seed"] is None for r in rows[:-1])
+        charged_eps = rows[-1]["epsilon"]
+        assert charged_eps == pytest.approx(epsilon_spent(ledger.history(), delta=policy.delta), rel=1e-12)
 
-    restarted = subprocess.run([*args, str(done + 1), str(done + 1)], cwd=REPO, env=env, capture_output=True,
+    # Asked again (a restarted site, the server retrying), the killed round is replayed: one row, same spend.
+    restarted = subprocess.run([*args, str(done + 1), str(done + 2)], cwd=REPO, env=env, capture_output=True,
                                text=True, timeout=240)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     with SiteLedger(db) as ledger:
         rows = ledger.rows()
-        assert [r["round"] for r in rows] == list(range(1, done + 2))
+        assert [r["round"] for r in rows] == list(range(1, done + 3))
+        assert all(r["state"] == "done" and r["noise_seed"] is None for r in rows)
+        assert rows[done]["epsilon"] == charged_eps  # the replay spent nothing more
         assert rows[-1]["epsilon"] == pytest.approx(epsilon_spent(ledger.history(), delta=policy.delta), rel=1e-12)
         assert rows[-1]["epsilon"] > rows[-2]["epsilon"]  # composed over all rounds, never reset

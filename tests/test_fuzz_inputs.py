@@ -133,9 +133,10 @@ def test_policy_from_dict_fuzz(data: dict) -> None:
 def test_policy_huge_integer_epsilon() -> None:
     from client.policy import policy_from_dict
 
-    for key in ("epsilon", "delta", "sample_rate", "clip_norm"):
-        data = {"policy_version": 2, "site": "a", "epsilon": 1.0, "delta": 1e-5, "lifetime_rounds": 1,
-                "rounds_per_federation": 1, "sample_rate": 0.1, "steps_per_round": 1, "clip_norm": 1.0,
+    for key in ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm"):
+        data = {"policy_version": 3, "site": "a", "epsilon": 1.0, "delta": 1e-5, "lifetime_rounds": 1,
+                "rounds_per_federation": 1, "sample_rate": 0.1, "expected_batch": 16, "steps_per_round": 1,
+                "clip_norm": 1.0,
                 "psi": "blur", "psi_min": 0.03, "augment": True, "data_path": "d", "ledger_path": "l"}
         data[key] = 10**400
         with pytest.raises(ValueError, match=key):

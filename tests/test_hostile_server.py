@@ -41,6 +41,7 @@ EXPECTED = {
     "unknown-field": RefusalCode.BAD_REQUEST,
     "other-site": RefusalCode.BAD_REQUEST,
     "round-beyond-policy": RefusalCode.BUDGET,
+    "input-oversized": RefusalCode.POLICY,
 }
 
 
@@ -69,12 +70,21 @@ def test_every_attack_is_refused_with_nothing_trained_and_the_ledger_unchanged(a
         assert entry["code"] == int(code), (name, entry.get("code"), entry.get("reason"))
         assert entry["rows_after"] == entry["rows_before"], name  # byte-identical content: nothing spent
     assert [r["round"] for r in log["honest-2"]["rows_after"]] == [1, 2]
+    assert all(r["state"] == "done" and r["noise_seed"] is None for r in log["honest-2"]["rows_after"])
     # A replayed round gets the stored reply back, bit for bit: no second training, no second spend, no new
     # noise to difference against (findings 8.6 and 9.2).
     replay = log["replay-1"]
     assert replay["code"] is None and replay["metrics"] == log["honest-1"]["metrics"]
     assert replay["weights_digest"] == log["honest-1"]["weights_digest"]
     assert replay["rows_after"] == replay["rows_before"]
+
+
+def test_finite_weights_that_overflow_the_private_gradients_get_a_finite_reply(attacks):
+    """P14 through a real ClientApp: the NaN oracle of #21 (a reply all-NaN iff a target was sampled) is gone."""
+    _, log = attacks
+    entry = log["nan-trigger"]
+    assert entry["code"] is None and entry["finite"], entry.get("reason")
+    assert [r["round"] for r in entry["rows_after"]] == [1, 2, 3]  # spent like any round
 
 
 def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):

@@ -188,15 +188,15 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
         norms_ref.append(float(one.norm()))
     clip = sorted(norms_ref)[1] * 1.01  # some patients clipped, some not
     want = _patient_loop(loss_fn, params, batch, groups, clip=clip)
-    summed, norms = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=clip, chunk_size=chunk_size)
+    summed, norms, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=clip, chunk_size=chunk_size)
     torch.testing.assert_close(flatten(summed), want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norms, torch.tensor(norms_ref), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms, torch.tensor(norms_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(want, loop)  # clipping did something
     # one record per patient is the record-level clipped sum
     from shared.privacy.persample import clipped_grad_sum
 
-    per_record, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
-    singles, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
+    per_record, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
+    singles, _, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
     torch.testing.assert_close(flatten(singles), flatten(per_record), rtol=1e-5, atol=1e-6)
 
 
@@ -211,13 +211,13 @@ def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
     for bad in (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1]), torch.tensor([[0, 0, 1, 1]])):
         with pytest.raises(ValueError, match="groups"):
             clipped_group_sum(loss_fn, params, batch, groups=bad, clip_norm=1.0, chunk_size=2)
-    summed, norms = clipped_group_sum(loss_fn, params, make_batch(0), groups=torch.zeros(0, dtype=torch.long),
+    summed, norms, _ = clipped_group_sum(loss_fn, params, make_batch(0), groups=torch.zeros(0, dtype=torch.long),
                                       clip_norm=1.0, chunk_size=2)
     assert norms.shape == (0,) and not any(v.any() for v in summed.values())
 
 
 def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(toy):
-    """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / (q_p n_patients), then V V^T g as before."""
+    """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / B (the declared expected patients), then V V^T g."""
     import torch
 
     from shared.privacy.fpdp import DPSpec, dp_gradient
@@ -229,23 +229,23 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
     loss_fn, params = toy
     batch = make_batch(6, seed=4)
     groups = torch.tensor([0, 0, 1, 1, 1, 2])
-    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12, unit="patient")
-    assert spec.expected_batch_size == pytest.approx(3.0)  # q_p x patients
+    spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, expected_batch=3.0, unit="patient")
+    assert spec.expected_batch == pytest.approx(3.0)  # q_p x patients, declared
     got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
                             generator=make_generator(8, "cpu")[0], basis=None)
-    summed, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=0.5, chunk_size=16)
+    summed, _, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=0.5, chunk_size=16)
     noise = gaussian_noise_like(summed, std=1.3 * 0.5, generator=make_generator(8, "cpu")[0])
     torch.testing.assert_close(flatten(got), (flatten(summed) + flatten(noise)) / 3.0, rtol=1e-5, atol=1e-6)
     assert info["batch_size"] == 3 and info["unit"] == "patient"  # patients, not records
     with pytest.raises(ValueError, match="groups"):
         dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
                     generator=make_generator(8, "cpu")[0], basis=None)
-    record = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12)
+    record = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, expected_batch=3.0)
     with pytest.raises(ValueError, match="groups"):
         dp_gradient(loss_fn, params, spec=record, private_batch=batch, groups=groups, psi_batch=None,
                     generator=make_generator(8, "cpu")[0], basis=None)
     with pytest.raises(ValueError, match="unit"):
-        DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, n_private=12, unit="frame")
+        DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, expected_batch=3.0, unit="frame")
 
 
 # ---------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
     assert (result.unit, result.n, result.sample_rate) == ("patient", 5, pytest.approx(2 / 5))
     assert [(n, q) for n, q, _ in draws] == [(5, pytest.approx(0.4))] * 4
     for (_, _, sampled), (spec, records, step_groups) in zip(draws, steps_seen):
-        assert spec.unit == "patient" and spec.n_private == 5 and spec.sample_rate == pytest.approx(0.4)
+        assert spec.unit == "patient" and spec.expected_batch == 2.0 and spec.sample_rate == pytest.approx(0.4)
         assert records == 3 * len(sampled)  # every record (up to the cap) of every sampled patient
         want = [j for j in range(len(sampled)) for _ in range(3)]
         assert step_groups.tolist() == want and step_groups.dtype == torch.long
@@ -444,25 +444,29 @@ def test_the_site_checks_its_cap_and_its_patient_ids(site_world, tmp_path):
     from test_federation_site import _policy
 
     cfg, _ = site_world
-    with pytest.raises(ValueError, match="max_records_per_patient = 4"):
-        check_site(_policy(cfg, tmp_path, max_records_per_patient=4))  # 8 images per identity
-    assert check_site(_policy(cfg, tmp_path, max_records_per_patient=8)).patients is None  # record level
-    checked = check_site(_patient_policy(cfg, tmp_path, max_records_per_patient=3))
+    # 8 images per identity, a stated cap of 4: the records beyond it are left out locally, with an alert (an
+    # answer that changed with the data would tell the server when a patient passed the cap, P13)
+    capped = check_site(_policy(cfg, tmp_path, max_records_per_patient=4, prepare=False))
+    assert len(capped.private) == 20 and capped.patients is None
+    assert any("more than max_records_per_patient=4" in alert for alert in capped.alerts)
+    assert check_site(_policy(cfg, tmp_path, max_records_per_patient=8, prepare=False)).patients is None  # record level
+    checked = check_site(_patient_policy(cfg, tmp_path, max_records_per_patient=3, prepare=False))
     assert checked.patients.count == 5 and len(checked.private) == 15  # a fixed 3 of each patient's 8
     # delta < 1 / n is checked against the number of the unit that is sampled: 5 patients, 40 records
-    assert check_site(_patient_policy(cfg, tmp_path, delta=0.1)).patients.count == 5
+    assert check_site(_patient_policy(cfg, tmp_path, delta=0.1, prepare=False)).patients.count == 5
     with pytest.raises(ValueError, match="delta"):
-        check_site(_policy(cfg, tmp_path, delta=0.1))
+        check_site(_policy(cfg, tmp_path, delta=0.1, prepare=False))
     with pytest.raises(ValueError, match="delta"):
-        check_site(_patient_policy(cfg, tmp_path, delta=0.25))
+        check_site(_patient_policy(cfg, tmp_path, delta=0.25, prepare=False))
     # data without patient ids (MPII-like): record level only
     copy = tmp_path / "no-ids" / "site-0"
     shutil.copytree(Path(cfg.data.root) / "site-0", copy)
     (copy / "identities.json").unlink()
     assert len(load_split_dir(copy, "site data")) == 40
     with pytest.raises(ValueError, match="no patient id"):
-        check_site(_patient_policy(cfg, tmp_path, data_path=str(copy)))
-    assert check_site(_policy(cfg, tmp_path, data_path=str(copy), max_records_per_patient=2)).patients is None
+        check_site(_patient_policy(cfg, tmp_path, data_path=str(copy), prepare=False))
+    no_ids = check_site(_policy(cfg, tmp_path, data_path=str(copy), max_records_per_patient=2, prepare=False))
+    assert no_ids.patients is None and len(no_ids.private) == 40  # nothing to check the cap against
 
 
 def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
@@ -472,7 +476,7 @@ def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
     policy = _patient_policy(cfg, tmp_path)
     assert load_policy(write_policy(tmp_path / "p.yaml", policy)) == policy
     old = {k: v for k, v in policy_to_dict(policy).items() if k not in ("unit", "max_records_per_patient")}
-    assert policy_from_dict(old).unit == "record"  # a version-2 policy written before issue #11 is record level
+    assert policy_from_dict(old).unit == "record"  # a policy that names no unit is record level
     for bad, match in (({"unit": "frame"}, "unit"), ({"max_records_per_patient": 0}, "max_records_per_patient"),
                        ({"max_records_per_patient": 2.5}, "max_records_per_patient")):
         with pytest.raises(ValueError, match=match):
@@ -482,7 +486,7 @@ def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
 def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
     import sqlite3
 
-    from client.ledger import Mechanism, SiteLedger
+    from client.ledger import SCHEMA_VERSION, Mechanism, SiteLedger
 
     old = tmp_path / "v2.sqlite"
     with SiteLedger(old, site="site-0") as ledger, ledger.round() as open_round:
@@ -491,7 +495,8 @@ def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
                           mechanism=Mechanism(method="dpsgd", psi=None, clip_norm=1.0, augment=True))
     # make it a schema-2 file: drop the unit column
     conn = sqlite3.connect(old)
-    conn.execute("ALTER TABLE spend DROP COLUMN unit")
+    for column in ("unit", "state", "noise_seed", "data_version"):  # the columns of schemas 3 and 4
+        conn.execute(f"ALTER TABLE spend DROP COLUMN {column}")
     conn.execute("PRAGMA user_version = 2")
     conn.commit()
     conn.close()
@@ -505,7 +510,7 @@ def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
         assert [r["unit"] for r in ledger.rows()] == ["record", "patient"]
         assert ledger.units() == {"record", "patient"}
     conn = sqlite3.connect(old)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     conn.close()
 
 
@@ -631,7 +636,7 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
     root = Path(world.data.root)
     policy = tmp_path / "site" / "policy.yaml"
     assert main(["site-policy", "--out", str(policy), "--site", "hospital-a", "--epsilon", "1", "--delta", "1e-3",
-                 "--lifetime-rounds", "4", "--sample-rate", "0.4", "--steps-per-round", "2",
+                 "--lifetime-rounds", "4", "--sample-rate", "0.4", "--expected-batch", "2", "--steps-per-round", "2",
                  "--data-path", str(root / "site-0"), "--unit", "patient", "--max-records-per-patient", "6"]) == 0
     out = capsys.readouterr().out
     assert "unit: patient (5 patients" in out and "at most 6" in out
@@ -639,11 +644,14 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
     assert (written["unit"], written["max_records_per_patient"]) == ("patient", 6)
     assert load_policy(policy).unit == "patient"
     assert main(["site-policy", "--check", str(policy)]) == 0
-    # a record-level policy whose stated cap is below what the data holds fails the site's own check
+    # a record-level policy whose stated cap is below what the data holds: the records beyond it are left out,
+    # and the operator is told (q defaults to B / n, computed from the data here)
     assert main(["site-policy", "--out", str(tmp_path / "r.yaml"), "--site", "b", "--epsilon", "1", "--delta", "1e-3",
-                 "--lifetime-rounds", "4", "--sample-rate", "0.2", "--steps-per-round", "2",
-                 "--data-path", str(root / "site-0"), "--max-records-per-patient", "3"]) == 2
-    assert "max_records_per_patient = 3" in capsys.readouterr().err
+                 "--lifetime-rounds", "4", "--expected-batch", "8", "--steps-per-round", "2",
+                 "--data-path", str(root / "site-0"), "--max-records-per-patient", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "alert: 25 record(s) of patients with more than max_records_per_patient=3" in out
+    assert load_policy(tmp_path / "r.yaml").sample_rate == 0.2  # 8 / 40
 
 
 @pytest.mark.slow

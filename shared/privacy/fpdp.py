@@ -2,7 +2,7 @@
 
     private batch B_priv ~ Poisson(q) from the site's raw images x
       g_i   = grad l(w, x_i)                              per sample
-      g     = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n)
+      g     = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B
       g     = V (V^T g)                                   post-processing
     public batch B_psi: psi(x)
       g_pub = mean_x grad l(w, psi(x))                    no clip, no noise
@@ -15,7 +15,7 @@ Privacy unit (issue #11): ``record`` as above; ``patient`` samples patients
 with rate q_p (Poisson over patients), replaces clip(g_i, C) by
 clip(mean of the patient's per-record gradients, C) for each sampled patient
 (at most ``privacy.max_records_per_patient`` records each) and divides by the
-expected number of sampled patients q_p n_patients. Noise, projection and the
+declared expected number of sampled patients. Noise, projection and the
 public gradient are unchanged; for fdp/fpdp psi(x) of every image of a patient
 stays public by assumption.
 
@@ -24,9 +24,14 @@ Invariants enforced here:
   per-sample gradients; the projection is applied after the noise.
 - P3: the public gradient only accepts a ``PsiBatch`` (built by
   ``psi.apply_psi``), never raw images.
-- P4: normalisation by the expected batch size q n, not the realised
-  Poisson batch size (which is itself private: dividing by it would leak it
-  and break the sensitivity bound the accountant assumes).
+- P4 / P15: normalisation by B, a public constant (the expected batch the
+  config or the site's policy declares), never by anything computed from the
+  private data: not the realised Poisson batch size, and not q n with the
+  site's real n (one reply's noise spread would then reveal n).
+- P14: every private contribution to the noisy sum is finite with norm <= C
+  whatever the weights (``persample``: a non-finite per-sample gradient
+  contributes zero, silently; a non-finite public gradient on psi(x) is left
+  out of its step the same way).
 """
 
 from __future__ import annotations
@@ -73,17 +78,19 @@ class DPSpec:
 
     clip_norm: per-sample L2 bound C. sigma: noise multiplier (noise std / C),
     calibrated by ``accountant.calibrate_sigma``. sample_rate: Poisson q.
-    n_private: the site's number of privacy units n, records or patients
-    (q n is the expected batch size). chunk_size: per-sample gradients
-    computed at a time (memory). unit: ``record`` (clip each record's
-    gradient) or ``patient`` (clip each patient's mean gradient).
+    expected_batch: B, the public constant the noisy sum is divided by (P15):
+    the batch size a centralized config states (q = B / n there, so B = q n) or
+    the expected batch a site's policy declares; never computed from private
+    data. chunk_size: per-sample gradients computed at a time (memory; a site
+    pins it). unit: ``record`` (clip each record's gradient) or ``patient``
+    (clip each patient's mean gradient; B then counts patients).
     """
 
     method: Method
     clip_norm: float
     sigma: float
     sample_rate: float
-    n_private: int
+    expected_batch: float
     chunk_size: int = 16
     unit: str = "record"
 
@@ -109,11 +116,11 @@ class DPSpec:
             raise ValueError(
                 f"sample_rate={self.sample_rate!r} must be in (0, 1] (expected batch size / n)"
             )
-        if isinstance(self.n_private, bool) or not isinstance(self.n_private, int):
-            raise ValueError(f"n_private={self.n_private!r} must be an int (site size n)")
-        if self.n_private < 1:
+        batch = self.expected_batch
+        if not _is_number(batch) or not (batch > 0 and math.isfinite(batch)):
             raise ValueError(
-                f"n_private={self.n_private}: the site is empty; give it data or leave it out"
+                f"expected_batch={self.expected_batch!r} must be a positive finite number (the public "
+                "normaliser B of the noisy sum)"
             )
         chunk = self.chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -129,10 +136,6 @@ class DPSpec:
         """True when the public gradient on psi(x) is added (Feature-DP)."""
         return self.method in FEATURE_METHODS
 
-    @property
-    def expected_batch_size(self) -> float:
-        """q n: the normaliser of the private gradient (P4); at patient level, expected patients q_p n_p."""
-        return self.sample_rate * self.n_private
 
 
 def _check_basis(basis: Tensor, params: Mapping[str, Tensor]) -> None:
@@ -155,8 +158,9 @@ def _noisy_private_sum(
     basis: Tensor | None,
     groups: Tensor | None = None,
     canaries: DiracGrads | SpanGrads | None = None,
-) -> tuple[dict[str, Tensor], Tensor]:
-    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient).
+) -> tuple[dict[str, Tensor], Tensor, int]:
+    """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient,
+    the number of non-finite contributions left out: P14).
 
     ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
     gradients of this step's Poisson-drawn canaries, clipped to C and added to
@@ -181,13 +185,13 @@ def _noisy_private_sum(
     _check_unit_groups(spec, groups)
     if spec.unit == "patient":
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient.
-        summed, norms = clipped_group_sum(
+        summed, norms, zeroed = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
             chunk_size=spec.chunk_size,
         )
     else:
         # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
-        summed, norms = clipped_grad_sum(
+        summed, norms, zeroed = clipped_grad_sum(
             loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
         )
     if canaries is not None:
@@ -196,13 +200,13 @@ def _noisy_private_sum(
         summed = {name: value.clone() for name, value in unflatten(flat, like=summed).items()}
     # P1: N(0, sigma^2 C^2 I) drawn once and added to the sum, before any projection.
     noise = gaussian_noise_like(summed, std=spec.sigma * spec.clip_norm, generator=generator)
-    scale = 1.0 / spec.expected_batch_size  # P4: 1 / (q n), not 1 / |B_priv|
+    scale = 1.0 / spec.expected_batch  # P4, P15: 1 / B, a public constant; never 1 / |B_priv| nor 1 / (q n)
     grads = {name: (summed[name] + noise[name]).mul_(scale) for name in summed}
     if spec.projects:
         # g = V (V^T g): post-processing of the noisy gradient, no privacy cost.
         flat = project(basis, flatten(grads))  # (p,)
         grads = {name: value.clone() for name, value in unflatten(flat, like=grads).items()}
-    return grads, norms
+    return grads, norms, zeroed
 
 
 def _check_unit_groups(spec: DPSpec, groups: Tensor | None) -> None:
@@ -224,13 +228,13 @@ def private_gradient(
     basis: Tensor | None,
     groups: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / (q n), then V (V^T g) if projecting.
+    """g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B, then V (V^T g) if projecting.
 
     ``private_batch`` must be a Poisson sample with rate spec.sample_rate
     (``sampling.poisson_sample``); it may be empty. ``basis`` is required for
     proj/fpdp and refused otherwise. Shapes of the result match ``params``.
     """
-    grads, _ = _noisy_private_sum(
+    grads, _, _ = _noisy_private_sum(
         loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups
     )
     return grads
@@ -278,12 +282,14 @@ def dp_gradient(
     patient's records contiguous.
 
     ``info`` keys (always the same): method, unit, batch_size (realised private:
-    records, or patients at patient level), expected_batch_size (q n),
-    public_batch_size, mean_norm / max_norm /
-    clipped_fraction of the pre-clipping per-sample norms (NaN for
-    nonprivate, which does not compute them; 0 for an empty batch), and
-    noise_std, the per-coordinate noise std of the private gradient before
-    projection (sigma C / (q n)).
+    records, or patients at patient level), expected_batch (B, the public
+    normaliser), public_batch_size, mean_norm / max_norm / clipped_fraction
+    of the finite pre-clipping per-sample norms (NaN for nonprivate, which
+    does not compute them; 0 for an empty batch), zeroed (non-finite private
+    contributions left out, P14), public_zeroed (1 when this step's public
+    gradient was not finite and was left out), and noise_std, the
+    per-coordinate noise std of the private gradient before projection
+    (sigma C / B).
     These are private statistics of the site: log them locally, do not send them.
     ``canaries``: the privacy audit's gradient canaries of this step (None
     outside the audit); refused for method='nonprivate'.
@@ -313,12 +319,14 @@ def dp_gradient(
         "method": spec.method,
         "unit": spec.unit,
         "batch_size": size,
-        "expected_batch_size": spec.expected_batch_size,
+        "expected_batch": spec.expected_batch,
         "public_batch_size": psi_batch.batch_size if psi_batch is not None else 0,
         "mean_norm": nan,
         "max_norm": nan,
         "clipped_fraction": nan,
         "noise_std": 0.0,
+        "zeroed": 0,
+        "public_zeroed": 0,
     }
     if spec.method == "nonprivate":
         if basis is not None:
@@ -328,20 +336,25 @@ def dp_gradient(
         return mean_grad(loss_fn, params, private_batch), info
     if generator is None:
         raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
-    grads, norms = _noisy_private_sum(
+    grads, norms, zeroed = _noisy_private_sum(
         loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups,
         canaries=canaries,
     )
-    if norms.numel() > 0:
-        info["mean_norm"] = float(norms.mean())
-        info["max_norm"] = float(norms.max())
-        info["clipped_fraction"] = float((norms > spec.clip_norm).float().mean())
+    finite = norms[torch.isfinite(norms)]
+    if finite.numel() > 0:
+        info["mean_norm"] = float(finite.mean())
+        info["max_norm"] = float(finite.max())
+        info["clipped_fraction"] = float((finite > spec.clip_norm).double().mean())
     else:
         info["mean_norm"] = info["max_norm"] = info["clipped_fraction"] = 0.0
-    info["noise_std"] = spec.sigma * spec.clip_norm / spec.expected_batch_size
+    info["zeroed"] = zeroed
+    info["noise_std"] = spec.sigma * spec.clip_norm / spec.expected_batch
     if on_private is not None:
         on_private(grads)
     if spec.uses_public:
         public = public_gradient(loss_fn, params, psi_batch)
-        grads = {name: grads[name] + public[name] for name in grads}
+        if all(bool(torch.isfinite(value).all()) for value in public.values()):
+            grads = {name: grads[name] + public[name] for name in grads}
+        else:  # g_pub is a function of psi(x), labels and weights only; a non-finite one is left out, as P14
+            info["public_zeroed"] = 1
     return grads, info

@@ -55,6 +55,25 @@ def make_generator(
     return generator, True
 
 
+def round_secret() -> int:
+    """63 bits of OS entropy for one round's generator: kept by a site in its own ledger until the round's
+    reply is stored (so an interrupted round replays with the same noise), then erased. Never logged."""
+    return secrets.randbits(63)
+
+
+def generator_from_secret(secret: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of a round whose seed is a secret from ``round_secret`` (production: not 'seeded', P7).
+
+    Unlike ``make_generator(seed)``, nothing is logged and the run is not marked seeded: the value came
+    from OS entropy and never leaves the site.
+    """
+    if isinstance(secret, bool) or not isinstance(secret, int) or not 0 <= secret < 2**63:
+        raise ValueError("a round secret is a 63-bit non-negative int (round_secret)")
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(secret)
+    return generator
+
+
 def gaussian_noise_like(
     params: Mapping[str, Tensor], *, std: float, generator: torch.Generator
 ) -> dict[str, Tensor]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -173,18 +174,53 @@ def per_sample_grads(
 
 
 def per_sample_norms(grads: Mapping[str, Tensor]) -> Tensor:
-    """Flat L2 norm over ALL parameters of each sample's gradient: (B,).
+    """Flat L2 norm over ALL parameters of each sample's gradient: (B,) float64.
 
     The clipping bound C applies to the whole gradient vector of a sample
-    (flat clipping), which is the sensitivity the accountant assumes.
+    (flat clipping), which is the sensitivity the accountant assumes. A float32
+    norm overflows for gradients above ~1e19 (its squares exceed the float32
+    range) although they are finite: such rows are recomputed in float64, where
+    the squares of any float32 value cannot overflow. A row is non-finite here
+    exactly when the gradient holds an inf or a NaN (P14).
     """
-    per_param = [g.reshape(g.shape[0], -1).norm(dim=1) for g in grads.values()]  # each (B,)
-    return torch.stack(per_param, dim=0).norm(dim=0)  # (B,)
+    flats = [g.reshape(g.shape[0], -1) for g in grads.values()]
+    return _robust_norms(flats)
+
+
+def _robust_norms(flats: list[Tensor]) -> Tensor:
+    """(B,) float64 norms of the rows of the per-parameter blocks ``flats`` (each (B, numel))."""
+    per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flats], dim=0)  # (params, B)
+    norms = torch.linalg.vector_norm(per_param.to(torch.float64), dim=0)  # (B,)
+    odd = ~torch.isfinite(norms)
+    if bool(odd.any()):  # an overflowed float32 norm, or a real inf / NaN: decide in float64
+        rows = odd.nonzero().flatten()
+        exact = [torch.linalg.vector_norm(f[rows], dim=1, dtype=torch.float64) for f in flats]
+        norms[rows] = torch.linalg.vector_norm(torch.stack(exact, dim=0), dim=0)
+    return norms
 
 
 def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
-    """min(1, C / (||g_i|| + 1e-6)) per sample: (B,)."""
-    return (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+    """min(1, C / (||g_i|| + 1e-6)) per sample: (B,); 0 for a non-finite norm (P14: it contributes nothing)."""
+    factors = (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+# Below this a float32 factor is subnormal and loses precision: a row that needs it (a gradient of norm
+# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C.
+_SMALLEST_FLOAT32_FACTOR = 1e-30
+
+
+def _add_clipped(summed: Tensor, flat: Tensor, factors: Tensor, finite: Tensor) -> None:
+    """summed += sum_i factors_i flat_i with non-finite rows left out (0 x NaN is NaN, so they are zeroed first)."""
+    if not bool(finite.all()):
+        flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+    tiny = factors < _SMALLEST_FLOAT32_FACTOR
+    regular = torch.where(tiny, torch.zeros_like(factors), factors).to(flat.dtype)
+    total = regular @ flat  # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
+    if bool((tiny & finite & (factors > 0)).any()):
+        rows = (tiny & finite).nonzero().flatten()
+        total = total + (factors[rows, None] * flat[rows].to(torch.float64)).sum(0).to(flat.dtype)
+    summed.add_(total.view_as(summed))
 
 
 def _check_clip_norm(clip_norm: float) -> float:
@@ -200,6 +236,18 @@ def _check_clip_norm(clip_norm: float) -> float:
     return value
 
 
+class ClippedSum(NamedTuple):
+    """The clipped sum, the pre-clipping norms (private diagnostics) and how many contributions were zeroed.
+
+    ``zeroed``: per-sample (per-patient) gradients that were not finite and so contributed
+    nothing (P14). It depends on private data: log it at the site only, never send it.
+    """
+
+    summed: dict[str, Tensor]
+    norms: Tensor
+    zeroed: int
+
+
 def clipped_grad_sum(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -208,34 +256,41 @@ def clipped_grad_sum(
     clip_norm: float,
     chunk_size: int,
     randomness: str = "different",
-) -> tuple[dict[str, Tensor], Tensor]:
+) -> ClippedSum:
     """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
 
     FP-DP Algorithm 1: sum_i clip(g_i, C) with clip(g, C) = g min(1, C/||g||).
     Works chunk by chunk (only ``chunk_size`` per-sample gradients are alive
-    at any time). Returns ``(summed, norms)``: ``summed`` has the shapes of
-    ``params``; ``norms`` (B,) are the pre-clipping per-sample norms (for
-    diagnostics only - they are private data, never send them anywhere).
-    An empty batch (B = 0) gives zero sums and an empty ``norms``.
+    at any time). Returns ``ClippedSum(summed, norms, zeroed)``: ``summed`` has
+    the shapes of ``params``; ``norms`` (B,) are the pre-clipping per-sample
+    norms (float64; diagnostics only - they are private data, never send them
+    anywhere). An empty batch (B = 0) gives zero sums and an empty ``norms``.
+
+    P14, whatever the weights: a per-sample gradient holding an inf or a NaN
+    contributes zero (it is not an error: an error would tell whoever chose the
+    weights that the record was sampled), and a huge finite one is clipped to
+    norm C like any other; the sum is always finite.
     """
     clip = _check_clip_norm(clip_norm)
     check_params(params)
     summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
     norms_parts: list[Tensor] = []
+    zeroed = 0
     for grads in iter_per_sample_grads(
         loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness
     ):
-        norms = per_sample_norms(grads)  # (b,)
-        factors = clip_factors(norms, clip)  # (b,)
-        for name, grad in grads.items():
-            # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
-            flat = factors.to(grad.dtype) @ grad.reshape(grad.shape[0], -1)
-            summed[name].add_(flat.view_as(summed[name]))
+        flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
+        norms = _robust_norms(list(flats.values()))  # (b,) float64
+        finite = torch.isfinite(norms)
+        factors = clip_factors(norms, clip)  # (b,) float64, 0 where not finite
+        for name, flat in flats.items():
+            _add_clipped(summed[name], flat, factors, finite)
+        zeroed += int((~finite).sum())
         norms_parts.append(norms)
-        del grads
+        del grads, flats
     if not norms_parts:  # empty batch: zero sum, no norms
-        return summed, next(iter(summed.values())).new_zeros((0,))
-    return summed, torch.cat(norms_parts)
+        return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
+    return ClippedSum(summed, torch.cat(norms_parts), zeroed)
 
 
 def check_groups(groups: Tensor, size: int) -> int:
@@ -254,6 +309,14 @@ def check_groups(groups: Tensor, size: int) -> int:
     return int(groups[-1]) + 1
 
 
+def _rows_finite(flats: list[Tensor]) -> Tensor:
+    """(b,) True where every entry of the row is finite (max and min propagate inf and NaN; no b x numel temp)."""
+    ok = torch.ones(flats[0].shape[0], dtype=torch.bool, device=flats[0].device)
+    for flat in flats:
+        ok &= torch.isfinite(flat.amax(dim=1)) & torch.isfinite(flat.amin(dim=1))
+    return ok
+
+
 def clipped_group_sum(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -263,7 +326,7 @@ def clipped_group_sum(
     clip_norm: float,
     chunk_size: int,
     randomness: str = "different",
-) -> tuple[dict[str, Tensor], Tensor]:
+) -> ClippedSum:
     """Sum over groups (patients) of clip(mean of the group's per-record gradients, C).
 
     Patient-level DP-SGD (user-level DP, McMahan et al. 2018, "DP-FedAvg";
@@ -274,58 +337,71 @@ def clipped_group_sum(
     with each patient's records contiguous (``shared.data.patients.PatientGroups.expand``).
 
     Same per-record machinery and chunking as ``clipped_grad_sum``: per chunk
-    the per-record gradients are summed per group (one ``index_add_``); a group
-    that continues into the next chunk carries its partial sum over, so memory
-    stays chunk_size x p plus one carried group. Returns ``(summed, norms)``:
-    ``norms`` (G,) are the per-patient mean gradients' norms before clipping
-    (private diagnostics).
+    each record's gradient, divided by its patient's record count, is summed
+    into its patient's row (one small matmul; dividing first means the mean of
+    huge finite gradients cannot overflow); a group that continues into the
+    next chunk carries its partial mean over, so memory stays chunk_size x p
+    plus one carried group. P14: a patient with any non-finite record gradient
+    contributes zero. Returns ``ClippedSum``: ``norms`` (G,) are the per-patient
+    mean gradients' norms before clipping (private diagnostics), ``zeroed`` the
+    patients left out.
     """
     clip = _check_clip_norm(clip_norm)
     check_params(params)
     size = batch_size_of(batch)
     count = check_groups(groups, size)
     groups = groups.to(device="cpu", dtype=torch.long)
+    sizes = torch.bincount(groups, minlength=count).to(torch.float64) if size else torch.zeros(0)  # (G,)
     summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
     norms_parts: list[Tensor] = []
-    carry: dict[str, Tensor] | None = None  # partial per-record sum of the group continuing from the last chunk
-    carry_count = 0
+    zeroed = 0
+    carry: dict[str, Tensor] | None = None  # partial mean of the group continuing from the last chunk
+    carry_bad = False
     start = 0
     for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
         b = next(iter(grads.values())).shape[0]
         ids = groups[start:start + b]
         local = ids - ids[0]  # 0..g-1 within the chunk
         g = int(local[-1]) + 1
-        counts = torch.bincount(local, minlength=g).to(torch.float64)  # (g,)
-        sums = {}
-        for name, grad in grads.items():
-            flat = grad.reshape(b, -1)
-            sums[name] = flat.new_zeros((g, flat.shape[1])).index_add_(0, local.to(flat.device), flat)  # (g, numel)
+        flats = {name: grad.reshape(b, -1) for name, grad in grads.items()}
+        ok = _rows_finite(list(flats.values()))  # (b,)
+        bad = torch.zeros(g, dtype=torch.long).index_add_(0, local, (~ok).long().cpu()) > 0  # (g,) poisoned groups
+        weights = torch.zeros(g, b, dtype=torch.float64)
+        weights[local, torch.arange(b)] = 1.0 / sizes[ids]  # row j averages group j's records
+        means = {}
+        for name, flat in flats.items():
+            if not bool(ok.all()):
+                flat = torch.where(ok[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+            means[name] = weights.to(device=flat.device, dtype=flat.dtype) @ flat  # (g, numel)
         if carry is not None:  # the first group of this chunk began in the previous one
-            for name in sums:
-                sums[name][0] += carry[name]
-            counts[0] += carry_count
+            for name in means:
+                means[name][0] += carry[name]
+            bad[0] |= carry_bad
         stop = start + b
         complete = g - 1 if stop < size and int(groups[stop]) == int(ids[-1]) else g
         if complete < g:
-            carry = {name: value[g - 1].clone() for name, value in sums.items()}
-            carry_count = int(counts[g - 1])
+            carry = {name: value[g - 1].clone() for name, value in means.items()}
+            carry_bad = bool(bad[g - 1])
         else:
-            carry, carry_count = None, 0
+            carry, carry_bad = None, False
         if complete:
-            means = {name: value[:complete] / counts[:complete, None].to(value.dtype) for name, value in sums.items()}
-            norms = per_sample_norms(means)  # (complete,): flat norm over all params, one per group
+            done = {name: value[:complete] for name, value in means.items()}
+            norms = _robust_norms(list(done.values()))  # (complete,) float64: one per group
+            norms[bad[:complete].to(norms.device)] = float("nan")  # a poisoned patient: zeroed below
+            finite = torch.isfinite(norms)
             factors = clip_factors(norms, clip)
-            for name, mean in means.items():
-                summed[name].add_((factors.to(mean.dtype) @ mean).view_as(summed[name]))
+            for name, mean in done.items():
+                _add_clipped(summed[name], mean, factors, finite)
+            zeroed += int((~finite).sum())
             norms_parts.append(norms)
         start = stop
-        del grads, sums
+        del grads, flats, means
     if not norms_parts:
-        return summed, next(iter(summed.values())).new_zeros((0,))
+        return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
     norms = torch.cat(norms_parts)
     if norms.shape[0] != count:  # pragma: no cover - bookkeeping guard
         raise RuntimeError(f"clipped_group_sum finished {norms.shape[0]} of {count} groups")
-    return summed, norms
+    return ClippedSum(summed, norms, zeroed)
 
 
 def mean_grad(
