@@ -128,16 +128,19 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
                   "0 here: each site computes V itself (basis mode site) and reports no timings, which would track "
                   "its n (P10); a site's own log has them")
     lines += ["", "## Rounds", "", f"s server basis: {basis_note}. MB down counts nothing sent to a node that was "
-              "offline.", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
-              + " | missed / offline | MB down | MB up | s round | s server basis | s aggregate |",
-              "|---" * (8 + len(plans)) + "|"]
+              "offline. Update bound: every site's update is scaled to at most this norm (the round's lower-median "
+              "update norm) before the sites are combined; the sites in brackets were scaled.", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
+              + " | missed / offline | update bound (scaled) | MB down | MB up | s round | s server basis | "
+              "s aggregate |", "|---" * (9 + len(plans)) + "|"]
     for r in records:
         eps = " | ".join(f"{r['epsilon'].get(s, 0):.4f}" for s in sorted(plans))
         down = sum(r["bytes_down"].values()) / 1e6
         up = sum(r["bytes_up"].values()) / 1e6
         sec = r["seconds"]
         absent = ", ".join(sorted(set(r.get("missed", [])) | set(r.get("offline", [])))) or "-"
-        lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {absent} | {down:.2f} | {up:.2f} | "
+        bound = "-" if r.get("update_bound") is None else (
+            f"{r['update_bound']:.3g} ({', '.join(r.get('bounded', [])) or 'none'})")
+        lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {absent} | {bound} | {down:.2f} | {up:.2f} | "
                      f"{sec['train']:.1f} | {sec['basis']:.1f} | {sec['aggregation']:.2f} |")
     lines += ["", f"![PCKh and privacy per round]({plot})", ""]
     if events:

@@ -28,7 +28,7 @@ import torch
 from server.aggregate import server_optimizer
 from server.basis import BasisKeeper
 from server.checkpoint import ServerState, load_state, save_state
-from server.combine import aggregate, fedavg  # noqa: F401  (fedavg, Reply: imported from here by tests)
+from server.combine import aggregate, bound_updates, fedavg  # noqa: F401  (fedavg, Reply: imported by tests)
 from server.exchange import describe_sites, exchange, sites_for_round
 from server.ledger import Event, ServerLedger
 from server.plan import SitePlan, can_afford, plan_site
@@ -42,9 +42,16 @@ from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payl
 log = logging.getLogger(__name__)
 
 # What a federation releases to the server besides the DP-noised weights (named in the claim, P10).
-FEDERATION_RELEASE = ("the server sees each site's DP-noised weights and what its policy declares public "
-                      "(sample rate, steps, clip, psi, privacy unit, records cap, budget, spend); never n, timings "
-                      "or anything else that depends on private data; sites are averaged uniformly")
+def federation_release(cfg: Config) -> str:
+    """What a federation releases to the server besides the DP-noised weights (named in the claim, P10, P13)."""
+    combine = ("every site's update is scaled to at most the round's median update norm, then sites are averaged "
+               "uniformly" if cfg.federation.update_bound == "median" else
+               "sites are averaged uniformly with no bound on one site's update")
+    return ("the server sees each site's DP-noised weights and what its policy declares public (sample rate q and "
+            "expected batch B, which tell the size of its data when the policy was written; steps, clip, psi, "
+            "privacy unit, records cap, budget, spend), whether its files changed since its operator checked "
+            "them, and how long a round took unless the site's policy sets round_seconds (a fixed reply time); "
+            "never n itself or anything else that depends on private data; " + combine)
 
 
 @dataclass(frozen=True)
@@ -186,10 +193,12 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         if aggregated:
             with torch.no_grad():
                 current = {name: named[name].detach().clone() for name in trainable}
-                combined = aggregate(outcome.updates, cfg.federation.aggregator)
+                bounded, tau, scaled = bound_updates(outcome.updates, current, cfg.federation.update_bound)
+                combined = aggregate(bounded, cfg.federation.aggregator)
                 for name, value in server_opt.apply(current, combined).items():
                     named[name].copy_(value)
         else:
+            tau, scaled = None, []
             log.warning("round %d: %d valid replies < min_sites %d: global model unchanged", rnd,
                         len(outcome.updates), cfg.federation.min_sites)
         seconds_agg = time.perf_counter() - t0
@@ -221,6 +230,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
             "missed": missed,
             "offline": offline,
+            "update_bound": tau,
+            "bounded": sorted(outcome.accepted[i] for i in scaled),
             "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.counted_epsilon(s) > 0},
             "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
             "epsilon_lifetime": {s: ledger.site_epsilon(s) for s in sorted(plans) if ledger.site_epsilon(s) > 0},
@@ -288,7 +299,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     caps = [int(ledger.get_meta(f"max_records_per_patient/{site}") or 0) for site in plans]
     patient_records = max(caps) if caps and min(caps) > 0 else None  # None: some site states no cap
     claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
-                          accountant=cfg.privacy.accountant, released=FEDERATION_RELEASE, unit=cfg.privacy.unit,
+                          accountant=cfg.privacy.accountant, released=federation_release(cfg), unit=cfg.privacy.unit,
                           records_per_patient=patient_records,
                           records_source="the largest cap the sites' policies state")
     initial = ledger.get_meta("initial_pckh_mean")

@@ -227,8 +227,12 @@ class FederationConfig:
     # site's weight comes from a number it reports), coordinate-wise median, or trimmed-mean (drops the
     # largest and smallest value of every coordinate; needs >= 3 sites).
     aggregator: Literal["mean", "median", "trimmed-mean"] = "mean"
-    # Replies whose update (site weights - global weights) has a larger L2 norm are rejected, never
-    # averaged (their spend still counts); null: no bound.
+    # Before combining, every site's update (site weights - global weights) is scaled to at most the round's
+    # lower-median update norm (median), so no one site, however hostile, moves the model by more than an
+    # honest site's step; none: no bound (a single site can then plant any weights in the average).
+    update_bound: Literal["median", "none"] = "median"
+    # Replies whose update has a larger L2 norm are rejected, never averaged (their spend still counts);
+    # null: no hard limit (the median bound above still applies).
     max_update_norm: float | None = None
     # keep: each site keeps its local optimizer state (Adam moments) across rounds, on its own disk next to
     # its ledger (post-processing of its own DP outputs; never sent); fresh: a new optimizer every round.

@@ -83,6 +83,31 @@ def test_aggregation_is_uniform_and_the_robust_aggregators_bound_one_site():
         aggregate(hostile[:2], "trimmed-mean")
 
 
+def test_by_default_no_single_site_can_plant_weights_in_the_average():
+    """#21 finding 2: a site answering 2 x crafted - global made the uniform mean exactly the crafted model
+    (planting a trigger in every other site's next round). The default bound scales every update to the
+    round's lower-median norm first, so the hostile site moves the model no more than an honest one."""
+    from server.combine import bound_updates
+    from shared.config import Config
+
+    assert Config().federation.update_bound == "median"
+    current = {"w": torch.zeros(4)}
+    crafted = torch.tensor([1e6, -1e6, 3e5, 0.0])
+    honest = [{"w": torch.tensor([0.1, 0.0, 0.0, 0.0])}, {"w": torch.tensor([0.0, 0.2, 0.0, 0.0])}]
+    hostile = {"w": 2 * crafted - current["w"] - honest[1]["w"]}  # so that the plain mean of 2 is crafted
+    unbounded = aggregate([honest[1], hostile], "mean")["w"]
+    assert torch.allclose(unbounded, crafted)  # the attack, without the bound
+    bounded, tau, scaled = bound_updates([*honest, hostile], current, "median")
+    assert tau == pytest.approx(0.2) and scaled == [2]
+    mean = aggregate(bounded, "mean")["w"]
+    assert float(mean.norm()) <= 0.2 + 1e-6  # no more than an honest step, whatever the hostile site sent
+    for two in ([honest[1], hostile], [hostile, honest[0]]):  # with two sites the bound is the smaller norm
+        bounded, tau, _ = bound_updates(two, current, "median")
+        assert all(float(u["w"].norm()) <= tau + 1e-6 for u in bounded)
+    same, tau, scaled = bound_updates(honest, current, "none")
+    assert same is honest and tau is None and scaled == []
+
+
 def test_a_hostile_site_reply_is_rejected_by_the_bounds(tmp_path):
     """num-examples 10^12, weights of 1e30, site-delta 5: none of them reaches the aggregate (finding 15.4)."""
     plans = {s: _plan(s) for s in ("huge", "delta", "count", "fine")}

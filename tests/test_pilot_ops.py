@@ -28,10 +28,20 @@ def _site_ledger(path: Path, site: str, rounds: list[int], federation: str) -> N
                                   delta=1e-3, budget=5.0, accountant="rdp", mechanism=MECH)
 
 
-def _server_ledger(path: Path, sites: list[str], rounds: int, *, reports: dict[str, float] | None = None) -> str:
+def _site_ledger_at(path: Path, site: str, rounds: list[int], federation: str, *, delta: float,
+                    accountant: str = "rdp") -> None:
+    with SiteLedger(path, site=site) as ledger:
+        for r in rounds:
+            with ledger.round() as open_round:
+                open_round.record(site=site, federation=federation, round=r, sigma=1.2, sample_rate=0.2, steps=2,
+                                  delta=delta, budget=5.0, accountant=accountant, mechanism=MECH)
+
+
+def _server_ledger(path: Path, sites: list[str], rounds: int, *, reports: dict[str, float] | None = None,
+                   delta: float = 1e-3) -> str:
     ledger = ServerLedger(path)
     ledger.set_meta("federation", "fed1")
-    ledger.save_plans([SitePlan(site=s, epsilon=5.0, delta=1e-3, sample_rate=0.2, steps_per_round=2, rounds=3,
+    ledger.save_plans([SitePlan(site=s, epsilon=5.0, delta=delta, sample_rate=0.2, steps_per_round=2, rounds=3,
                                 sigma=1.2, accountant="rdp", site_min_sigma=1.0) for s in sites])
     for r in range(1, rounds + 1):
         ledger.record_round(r, [Spend(site=s, sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None,
@@ -71,6 +81,27 @@ def test_reconcile_finds_a_round_the_server_never_saw_and_flags_under_reporting(
     run = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--reconcile", str(server2),
                           str(tmp_path / "b.sqlite"), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and json.loads(run.stdout)["ok"] is True
+
+
+def test_reconcile_reads_each_sites_epsilon_at_its_own_delta_and_accountant(tmp_path):
+    """#21 finding 6: a server ledger planning delta 0.2 made a site ledger worth a large eps at its own delta
+    1e-5 read as a small one, and "reconciled". Each site's epsilon comes from its own rows' delta and
+    accountant; a server (eps, delta) that does not dominate the site's is flagged."""
+    server = tmp_path / "server.sqlite"
+    _server_ledger(server, ["a"], rounds=3, delta=0.2)
+    _site_ledger_at(tmp_path / "a.sqlite", "a", [1, 2, 3], "fed1", delta=1e-5)
+    result = reconcile(server, [tmp_path / "a.sqlite"])
+    (a,) = result.sites
+    own = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=6)], delta=1e-5)
+    planned = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=6)], delta=0.2)
+    assert a.site_run == pytest.approx(own) and own > 2 * planned
+    assert a.site_delta == 1e-5 and a.server_delta == 0.2
+    assert a.under_reported and not result.ok
+    assert any("delta" in line and "UNDER-REPORTED" in line for line in result.lines())
+    # the same server ledger at the site's own delta reconciles
+    fair = tmp_path / "fair.sqlite"
+    _server_ledger(fair, ["a"], rounds=3, delta=1e-5)
+    assert reconcile(fair, [tmp_path / "a.sqlite"]).ok
 
 
 def test_reconcile_refuses_a_site_ledger_of_an_unknown_site(tmp_path):
@@ -138,13 +169,14 @@ def test_policy_files_as_people_write_them(tmp_path):
     """Issue #9.10: `delta: 1e-5` written by hand is a number; a binary file's error names the file."""
     from client.policy import load_policy
 
-    text = """policy_version: 2
+    text = """policy_version: 3
 site: hospital-a
 epsilon: 0.8
 delta: 1e-5
 lifetime_rounds: 5
 rounds_per_federation: 5
 sample_rate: 0.16
+expected_batch: 64
 steps_per_round: 10
 clip_norm: 1
 psi: blur

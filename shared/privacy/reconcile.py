@@ -7,7 +7,10 @@ federation. For the server's federation (``meta.federation``) this lists rounds 
 spent that the server never recorded (a crash between the site's commit and its reply),
 rounds the server recorded that the site does not have, rounds whose (sigma, q, steps)
 differ, and compares the epsilon the server counts with the site's own. Only the last
-decides ``ok``: the server's counted epsilon must never be below a site's own.
+decides ``ok``: the server's claim (eps, delta) must dominate the site's own, i.e. its counted
+epsilon at least the site's and its delta at least the site's. The site's epsilon is computed
+from its own rows, at its own delta and with its own accountant, never the server's: a server
+that plans at a larger delta would otherwise make any spend read small.
 
 Both files are opened read-only; nothing is changed.
 """
@@ -44,12 +47,20 @@ class SiteReconciliation:
     only_at_server: list[int] = field(default_factory=list)  # rounds the server recorded, absent at the site
     differing: list[dict[str, Any]] = field(default_factory=list)
     server_counted: float = 0.0
-    site_run: float = 0.0  # the site's epsilon over this federation, from its own rows
+    site_run: float = 0.0  # the site's epsilon over this federation, from its own rows, its delta, its accountant
     site_lifetime: float = 0.0
+    server_delta: float = 0.0  # the delta the server's claim for this site is stated at
+    site_delta: float = 0.0  # the site's own delta (the smallest its rows record)
+    site_accountant: str = "rdp"
+
+    @property
+    def delta_too_large(self) -> bool:
+        """The server states the site's claim at a larger delta than the site's own: a weaker-looking eps."""
+        return self.server_delta > self.site_delta * (1 + TOLERANCE)
 
     @property
     def under_reported(self) -> bool:
-        return self.server_counted < self.site_run - TOLERANCE * max(1.0, self.site_run)
+        return (self.server_counted < self.site_run - TOLERANCE * max(1.0, self.site_run)) or self.delta_too_large
 
 
 @dataclass
@@ -69,8 +80,11 @@ class Reconciliation:
         out = [f"federation {self.federation}:"]
         for s in self.sites:
             verdict = "UNDER-REPORTED" if s.under_reported else "ok"
-            out.append(f"  {s.site} ({s.site_db}): server counts run eps {s.server_counted:.4f}, the site's own run "
-                       f"eps {s.site_run:.4f}, lifetime {s.site_lifetime:.4f}: {verdict}")
+            why = (f" (the server states it at delta {s.server_delta:g}, the site's own delta is {s.site_delta:g})"
+                   if s.delta_too_large else "")
+            out.append(f"  {s.site} ({s.site_db}): server counts run eps {s.server_counted:.4f} at delta "
+                       f"{s.server_delta:g}, the site's own run eps {s.site_run:.4f} at delta {s.site_delta:g} "
+                       f"({s.site_accountant}), lifetime {s.site_lifetime:.4f}: {verdict}{why}")
             for round in s.only_at_site:
                 out.append(f"    round {round}: spent at the site, not in the server ledger (counted only through "
                            "the site's reports)")
@@ -129,14 +143,21 @@ def reconcile(server_db: str | Path, site_dbs: list[str | Path]) -> Reconciliati
             if a != b:
                 result.differing.append({"round": round, "server": a, "site": b})
 
-        def eps(records: list[dict[str, Any]], delta: float) -> float:
+        def eps(records: list[dict[str, Any]], delta: float, accountant: str) -> float:
             history = [StepRecord(sigma=r["sigma"], sample_rate=r["sample_rate"], steps=r["steps"]) for r in records]
-            return epsilon_spent(history, delta=delta, accountant=plan["accountant"]) if history else 0.0
+            return epsilon_spent(history, delta=delta, accountant=accountant) if history else 0.0
 
+        # The site's own delta and accountant, from its own rows (the smallest delta any row records; its
+        # latest accountant): what its guarantee is stated at, whatever the server planned.
+        site_delta = min((float(r["delta"]) for r in rows), default=float(plan["delta"]))
+        site_accountant = str(rows[-1]["accountant"]) if rows else str(plan["accountant"])
         counted = [r["counted_epsilon"] for r in server_rows if r["site"] == site]
         counted += [r["run_epsilon"] for r in reports if r["site"] == site]
-        result.server_counted = max([eps(list(theirs.values()), plan["delta"]), *counted], default=0.0)
-        result.site_run = eps(list(mine.values()), plan["delta"])
-        result.site_lifetime = eps(rows, plan["delta"])
+        result.server_counted = max([eps(list(theirs.values()), plan["delta"], plan["accountant"]), *counted],
+                                    default=0.0)
+        result.server_delta = float(plan["delta"])
+        result.site_delta, result.site_accountant = site_delta, site_accountant
+        result.site_run = eps(list(mine.values()), site_delta, site_accountant)
+        result.site_lifetime = eps(rows, site_delta, site_accountant)
         results.append(result)
     return Reconciliation(federation=federation, sites=results)
