@@ -1,6 +1,7 @@
 """Key material for a pilot: a CA, a server TLS certificate (the given hosts and the loopback names,
-which the SuperLink's own SuperExec dials) and SuperNode ECDSA key pairs. cryptography is imported
-inside ``make_certs``.
+which the SuperLink's own SuperExec dials), and SuperNode ECDSA key pairs: a site makes its own with
+``fedpose site keygen`` and sends only the public key. cryptography is imported inside the functions.
+Every file is written to a new inode (O_EXCL, then renamed), private keys at 0600.
 """
 
 from __future__ import annotations
@@ -9,6 +10,40 @@ import os
 from pathlib import Path
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def write_key_file(path: Path, data: bytes, *, private: bool) -> Path:
+    """Write ``data`` to ``path`` atomically: a new file created O_EXCL at 0600 (private) or 0644, then renamed.
+
+    Rewriting in place would keep an existing file's mode (a key once left at 0644 would stay readable);
+    the rename gives the path a new inode with exactly this mode.
+    """
+    mode = 0o600 if private else 0o644
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)  # the umask may have narrowed it; never widened
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def node_key_pair(comment: str) -> tuple[bytes, bytes]:
+    """(private key, public key) of a SuperNode: ECDSA P-384 in OpenSSH format, as Flower's node auth reads."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return private, public + f" {comment}\n".encode()
 
 
 def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: bool = False) -> list[Path]:
@@ -35,11 +70,7 @@ def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: boo
         raise ValueError(f"{out} already holds {existing[:3]}: use --force to overwrite or another --out")
 
     def write(name: str, data: bytes, private: bool) -> Path:
-        path = out / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        return path
+        return write_key_file(out / name, data, private=private)
 
     pem = serialization.Encoding.PEM
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -83,9 +114,8 @@ def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: boo
         write("server.pem", server_cert.public_bytes(pem), False),
         write("server.key", server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, no_pw), True),
     ]
-    for i in range(1, nodes + 1):
-        key = ec.generate_private_key(ec.SECP384R1())  # Flower's SuperNode auth: OpenSSH NIST EC keys
-        written.append(write(f"node-{i}", key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, no_pw), True))
-        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-        written.append(write(f"node-{i}.pub", pub + f" fedpose-node-{i}\n".encode(), False))
+    for i in range(1, nodes + 1):  # test and single-operator pilots only: a real site makes its own (site keygen)
+        private, public = node_key_pair(f"fedpose-node-{i}")
+        written.append(write(f"node-{i}", private, True))
+        written.append(write(f"node-{i}.pub", public, False))
     return written

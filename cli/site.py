@@ -1,4 +1,5 @@
-"""``fedpose site approve | start``: which app bundles a hospital's SuperNode runs (client/app_trust.py).
+"""``fedpose site keygen | check | approve | start``: a hospital's SuperNode: its own key pair, its own checks,
+which app bundles it runs (client/app_trust.py).
 
 ``approve`` records the SHA-256 of a reviewed bundle (a ``.fab`` built with
 ``flwr build`` or the app directory itself) in the site's approved-apps file;
@@ -44,10 +45,64 @@ def _supernode_args(rest: list[str]) -> list[str]:
     return args
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """The site's own SuperNode key pair: the private key never leaves the site; the operator registers the .pub."""
+    from cli.certs import node_key_pair, write_key_file
+    from cli.provision import _inside_git_tree
+
+    out = Path(args.out).expanduser().resolve()
+    repo = _inside_git_tree(out)
+    if repo is not None:
+        raise ValueError(f"{out} is inside the git work tree {repo}: a private key must never be written there; "
+                         "choose the site's own folder (e.g. /etc/fedpose)")
+    key, pub = out / args.name, out / f"{args.name}.pub"
+    existing = [p.name for p in (key, pub) if p.exists()]
+    if existing and not args.force:
+        raise ValueError(f"{out} already holds {', '.join(existing)}: a new key pair replaces the one the operator "
+                         "registered (use --force, then send the new .pub and ask for the old one to be unregistered)")
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = node_key_pair(args.comment or f"fedpose-{args.name}")
+    write_key_file(key, private, private=True)
+    write_key_file(pub, public, private=False)
+    print(f"wrote {key} (private, 0600: it stays here) and {pub}")
+    print(f"send {pub.name} to the federation operator; they register it with "
+          f"`flwr supernode register {pub.name} <connection>`")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """The site's own checks of its policy and data, recorded for its SuperNode (run after any change)."""
+    from cli.site_policy import report_check
+    from client.policy import load_policy
+
+    report_check(load_policy(args.policy))
+    return 0
+
+
+def _with_policy(supernode_args: list[str], policy: Path) -> list[str]:
+    """The SuperNode arguments with ``--node-config site-policy=...`` naming ``policy`` (added when absent)."""
+    for i, arg in enumerate(supernode_args):
+        value = supernode_args[i + 1] if arg == "--node-config" and i + 1 < len(supernode_args) else (
+            arg.split("=", 1)[1] if arg.startswith("--node-config=") else None)
+        if value is not None and "site-policy" in value:
+            named = value.split("site-policy", 1)[1].lstrip(" =").strip("'\"")
+            if Path(named).expanduser().resolve() != policy:
+                raise ValueError(f"--policy {policy} but the SuperNode's --node-config names {named}: give one")
+            return supernode_args
+    return [*supernode_args, "--node-config", f"site-policy='{policy}'"]
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     from client.app_trust import gated_env, load_approved, write_shim
 
     supernode_args = _supernode_args(list(args.supernode_args))
+    if args.policy:
+        from cli.site_policy import report_check
+        from client.policy import load_policy
+
+        policy = Path(args.policy).expanduser().resolve()
+        report_check(load_policy(policy))  # the checks that read private data run here, once, not per message
+        supernode_args = _with_policy(supernode_args, policy)
     approved = Path(args.approved).expanduser().resolve()
     digests = load_approved(approved)
     gate_dir = Path(args.gate_dir).expanduser() if args.gate_dir else approved.parent / "gate-bin"
@@ -168,9 +223,27 @@ def register(sub: Any) -> None:
     ap.add_argument("--verbose", action="store_true", help="debug logging")
     ap.set_defaults(func=cmd_approve)
 
+    kg = ss.add_parser("keygen", help="make this site's SuperNode key pair (send only the .pub to the operator)")
+    kg.add_argument("--out", required=True, help="the site's folder for its key (outside any git repository)")
+    kg.add_argument("--name", default="node.key", help="file name of the private key (default node.key; the public "
+                                                       "key gets .pub)")
+    kg.add_argument("--comment", default=None, help="comment in the public key (default fedpose-<name>)")
+    kg.add_argument("--force", action="store_true", help="replace an existing key pair")
+    kg.add_argument("--verbose", action="store_true", help="debug logging")
+    kg.set_defaults(func=cmd_keygen)
+
+    ck = ss.add_parser("check", help="run the site's own checks of its policy and data and record them for its "
+                                     "SuperNode (after any change to either)")
+    ck.add_argument("--policy", required=True, help="the site's policy YAML")
+    ck.add_argument("--verbose", action="store_true", help="debug logging")
+    ck.set_defaults(func=cmd_check)
+
     st = ss.add_parser("start", help="flower-supernode that runs only approved bundles: "
-                                     "fedpose site start --approved FILE -- <flower-supernode arguments>")
+                                     "fedpose site start --approved FILE --policy FILE -- <flower-supernode arguments>")
     st.add_argument("--approved", required=True, help="the site's approved-apps file")
+    st.add_argument("--policy", default=None,
+                    help="the site's policy: its checks run first (once, not per message) and the SuperNode is "
+                         "started with it")
     st.add_argument("--gate-dir", default=None, help="where the gate executable is written "
                                                      "(default: gate-bin beside the approved file)")
     st.add_argument("--retry-for", type=float, default=300.0,

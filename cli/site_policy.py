@@ -21,14 +21,8 @@ def _units(policy_data: dict, base: Path) -> int:
 
 
 def cmd_site_policy(args: argparse.Namespace) -> int:
-    from client.policy import (
-        load_policy,
-        min_sigma_for,
-        policy_from_dict,
-        policy_to_dict,
-        write_policy,
-    )
-    from client.site_data import load_split_dir, prepare_site, public_digest, spend_so_far
+    from client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
+    from client.site_data import load_split_dir, public_digest
 
     if args.check:
         policy = load_policy(args.check)
@@ -62,7 +56,16 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
         write_policy(out, policy)
         print(f"wrote {out}" + (f" (approving the public set {policy.public_path}, digest {digest})" if digest else ""))
     print(json.dumps(policy_to_dict(policy), indent=1))
-    check = prepare_site(policy)  # the site's own checks, recorded for the SuperNode (it never re-reads the data)
+    report_check(policy)
+    return 0
+
+
+def report_check(policy) -> None:
+    """Run the site's own checks (recorded for its SuperNode, which never re-reads the data) and say how they went."""
+    from client.policy import min_sigma_for
+    from client.site_data import prepare_site, spend_so_far
+
+    check = prepare_site(policy)
     spend = spend_so_far(policy, None)
     unit = "patients" if policy.unit == "patient" else "records"
     print(f"checked: {check.units} {unit} to train on, delta < 1/n, no image twice"
@@ -86,4 +89,3 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
     print(f"minimum sigma this site accepts: {min_sigma_for(policy):.4f} ({policy.lifetime_rounds} lifetime rounds x "
           f"{policy.steps_per_round} steps at q={policy.sample_rate:g}, eps={policy.epsilon:g}, "
           f"delta={policy.delta:g}, {policy.accountant})")
-    return 0

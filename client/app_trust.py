@@ -26,21 +26,34 @@ The code that checks is the site's installed fedpose, not the submitted
 bundle: the bundle is only unpacked and imported after ``check_fab`` passed.
 A refused bundle gets Flower's generic error reply (CLIENT_APP_RAISED_EXCEPTION,
 naming the refused digest), nothing is trained and the site ledger is not touched.
+
+Flower then loads the app from a directory named by the SuperLink's ``fab_id`` and
+``fab_version`` and reuses an existing install directory without looking at it. So the
+gate also refuses a run whose id or version differ from the approved bundle's own
+metadata or could leave the apps folder (a separator, ``..``), and every gated ClientApp
+process installs into a fresh, private FLWR_HOME of its own: only the checked bytes are
+ever imported.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import os
 import re
+import shutil
 import stat
 import sys
+import tempfile
+import tomllib
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 SHIM_NAME = "flwr-clientapp"
 
 
@@ -106,6 +119,45 @@ def check_fab(fab_hash: str, content: bytes, approved: frozenset[str]) -> str:
     return digest
 
 
+def bundle_metadata(content: bytes) -> tuple[str, str]:
+    """(fab_id, version) a bundle declares in its own pyproject.toml: ``publisher/name`` and ``version``."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(content)) as fab:
+            config = tomllib.loads(fab.read("pyproject.toml").decode("utf-8"))
+        publisher = config["tool"]["flwr"]["app"]["publisher"]
+        name, version = config["project"]["name"], config["project"]["version"]
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError, TypeError) as err:
+        raise UnapprovedAppError(f"app bundle has no readable pyproject.toml metadata: refused ({err})") from err
+    for part in (publisher, name, version):
+        if not isinstance(part, str) or not _SAFE_PART.match(part) or ".." in part:
+            raise UnapprovedAppError(f"app bundle metadata {part!r} is not a plain name: refused")
+    return f"{publisher}/{name}", version
+
+
+def check_run(run: Any, content: bytes) -> None:
+    """Refuse a run whose ``fab_id`` / ``fab_version`` (chosen by the SuperLink) differ from the bundle's own.
+
+    Flower loads the ClientApp from a directory built from these two strings: a version such as
+    ``0.1.0/../../elsewhere`` would load code that was never checked.
+    """
+    fab_id, version = bundle_metadata(content)
+    if getattr(run, "fab_id", None) != fab_id or getattr(run, "fab_version", None) != version:
+        raise UnapprovedAppError(f"run names app {getattr(run, 'fab_id', None)!r} version "
+                                 f"{getattr(run, 'fab_version', None)!r}, but the approved bundle is {fab_id!r} "
+                                 f"version {version!r}: refused, nothing run")
+
+
+def private_flower_home() -> Path:
+    """A fresh FLWR_HOME for this ClientApp process (removed at exit): Flower installs the checked bundle
+    there, so an install directory left by anything else is never reused."""
+    import atexit
+
+    home = Path(tempfile.mkdtemp(prefix="fedpose-clientapp-"))
+    os.environ["FLWR_HOME"] = str(home)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    return home
+
+
 def install_gate(runtime: Any, approved: frozenset[str]) -> None:
     """Gate Flower's ClientApp runner (module ``flwr.supernode.runtime.run_clientapp``) in this process.
 
@@ -125,6 +177,7 @@ def install_gate(runtime: Any, approved: frozenset[str]) -> None:
         verdict.clear()
         try:
             verdict["digest"] = check_fab(fab.hash_str, fab.content, approved)
+            check_run(run, fab.content)
         except UnapprovedAppError as err:
             verdict["refused"] = err
         return message, context, run, fab
@@ -159,6 +212,7 @@ def run_gate(argv: Sequence[str]) -> None:
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
     install_gate(runtime, approved)
+    private_flower_home()  # installed fresh from the checked bytes; nothing on disk is reused
     # The approved bundle must be loaded from its own directory, not from the site's installed package
     # this gate was imported from: forget the site's ``client`` modules (the closure above keeps the check).
     for name in [m for m in sys.modules if m == "client" or m.startswith("client.")]:

@@ -1,4 +1,4 @@
-"""What a hospital site does with a server request (DESIGN.md sections 2 and 4b; P6, P10-P15).
+"""What a hospital site does with a server request (docs/design.md sections 2 and 4b; P6, P10-P15).
 
 The server is not trusted. ``handle_train`` checks a train request against the site's own policy
 and refuses (``Refusal``, nothing trained, ledger unchanged) anything weaker than the policy pins:

@@ -16,6 +16,14 @@ Rows are never deleted. A row whose round was not checkpointed (the server
 died between the ledger commit and the checkpoint rename) is kept and marked
 ``interrupted`` on resume: that spend happened at the site, so it still
 counts; the round is then run again and recorded again.
+
+A site charges a round before it reads a private record (P13), so a request
+that got no answer (the node died, or the reply was lost) may have been spent.
+It is recorded as ``attempted`` at the planned (sigma, q, steps) and counted,
+until the site's next own report (a reply or a refusal, carrying its ledger's
+run epsilon, which includes every round it charged) covers it: then it is
+``resolved`` and the report counts instead. The claim is thus never below a
+site's own ledger, even when its last reply was lost.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ _SCHEMA = [
         mismatch INTEGER NOT NULL,
         budget REAL NOT NULL,
         aggregated INTEGER NOT NULL,      -- 1: the weights went into the average
-        state TEXT NOT NULL DEFAULT 'completed',  -- completed | interrupted
+        state TEXT NOT NULL DEFAULT 'completed',  -- completed | interrupted | attempted | resolved
         recorded_at TEXT NOT NULL
     )""",
     """CREATE TABLE IF NOT EXISTS events (
@@ -103,6 +111,7 @@ class Spend:
     site_epsilon: float | None
     aggregated: bool
     run_epsilon: float | None = None
+    state: str = "completed"  # completed: a reply said what ran; attempted: sent, no answer (may have been spent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +202,9 @@ class ServerLedger:
     # ------------------------------------------------------------------ spend
 
     def history(self, site: str) -> list[StepRecord]:
+        """What the site ran (or may have: attempted rows not yet covered by its own report), in order."""
         rows = self.conn.execute(
-            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? ORDER BY id", (site,)
+            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? AND state != 'resolved' ORDER BY id", (site,)
         ).fetchall()
         return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
 
@@ -250,18 +260,24 @@ class ServerLedger:
                             "larger", s.site, round, eps, run_eps)
             counted = max(eps, run_eps or 0.0, self.site_run_epsilon(s.site))
             prepared.append((round, s.site, s.sigma, s.sample_rate, s.steps, plan.delta, eps, s.site_epsilon, run_eps,
-                             counted, int(mismatch), plan.epsilon, int(s.aggregated)))
+                             counted, int(mismatch), plan.epsilon, int(s.aggregated), s.state))
         for r in reports or []:
             values = (r.site_epsilon, r.run_epsilon, r.site_rounds)
             if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
                 raise ValueError(f"site {r.site}: reported spend {values!r} is not finite and >= 0")
         now = utc_now()
+        # A site's own report from this round covers every earlier request of it that got no answer.
+        reporting = {s.site for s in spends if s.state == "completed" and s.run_epsilon is not None}
+        reporting |= {r.site for r in reports or []}
         with transaction(self.conn):
+            for site in sorted(reporting):
+                self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'attempted'"
+                                  " AND round < ?", (site, round))
             for row in prepared:
                 self.conn.execute(
                     "INSERT INTO spend (round, site, sigma, sample_rate, steps, delta, epsilon, site_epsilon,"
-                    " site_run_epsilon, counted_epsilon, mismatch, budget, aggregated, recorded_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, now),
+                    " site_run_epsilon, counted_epsilon, mismatch, budget, aggregated, state, recorded_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, now),
                 )
             for r in reports or []:
                 self.conn.execute(
@@ -277,7 +293,8 @@ class ServerLedger:
             for site, (status, reason) in (statuses or {}).items():
                 self.conn.execute("UPDATE sites SET status = ?, reason = ? WHERE site = ?", (status, reason, site))
         return [dict(zip(("round", "site", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_epsilon",
-                          "site_run_epsilon", "counted_epsilon", "mismatch", "budget", "aggregated"), row)) for row in prepared]
+                          "site_run_epsilon", "counted_epsilon", "mismatch", "budget", "aggregated", "state"), row))
+                for row in prepared]
 
     # ------------------------------------------------------------------ views
 

@@ -73,6 +73,13 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
                 if keeper is not None:
                     keeper.forget(r.site)
                 continue
+            if code == _node_unavailable() and r.site in plans:
+                # Sent, never answered: the site may have charged it before it died (P13). Counted at the plan
+                # until the site's own next report covers it (server.ledger, state 'attempted').
+                plan = plans[r.site]
+                out.spends.append(Spend(site=r.site, sigma=plan.sigma, sample_rate=plan.sample_rate,
+                                        steps=plan.steps_per_round, site_epsilon=None, aggregated=False,
+                                        state="attempted"))
             out.events.append(Event(site=r.site, kind=kind, code=code, reason=reason))
             if code == RefusalCode.BUDGET:
                 out.statuses[r.site] = ("exhausted", reason)

@@ -1,4 +1,4 @@
-"""The server's round loop over a Flower Grid (DESIGN.md section 2).
+"""The server's round loop over a Flower Grid (docs/design.md section 2).
 
 Per round: choose the sites that can still afford a planned round, refresh
 V if due, send each site the global weights (+ V if it lacks that version)
@@ -277,7 +277,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     statuses = ledger.statuses()
     per_site = {}
     for site, plan in sorted(plans.items()):
-        rows = [r for r in ledger.rows() if r["site"] == site]
+        rows = [r for r in ledger.rows() if r["site"] == site and r["state"] in ("completed", "interrupted")]
         per_site[site] = {
             "epsilon": ledger.counted_epsilon(site),  # this federation: max(server, every site report)
             "epsilon_server": ledger.server_epsilon(site),

@@ -29,12 +29,12 @@ from shared.privacy.claims import privacy_claim
 from shared.privacy.group import group_privacy
 from shared.privacy.psi import psi_label_of
 from shared.privacy.noise import make_generator
+from shared.pretraining import pretrain_loop
 from shared.train import (
     PRIVATE,
     config_fingerprint,
     evaluate,
     local_train,
-    pretrain_loop,
     make_dataset,
     select_device,
     steps_per_epoch,

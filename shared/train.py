@@ -1,6 +1,6 @@
 """One local-training loop, used by centralized runs (``fedpose train``) and by sites.
 
-``local_train`` runs the FP-DP step of DESIGN.md section 3 (Algorithm 1 of the
+``local_train`` runs the FP-DP step of docs/design.md section 3 (Algorithm 1 of the
 paper) or one of its four comparison methods for a number of steps on one
 private dataset and reports what actually ran (sigma, q, steps) so that the
 caller's accountant, not the plan, produces every epsilon.
@@ -148,7 +148,7 @@ def local_train(
 ) -> LocalResult:
     """Run ``steps`` optimizer steps of ``method`` on ``private``; the model is updated in place.
 
-    Per step (DESIGN.md section 3):
+    Per step (docs/design.md section 3):
       private batch ~ Poisson(q) from raw images, q = train.batch_size / n   (P4)
       g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B                     (P1, P15)
       g = V (V^T g) for proj / fpdp, V from public data only                (P2)
@@ -316,51 +316,6 @@ def local_train(
         zeroed=zeroed,
         public_zeroed=public_zeroed,
     )
-
-
-def pretrain_loop(
-    model: PoseNet,
-    dataset: PoseDataset,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    weight_decay: float,
-    seed: int,
-    progress: bool = True,
-) -> float:
-    """Plain non-private minibatch training (AdamW, cosine LR) of an unfused model on public data.
-
-    Used for public pretraining only: BatchNorm is active here (batch
-    statistics are fine without privacy) and is folded afterwards.
-    Returns the mean loss of the last 10% of steps.
-    """
-    if len(dataset) == 0:
-        raise ValueError("the public dataset is empty: nothing to pretrain on")
-    device = next(model.parameters()).device
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    model.train()
-    tail: list[float] = []
-    order = rng.permutation(len(dataset))
-    pos = 0
-    bar = tqdm(range(steps), desc="pretrain (public)", disable=not progress, leave=False, dynamic_ncols=True)
-    for step in bar:
-        if pos + batch_size > len(order):
-            order, pos = rng.permutation(len(dataset)), 0
-        idx = order[pos : pos + batch_size].tolist()
-        pos += batch_size
-        loss = model.losses(to_device(dataset.batch(idx), device)).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step >= steps - max(1, steps // 10):
-            tail.append(float(loss.detach()))
-        if progress and step % 10 == 0:
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-    return float(np.mean(tail))
 
 
 def public_basis_at(

@@ -162,6 +162,7 @@ class Pilot:
                         "--delta", "1e-3", "--lifetime-rounds", str(lifetime_rounds),
                         "--data-path", str(data / f"site-{i}"),
                         "--sample-rate", repr(cfg.train.batch_size / cfg.data.synth.per_site),
+                        "--expected-batch", str(cfg.train.batch_size),
                         "--steps-per-round", str(cfg.federation.local_steps), "--psi-min", repr(cfg.privacy.psi_param),
                         "--public-path", str(data / "public"))
             # The hospital approves the bundle it reviewed (here: this repository, as `flwr run` builds it).
@@ -215,10 +216,11 @@ class Pilot:
     def start_site(self, i: int, log_name: str | None = None, *extra: str) -> subprocess.Popen:
         """Site ``i``'s SuperNode through ``fedpose site start`` (the app-approval gate), key node-(i+1)."""
         proc = start([
-            sys.executable, "-m", "cli.main", "site", "start", "--approved", str(self.approved(i)), *extra, "--",
+            sys.executable, "-m", "cli.main", "site", "start", "--approved", str(self.approved(i)),
+            "--policy", str(self.policy(i)), *extra, "--",
             "--root-certificates", str(self.certs / "ca.crt"), "--superlink", f"127.0.0.1:{self.link}",
             "--auth-supernode-private-key", str(self.certs / f"node-{i + 1}"),
-            "--node-config", f"site-policy='{self.policy(i)}'", "--host", "127.0.0.1", "--port", str(self.ports[i]),
+            "--host", "127.0.0.1", "--port", str(self.ports[i]),
             "--max-retries", "3", "--max-wait-time", "30",
         ], self.log(log_name or f"supernode-{i}"), self.env)
         self.procs.append(proc)

@@ -1,4 +1,4 @@
-"""A hostile ServerApp that attacks a real site ClientApp in Flower's simulation (DESIGN.md section 4b).
+"""A hostile ServerApp that attacks a real site ClientApp in Flower's simulation (docs/design.md section 4b).
 
 Not a test module: ``tests/test_hostile_server.py`` runs it as a script,
 

@@ -53,12 +53,31 @@ def test_check_fab_recomputes_the_digest():
         check_fab(A, b"bundle b", approved)
 
 
-def test_gate_refuses_at_install_after_flower_holds_the_message():
+@pytest.fixture(scope="module")
+def bundle() -> bytes:
+    """This repository's app bundle, as `flwr run` builds and submits it."""
+    from flwr.cli.build import build_fab_from_disk
+
+    return build_fab_from_disk(REPO)
+
+
+def _project() -> tuple[str, str]:
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return f"{config['tool']['flwr']['app']['publisher']}/{config['project']['name']}", config["project"]["version"]
+
+
+RUN = SimpleNamespace(fab_id=_project()[0], fab_version=_project()[1])
+
+
+def test_gate_refuses_at_install_after_flower_holds_the_message(bundle):
     """Unapproved: refused in place of install_from_fab (so Flower can still reply); approved: installed."""
     installed: list[bytes] = []
+    digest = hashlib.sha256(bundle).hexdigest()
 
-    def runtime_with(fab):
-        return SimpleNamespace(pull_task_input=lambda client: ("msg", "ctx", "run", fab),
+    def runtime_with(fab, run=RUN):
+        return SimpleNamespace(pull_task_input=lambda client: ("msg", "ctx", run, fab),
                                install_from_fab=lambda content, **kw: installed.append(content))
 
     rt = runtime_with(SimpleNamespace(hash_str=B, content=b"bundle b"))
@@ -67,13 +86,54 @@ def test_gate_refuses_at_install_after_flower_holds_the_message():
     assert (message, context) == ("msg", "ctx")
     with pytest.raises(UnapprovedAppError, match="not approved"):
         rt.install_from_fab(fab.content, skip_prompt=True)
-    rt = runtime_with(SimpleNamespace(hash_str=A, content=b"bundle a"))
-    install_gate(rt, frozenset({A}))
+    rt = runtime_with(SimpleNamespace(hash_str=digest, content=bundle))
+    install_gate(rt, frozenset({digest}))
     fab = rt.pull_task_input(None)[3]
     with pytest.raises(UnapprovedAppError, match="not the one checked"):
         rt.install_from_fab(b"bundle b", skip_prompt=True)
     rt.install_from_fab(fab.content, skip_prompt=True)
-    assert installed == [b"bundle a"]
+    assert installed == [bundle]
+
+
+def test_gate_refuses_a_run_whose_app_id_or_version_differ_from_the_bundle(bundle):
+    """#21 finding 8: Flower loads the app from a path built from the SuperLink's fab_id / fab_version; a
+    version holding '/..' would load code that was never checked. Only the bundle's own names pass."""
+    from client.app_trust import bundle_metadata
+
+    digest = hashlib.sha256(bundle).hexdigest()
+    assert bundle_metadata(bundle) == (RUN.fab_id, RUN.fab_version)
+    installed: list[bytes] = []
+    for run in (SimpleNamespace(fab_id=RUN.fab_id, fab_version=RUN.fab_version + "/../../../evil"),
+                SimpleNamespace(fab_id=RUN.fab_id + "-other", fab_version=RUN.fab_version),
+                SimpleNamespace(fab_id="../" + RUN.fab_id, fab_version=RUN.fab_version)):
+        rt = SimpleNamespace(pull_task_input=lambda client, run=run: ("msg", "ctx", run,
+                                                                      SimpleNamespace(hash_str=digest, content=bundle)),
+                             install_from_fab=lambda content, **kw: installed.append(content))
+        install_gate(rt, frozenset({digest}))
+        rt.pull_task_input(None)
+        with pytest.raises(UnapprovedAppError, match="refused"):
+            rt.install_from_fab(bundle, skip_prompt=True)
+    assert installed == []
+
+
+def test_each_gated_clientapp_installs_into_a_fresh_home_never_reusing_a_directory(bundle, tmp_path, monkeypatch):
+    """Flower reuses an existing install directory unchecked: a tampered one must never be what is loaded."""
+    from flwr.cli.install import install_from_fab
+    from flwr.common.config import get_project_dir
+
+    from client.app_trust import private_flower_home
+
+    digest = hashlib.sha256(bundle).hexdigest()
+    shared = tmp_path / "supernode-home"
+    monkeypatch.setenv("FLWR_HOME", str(shared))
+    tampered = get_project_dir(RUN.fab_id, RUN.fab_version, digest)
+    (tampered / "client").mkdir(parents=True)
+    (tampered / "client" / "client_app.py").write_text("raise SystemExit('tampered code ran')\n")
+    home = private_flower_home()
+    assert home != shared and os.environ["FLWR_HOME"] == str(home)
+    installed = install_from_fab(bundle, skip_prompt=True)
+    assert installed == get_project_dir(RUN.fab_id, RUN.fab_version, digest) and home in installed.parents
+    assert "tampered" not in (installed / "client" / "client_app.py").read_text()
     # The gate replaces names that Flower's run_clientapp looks up as module globals, in this order: pull the
     # task input (message and context bound), install the FAB, load the ClientApp. If a Flower upgrade changes
     # this, the gate must change too.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.privacy.persample import clipped_grad_sum, clipped_group_sum
+from shared.privacy.clipping import clipped_grad_sum, clipped_group_sum
 
 P = 6
 

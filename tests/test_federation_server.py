@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from server.ledger import Event, Report, ServerLedger, Spend
 from server.plan import SitePlan, can_afford, plan_site
 from server.run import Reply, aggregate, fedavg, process_replies
+from federation_support import REPO
 from shared.config import config_from_dict
 from shared.federation_messages import (
     ARRAYS,
@@ -148,6 +150,35 @@ def test_a_refusal_carries_the_site_spend_and_the_run_claim_never_falls_below_it
     ledger.close()
 
 
+def test_a_request_that_got_no_answer_counts_until_the_sites_own_report_covers_it(tmp_path):
+    """P13: a site charges a round before reading a private record, so a node that died (or a reply that was
+    lost) after a request may have spent it. The server counts the planned spend at once; the site's next own
+    report (from its ledger) replaces it. Before: nothing counted, and a lost last reply left the claim below
+    the site's ledger."""
+    from flwr.common.constant import ErrorCode
+
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    plans = {"a": _plan("a")}
+    ledger.save_plans(list(plans.values()))
+    one = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=2)], delta=1e-3)
+    two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
+    lost = Reply(site="a", error_code=int(ErrorCode.NODE_UNAVAILABLE), error_reason="no reply")
+    out = process_replies([lost], expected=SHAPES, plans=plans)
+    assert [(s.site, s.state, s.aggregated) for s in out.spends] == [("a", "attempted", False)]
+    ledger.record_round(1, out.spends, out.events, out.statuses, out.reports)
+    assert ledger.counted_epsilon("a") == pytest.approx(one)  # counted although nothing came back
+    # the site came back: its reply reports its ledger (round 1 was never charged there: one round in all)
+    out = process_replies([_reply("a", site_eps=one)], expected=SHAPES, plans=plans)
+    ledger.record_round(2, out.spends, out.events, out.statuses, out.reports)
+    assert [r["state"] for r in ledger.rows()] == ["resolved", "completed"]
+    assert ledger.counted_epsilon("a") == pytest.approx(one)  # not two: its own report covers the lost request
+    # a lost reply in the last round is never covered, and stays counted
+    out = process_replies([lost], expected=SHAPES, plans=plans)
+    ledger.record_round(3, out.spends, out.events, out.statuses, out.reports)
+    assert ledger.counted_epsilon("a") == pytest.approx(two)
+    ledger.close()
+
+
 def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupted_spend(tmp_path):
     ledger = ServerLedger(tmp_path / "ledger.sqlite")
     plan = _plan("s0")
@@ -269,3 +300,32 @@ def test_certs_are_usable_by_flower(tmp_path):
         assert oct((tmp_path / f"node-{i}").stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ValueError, match="already holds"):
         make_certs(tmp_path, nodes=1, hosts=["localhost"], days=2)
+    # --force rewrites every file as a new inode: a key left at 0644 comes back 0600 (before: the old mode stayed)
+    for name in ("ca.key", "server.key", "node-1"):
+        os.chmod(tmp_path / name, 0o644)
+    old = (tmp_path / "node-1").read_bytes()
+    make_certs(tmp_path, nodes=1, hosts=["localhost"], days=2, force=True)
+    for name in ("ca.key", "server.key", "node-1"):
+        assert oct((tmp_path / name).stat().st_mode & 0o777) == "0o600", name
+    assert (tmp_path / "node-1").read_bytes() != old
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_site_makes_its_own_key_pair_and_only_the_public_key_leaves(tmp_path, capsys):
+    """#21 finding 9: the operator no longer holds a site's node private key, so node authentication tells a
+    site from the operator. ``fedpose site keygen`` writes the pair at the site; Flower reads both."""
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from cli.main import main
+
+    site = tmp_path / "hospital-a"
+    assert main(["site", "keygen", "--out", str(site)]) == 0
+    key = load_ssh_private_key((site / "node.key").read_bytes(), password=None)
+    pub = load_ssh_public_key((site / "node.key.pub").read_bytes())
+    assert key.public_key().public_numbers() == pub.public_numbers()
+    assert oct((site / "node.key").stat().st_mode & 0o777) == "0o600"
+    assert "send node.key.pub" in capsys.readouterr().out
+    assert main(["site", "keygen", "--out", str(site)]) == 2  # never silently replaces a registered key
+    assert "already holds" in capsys.readouterr().err
+    assert main(["site", "keygen", "--out", str(REPO / "keys-here")]) == 2  # never inside a git work tree
+    assert not (REPO / "keys-here").exists()

@@ -173,7 +173,7 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
     """clip(mean of a patient's per-record gradients, C), summed over patients; groups may span chunks."""
     import torch
 
-    from shared.privacy.persample import clipped_group_sum
+    from shared.privacy.clipping import clipped_group_sum
     from shared.privacy.subspace import flatten
     from test_privacy import make_batch
 
@@ -193,7 +193,7 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
     torch.testing.assert_close(norms, torch.tensor(norms_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(want, loop)  # clipping did something
     # one record per patient is the record-level clipped sum
-    from shared.privacy.persample import clipped_grad_sum
+    from shared.privacy.clipping import clipped_grad_sum
 
     per_record, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
     singles, _, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
@@ -203,7 +203,7 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
 def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
     import torch
 
-    from shared.privacy.persample import clipped_group_sum
+    from shared.privacy.clipping import clipped_group_sum
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -222,7 +222,7 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
 
     from shared.privacy.fpdp import DPSpec, dp_gradient
     from shared.privacy.noise import gaussian_noise_like, make_generator
-    from shared.privacy.persample import clipped_group_sum
+    from shared.privacy.clipping import clipped_group_sum
     from shared.privacy.subspace import flatten
     from test_privacy import make_batch
 

@@ -19,13 +19,8 @@ from torch.func import functional_call
 from shared.privacy.claims import privacy_claim
 from shared.privacy.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
 from shared.privacy.noise import gaussian_noise_like, make_generator
-from shared.privacy.persample import (
-    clip_factors,
-    clipped_grad_sum,
-    mean_grad,
-    per_sample_grads,
-    per_sample_norms,
-)
+from shared.privacy.clipping import clip_factors, clipped_grad_sum
+from shared.privacy.persample import mean_grad, per_sample_grads, per_sample_norms
 from shared.privacy.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
 from shared.privacy.subspace import (

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.policy import min_sigma_for
 from client.site import handle_train
 from shared.config import replace
 from shared.federation_messages import ARRAYS, record_tensors

@@ -1,4 +1,4 @@
-"""Privacy machinery of fedpose (DESIGN.md sections 3 and 4).
+"""Privacy machinery of fedpose (docs/design.md sections 3 and 4).
 
 Modules: ``persample`` (per-sample gradients, clipped sums), ``noise``
 (entropy-seeded generators, Gaussian noise), ``sampling`` (Poisson batches),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.privacy.persample import clip_factors
+from shared.privacy.clipping import clip_factors
 
 log = logging.getLogger(__name__)
 

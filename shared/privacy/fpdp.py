@@ -1,4 +1,4 @@
-"""The feature-projective DP-SGD gradient (DESIGN.md section 3, FP-DP Algorithm 1).
+"""The feature-projective DP-SGD gradient (docs/design.md section 3, FP-DP Algorithm 1).
 
     private batch B_priv ~ Poisson(q) from the site's raw images x
       g_i   = grad l(w, x_i)                              per sample
@@ -47,15 +47,8 @@ from torch import Tensor
 
 from shared.privacy.canaries import DiracGrads, SpanGrads
 from shared.privacy.noise import gaussian_noise_like
-from shared.privacy.persample import (
-    LossFn,
-    batch_size_of,
-    check_groups,
-    check_params,
-    clipped_grad_sum,
-    clipped_group_sum,
-    mean_grad,
-)
+from shared.privacy.clipping import check_groups, clipped_grad_sum, clipped_group_sum
+from shared.privacy.persample import LossFn, batch_size_of, check_params, mean_grad
 from shared.privacy.psi import PsiBatch
 from shared.privacy.subspace import flatten, project, unflatten
 

@@ -1,4 +1,4 @@
-"""Per-sample gradients and their clipped sum, generic over any functional loss.
+"""Per-sample gradients (and their norms), generic over any functional loss.
 
 DP-SGD (Abadi et al. 2016; FP-DP Algorithm 1, line "g_i = grad l(w, x_i)")
 needs the gradient of every sample separately so that each one can be clipped
@@ -14,17 +14,16 @@ ones, e.g. with ``torch.func.functional_call``) and ``batch`` holds batched
 tensors that share their leading dimension B. A per-sample call is the same
 function with B = 1: we ``vmap`` over ``grad`` of that single-sample loss.
 
-Memory: per-sample gradients cost B x p floats. ``clipped_grad_sum`` works in
-chunks of ``chunk_size`` samples and only ever holds one chunk's gradients,
-so peak memory is chunk_size x p regardless of the (Poisson, hence random)
-batch size.
+Memory: per-sample gradients cost B x p floats. ``iter_per_sample_grads``
+yields them in chunks of ``chunk_size`` samples, so a consumer that clips and
+sums them (``shared.privacy.clipping``) holds chunk_size x p at most,
+regardless of the (Poisson, hence random) batch size.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,10 +31,6 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Tensor]
-
-# Added to the norm before dividing, as in Opacus, so that a zero gradient
-# gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
-NORM_EPS = 1e-6
 
 
 def batch_size_of(batch: Mapping[str, Tensor]) -> int:
@@ -158,7 +153,7 @@ def per_sample_grads(
 
     This materialises all B gradients (B x p floats): use it for tests and
     small batches, never for the private step, which uses
-    ``clipped_grad_sum``. ``randomness`` is passed to vmap ("different":
+    ``clipping.clipped_grad_sum``. ``randomness`` is passed to vmap ("different":
     independent dropout masks per sample).
     """
     check_params(params)
@@ -184,10 +179,10 @@ def per_sample_norms(grads: Mapping[str, Tensor]) -> Tensor:
     exactly when the gradient holds an inf or a NaN (P14).
     """
     flats = [g.reshape(g.shape[0], -1) for g in grads.values()]
-    return _robust_norms(flats)
+    return robust_norms(flats)
 
 
-def _robust_norms(flats: list[Tensor]) -> Tensor:
+def robust_norms(flats: list[Tensor]) -> Tensor:
     """(B,) float64 norms of the rows of the per-parameter blocks ``flats`` (each (B, numel))."""
     per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flats], dim=0)  # (params, B)
     norms = torch.linalg.vector_norm(per_param.to(torch.float64), dim=0)  # (B,)
@@ -197,211 +192,6 @@ def _robust_norms(flats: list[Tensor]) -> Tensor:
         exact = [torch.linalg.vector_norm(f[rows], dim=1, dtype=torch.float64) for f in flats]
         norms[rows] = torch.linalg.vector_norm(torch.stack(exact, dim=0), dim=0)
     return norms
-
-
-def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
-    """min(1, C / (||g_i|| + 1e-6)) per sample: (B,); 0 for a non-finite norm (P14: it contributes nothing)."""
-    factors = (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
-    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
-
-
-# Below this a float32 factor is subnormal and loses precision: a row that needs it (a gradient of norm
-# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C.
-_SMALLEST_FLOAT32_FACTOR = 1e-30
-
-
-def _add_clipped(summed: Tensor, flat: Tensor, factors: Tensor, finite: Tensor) -> None:
-    """summed += sum_i factors_i flat_i with non-finite rows left out (0 x NaN is NaN, so they are zeroed first)."""
-    if not bool(finite.all()):
-        flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-    tiny = factors < _SMALLEST_FLOAT32_FACTOR
-    regular = torch.where(tiny, torch.zeros_like(factors), factors).to(flat.dtype)
-    total = regular @ flat  # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
-    if bool((tiny & finite & (factors > 0)).any()):
-        rows = (tiny & finite).nonzero().flatten()
-        total = total + (factors[rows, None] * flat[rows].to(torch.float64)).sum(0).to(flat.dtype)
-    summed.add_(total.view_as(summed))
-
-
-def _check_clip_norm(clip_norm: float) -> float:
-    try:
-        value = float(clip_norm)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"clip_norm={clip_norm!r} must be a positive number") from err
-    if not value > 0 or value == float("inf"):
-        raise ValueError(
-            f"clip_norm={clip_norm!r} must be a positive finite number (the per-sample "
-            "L2 bound C; the paper uses C in {0.01, 0.1, 1.0})"
-        )
-    return value
-
-
-class ClippedSum(NamedTuple):
-    """The clipped sum, the pre-clipping norms (private diagnostics) and how many contributions were zeroed.
-
-    ``zeroed``: per-sample (per-patient) gradients that were not finite and so contributed
-    nothing (P14). It depends on private data: log it at the site only, never send it.
-    """
-
-    summed: dict[str, Tensor]
-    norms: Tensor
-    zeroed: int
-
-
-def clipped_grad_sum(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Mapping[str, Tensor],
-    *,
-    clip_norm: float,
-    chunk_size: int,
-    randomness: str = "different",
-) -> ClippedSum:
-    """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
-
-    FP-DP Algorithm 1: sum_i clip(g_i, C) with clip(g, C) = g min(1, C/||g||).
-    Works chunk by chunk (only ``chunk_size`` per-sample gradients are alive
-    at any time). Returns ``ClippedSum(summed, norms, zeroed)``: ``summed`` has
-    the shapes of ``params``; ``norms`` (B,) are the pre-clipping per-sample
-    norms (float64; diagnostics only - they are private data, never send them
-    anywhere). An empty batch (B = 0) gives zero sums and an empty ``norms``.
-
-    P14, whatever the weights: a per-sample gradient holding an inf or a NaN
-    contributes zero (it is not an error: an error would tell whoever chose the
-    weights that the record was sampled), and a huge finite one is clipped to
-    norm C like any other; the sum is always finite.
-    """
-    clip = _check_clip_norm(clip_norm)
-    check_params(params)
-    summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
-    norms_parts: list[Tensor] = []
-    zeroed = 0
-    for grads in iter_per_sample_grads(
-        loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness
-    ):
-        flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
-        norms = _robust_norms(list(flats.values()))  # (b,) float64
-        finite = torch.isfinite(norms)
-        factors = clip_factors(norms, clip)  # (b,) float64, 0 where not finite
-        for name, flat in flats.items():
-            _add_clipped(summed[name], flat, factors, finite)
-        zeroed += int((~finite).sum())
-        norms_parts.append(norms)
-        del grads, flats
-    if not norms_parts:  # empty batch: zero sum, no norms
-        return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
-    return ClippedSum(summed, torch.cat(norms_parts), zeroed)
-
-
-def check_groups(groups: Tensor, size: int) -> int:
-    """Validate per-record group ids (B,): 0, 1, ..., G-1, each group's records contiguous; returns G."""
-    if not isinstance(groups, Tensor) or groups.dim() != 1 or groups.shape[0] != size:
-        shape = tuple(groups.shape) if isinstance(groups, Tensor) else type(groups).__name__
-        raise ValueError(f"groups must be a 1-d tensor with one group id per record ({size}), got {shape}")
-    if groups.dtype.is_floating_point or groups.dtype == torch.bool:
-        raise ValueError(f"groups must hold integer group ids, got {groups.dtype}")
-    if size == 0:
-        return 0
-    steps = groups[1:] - groups[:-1]
-    if int(groups[0]) != 0 or bool(((steps != 0) & (steps != 1)).any()):
-        raise ValueError("groups must number the groups 0, 1, ..., G-1 with each group's records contiguous "
-                         f"(e.g. [0, 0, 1, 2, 2]), got {groups.tolist()[:20]}")
-    return int(groups[-1]) + 1
-
-
-def _rows_finite(flats: list[Tensor]) -> Tensor:
-    """(b,) True where every entry of the row is finite (max and min propagate inf and NaN; no b x numel temp)."""
-    ok = torch.ones(flats[0].shape[0], dtype=torch.bool, device=flats[0].device)
-    for flat in flats:
-        ok &= torch.isfinite(flat.amax(dim=1)) & torch.isfinite(flat.amin(dim=1))
-    return ok
-
-
-def clipped_group_sum(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Mapping[str, Tensor],
-    *,
-    groups: Tensor,
-    clip_norm: float,
-    chunk_size: int,
-    randomness: str = "different",
-) -> ClippedSum:
-    """Sum over groups (patients) of clip(mean of the group's per-record gradients, C).
-
-    Patient-level DP-SGD (user-level DP, McMahan et al. 2018, "DP-FedAvg";
-    issue #11): a patient's contribution to the step is the gradient of the
-    mean loss over their records, clipped as a whole, so adding or removing a
-    patient with all of their records moves the sum by at most C, whatever the
-    number of records. ``groups`` (B,) numbers the patients of the batch 0..G-1
-    with each patient's records contiguous (``shared.data.patients.PatientGroups.expand``).
-
-    Same per-record machinery and chunking as ``clipped_grad_sum``: per chunk
-    each record's gradient, divided by its patient's record count, is summed
-    into its patient's row (one small matmul; dividing first means the mean of
-    huge finite gradients cannot overflow); a group that continues into the
-    next chunk carries its partial mean over, so memory stays chunk_size x p
-    plus one carried group. P14: a patient with any non-finite record gradient
-    contributes zero. Returns ``ClippedSum``: ``norms`` (G,) are the per-patient
-    mean gradients' norms before clipping (private diagnostics), ``zeroed`` the
-    patients left out.
-    """
-    clip = _check_clip_norm(clip_norm)
-    check_params(params)
-    size = batch_size_of(batch)
-    count = check_groups(groups, size)
-    groups = groups.to(device="cpu", dtype=torch.long)
-    sizes = torch.bincount(groups, minlength=count).to(torch.float64) if size else torch.zeros(0)  # (G,)
-    summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
-    norms_parts: list[Tensor] = []
-    zeroed = 0
-    carry: dict[str, Tensor] | None = None  # partial mean of the group continuing from the last chunk
-    carry_bad = False
-    start = 0
-    for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
-        b = next(iter(grads.values())).shape[0]
-        ids = groups[start:start + b]
-        local = ids - ids[0]  # 0..g-1 within the chunk
-        g = int(local[-1]) + 1
-        flats = {name: grad.reshape(b, -1) for name, grad in grads.items()}
-        ok = _rows_finite(list(flats.values()))  # (b,)
-        bad = torch.zeros(g, dtype=torch.long).index_add_(0, local, (~ok).long().cpu()) > 0  # (g,) poisoned groups
-        weights = torch.zeros(g, b, dtype=torch.float64)
-        weights[local, torch.arange(b)] = 1.0 / sizes[ids]  # row j averages group j's records
-        means = {}
-        for name, flat in flats.items():
-            if not bool(ok.all()):
-                flat = torch.where(ok[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-            means[name] = weights.to(device=flat.device, dtype=flat.dtype) @ flat  # (g, numel)
-        if carry is not None:  # the first group of this chunk began in the previous one
-            for name in means:
-                means[name][0] += carry[name]
-            bad[0] |= carry_bad
-        stop = start + b
-        complete = g - 1 if stop < size and int(groups[stop]) == int(ids[-1]) else g
-        if complete < g:
-            carry = {name: value[g - 1].clone() for name, value in means.items()}
-            carry_bad = bool(bad[g - 1])
-        else:
-            carry, carry_bad = None, False
-        if complete:
-            done = {name: value[:complete] for name, value in means.items()}
-            norms = _robust_norms(list(done.values()))  # (complete,) float64: one per group
-            norms[bad[:complete].to(norms.device)] = float("nan")  # a poisoned patient: zeroed below
-            finite = torch.isfinite(norms)
-            factors = clip_factors(norms, clip)
-            for name, mean in done.items():
-                _add_clipped(summed[name], mean, factors, finite)
-            zeroed += int((~finite).sum())
-            norms_parts.append(norms)
-        start = stop
-        del grads, flats, means
-    if not norms_parts:
-        return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
-    norms = torch.cat(norms_parts)
-    if norms.shape[0] != count:  # pragma: no cover - bookkeeping guard
-        raise RuntimeError(f"clipped_group_sum finished {norms.shape[0]} of {count} groups")
-    return ClippedSum(summed, norms, zeroed)
 
 
 def mean_grad(

@@ -109,7 +109,9 @@ def reconcile(server_db: str | Path, site_dbs: list[str | Path]) -> Reconciliati
             raise ValueError(f"{server_db} records no federation id")
         federation = str(row[0])
         plans = {r["site"]: dict(r) for r in server.execute("SELECT * FROM sites")}
-        server_rows = [dict(r) for r in server.execute("SELECT * FROM spend ORDER BY id")]
+        # 'resolved' rows (a request that got no answer, later covered by the site's own report) ran nowhere
+        server_rows = [dict(r) for r in server.execute("SELECT * FROM spend ORDER BY id")
+                       if dict(r).get("state") != "resolved"]
         reports = [dict(r) for r in server.execute("SELECT * FROM reports ORDER BY id")] if "reports" in tables else []
     finally:
         server.close()
