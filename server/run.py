@@ -97,10 +97,19 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     expected = {name: named[name].shape for name in trainable}
 
     ledger = ServerLedger(paths.ledger)
-    if resume:
+    optimizer_state = None
+    if resume and not paths.checkpoint.exists() and ledger.get_meta("federation") is not None:
+        # The server died before its first checkpoint: the sites may already have charged round 1 of this
+        # federation, so it starts again under the SAME id (a site then replays or resends, never spends twice).
+        federation, history, start = ledger.get_meta("federation"), [], 1
+        ledger.reconcile({"spend": [], "events": [], "reports": [], "sites": [], "meta": {}}, through_round=0)
+        write_rounds(paths.rounds, [])
+        log.info("resuming federation %s before its first checkpoint: from round 1", federation)
+    elif resume:
         state = load_state(paths.checkpoint)
         model.load_state_dict(state.weights)
         federation, history, start = state.federation, state.history, state.round + 1
+        optimizer_state = state.optimizer
         ledger.reconcile(state.ledger, through_round=state.round)
         write_rounds(paths.rounds, history)
         log.info("resuming federation %s at round %d", federation, start)
@@ -133,8 +142,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
                            f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
     keeper = BasisKeeper(cfg, public)
     server_opt = server_optimizer(cfg)  # server/aggregate.py; its moments are in the checkpoint
-    if resume and state.optimizer is not None:
-        server_opt.load_state_dict(state.optimizer)
+    if optimizer_state is not None:
+        server_opt.load_state_dict(optimizer_state)
 
     if resume:
         ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,

@@ -202,7 +202,9 @@ def run_mia(cfg: Config, spec: MiaSpec, out: str | Path | None = None, *, progre
             model = initial_model(cfg, progress=False).to(device)
             local_train(model, make_dataset(subset, cfg, train=True, seed=seed), method=method, train=cfg.train,
                         privacy=cfg.privacy, sigma=sigma, steps=steps, generator=generator, public_basis=public,
-                        sample_rate=q if method in PRIVATE else None, progress=False, desc=f"mia {method}")
+                        sample_rate=q if method in PRIVATE else None,
+                        expected_batch=float(cfg.train.batch_size) if method in PRIVATE else None,
+                        progress=False, desc=f"mia {method}")
             loss[k], conf[k] = per_record_stats(model, eval_set, device)
             bar.update(1)
         attacks = evaluate_attacks(loss, conf, members)
