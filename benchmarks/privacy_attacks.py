@@ -27,6 +27,7 @@ from shared.config import config_from_dict  # noqa: E402
 def bench_config(root: Path, **train: object) -> object:
     return config_from_dict({
         "data": {
+            "source": "synthetic",
             "root": str(root / "ward"),
             "synth": {"sites": 2, "per_site": 100, "public": 120, "val": 48, "seed": 11, "image_size": 64},
             "train_splits": ["site-0", "site-1"],

@@ -98,6 +98,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"federation.out": str(out)}
     if args.rounds is not None:
         overrides["federation.rounds"] = args.rounds
+    if args.seed is not None:
+        overrides["train.seed"] = args.seed
     if args.resume:
         previous = out / "run-config.yaml"
         if not previous.is_file():
@@ -174,6 +176,8 @@ def register(sub: Any) -> None:
     sim.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
     sim.add_argument("--out", required=True, help="results directory (ledgers, rounds.jsonl, report, model)")
     sim.add_argument("--rounds", type=int, default=None, help="override federation.rounds")
+    sim.add_argument("--seed", type=int, default=None,
+                     help="seed every site's noise and sampling: the run repeats exactly (NOT for production)")
     sim.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     sim.add_argument("--quiet", action="store_true", help="no progress bars")
     sim.add_argument("--verbose", action="store_true", help="debug logging")

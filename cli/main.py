@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger("fedpose")
 
-DEFAULT_CONFIG = "configs/default.yaml"
+DEFAULT_CONFIG = "default"  # configs/default.yaml, shipped with fedpose (any command takes a name or a path)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -33,6 +33,14 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
     from shared.config import load_config
 
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+
+
+def data_line(metrics: dict[str, Any]) -> str:
+    """One line naming the data and the software a run's numbers came from (metrics.json has the rest)."""
+    data, prov = metrics["data"], metrics["provenance"]
+    commit = (prov.get("commit") or "unknown")[:10] + ("+changes" if prov.get("dirty") else "")
+    return (f"data: {data['source']} at {data['root']} (digest {data['digest'][:12]}); torch "
+            f"{prov['versions'].get('torch')}, {prov['threads']} threads, commit {commit}")
 
 
 # ---------------------------------------------------------------------------
@@ -57,10 +65,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from shared.metrics import pckh_table
     from shared.runs import run_pretrain
 
-    cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data})
+    cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data,
+                       "data.source": "files" if args.data else None})
     metrics = run_pretrain(cfg, args.out, progress=not args.quiet)
     print(pckh_table({"pretrained (public)": metrics["pckh"]}))
     print(f"PCKh@0.1 mean: {metrics['pckh@0.1']['mean']:.2f}")
+    print(data_line(metrics))
     print(f"weights: {Path(args.out or cfg.pretrain.out) / 'model.pt'}  ({metrics['seconds']:.0f} s)")
     print(f"claim: {metrics['claim']}")
     return 0
@@ -83,13 +93,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             "privacy.unit": args.unit,
             "privacy.max_records_per_patient": args.max_records_per_patient,
             "data.root": args.data,
+            "data.source": "files" if args.data else None,
             "train.out": args.out,
         },
     )
     metrics = run_train(cfg, args.out, progress=not args.quiet)
     print()
     print(pckh_table({f"{metrics['method']} ({metrics['strategy']})": metrics["pckh"]}))
-    print(f"PCKh@0.1 mean: {metrics['pckh@0.1']['mean']:.2f}")
+    print(f"PCKh@0.5 mean: {metrics['pckh']['mean']:.2f} from a start of {metrics['initial_pckh_mean']:.2f} "
+          f"({metrics['pckh']['mean'] - metrics['initial_pckh_mean']:+.2f}); PCKh@0.1 mean: "
+          f"{metrics['pckh@0.1']['mean']:.2f}")
+    print(data_line(metrics))
     if metrics["epsilon"] is not None:
         print(
             f"privacy: epsilon spent = {metrics['epsilon']:.4f} (target {metrics['target_epsilon']}), "
@@ -203,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.edge", "cli.audit", "cli.study"):
+    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge", "cli.audit",
+                   "cli.study"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

@@ -88,6 +88,8 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "accountant": cfg.privacy.accountant,
         "unit": cfg.privacy.unit,
         "max_records_per_patient": cap,
+        # A seeded run (train.seed) seeds every site's noise from it: reproducible, and marked not for production.
+        "seed": None if cfg.train.seed is None else cfg.train.seed * 1000 + index,
     })
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,9 +171,11 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     from client.site_eval import evaluate_global
     from shared.optim_state import keep_site_optimizer, site_optimizer
     from shared.privacy.noise import generator_from_secret, make_generator
+    from shared.provenance import configure_numerics
     from shared.train import local_train, make_dataset, round_span
 
     cfg = request.config
+    configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)
     checked = load_checked(policy, ready)
     # Only a charged round gets the received model scored at the site: a refused one costs no evaluation.
     evaluate_global(model, policy, checked.private, federation=request.federation, rnd=request.round)

@@ -38,6 +38,7 @@ from server.replies import Reply, _node_unavailable, process_replies  # noqa: F4
 from server.report import append_round, write_plot, write_report, write_rounds
 from shared.config import Config, ConfigError, dump_config
 from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
+from shared.provenance import configure_numerics, provenance
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
     from shared.train import evaluate
 
     t_start = time.perf_counter()
+    configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
     paths = Paths(Path(out))
     paths.out.mkdir(parents=True, exist_ok=True)
     if cfg.train.method == "nonprivate":
@@ -202,6 +204,10 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
         if aggregated:
             with torch.no_grad():
                 current = {name: named[name].detach().clone() for name in trainable}
+                # In site order, not arrival order: the same replies give the same float sums (reproducible runs).
+                order = sorted(range(len(outcome.accepted)), key=lambda i: outcome.accepted[i])
+                outcome.accepted[:] = [outcome.accepted[i] for i in order]
+                outcome.updates[:] = [outcome.updates[i] for i in order]
                 bounded, tau, scaled = bound_updates(outcome.updates, current, cfg.federation.update_bound)
                 combined = aggregate(bounded, cfg.federation.aggregator)
                 for name, value in server_opt.apply(current, combined).items():
@@ -269,6 +275,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
            seconds: float) -> dict[str, Any]:
     """Final model, metrics.json (per-site spend, global claim = max over sites), report.md and the plot."""
     from shared.model.posenet import save_checkpoint
+    from shared.data.digest import data_identity
     from shared.privacy.claims import privacy_claim
     from shared.train import evaluate, write_json
 
@@ -329,6 +336,8 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
         "seeded": seeded,
         "claim": claim,
         "seconds": round(seconds, 2),
+        "data": data_identity(cfg.data.root, [cfg.data.public_split, cfg.data.val_split]),
+        "provenance": provenance(command="federation"),
     }
     save_checkpoint(paths.out / "model.pt", model, {"kind": "federation", "federation": federation,
                                                     "rounds": len(history), "epsilon": epsilon, "delta": delta})

@@ -39,8 +39,12 @@ MAX_JOINT_CHANNELS = 1024
 class DataConfig:
     """Where the MPII-layout splits live and how images are cropped."""
 
+    # synthetic: the embedded ward of data.synth, generated at root when root is absent (and checked when present);
+    # files: the splits already at root (MPII json layout, e.g. converted with fedpose data convert); a missing
+    # root is an error. No default: a config says which, so a mistyped path is never filled with synthetic data.
+    source: Literal["synthetic", "files"] | None = None
     root: str = "runs/data/ward"
-    synth: WardSpec = field(default_factory=WardSpec)  # the embedded synthetic ward, generated when root is absent
+    synth: WardSpec = field(default_factory=WardSpec)  # the embedded synthetic ward (data.source: synthetic)
     # Private training splits (pooled for a centralized run; one per site in a federation).
     train_splits: tuple[str, ...] = ("site-0", "site-1", "site-2")
     public_split: str = "public"
@@ -108,10 +112,15 @@ class PretrainConfig:
     lr: float = 2e-3
     weight_decay: float = 1e-4
     seed: int = 0
+    # Photometric jitter of the public images (shared/data/transforms.Augment.photometric): the public split has
+    # one camera style, the sites others; without it the start depends on the seed by several PCKh points.
+    photometric: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ConfigError("pretrain.epochs and pretrain.batch_size must be >= 1 and pretrain.lr > 0")
+        if not 0 <= self.photometric < 1:
+            raise ConfigError(f"pretrain.photometric: must be in [0, 1), got {self.photometric}")
         if self.weight_decay < 0:
             raise ConfigError(f"pretrain.weight_decay: must be >= 0, got {self.weight_decay}")
 
@@ -258,6 +267,23 @@ class FederationConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How a run uses the machine: not what it computes, though the numbers depend on it."""
+
+    # Intra-op CPU threads of training, pretraining and evaluation. Fixed, because a CPU matmul sums in another
+    # order with another thread count: the same seed then gives the same numbers on every machine.
+    threads: int = 2
+    # The same for each simulated site (one process per site; they share the machine's cores).
+    site_threads: int = 1
+    # Ask torch for deterministic kernels (CPU: no effect on speed; CUDA: cuBLAS workspace pinned).
+    deterministic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads < 1 or self.site_threads < 1:
+            raise ConfigError("runtime.threads and runtime.site_threads must be >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -265,6 +291,7 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def check_simulation_sites(cfg: Config) -> None:
@@ -376,8 +403,33 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return _build(Config, data)
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs installed with fedpose (``configs/<name>.yaml``)."""
+    from importlib import resources
+
+    return sorted(p.name[:-5] for p in resources.files("configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def config_path(name: str | Path) -> Path:
+    """A config file: a path to a YAML file, or the name of one shipped with fedpose (``default``, ``paper``)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    text = str(name)
+    if "/" not in text and not text.endswith((".yaml", ".yml")):
+        from importlib import resources
+
+        shipped = resources.files("configs") / f"{text}.yaml"
+        if shipped.is_file():
+            return Path(str(shipped))
+        raise ConfigError(f"no config file {text!r} and no shipped config of that name (shipped: "
+                          f"{', '.join(shipped_configs())})")
+    raise ConfigError(f"config file {path} does not exist (or name a shipped config: {', '.join(shipped_configs())})")
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """Load a YAML config file, apply dotted-key overrides, validate everything."""
+    """Load a YAML config (a file, or a shipped config by name), apply dotted-key overrides, validate everything."""
+    path = config_path(path)
     data = read_yaml(path, what="config file")
     if data is None:
         data = {}

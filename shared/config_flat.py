@@ -55,7 +55,11 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 # Config fields added after artefacts were cached, each with the value that means "as before". Identity views
 # (the fingerprint of cached pretrained weights, a study cell's id, a synthetic ward's manifest) leave such a
 # field out at that value, so an artefact made before the field existed stays valid and a study cell keeps its id.
-LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.psi_eps": 1.0, "privacy.psi_m": 1}
+LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.psi_eps": 1.0, "privacy.psi_m": 1,
+                                 "federation.update_bound": "none", "data.source": None,
+                                 "pretrain.photometric": 0.0}
+# Sections that say how a run uses the machine, not what it computes: never part of an identity view.
+RUNTIME_SECTIONS = ("runtime.",)
 
 
 def without_as_before(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -65,5 +69,5 @@ def without_as_before(values: dict[str, Any], prefix: str = "") -> dict[str, Any
 
 
 def identity_flat(cfg: Any) -> dict[str, Any]:
-    """``flatten(cfg)`` without the later-added fields that hold their as-before value."""
-    return without_as_before(flatten(cfg))
+    """``flatten(cfg)`` without the runtime section and the later-added fields that hold their as-before value."""
+    return without_as_before({k: v for k, v in flatten(cfg).items() if not k.startswith(RUNTIME_SECTIONS)})

@@ -21,7 +21,10 @@ from shared.data.mpii import load_split
 from shared.data.patients import PatientGroups, group_by_patient, stated_group_size
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint, check_no_duplicates
+from shared.data.dataset import PoseDataset
+from shared.data.digest import data_identity
 from shared.data.synth import ensure_ward
+from shared.data.transforms import Augment
 from shared.model.posenet import PoseNet, build_model, build_pretrain_model, load_checkpoint, save_checkpoint
 from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
@@ -30,6 +33,7 @@ from shared.privacy.group import group_privacy
 from shared.privacy.psi import psi_label_of
 from shared.privacy.noise import make_generator
 from shared.pretraining import pretrain_loop
+from shared.provenance import configure_numerics, provenance
 from shared.train import (
     PRIVATE,
     config_fingerprint,
@@ -45,15 +49,29 @@ log = logging.getLogger(__name__)
 
 
 def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
-    """The data root; generates the synthetic ward there when the directory is absent (cached).
-
-    A directory that exists but was not made by the generator is used as is
-    (real MPII in the json layout), so it is never overwritten.
-    """
+    """The data root of ``cfg.data.source``: the synthetic ward (generated there when absent, checked when present)
+    or the splits already on disk (files: a missing directory is an error, never filled with synthetic data)."""
     root = Path(cfg.data.root)
-    if root.exists() and not (root / "manifest.json").exists():
+    source = cfg.data.source
+    if source is None:
+        raise ConfigError("data.source is not set: say 'synthetic' (generate the embedded ward at data.root) or "
+                          "'files' (read the splits at data.root)")
+    if source == "files":
+        if not root.is_dir():
+            raise FileNotFoundError(f"no such directory: {root} (data.source is files; check data.root or --data, or "
+                                    "convert a dataset first: fedpose data convert)")
         return root
     return ensure_ward(root, cfg.data.synth, progress=progress)
+
+
+def begin(cfg: Config) -> None:
+    """The numeric settings every run of ``cfg`` uses: its fixed thread count, deterministic kernels."""
+    configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
+
+
+def run_identity(cfg: Config, root: Path, splits: list[str], command: str) -> dict[str, Any]:
+    """metrics.json's record of where the numbers came from: the data (source and digest) and the software."""
+    return {"data": data_identity(root, splits), "provenance": provenance(command=command)}
 
 
 def load_records(root: Path, split: str) -> list[PoseRecord]:
@@ -108,13 +126,15 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     """Train from scratch, non-privately, on the public split only; writes model.pt + metrics.json."""
     out = Path(out or cfg.pretrain.out)
     t0 = time.perf_counter()
+    begin(cfg)
     device = select_device(cfg.train.device)
     torch.manual_seed(cfg.pretrain.seed)
     root = ensure_data(cfg, progress=progress)
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)
     model = build_pretrain_model(cfg.model, cfg.data.input_size).to(device)
-    dataset = make_dataset(public, cfg, train=True, seed=cfg.pretrain.seed)
+    augment = Augment(photometric=cfg.pretrain.photometric) if cfg.data.augment else None
+    dataset = PoseDataset(public, input_size=cfg.data.input_size, augment=augment, seed=cfg.pretrain.seed)
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
     final_loss = pretrain_loop(
         model, dataset, steps=steps, batch_size=cfg.pretrain.batch_size, lr=cfg.pretrain.lr,
@@ -132,6 +152,7 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
         "claim": "non-private training on the public split only; no private data was used",
+        **run_identity(cfg, root, [cfg.data.public_split, cfg.data.val_split], "pretrain"),
     }
     write_json(out / "metrics.json", metrics)
     dump_config(cfg, out / "config.yaml")
@@ -204,6 +225,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     """
     out = Path(out or cfg.train.out)
     t0 = time.perf_counter()
+    begin(cfg)
     method = cfg.train.method
     device = select_device(cfg.train.device)
     root = ensure_data(cfg, progress=progress)
@@ -225,6 +247,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     sigma = plan_sigma(cfg, n=n, steps=steps)
     generator, seeded = make_generator(cfg.train.seed, "cpu")
     model = initial_model(cfg, progress=progress).to(device)
+    start, _, _ = evaluate(model, val, progress=False)  # the start every summary shows the gain from
     if cfg.train.seed is not None:
         torch.manual_seed(cfg.train.seed)
     dataset = make_dataset(private, cfg, train=True, seed=cfg.train.seed)
@@ -282,9 +305,11 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
         "seeded": seeded,
         "claim": claim,
+        "initial_pckh_mean": float(start["pckh"]["mean"]),
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
         "seconds_basis": round(result.seconds_basis, 2),
+        **run_identity(cfg, root, [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split], "train"),
     }
     save_checkpoint(out / "model.pt", model, {"kind": "train", "metrics": metrics})
     write_json(out / "metrics.json", metrics)

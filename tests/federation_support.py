@@ -21,6 +21,7 @@ def tiny_dict(root: Path, *, sites: int = 2, rounds: int = 2, **sections: dict[s
     """A config small enough for a round in seconds on one CPU core (32x32 inputs, k=4, m=8)."""
     data: dict[str, Any] = {
         "data": {
+            "source": "synthetic",
             "root": str(root / "data"),
             "synth": {"sites": sites, "per_site": 40, "public": 60, "val": 30, "seed": 0, "image_size": 64},
             "train_splits": [f"site-{i}" for i in range(sites)],
@@ -286,3 +287,36 @@ def ledger_rows(path: Path, sql: str = "SELECT * FROM spend ORDER BY id", params
         return db.execute(sql, params).fetchall()
     finally:
         db.close()
+
+
+class InProcessGrid:
+    """A Flower Grid whose nodes are the real site handlers (``client.client_app.on_query / on_train``), in process.
+
+    The server's own round loop (``server.run.run_federation``) drives it: planning from the sites'
+    declarations, requests, the sites' checks, training and ledgers, replies, aggregation, the claim.
+    Flower's simulation (Ray) runs the same handlers; ``tests/test_federation_sim.py`` covers that path.
+    """
+
+    def __init__(self, run_config: dict, sites: int) -> None:
+        from flwr.app import Context, RecordDict
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # the ServerApp's identity
+        self.run_config = run_config
+        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={"partition-id": i}, state=RecordDict(),
+                                        run_config={}) for i in range(sites)}
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import MessageType
+
+        from client.client_app import on_query, on_train
+
+        replies = []
+        for message in messages:
+            context = self.contexts[message.metadata.dst_node_id]
+            handler = on_query if message.metadata.message_type == MessageType.QUERY else on_train
+            replies.append(handler(message, context, dict(self.run_config)))
+        return replies

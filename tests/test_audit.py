@@ -25,6 +25,7 @@ from shared.privacy.subspace import flatten
 def tiny_dict(root) -> dict:
     return {
         "data": {
+            "source": "synthetic",
             "root": str(root / "ward"),
             "synth": {"sites": 2, "per_site": 40, "public": 40, "val": 24, "seed": 5, "image_size": 64},
             "train_splits": ["site-0", "site-1"],

@@ -23,6 +23,7 @@ def tiny(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cli")
     cfg = {
         "data": {
+            "source": "synthetic",
             "root": str(root / "ward"),
             "synth": {"sites": 2, "per_site": 24, "public": 40, "val": 12, "seed": 3, "image_size": 64},
             "train_splits": ["site-0", "site-1"],

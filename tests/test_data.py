@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -67,6 +68,25 @@ def test_generator_is_deterministic_and_seed_dependent(tmp_path: Path, ward: Pat
     pngs = [n for n in first if n.endswith(".png")]
     assert all(first[n] != third[n] for n in pngs)
     assert first["site-0/annotations.json"] != third["site-0/annotations.json"]
+
+
+# The synthetic ward's content under the locked environment (constraints.txt). The ward is drawn with OpenCV and
+# NumPy: a version of either that draws other pixels changes every number the results report, so it must fail
+# here, loudly, before anyone compares a result. Update this value only together with the lock and the results.
+TINY_WARD_DIGEST = "59d6619e3dcbb12149fa62e19639a04aacd56a079d7b31d401298323c05a3f71"
+
+
+def test_the_synthetic_ward_is_pixel_for_pixel_the_pinned_one(ward: Path) -> None:
+    from shared.data.records import content_hash
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in ward.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(ward).as_posix().encode())
+        data = content_hash(path) if path.suffix == ".png" else hashlib.sha256(path.read_bytes()).hexdigest()
+        digest.update(data.encode())
+    assert digest.hexdigest() == TINY_WARD_DIGEST, (
+        "the synthetic ward drew other pixels or annotations than the pinned ones: a dependency changed (OpenCV, "
+        "NumPy?) or the generator did; every reported number depends on it (see constraints.txt)")
 
 
 def test_splits_are_independent_of_other_split_sizes() -> None:

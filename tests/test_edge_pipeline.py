@@ -185,7 +185,7 @@ def trained(tmp_path_factory):
     path = os.environ.get("FEDPOSE_EDGE_CHECKPOINT")
     if not path:
         cfg = config_from_dict({
-            "data": {"root": str(root / "ward"), "synth": TRAIN_WARD, "train_splits": ["site-0"],
+            "data": {"source": "synthetic", "root": str(root / "ward"), "synth": TRAIN_WARD, "train_splits": ["site-0"],
                      "input_size": list(INPUT)},
             "model": {"variant": "tinyvit-small"},
             "pretrain": {"out": str(root / "pretrain"), "epochs": TRAIN_EPOCHS, "batch_size": 32, "seed": 0},

@@ -54,7 +54,7 @@ def test_lira_finds_members_when_in_models_fit_them_better():
 @pytest.mark.slow
 def test_mia_end_to_end_on_a_tiny_ward(tmp_path):
     cfg = config_from_dict({
-        "data": {"root": str(tmp_path / "ward"),
+        "data": {"source": "synthetic", "root": str(tmp_path / "ward"),
                  "synth": {"sites": 1, "per_site": 24, "public": 24, "val": 8, "seed": 2, "image_size": 64},
                  "train_splits": ["site-0"], "input_size": [32, 32]},
         "model": {"joint_channels": 4, "hidden": 32},

@@ -20,7 +20,15 @@ from torch.utils.data import Dataset
 
 from shared.data.joints import NUM_JOINTS
 from shared.data.records import PoseRecord, inside
-from shared.data.transforms import Augment, affine_matrix, flip_horizontal, sample_augment, warp_image, warp_points
+from shared.data.transforms import (
+    Augment,
+    affine_matrix,
+    flip_horizontal,
+    photometric_jitter,
+    sample_augment,
+    warp_image,
+    warp_points,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +112,8 @@ class PoseDataset(Dataset):
         visible = record.visible.copy()
         if flip:
             crop, joints, visible = flip_horizontal(crop, joints, visible, self.input_size[1])
+        if self.augment is not None and self.augment.photometric > 0:
+            crop = photometric_jitter(crop, self.rng, self.augment.photometric)
         visible &= inside(joints, self.input_size)
         joints[~visible] = 0.0
         return crop, joints, visible

@@ -129,8 +129,14 @@ class Augment:
     rotation: float = 30.0
     rotation_prob: float = 0.6
     flip_prob: float = 0.5
+    # Photometric jitter of strength p in [0, 1): per-channel gain U(1-p, 1+p), contrast U(1-p, 1+p) about the
+    # crop's mean, brightness U(-48p, 48p) (of 255) and sensor noise of std U(0, 12p). Each camera, ward and
+    # light differs in exactly these; pretraining on one public style needs them to reach the sites' styles.
+    photometric: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.photometric < 1.0:
+            raise ValueError(f"Augment.photometric must be in [0, 1), got {self.photometric}")
         if not 0.0 <= self.scale_factor < 1.0:
             raise ValueError(f"Augment.scale_factor must be in [0, 1), got {self.scale_factor}")
         if not 0.0 <= self.rotation <= 90.0:
@@ -149,6 +155,21 @@ def sample_augment(rng: np.random.Generator, augment: Augment) -> tuple[float, f
     rotation = float(np.clip(rng.standard_normal() * rf, -2.0 * rf, 2.0 * rf)) if rotate else 0.0
     flip = bool(rng.random() < augment.flip_prob)
     return scale_mult, rotation, flip
+
+
+def photometric_jitter(crop: np.ndarray, rng: np.random.Generator, strength: float) -> np.ndarray:
+    """(H, W, 3) uint8 -> (H, W, 3) uint8 with the jitter of ``Augment.photometric`` drawn from ``rng``."""
+    p = float(strength)
+    gain = rng.uniform(1.0 - p, 1.0 + p, size=3).astype(np.float32)  # per channel
+    contrast = np.float32(rng.uniform(1.0 - p, 1.0 + p))
+    brightness = np.float32(rng.uniform(-48.0 * p, 48.0 * p))
+    noise = float(rng.uniform(0.0, 12.0 * p))
+    out = crop.astype(np.float32) * gain
+    mean = out.mean(dtype=np.float32)
+    out = (out - mean) * contrast + mean + brightness
+    if noise > 0:
+        out += rng.standard_normal(out.shape).astype(np.float32) * np.float32(noise)
+    return np.clip(out, 0.0, 255.0).round().astype(np.uint8)
 
 
 def record_boxes(records: Sequence[PoseRecord]) -> tuple[np.ndarray, np.ndarray]:
