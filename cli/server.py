@@ -1,11 +1,24 @@
-"""``fedpose server prepare``: the server's public split, validation split and pretrained weights,
-as explicit steps with progress output (server/prepare.py)."""
+"""``fedpose server prepare | run | status``: the federation server's steps.
+
+``prepare``: the server's public split, validation split and pretrained weights (server/prepare.py).
+``run``: submit the federation to the SuperLink with ``flwr run``, follow it and exit non-zero unless it
+finished completed (``flwr run`` itself returns 0 as soon as the run is submitted).
+``status``: the run folder's rounds, per-site spend and events (server/status.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
+
+# Exit codes of ``fedpose server run`` (also in the errors reference): 0 finished, 1 the run failed or was
+# stopped, 2 bad input (the CLI's usual), 3 the run could not be submitted or followed.
+RUN_FAILED, NOT_SUBMITTED = 1, 3
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -16,10 +29,102 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flwr(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("flwr")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _status_of(connection: str, run_id: int) -> str:
+    done = _flwr("ls", connection, "--run-id", str(run_id), "--format", "json", timeout=60)
+    if done.returncode != 0:
+        return ""
+    try:
+        return str(json.loads(done.stdout)["runs"][0]["status"])
+    except (ValueError, KeyError, IndexError):
+        return ""
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Submit, follow, and say plainly how the run ended (exit 0 only when it finished completed)."""
+    app = Path(args.app).expanduser().resolve()
+    if not (app / "pyproject.toml").is_file():
+        raise FileNotFoundError(f"no Flower app at {app} (it needs pyproject.toml): give --app the fedpose folder "
+                                "the sites approved")
+    out = Path(args.out).expanduser().resolve()
+    parts = [f"out='{out}'"]
+    if args.resume:
+        parts.append("resume=true")
+    else:
+        parts.append(f"config='{Path(args.config).expanduser().resolve()}'")
+    submitted = _flwr("run", str(app), args.connection, "--format", "json", "--run-config", " ".join(parts))
+    try:
+        run_id = int(json.loads(submitted.stdout)["run-id"])
+    except (ValueError, KeyError, TypeError):
+        print(f"fedpose server run: the run was not submitted: {(submitted.stdout + submitted.stderr).strip()[-800:]}",
+              file=sys.stderr)
+        return NOT_SUBMITTED
+    print(f"submitted run {run_id} to {args.connection}; results in {out}", flush=True)
+    seen, status, deadline = 0, "", time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        status = _status_of(args.connection, run_id)
+        rounds = out / "rounds.jsonl"
+        if rounds.is_file():
+            lines = [line for line in rounds.read_text().splitlines() if line.strip()]
+            for line in lines[seen:]:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    break
+                print(f"round {r['round']}: PCKh {r['pckh_mean']:.2f}, accepted {', '.join(r['accepted']) or '-'}"
+                      + (f", missed {', '.join(r['missed'])}" if r.get("missed") else "")
+                      + (f", refused {', '.join(r['refused'])}" if r.get("refused") else ""), flush=True)
+                seen += 1
+        if status.startswith("finished"):
+            break
+        time.sleep(args.poll)
+    if status == "finished:completed":
+        metrics = out / "metrics.json"
+        if metrics.is_file():
+            m = json.loads(metrics.read_text())
+            print(f"finished: PCKh {m['pckh_mean']:.2f} (start {m.get('initial_pckh_mean') or float('nan'):.2f}); "
+                  f"claim: {m['claim']}")
+        else:
+            print("finished")
+        return 0
+    log = _flwr("log", str(run_id), args.connection, "--show", timeout=120).stdout
+    why = status or f"still running after --timeout {args.timeout:.0f} s"
+    print(f"fedpose server run: run {run_id} did not finish completed ({why}); the end of its log:\n"
+          + "\n".join(log.splitlines()[-40:]), file=sys.stderr)
+    return RUN_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from server.status import server_status
+
+    status = server_status(args.out)
+    if args.json:
+        print(json.dumps(status, indent=1, default=str))
+        return 0
+    print(f"federation {status['federation']} in {status['out']}: {status['state']}, "
+          f"{len(status['rounds'])}/{status['rounds_planned'] or '?'} rounds, {status['resumes']} resume(s)")
+    if status["rounds"]:
+        print(f"PCKh@0.5: start {status['initial_pckh'] or float('nan'):.2f}, latest {status['latest_pckh']:.2f}, "
+              f"best {status['best_pckh']:.2f}")
+    for site, s in sorted(status["sites"].items()):
+        print(f"  {site}: eps {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), {s['rounds']} rounds, "
+              f"{s['status']}" + (f" ({s['reason']})" if s["reason"] else ""))
+    for e in status["events"][-10:]:
+        print(f"  round {e['round']}: {e['site']} {e['kind']}: {e['reason'][:160]}")
+    if status["claim"]:
+        print(f"claim: {status['claim']}")
+    return 0
+
+
 def register(sub: Any) -> None:
     from cli.main import DEFAULT_CONFIG
 
-    server = sub.add_parser("server", help="the federation server: prepare its public data and pretrained weights")
+    server = sub.add_parser("server", help="the federation server: prepare its data and weights, run and follow "
+                                           "a federation, its status")
     ss = server.add_subparsers(dest="server_command", required=True)
     prep = ss.add_parser("prepare", help="make or check the public split, the validation split and the public "
                                          "pretrained weights; write a config with absolute paths (server.yaml)")
@@ -28,3 +133,23 @@ def register(sub: Any) -> None:
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     prep.add_argument("--verbose", action="store_true", help="debug logging")
     prep.set_defaults(func=cmd_prepare)
+
+    run = ss.add_parser("run", help="submit the federation with flwr run, follow it, exit 0 only if it finished "
+                                    "completed (1: failed or stopped; 3: not submitted)")
+    run.add_argument("--connection", required=True, help="the SuperLink connection in $FLWR_HOME/config.toml "
+                                                         "(e.g. pilot)")
+    run.add_argument("--out", required=True, help="the run's results folder (on this machine)")
+    run.add_argument("--config", default="server.yaml", help="the config `server prepare` wrote (default server.yaml)")
+    run.add_argument("--app", default=".", help="the fedpose app folder the sites approved (default: here)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    run.add_argument("--timeout", type=float, default=24 * 3600.0, help="stop following after this many seconds "
+                                                                       "(default one day)")
+    run.add_argument("--poll", type=float, default=10.0, help="seconds between two looks at the run (default 10)")
+    run.add_argument("--verbose", action="store_true", help="debug logging")
+    run.set_defaults(func=cmd_run)
+
+    st = ss.add_parser("status", help="a run folder's rounds, per-site spend against budget, events")
+    st.add_argument("--out", required=True, help="the run's results folder")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.add_argument("--verbose", action="store_true", help="debug logging")
+    st.set_defaults(func=cmd_status)

@@ -70,6 +70,113 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _edit_policy(path: Path, updates: dict[str, Any]) -> None:
+    """Write ``updates`` into the policy YAML at ``path`` keeping its comments and order (line by line)."""
+    import yaml
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for key, value in updates.items():
+        text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
+        if text.startswith("{") and text.endswith("}"):
+            text = text[1:-1]
+        for i, line in enumerate(lines):
+            if line.split("#", 1)[0].split(":", 1)[0].strip() == key and not line.startswith((" ", "\t")):
+                comment = line.split("#", 1)[1] if "#" in line else ""
+                lines[i] = f"{text:<30}" + (f"# {comment.strip()}" if comment else "")
+                break
+        else:
+            lines.append(text)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def cmd_set_data(args: argparse.Namespace) -> int:
+    """Name the site's data in its policy and derive the public sample rate q = B / n from it, once."""
+    import yaml
+
+    from client.site_data import load_split_dir
+    from shared.data.patients import group_by_patient
+
+    path = Path(args.policy).expanduser().resolve()
+    data = Path(args.data).expanduser().resolve()
+    records = load_split_dir(data, "site data")
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    unit = raw.get("unit", "record")
+    n = group_by_patient(records, cap=raw.get("max_records_per_patient"))[1].count if unit == "patient" else \
+        len(records)
+    batch = raw.get("expected_batch")
+    if not isinstance(batch, (int, float)) or isinstance(batch, bool) or batch <= 0:
+        raise ValueError(f"{path}: expected_batch must be set (the public batch size B the site declares) before "
+                         "the sample rate can be derived from it")
+    if batch > n:
+        raise ValueError(f"{path}: expected_batch {batch:g} is more than the {n} {unit}s at {data}: lower it")
+    q = round(batch / n, 4)
+    _edit_policy(path, {"data_path": str(data), "sample_rate": q})
+    print(f"{path}: data_path {data}; sample_rate {q:g} (= expected batch {batch:g} / {n} {unit}s, computed once here)")
+    print(f"the server will see q = {q:g} and B = {batch:g}: together they tell the size of this data today "
+          f"(about {n} {unit}s), not which {unit}s it holds")
+    return 0
+
+
+def cmd_approve_public(args: argparse.Namespace) -> int:
+    """Show the public set, then write its path and digest into the policy: what the site trusts as public."""
+    from client.site_data import load_split_dir, public_digest
+
+    path = Path(args.policy).expanduser().resolve()
+    public = Path(args.public).expanduser().resolve()
+    records = load_split_dir(public, "public set")
+    images = len({r.image for r in records})
+    digest = public_digest(records)
+    print(f"public set {public}: {len(records)} annotated people in {images} images")
+    print(f"digest {digest}")
+    print("approving it means: this set is public (no patient of this hospital is in it); the site computes its "
+          "projection basis from it, and `fedpose site check` refuses to run if it ever changes")
+    _edit_policy(path, {"public_path": str(public), "public_digest": digest})
+    print(f"{path}: public_path and public_digest written; now run: fedpose site check --policy {path}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Everything an operator checks, in one place; exit 0 healthy, 1 not (the reasons are printed)."""
+    import json
+
+    from client.site_status import site_status
+
+    status = site_status(args.policy, approved=args.approved, superlink=args.superlink, ca=args.ca)
+    if args.json:
+        print(json.dumps(status, indent=1, default=str))
+        return 0 if status["healthy"] else 1
+    print(f"site {status['site'] or '?'}: {'healthy' if status['healthy'] else 'NEEDS ATTENTION'}")
+    for problem in status["problems"]:
+        print(f"  - {problem}")
+    if "budget" in status:
+        life = status["budget"]["lifetime"]
+        print(f"privacy budget: eps {life['spent']:.4f} spent of {life['budget']:g} (left {life['left']:.4f}); "
+              f"{life['rounds']} of {life['rounds_max']} lifetime rounds")
+        for f in status["budget"]["federations"]:
+            print(f"  federation {f['federation']}: eps {f['spent']:.4f}, {f['rounds']} of {f['rounds_max']} rounds")
+        checks = status["checks"]
+        print(f"checks: {'current' if checks['current'] else 'NOT current'}" +
+              (f" ({checks['records']} records kept, {checks['dropped']} left out, {checks['checked_at']})"
+               if checks["records"] is not None else ""))
+        for alert in checks["alerts"]:
+            print(f"  alert: {alert}")
+        print(f"approved bundles: {len(status['bundles']['approved'])} ({status['bundles']['path']})")
+        link = status["superlink"]
+        if link["address"]:
+            print(f"SuperLink {link['address']}: {'reachable' if link['reachable'] else 'NOT reachable'}")
+        cert = status["certificate"]
+        if cert["expires"]:
+            print(f"CA certificate: expires {cert['expires']} ({cert['days_left']} days)")
+        for row in status["rounds"][-5:]:
+            print(f"  round {row['round']} of {row['federation']}: {row['method']}, sigma {row['sigma']:.4f}, "
+                  f"q {row['sample_rate']:.4f}, {row['steps']} steps, eps after {row['epsilon']:.4f} ({row['state']})")
+        for event in status["refusals"][-5:]:
+            print(f"  refused {event['at']}: {event['code_name']}: {event['reason'][:160]}")
+    return 0 if status["healthy"] else 1
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """The site's own checks of its policy and data, recorded for its SuperNode (run after any change)."""
     from cli.site_policy import report_check
@@ -231,6 +338,29 @@ def register(sub: Any) -> None:
     kg.add_argument("--force", action="store_true", help="replace an existing key pair")
     kg.add_argument("--verbose", action="store_true", help="debug logging")
     kg.set_defaults(func=cmd_keygen)
+
+    sd = ss.add_parser("set-data", help="name the site's data in its policy and derive the public sample rate "
+                                        "q = expected_batch / n from it, once")
+    sd.add_argument("--policy", required=True, help="the site's policy YAML (edited in place)")
+    sd.add_argument("data", help="the site's split directory (annotations.json, images/)")
+    sd.add_argument("--verbose", action="store_true", help="debug logging")
+    sd.set_defaults(func=cmd_set_data)
+
+    ap2 = ss.add_parser("approve-public", help="show a public set and approve it in the policy (path and digest)")
+    ap2.add_argument("--policy", required=True, help="the site's policy YAML (edited in place)")
+    ap2.add_argument("public", help="the site's copy of the public split")
+    ap2.add_argument("--verbose", action="store_true", help="debug logging")
+    ap2.set_defaults(func=cmd_approve_public)
+
+    stt = ss.add_parser("status", help="policy, checks, public set, approved bundles, budget spent and left, rounds, "
+                                       "refusals, SuperLink, certificate; exit 0 healthy, 1 not")
+    stt.add_argument("--policy", required=True, help="the site's policy YAML")
+    stt.add_argument("--approved", default=None, help="approved-apps file (default: the kit's, beside the policy)")
+    stt.add_argument("--superlink", default=None, help="HOST:PORT to check (default: the kit's kit.json)")
+    stt.add_argument("--ca", default=None, help="CA certificate (default: ca.crt beside the policy)")
+    stt.add_argument("--json", action="store_true", help="print one JSON object")
+    stt.add_argument("--verbose", action="store_true", help="debug logging")
+    stt.set_defaults(func=cmd_status)
 
     ck = ss.add_parser("check", help="run the site's own checks of its policy and data and record them for its "
                                      "SuperNode (after any change to either)")

@@ -39,8 +39,17 @@ def setup_logging() -> None:
     setup_app_logging("client", "shared")
 
 
-def _error(msg: Message, policy: Any, code: int, reason: str, federation: str | None) -> Message:
-    """A typed error reply whose reason ends with the site's spend from its own ledger (when readable)."""
+def _error(msg: Message, policy: Any, code: int, reason: str, federation: str | None,
+           round: int | None = None) -> Message:
+    """A typed error reply whose reason ends with the site's spend from its own ledger (when readable); the
+    refusal is also kept in the site's own ledger for its operator (``fedpose site status``)."""
+    from client.ledger import SiteLedger
+
+    try:
+        with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+            ledger.record_event(code=code, reason=reason, federation=federation, round=round)
+    except (OSError, ValueError) as err:
+        log.error("site %s: cannot record the refusal in its ledger: %s", policy.site, err)
     try:
         spend = spend_so_far(policy, federation)
         reason += spend_suffix(site_epsilon=spend["site_epsilon"], run_epsilon=spend["run_epsilon"],
@@ -50,25 +59,27 @@ def _error(msg: Message, policy: Any, code: int, reason: str, federation: str | 
     return Message(Error(code=code, reason=reason), reply_to=msg)
 
 
-def _federation_of(content: Any) -> str | None:
+def _field(content: Any, key: str, kind: type) -> Any:
     try:
-        value = content[CONFIG]["federation"]
+        value = content[CONFIG][key]
     except (KeyError, TypeError):
         return None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
-def _answer(msg: Message, policy: Any, work: Callable[[], RecordDict], federation: str | None) -> Message:
+def _answer(msg: Message, policy: Any, work: Callable[[], RecordDict], content: Any = None) -> Message:
     """Run ``work``; a refusal or any failure becomes a typed error reply that reveals nothing private (P10)."""
+    federation = _field(content, "federation", str) if content is not None else None
+    round = _field(content, "round", int) if content is not None else None
     try:
         return Message(work(), reply_to=msg)
     except Refusal as refusal:
         log.warning("site %s refuses: %s", policy.site, refusal)
-        return _error(msg, policy, int(refusal.code), refusal.reason, federation)
+        return _error(msg, policy, int(refusal.code), refusal.reason, federation, round)
     except Exception:  # noqa: BLE001 - the detail may name private files: it stays in this log
         log.exception("site %s failed while handling a %s message", policy.site, msg.metadata.message_type)
         return _error(msg, policy, int(RefusalCode.SITE_ERROR), "the site failed; the detail is in its own log",
-                      federation)
+                      federation, round)
 
 
 def on_query(msg: Message, context: Context, run_config: dict | None = None) -> Message:
@@ -87,14 +98,14 @@ def on_query(msg: Message, context: Context, run_config: dict | None = None) -> 
             raise Refusal(RefusalCode.BAD_REQUEST, "a query carries an empty config record and nothing else")
         return RecordDict({INFO: site_info(policy).to_record()})
 
-    return _answer(msg, policy, work, None)
+    return _answer(msg, policy, work)
 
 
 def on_train(msg: Message, context: Context, run_config: dict | None = None) -> Message:
     """One round of local training, or a typed refusal with nothing trained and nothing spent (P6, P11)."""
     setup_logging()
     policy = resolve_policy(context.node_config, context.run_config if run_config is None else run_config)
-    return _answer(msg, policy, lambda: handle_train(msg.content, policy), _federation_of(msg.content))
+    return _answer(msg, policy, lambda: handle_train(msg.content, policy), msg.content)
 
 
 @app.query()

@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 4
 RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
+# What the site refused or failed, with the reason, for its operator (``fedpose site status``, the console).
+# Local only: the server already got the same generic answer.
+_EVENTS = """CREATE TABLE IF NOT EXISTS events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at TEXT NOT NULL,
+        federation TEXT,
+        round INTEGER,
+        code INTEGER NOT NULL,
+        reason TEXT NOT NULL
+    )"""
+
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS spend (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -73,6 +84,7 @@ _SCHEMA = [
     )""",
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    _EVENTS,
 ]
 _V1_TO_V2 = [
     "ALTER TABLE spend ADD COLUMN method TEXT NOT NULL DEFAULT 'unknown'",
@@ -89,6 +101,7 @@ _V3_TO_V4 = [
     "ALTER TABLE spend ADD COLUMN state TEXT NOT NULL DEFAULT 'done'",
     "ALTER TABLE spend ADD COLUMN noise_seed INTEGER",
     "ALTER TABLE spend ADD COLUMN data_version TEXT",
+    _EVENTS,
 ]
 _MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4, 2: _V2_TO_V3 + _V3_TO_V4, 3: _V3_TO_V4}
 
@@ -260,6 +273,15 @@ class SiteLedger:
                 (federation, int(round))).rowcount
         if updated != 1:
             raise ValueError(f"federation {federation} round {round} was never charged in {self.path}")
+
+    def record_event(self, *, code: int, reason: str, federation: str | None = None, round: int | None = None) -> None:
+        """Keep a refusal or a failure for the site's operator (never sent; the spend tables are not touched)."""
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            self.conn.execute("INSERT INTO events (at, federation, round, code, reason) VALUES (?, ?, ?, ?, ?)",
+                              (utc_now(), federation, round, int(code), reason[:2000]))
+
+    def events(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM events ORDER BY id").fetchall()]
 
     def units(self) -> set[str]:
         """The privacy units of the recorded rounds (P12): the claim is patient level only when this is {patient}."""

@@ -77,6 +77,7 @@ from shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-export
 log = logging.getLogger(__name__)
 
 POLICY_VERSION = 3
+FILL_ME = "FILL-ME"  # what a kit's template leaves for the site to fill (each has a command that fills it)
 PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
 UNITS = ("record", "patient")
 
@@ -236,6 +237,14 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
     if data["policy_version"] == 2:
         raise ValueError("site policy: this is a version-2 policy, which does not pin the normaliser of the noisy "
                          "sum (a server could read the site's size from its replies); add " + "; ".join(_V3_FIELDS))
+    unfilled = [k for k, v in data.items() if v == FILL_ME]
+    if unfilled:
+        steps = {"data_path": "fedpose site set-data --policy POLICY DATA_DIR",
+                 "sample_rate": "fedpose site set-data --policy POLICY DATA_DIR",
+                 "public_path": "fedpose site approve-public --policy POLICY PUBLIC_DIR",
+                 "public_digest": "fedpose site approve-public --policy POLICY PUBLIC_DIR"}
+        todo = list(dict.fromkeys(steps.get(k, f"write {k} into the policy") for k in unfilled))
+        raise ValueError(f"site policy: {', '.join(unfilled)} still say {FILL_ME}; run: " + "; then ".join(todo))
     names = {f.name for f in dataclasses.fields(SitePolicy)}
     unknown = sorted(set(data) - names)
     if unknown:

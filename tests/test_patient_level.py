@@ -543,39 +543,6 @@ def test_site_info_carries_the_unit_and_the_server_leaves_out_a_site_of_another_
 # ---------------------------------------------------------------------------
 
 
-class InProcessGrid:
-    """A Flower Grid whose nodes are the real site handlers (``client.client_app.on_query / on_train``), in process.
-
-    The server's own round loop (``server.run.run_federation``) drives it: planning from the sites'
-    declarations, requests, the sites' checks, training and ledgers, replies, aggregation, the claim.
-    Flower's simulation (Ray) runs the same handlers; ``tests/test_federation_sim.py`` covers that path.
-    """
-
-    def __init__(self, run_config: dict, sites: int) -> None:
-        from flwr.app import Context, RecordDict
-        from flwr.supercore.task_identity import TaskIdentity
-
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # the ServerApp's identity
-        self.run_config = run_config
-        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={"partition-id": i}, state=RecordDict(),
-                                        run_config={}) for i in range(sites)}
-
-    def get_node_ids(self) -> list[int]:
-        return sorted(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        from flwr.app import MessageType
-
-        from client.client_app import on_query, on_train
-
-        replies = []
-        for message in messages:
-            context = self.contexts[message.metadata.dst_node_id]
-            handler = on_query if message.metadata.message_type == MessageType.QUERY else on_train
-            replies.append(handler(message, context, dict(self.run_config)))
-        return replies
-
-
 @pytest.mark.slow
 def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
     import json
@@ -593,6 +560,8 @@ def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
     out = tmp_path / "fed"
     config_path = prepare_simulation(cfg, out, progress=False)  # writes each site's default policy
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
+    from federation_support import InProcessGrid
+
     metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
 
     assert metrics["rounds"] == 2 and metrics["unit"] == "patient"
@@ -667,6 +636,8 @@ def test_a_record_level_federation_claims_the_group_bound_at_the_sites_caps(worl
     out = tmp_path / "fed"
     config_path = prepare_simulation(cfg, out, progress=False)  # record level: each policy states its split's 8
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
+    from federation_support import InProcessGrid
+
     metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
     assert metrics["unit"] == "record" and metrics["claim"].startswith("record-level")
     eps_k, delta_k = group_privacy(epsilon=metrics["epsilon"], delta=metrics["delta"], k=8)

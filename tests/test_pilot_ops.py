@@ -114,7 +114,10 @@ def test_reconcile_refuses_a_site_ledger_of_an_unknown_site(tmp_path):
         reconcile(server, [tmp_path / "missing.sqlite"])
 
 
-def test_provision_writes_private_kits_with_0600_keys_and_refuses_a_git_tree(tmp_path):
+def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tree(tmp_path):
+    """Each site makes its own key pair (``fedpose site keygen``): the operator never holds a site's private key."""
+    import shutil
+
     from cli.provision import provision
     from shared.config import config_from_dict
 
@@ -125,17 +128,33 @@ def test_provision_writes_private_kits_with_0600_keys_and_refuses_a_git_tree(tmp
     for site in ("hospital-a", "hospital-b"):
         kit = kits[site]
         assert sorted(p.name for p in kit.iterdir()) == ["README.txt", "ca.crt", "fedpose-supernode.service",
-                                                         "node.key", "node.key.pub", "policy.yaml",
-                                                         "start-supernode.sh"]
-        assert stat.S_IMODE((kit / "node.key").stat().st_mode) == 0o600
+                                                         "kit.json", "policy.yaml", "start-supernode.sh"]
+        assert json.loads((kit / "kit.json").read_text())["superlink"] == "server.example.org:8000"
         assert "server.example.org:8000" in (kit / "start-supernode.sh").read_text()
         text = (kit / "policy.yaml").read_text()
         assert f"site: {site}" in text and f"steps_per_round: {cfg.federation.local_steps}" in text
-        assert f"batch size {cfg.train.batch_size} / n" in text
+        assert f"expected_batch: {cfg.train.batch_size}" in text and "ledger_path: /var/lib/fedpose/" in text
+        readme = (kit / "README.txt").read_text()
+        for step in ("fedpose site keygen --out .", "fedpose site set-data --policy policy.yaml",
+                     "fedpose site approve-public --policy policy.yaml", "fedpose site check --policy policy.yaml",
+                     "systemctl daemon-reload && systemctl enable --now", "journalctl -u", "fedpose site status"):
+            assert step in readme, step
+        unit = (kit / "fedpose-supernode.service").read_text()
+        for line in ("User=fedpose", "StateDirectory=fedpose/" + site, "ExecStart=/opt/fedpose/" + site,
+                     "Environment=FEDPOSE=/opt/fedpose/venv/bin/fedpose",
+                     f"Environment=FLWR_HOME=/var/lib/fedpose/{site}/flwr"):
+            assert line in unit, line
+        if shutil.which("systemd-analyze"):  # systemd's own parser; else the keys above are what it would read
+            done = subprocess.run(["systemd-analyze", "verify", str(kit / "fedpose-supernode.service")],
+                                  capture_output=True, text=True, timeout=60)
+            bad = [line for line in done.stderr.splitlines() if "fedpose-supernode.service" in line
+                   and "is not executable" not in line and "No such file" not in line]
+            assert not bad, done.stderr
     server = kits["server"]
     for key in ("ca.key", "server.key"):
         assert stat.S_IMODE((server / key).stat().st_mode) == 0o600
-    assert not list(server.glob("node-*"))  # no site's private key stays with the server
+    assert not list(server.glob("node-*")) and not list(tmp_path.rglob("node.key"))  # no private key of any site
+    assert (server / "site-keys").is_dir()
     # The SuperLink's own SuperExec dials it on 127.0.0.1: without that name in the server certificate the
     # TLS handshake fails and every run stays "pending" (found by following the deployment guide).
     from cryptography import x509
@@ -145,9 +164,8 @@ def test_provision_writes_private_kits_with_0600_keys_and_refuses_a_git_tree(tmp
     assert "server.example.org" in names.get_values_for_type(x509.DNSName)
     assert "localhost" in names.get_values_for_type(x509.DNSName)
     assert "127.0.0.1" in [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
-    assert "--name hospital-b" in (server / "register-sites.sh").read_text()
-    # Each site's key pair is its own and matches its public half.
-    assert (kits["hospital-a"] / "node.key.pub").read_text() != (kits["hospital-b"] / "node.key.pub").read_text()
+    register = (server / "register-sites.sh").read_text()
+    assert "for site in hospital-a hospital-b" in register and '--name "$site"' in register
 
     with pytest.raises(ValueError, match="git work tree"):
         provision(REPO / "runs" / "kits-test", sites=["a"], hosts=["x"], port=8000, cfg=cfg)

@@ -1,0 +1,161 @@
+"""The files of a site's and of the server's kit, as templates: ``fedpose provision`` fills them, and the
+deployment guide (docs/how-to/site-install.md) shows the same text (a test compares the two).
+
+One set of names everywhere: ``policy.yaml``, ``approved.txt``, ``node.key`` / ``node.key.pub``,
+``ca.crt``, ``kit.json``, ``start-supernode.sh``, ``fedpose-supernode.service``; the site's state
+(ledger, the record of its checks, stored replies, Flower's home) in ``/var/lib/fedpose/<site>``.
+"""
+
+from __future__ import annotations
+
+INSTALL = "/opt/fedpose"  # where a site unpacks its kit: /opt/fedpose/<site>
+VENV = "/opt/fedpose/venv"  # the virtual environment fedpose is installed in
+STATE = "/var/lib/fedpose"  # systemd StateDirectory root: /var/lib/fedpose/<site>
+USER = "fedpose"  # the service account the SuperNode runs as
+
+POLICY = """\
+# fedpose site policy of {site}. Everything that decides this site's guarantee is pinned here, by the site.
+# Three values are left for the site (each line says FILL-ME); fill them with these commands, in this order:
+#   fedpose site set-data --policy {install}/{site}/policy.yaml /path/to/your/split     (data_path, sample_rate)
+#   fedpose site approve-public --policy {install}/{site}/policy.yaml /path/to/public   (public_path, digest)
+#   fedpose site check --policy {install}/{site}/policy.yaml                            (the site's own checks)
+policy_version: 3
+site: {site}
+epsilon: {epsilon}                 # lifetime budget over this site's whole ledger (every federation it joins)
+delta: {delta}                  # must be < 1/n for the site's n records
+lifetime_rounds: {lifetime_rounds}            # rounds over the ledger's whole life
+rounds_per_federation: {rounds}      # rounds in any one federation
+expected_batch: {batch_size}            # B: records per step on average; the public constant the noisy sum is divided by
+sample_rate: FILL-ME          # q = B / n, written by `fedpose site set-data` (n is counted once, here)
+steps_per_round: {local_steps}          # at most this many local steps per round
+clip_norm: {clip_norm}                # per-record clip C
+psi: {psi}                     # fdp/fpdp: the feature map treated as public
+psi_min: {psi_min}                # its minimum strength (a fraction of the image's shorter side)
+augment: {augment}
+methods: [{method}]
+unit: record                  # record (one image) or patient (all images of one person; needs patient ids)
+data_path: FILL-ME            # the site's split directory, written by `fedpose site set-data`
+ledger_path: {state}/{site}/ledger.sqlite
+public_path: FILL-ME          # the site's copy of the public split, written by `fedpose site approve-public`
+public_digest: FILL-ME        # its digest, written by `fedpose site approve-public`
+eval_path: null               # optional: a held-out split; each global model is scored on it here, never sent
+accountant: {accountant}
+chunk_size: 16                # per-record gradients held in memory at a time (the site's, whatever is asked)
+round_seconds: null           # a reply leaves this long after its request (null: when done; then the time shows)
+"""
+
+START_SCRIPT = """\
+#!/bin/sh
+# Start the SuperNode of {site}: its checks run first (once, never per message), then it runs only the app
+# bundles approved in approved.txt, with this site's own key. Started again after an error exit for up to 5 min.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+state=${{STATE_DIRECTORY:-{state}/{site}}}
+export FLWR_HOME=${{FLWR_HOME:-$state/flwr}}
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+exec "${{FEDPOSE:-{venv}/bin/fedpose}}" site start --policy "$here/policy.yaml" --approved "$here/approved.txt" \\
+  --gate-dir "$state/gate-bin" -- --superlink {address} --root-certificates "$here/ca.crt" \\
+  --auth-supernode-private-key "$here/node.key" --host 127.0.0.1 --port {api_port} \\
+  --health-server-address 127.0.0.1:{health_port}
+"""
+
+SYSTEMD_UNIT = """\
+[Unit]
+Description=fedpose SuperNode of {site}
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={user}
+Group={user}
+StateDirectory=fedpose/{site}
+StateDirectoryMode=0700
+WorkingDirectory={install}/{site}
+Environment=FEDPOSE={venv}/bin/fedpose
+Environment=FLWR_HOME={state}/{site}/flwr
+ExecStart={install}/{site}/start-supernode.sh
+Restart=on-failure
+RestartSec=30
+NoNewPrivileges=true
+PrivateTmp=true
+ProtectSystem=strict
+ProtectHome=read-only
+ReadWritePaths={state}/{site}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+SITE_STEPS = """\
+On the site's server, as root, in this order:
+
+1. Install fedpose (CPU; a GPU site installs its CUDA torch first, see the install page):
+     python3 -m venv {venv}
+     {venv}/bin/pip install -c constraints.txt 'fedpose[train]'
+     useradd --system --home-dir {state} --shell /usr/sbin/nologin {user}
+2. Unpack this kit as {install}/{site} and make the site's own key pair there (the private key never leaves):
+     cd {install}/{site}
+     {venv}/bin/fedpose site keygen --out .
+     chown {user}: node.key
+   Send node.key.pub to the federation operator; nothing else.
+3. Name the data, approve the public set, run the site's checks:
+     {venv}/bin/fedpose site set-data --policy policy.yaml /path/to/your/split
+     {venv}/bin/fedpose site approve-public --policy policy.yaml /path/to/the/public/split
+     {venv}/bin/fedpose site check --policy policy.yaml
+4. Review the app bundle the operator sends (APP.fab), then approve it:
+     {venv}/bin/fedpose site approve --bundle APP.fab --approved approved.txt
+5. Start the SuperNode as a service, and check it:
+     cp fedpose-supernode.service /etc/systemd/system/fedpose-supernode-{site}.service
+     systemctl daemon-reload && systemctl enable --now fedpose-supernode-{site}
+     {venv}/bin/fedpose site status --policy policy.yaml
+     journalctl -u fedpose-supernode-{site} -f
+   Stop it with: systemctl stop fedpose-supernode-{site}
+   (To try it in a terminal first, without systemd: STATE_DIRECTORY={state}/{site} ./start-supernode.sh)
+6. Watch it in a browser (read-only; it listens on this machine only):
+     {venv}/bin/fedpose console --policy policy.yaml
+"""
+
+SERVER_STEPS = """\
+On the federation server:
+
+1. Keep ca.key and server.key private (0600); never copy them to a site.
+2. Prepare the public data and pretrained weights (absolute paths, progress output):
+     fedpose server prepare --config {config} --out /srv/fedpose
+3. Start the SuperLink: ./start-superlink.sh
+4. Add the connection to $FLWR_HOME/config.toml:
+     [superlink.pilot]
+     address = "{address}"
+     root-certificates = "<the absolute path of ca.crt here>"
+5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them: ./register-sites.sh
+6. Build the app bundle the sites review and approve (the same bytes every site approves):
+     flwr build --app {app}
+   Send each site its own folder (never this one) and the .fab. Once the sites run their SuperNodes:
+     fedpose server run --connection pilot --app {app} --config /srv/fedpose/server.yaml --out /srv/fedpose/run1
+   It follows the run and exits non-zero unless it finished. After a crash: restart the SuperLink (same
+   database), then: fedpose server run --connection pilot --app {app} --out /srv/fedpose/run1 --resume
+7. Watch it in a browser (read-only, this machine only): fedpose console --out /srv/fedpose/run1
+"""
+
+SUPERLINK_SCRIPT = """\
+#!/bin/sh
+# Start the central SuperLink with TLS and SuperNode authentication.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+exec flower-superlink --ssl-ca-certfile "$here/ca.crt" --ssl-certfile "$here/server.pem" \\
+  --ssl-keyfile "$here/server.key" --enable-supernode-auth --host 0.0.0.0 --port {port} \\
+  --database "$here/superlink.db"
+"""
+
+REGISTER_SCRIPT = """\
+#!/bin/sh
+# Register each site's public key (site-keys/<site>.pub, as the site sent it) with the SuperLink, named as the site.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+for site in {sites}; do
+  key="$here/site-keys/$site.pub"
+  if [ ! -f "$key" ]; then echo "missing $key: ask $site for the node.key.pub that fedpose site keygen wrote" >&2; exit 1; fi
+  flwr supernode register "$key" pilot --name "$site"
+done
+"""

@@ -1,0 +1,113 @@
+"""The federation server's status, from its run folder: what ``fedpose server status`` prints and the console shows.
+
+Everything comes from the files the server itself writes (``ledger.sqlite``, ``rounds.jsonl``,
+``config.yaml``, ``metrics.json`` when finished), read-only, so the status never disagrees with them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+
+def _ro(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def _rounds(out: Path) -> list[dict[str, Any]]:
+    path = out / "rounds.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            continue
+    return rows
+
+
+def server_status(out: str | Path) -> dict[str, Any]:
+    """The run in ``out``: rounds with PCKh, per-site epsilon against budget, events, resumes, and its state."""
+    from shared.privacy.accountant import StepRecord, epsilon_spent
+
+    out = Path(out)
+    ledger = out / "ledger.sqlite"
+    if not ledger.is_file():
+        raise FileNotFoundError(f"{out} holds no federation (no ledger.sqlite): give the folder a run writes to")
+    rounds = _rounds(out)
+    metrics_path = out / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else None
+    planned = None
+    config = out / "config.yaml"
+    if config.is_file():
+        from shared.config import load_config
+
+        planned = load_config(config).federation.rounds
+    conn = _ro(ledger)
+    try:
+        meta = {r["key"]: r["value"] for r in conn.execute("SELECT key, value FROM meta")}
+        plans = {r["site"]: dict(r) for r in conn.execute("SELECT * FROM sites ORDER BY site")}
+        spend = [dict(r) for r in conn.execute("SELECT * FROM spend ORDER BY id")]
+        events = [dict(r) for r in conn.execute("SELECT round, site, kind, code, reason FROM events ORDER BY id")]
+        reports = [dict(r) for r in conn.execute("SELECT site, run_epsilon FROM reports")]
+    finally:
+        conn.close()
+    sites: dict[str, Any] = {}
+    for site, plan in plans.items():
+        rows = [r for r in spend if r["site"] == site and r["state"] != "resolved"]
+        history = [StepRecord(sigma=r["sigma"], sample_rate=r["sample_rate"], steps=r["steps"]) for r in rows]
+        server_eps = epsilon_spent(history, delta=plan["delta"], accountant=plan["accountant"]) if history else 0.0
+        reported = [r["site_run_epsilon"] for r in rows if r["site_run_epsilon"] is not None]
+        reported += [r["run_epsilon"] for r in reports if r["site"] == site]
+        sites[site] = {"epsilon": max([server_eps, *reported]), "budget": plan["budget"], "delta": plan["delta"],
+                       "rounds": sum(1 for r in rows if r["state"] in ("completed", "interrupted")),
+                       "status": plan["status"], "reason": plan["reason"]}
+    initial = meta.get("initial_pckh_mean")
+    pckh = [r["pckh_mean"] for r in rounds]
+    return {
+        "kind": "server",
+        "out": str(out),
+        "federation": meta.get("federation"),
+        "state": "finished" if metrics is not None else "running",
+        "rounds_planned": planned,
+        "rounds": [{k: r.get(k) for k in ("round", "pckh_mean", "accepted", "refused", "rejected", "failed", "missed",
+                                          "offline", "update_bound", "bounded")} | {
+            k: r.get(k) or [] for k in ("accepted", "refused", "rejected", "failed", "missed", "offline")}
+            for r in rounds],
+        "initial_pckh": float(initial) if initial is not None else None,
+        "latest_pckh": pckh[-1] if pckh else None,
+        "best_pckh": max(pckh) if pckh else None,
+        "sites": sites,
+        "events": events,
+        "resumes": sum(1 for e in events if e["kind"] == "resumed"),
+        "claim": metrics["claim"] if metrics else None,
+        "epsilon": metrics["epsilon"] if metrics else max((s["epsilon"] for s in sites.values()), default=0.0),
+    }
+
+
+def server_metrics(status: dict[str, Any]) -> list[tuple[str, dict[str, str], float, str]]:
+    """Prometheus samples of a server status."""
+    fed = status.get("federation") or ""
+    out: list[tuple[str, dict[str, str], float, str]] = [
+        ("fedpose_server_rounds_done", {"federation": fed}, len(status["rounds"]), "rounds aggregated or attempted"),
+        ("fedpose_server_finished", {"federation": fed}, float(status["state"] == "finished"), "1 once the run ended"),
+        ("fedpose_server_resumes", {"federation": fed}, status["resumes"], "times the server resumed this run"),
+    ]
+    if status["latest_pckh"] is not None:
+        out.append(("fedpose_server_pckh", {"federation": fed}, status["latest_pckh"],
+                    "PCKh@0.5 of the global model on the validation split, latest round"))
+    for site, s in status["sites"].items():
+        labels = {"federation": fed, "site": site}
+        out += [("fedpose_server_site_epsilon", labels, s["epsilon"], "epsilon counted for the site, this federation"),
+                ("fedpose_server_site_budget", labels, s["budget"], "the site's declared epsilon budget")]
+    kinds: dict[str, int] = {}
+    for e in status["events"]:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    for kind, count in sorted(kinds.items()):
+        out.append(("fedpose_server_events", {"federation": fed, "kind": kind}, count, "events by kind"))
+    return out

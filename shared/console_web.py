@@ -1,0 +1,120 @@
+"""The read-only web console: a small local HTTP server, one page, a JSON status and Prometheus metrics.
+
+Both sides use it (``client.site_status`` for a hospital site, ``server.status`` for the federation
+server): they hand it a function that reads the same files the CLI reads (ledgers, the policy, the
+run's folder) and returns the status as plain data, so there is no second source of truth. Every
+request reads the files again; the page refreshes itself every few seconds while a run is live.
+
+Bound to 127.0.0.1 by default. Bound to anything else it requires a token (``?token=`` on the page,
+``Authorization: Bearer`` for ``/metrics`` and ``/api/status``); nothing it serves can change
+anything (GET only).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PAGE = Path(__file__).with_name("console.html")
+
+StatusFn = Callable[[], dict[str, Any]]
+MetricsFn = Callable[[dict[str, Any]], list[tuple[str, dict[str, str], float, str]]]
+
+
+def prometheus_text(samples: list[tuple[str, dict[str, str], float, str]]) -> str:
+    """Prometheus text exposition format from (name, labels, value, help) samples (one HELP/TYPE per name)."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for name, labels, value, help_text in samples:
+        if name not in seen:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            seen.add(name)
+        label = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+        lines.append(f"{name}{{{label}}} {float(value):.10g}" if label else f"{name} {float(value):.10g}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Console:
+    """What the HTTP handler serves: the page, ``/api/status`` (JSON) and ``/metrics`` (Prometheus)."""
+
+    def __init__(self, title: str, status: StatusFn, metrics: MetricsFn, *, token: str | None) -> None:
+        self.title, self.status, self.metrics, self.token = title, status, metrics, token
+
+    def allowed(self, query: dict[str, list[str]], header: str | None) -> bool:
+        if self.token is None:
+            return True
+        given = (query.get("token") or [""])[0]
+        if header and header.startswith("Bearer "):
+            given = header[len("Bearer "):]
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def page(self) -> bytes:
+        return PAGE.read_text(encoding="utf-8").replace("{{TITLE}}", self.title).encode()
+
+
+def _handler(console: Console) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "fedpose-console"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet: one debug line per request
+            log.debug("console %s: " + fmt, self.address_string(), *args)
+
+        def _send(self, status: HTTPStatus, body: bytes, kind: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            url = urlparse(self.path)
+            if not console.allowed(parse_qs(url.query), self.headers.get("Authorization")):
+                self._send(HTTPStatus.UNAUTHORIZED, b"a token is needed: ?token=... or Authorization: Bearer\n",
+                           "text/plain; charset=utf-8")
+                return
+            try:
+                if url.path in ("/", "/index.html"):
+                    self._send(HTTPStatus.OK, console.page(), "text/html; charset=utf-8")
+                elif url.path == "/api/status":
+                    self._send(HTTPStatus.OK, json.dumps(console.status(), default=str).encode(),
+                               "application/json")
+                elif url.path == "/metrics":
+                    body = prometheus_text(console.metrics(console.status())).encode()
+                    self._send(HTTPStatus.OK, body, "text/plain; version=0.0.4; charset=utf-8")
+                else:
+                    self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
+            except Exception as err:  # noqa: BLE001 - a broken file must not kill the console
+                log.exception("console: reading the status failed")
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, f"cannot read the status: {err}\n".encode(),
+                           "text/plain; charset=utf-8")
+
+    return Handler
+
+
+def start_console(title: str, status: StatusFn, metrics: MetricsFn, *, host: str = "127.0.0.1", port: int = 8480,
+                  token: str | None = None) -> tuple[ThreadingHTTPServer, str | None]:
+    """Start serving in a background thread; returns (server, token). A non-loopback host gets a token."""
+    if host not in LOOPBACK and token is None:
+        token = secrets.token_urlsafe(24)
+    server = ThreadingHTTPServer((host, port), _handler(Console(title, status, metrics, token=token)))
+    thread = threading.Thread(target=server.serve_forever, name="fedpose-console", daemon=True)
+    thread.start()
+    return server, token

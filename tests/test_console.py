@@ -1,0 +1,177 @@
+"""The web console in a real browser, during a live federation: the numbers it shows are the ledgers'.
+
+A federation runs in a background thread (the server's real round loop, the sites' real handlers and
+ledgers; ``federation_support.InProcessGrid``) and is held after round 1. ``fedpose console`` serves the
+server's run folder and one site's policy from their own processes; Debian's Chromium, driven by
+Playwright, opens both pages. What the pages show is compared with the SQLite ledgers; then the
+federation is let go, and the server page must follow it to the end by itself. The ``/metrics`` text is
+read too. Screenshots: ``FEDPOSE_DOCS_SCREENSHOTS=1`` writes them to docs/img/ (the docs show them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from federation_support import REPO, InProcessGrid, free_port, prepare_world, start, stop, wait_for, world_root
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync"]
+
+
+class HeldGrid(InProcessGrid):
+    """The in-process grid, holding every train message of round >= 2 until ``release`` is set."""
+
+    def __init__(self, run_config: dict, sites: int) -> None:
+        super().__init__(run_config, sites)
+        self.release = threading.Event()
+
+    def send_and_receive(self, messages, timeout=None):
+        from shared.federation_messages import CONFIG
+
+        for message in messages:
+            config = message.content.config_records.get(CONFIG)
+            if config is not None and int(config.get("round", 0)) >= 2:
+                assert self.release.wait(timeout=600), "the test never released round 2"
+        return super().send_and_receive(messages, timeout)
+
+
+def _browser():
+    if CHROMIUM is None:
+        pytest.fail("the console test needs Chromium (apt-get install chromium) and Playwright (pip install "
+                    "playwright); the README's test command installs both")
+    from playwright.sync_api import sync_playwright
+
+    return sync_playwright()
+
+
+def _console(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = start([sys.executable, "-m", "cli.main", "console", *args, "--port", str(port)], log, dict(os.environ))
+    url = f"http://127.0.0.1:{port}/"
+    wait_for(lambda: _get(url + "api/status") is not None or proc.poll() is not None, 60, f"the console at {url}")
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc, url
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
+
+
+def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path, tmp_path_factory):
+    from cli.fed import prepare_simulation
+    from client.site_status import site_status
+    from server.run import run_federation
+    from server.status import server_status
+    from shared.config import replace
+
+    cfg = prepare_world(world_root(tmp_path_factory))
+    out = tmp_path / "fed"
+    cfg = replace(cfg, **{"federation.out": str(out)})
+    config_path = prepare_simulation(cfg, out, progress=False)
+    grid = HeldGrid({"config": str(config_path), "overrides": "", "out": str(out), "resume": False}, sites=2)
+    errors: list[BaseException] = []
+
+    def federation() -> None:
+        try:
+            run_federation(grid, cfg, out)
+        except BaseException as err:  # noqa: BLE001 - reported by the test below
+            errors.append(err)
+
+    runner = threading.Thread(target=federation, daemon=True)
+    runner.start()
+    rounds = out / "rounds.jsonl"
+    wait_for(lambda: rounds.is_file() and rounds.read_text().strip() or errors, 300, "round 1", poll=0.5)
+    assert not errors, errors
+    policy = out / "sites" / "site-0" / "policy.yaml"
+    procs = []
+    shots = Path(os.environ.get("FEDPOSE_DOCS_SCREENSHOTS_DIR", REPO / "docs" / "img")) \
+        if os.environ.get("FEDPOSE_DOCS_SCREENSHOTS") else tmp_path
+    try:
+        server_proc, server_url = _console(["--out", str(out)], tmp_path / "console-server.log")
+        site_proc, site_url = _console(["--policy", str(policy)], tmp_path / "console-site.log")
+        procs += [server_proc, site_proc]
+        with _browser() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+
+            # -- the server's page, live: round 1 done, round 2 held
+            page.goto(server_url)
+            page.wait_for_selector("[data-testid=round-pckh-1]", timeout=30_000)
+            assert page.inner_text("#badge").lower() == "running"
+            live = server_status(out)
+            for site, s in live["sites"].items():
+                shown = float(page.inner_text(f"[data-testid=site-eps-{site}]"))
+                assert shown == pytest.approx(s["epsilon"], abs=5e-5), site
+            pckh = float(page.inner_text("[data-testid=round-pckh-1]"))
+            assert pckh == pytest.approx(live["rounds"][0]["pckh_mean"], abs=5e-3)
+            page.screenshot(path=str(shots / "console-server.png"), full_page=True)
+
+            # -- the site's page: its own ledger
+            site_page = browser.new_page(viewport={"width": 1280, "height": 900})
+            site_page.goto(site_url)
+            site_page.wait_for_selector("[data-testid=lifetime-spent]", timeout=30_000)
+            mine = site_status(policy)
+            shown = float(site_page.inner_text("[data-testid=lifetime-spent]"))
+            assert shown == pytest.approx(mine["budget"]["lifetime"]["spent"], abs=5e-5)
+            row = mine["rounds"][0]
+            cell = site_page.inner_text(f"[data-testid=round-eps-{row['federation']}-{row['round']}]")
+            assert float(cell) == pytest.approx(row["epsilon"], abs=5e-5)
+            assert "Only model updates leave this hospital" in site_page.inner_text("main")
+            site_page.screenshot(path=str(shots / "console-site.png"), full_page=True)
+
+            # -- let the federation finish: the server page follows by itself (it refreshes every 5 s)
+            grid.release.set()
+            runner.join(timeout=600)
+            assert not runner.is_alive() and not errors, errors
+            page.wait_for_function("document.querySelector('#badge').textContent.toLowerCase() === 'finished'",
+                                   timeout=30_000)
+            final = server_status(out)
+            assert final["state"] == "finished" and len(final["rounds"]) == 2
+            for site, s in final["sites"].items():
+                shown = float(page.inner_text(f"[data-testid=site-eps-{site}]"))
+                assert shown == pytest.approx(s["epsilon"], abs=5e-5), site
+            assert final["claim"] in page.inner_text("main")
+            browser.close()
+
+        metrics = _get(server_url + "metrics")
+        metrics_json = json.loads(_get(server_url + "api/status"))
+        line = next(line for line in metrics.splitlines()
+                    if line.startswith("fedpose_server_site_epsilon{") and 'site="site-0"' in line)
+        assert float(line.rsplit(" ", 1)[1]) == pytest.approx(metrics_json["sites"]["site-0"]["epsilon"], rel=1e-9)
+        assert "# TYPE fedpose_server_pckh gauge" in metrics
+    finally:
+        grid.release.set()
+        stop(*procs)
+
+
+def test_a_console_off_loopback_needs_its_token(tmp_path):
+    """Bound beyond 127.0.0.1 the console requires a token: the page, the JSON and the metrics."""
+    from shared.console_web import start_console
+
+    server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [("x", {}, 1.0, "h")], host="0.0.0.0",
+                                  port=0)
+    try:
+        port = server.server_address[1]
+        assert token and _get(f"http://127.0.0.1:{port}/api/status") is None  # 401
+        assert json.loads(_get(f"http://127.0.0.1:{port}/api/status?token={token}")) == {"kind": "server"}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            assert resp.read().decode() == "# HELP x h\n# TYPE x gauge\nx 1\n"
+    finally:
+        server.shutdown()

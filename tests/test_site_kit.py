@@ -1,0 +1,152 @@
+"""A hospital follows its kit, exactly as the kit's README says, to a finished pilot on 127.0.0.1.
+
+``fedpose provision`` writes the kits (into a temporary folder standing in for /opt/fedpose, with the
+state folder standing in for /var/lib/fedpose). The test then reads the command lines of each kit's
+README.txt and runs them as written, substituting only what a reader substitutes: the paths of their
+own data and of the bundle the operator sent. What needs root or systemd (installing packages, the
+service account, systemctl, journalctl) is skipped; the README's own "try it in a terminal" line starts
+the SuperNode instead. Two sites, TLS, node authentication with the sites' own keys, the app gate,
+``fedpose server run`` reaching a finished run, then ``fedpose site status`` reporting the spend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from federation_support import REPO, flower_env, free_port, prepare_world, start, stop, wait_for, world_root
+from shared.config import dump_config
+
+pytestmark = pytest.mark.slow
+
+# Lines a test cannot run (root, systemd, package installs); everything else in the READMEs runs as written.
+SKIP = ("python3 -m venv", "/bin/pip install", "useradd", "chown", "cp fedpose-supernode.service", "systemctl",
+        "journalctl", "fedpose console", "Stop it with")
+
+
+def _commands(readme: Path) -> list[str]:
+    """The command lines of a kit README: indented lines under the numbered steps (continuations joined)."""
+    out = []
+    for line in readme.read_text().splitlines():
+        if line.startswith("     ") and not line.strip().startswith(("[", "address", "root-certificates")):
+            out.append(line.strip())
+    return out
+
+
+def _run(command: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> str:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path_factory) -> None:
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=2, federation={"local_steps": 1, "round_timeout": 240})
+    config = tmp_path / "federation.yaml"
+    dump_config(cfg, config)
+    data = Path(cfg.data.root)
+    kits, state, srv = tmp_path / "kits", tmp_path / "state", tmp_path / "srv"
+    venv = Path(sys.executable).parent.parent
+    env = flower_env(tmp_path / "flwr-home")
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env["PATH"]])
+    port = free_port()
+    sites = ["site-0", "site-1"]
+    _run(f"fedpose provision --out {kits} --sites {','.join(sites)} --host 127.0.0.1 --port {port} "
+         f"--config {config} --install-dir {kits} --state-dir {state} --venv {venv}", tmp_path, env)
+    server = kits / "server"
+    bundle = None
+    procs = []
+    try:
+        # -- the operator, first half: prepare, SuperLink, connection (the README's steps 2-4), the bundle (6)
+        server_cmds = _commands(server / "README.txt")
+        subst = {"/srv/fedpose": str(srv)}
+
+        def fill(command: str, mapping: dict[str, str]) -> str:
+            for key, value in mapping.items():
+                command = command.replace(key, value)
+            return command
+
+        for command in server_cmds:
+            if command.startswith("fedpose server prepare"):
+                _run(fill(command, subst), server, env)
+            elif command == "./start-superlink.sh":
+                procs.append(start(["bash", "-c", command], tmp_path / "superlink.log", env))
+            elif command.startswith("flwr build"):
+                _run(fill(command, subst), tmp_path, env)
+                (bundle,) = tmp_path.glob("*.fab")
+        assert bundle is not None, server_cmds
+        wait_for(lambda: _healthy(port, server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
+                 poll=1.0)
+        assert procs[0].poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
+        # step 4 of the server README, as it says: the connection in $FLWR_HOME/config.toml
+        (tmp_path / "flwr-home" / "config.toml").write_text(
+            f'[superlink]\ndefault = "pilot"\n\n[superlink.pilot]\naddress = "127.0.0.1:{port}"\n'
+            f'root-certificates = "{server / "ca.crt"}"\n')
+
+        # -- each hospital: its kit README, as written
+        for i, site in enumerate(sites):
+            kit = kits / site
+            mapping = {"/path/to/your/split": str(data / site), "/path/to/the/public/split": str(data / "public"),
+                       "APP.fab": str(bundle)}
+            cwd = kit
+            for command in _commands(kit / "README.txt"):
+                if command.startswith(SKIP) or any(skip in command for skip in SKIP):
+                    continue
+                if command.startswith("cd "):
+                    cwd = Path(shlex.split(command)[1])
+                    continue
+                if command.startswith("(To try it in a terminal"):
+                    continue
+                _run(fill(command, mapping), cwd, env)
+            assert (kit / "node.key").is_file() and oct((kit / "node.key").stat().st_mode & 0o777) == "0o600"
+            # the site sends node.key.pub; the operator puts it where the server README says
+            (server / "site-keys" / f"{site}.pub").write_text((kit / "node.key.pub").read_text())
+            trial = next(line for line in (kit / "README.txt").read_text().splitlines() if "./start-supernode.sh" in line)
+            command = re.search(r"(STATE_DIRECTORY=\S+ \./start-supernode\.sh)", trial).group(1)
+            procs.append(start(["bash", "-c", f"cd {kit} && {command}"], tmp_path / f"supernode-{site}.log", env))
+
+        # -- the operator, second half: register the sites' keys, run and follow (the README's steps 5-6)
+        run_line = None
+        for command in server_cmds:
+            if command == "./register-sites.sh":
+                _run(command, server, env)
+            elif command.startswith("fedpose server run") and "--resume" not in command:
+                run_line = fill(command, subst)
+        assert run_line is not None
+        out = _run(run_line + " --poll 3", server, env, timeout=900)
+        assert "finished: PCKh" in out, out
+        metrics = json.loads((srv / "run1" / "metrics.json").read_text())
+        assert metrics["rounds"] == 2 and set(metrics["sites"]) == set(sites)
+
+        # the README's status line, while the SuperLink is up: everything checks out; the rounds are used up
+        for site in sites:
+            done = subprocess.run(["bash", "-c", f"fedpose site status --policy policy.yaml --json"], cwd=kits / site,
+                                  env=env, capture_output=True, text=True, timeout=120)
+            report = json.loads(done.stdout)
+            assert report["problems"] == [p for p in report["problems"] if "lifetime rounds are used" in p], report
+            life = report["budget"]["lifetime"]
+            assert life["rounds"] == 2 and life["spent"] > 0
+            assert life["spent"] == pytest.approx(metrics["sites"][site]["epsilon_lifetime"], rel=1e-6)
+            assert report["superlink"]["reachable"] and report["checks"]["current"]
+            assert len(report["bundles"]["approved"]) == 1 and report["certificate"]["days_left"] > 300
+    finally:
+        stop(*procs)
+
+
+def _healthy(port: int, ca: Path) -> bool:
+    import ssl
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=ctx, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
