@@ -122,19 +122,22 @@ On the federation server:
 1. Keep ca.key and server.key private (0600); never copy them to a site.
 2. Prepare the public data and pretrained weights (absolute paths, progress output):
      fedpose server prepare --config {config} --out /srv/fedpose
-3. Start the SuperLink: ./start-superlink.sh
+3. Start the SuperLink (in this folder; a service manager can run the same script):
+     ./start-superlink.sh
 4. Add the connection to $FLWR_HOME/config.toml:
      [superlink.pilot]
      address = "{address}"
      root-certificates = "<the absolute path of ca.crt here>"
-5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them: ./register-sites.sh
+5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them:
+     ./register-sites.sh
 6. Build the app bundle the sites review and approve (the same bytes every site approves):
      flwr build --app {app}
    Send each site its own folder (never this one) and the .fab. Once the sites run their SuperNodes:
      fedpose server run --connection pilot --app {app} --config /srv/fedpose/server.yaml --out /srv/fedpose/run1
    It follows the run and exits non-zero unless it finished. After a crash: restart the SuperLink (same
    database), then: fedpose server run --connection pilot --app {app} --out /srv/fedpose/run1 --resume
-7. Watch it in a browser (read-only, this machine only): fedpose console --out /srv/fedpose/run1
+7. Watch it in a browser (read-only, this machine only):
+     fedpose console --out /srv/fedpose/run1
 """
 
 SUPERLINK_SCRIPT = """\

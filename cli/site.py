@@ -82,7 +82,7 @@ def _edit_policy(path: Path, updates: dict[str, Any]) -> None:
         for i, line in enumerate(lines):
             if line.split("#", 1)[0].split(":", 1)[0].strip() == key and not line.startswith((" ", "\t")):
                 comment = line.split("#", 1)[1] if "#" in line else ""
-                lines[i] = f"{text:<30}" + (f"# {comment.strip()}" if comment else "")
+                lines[i] = (f"{text:<28}  # {comment.strip()}" if comment else text)  # YAML needs a space before #
                 break
         else:
             lines.append(text)

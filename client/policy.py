@@ -288,7 +288,7 @@ def load_policy(path: str | Path) -> SitePolicy:
     try:
         return policy_from_dict(data, base=path.resolve().parent)
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from err
+        raise ValueError(f"{path}: {str(err).replace('--policy POLICY', f'--policy {path}')}") from err
 
 
 def policy_to_dict(policy: SitePolicy) -> dict[str, Any]:

@@ -369,3 +369,20 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
     marked = write_plot(tmp_path / "marked.png", records, {"a": 2.0}, events=rows).read_bytes()
     assert plain != marked
     ledger.close()
+
+
+def test_an_unfilled_kit_policy_says_which_command_fills_it_in_one_line(tmp_path, capsys):
+    """The kit's template leaves data_path, sample_rate, public_path and public_digest: each has a command."""
+    from cli.main import main
+    from cli.provision import provision
+    from shared.config import config_from_dict
+
+    kits = provision(tmp_path / "kits", sites=["a"], hosts=["127.0.0.1"], port=8000, cfg=config_from_dict({}))
+    policy = kits["a"] / "policy.yaml"
+    assert main(["site", "check", "--policy", str(policy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "sample_rate, data_path, public_path, public_digest still say FILL-ME" in err
+    assert f"fedpose site set-data --policy {policy} DATA_DIR" in err and "fedpose site approve-public" in err
+    assert main(["site", "status", "--policy", str(policy)]) == 1  # unhealthy, and says why
+    assert "FILL-ME" in capsys.readouterr().out

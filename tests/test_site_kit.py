@@ -77,7 +77,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             if command.startswith("fedpose server prepare"):
                 _run(fill(command, subst), server, env)
             elif command == "./start-superlink.sh":
-                procs.append(start(["bash", "-c", command], tmp_path / "superlink.log", env))
+                procs.append(start(["bash", "-c", f"cd {server} && {command}"], tmp_path / "superlink.log", env))
             elif command.startswith("flwr build"):
                 _run(fill(command, subst), tmp_path, env)
                 (bundle,) = tmp_path.glob("*.fab")
