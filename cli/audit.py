@@ -97,7 +97,7 @@ def cmd_reid(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     au = sub.add_parser("audit", help="one-run privacy audit: empirical lower bound on epsilon (Steinke et al. 2023)")
-    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"))
+    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"), help="the private method to audit")
     au.add_argument("--epsilon", type=float, required=True, help="target epsilon the run is calibrated to")
     au.add_argument("--canaries", type=int, required=True, help="m canaries, each included with probability 1/2")
     au.add_argument("--mode", choices=("gradient", "input"), default="gradient",
@@ -105,14 +105,14 @@ def register(sub: Any) -> None:
     au.add_argument("--canary-placement", choices=("dirac", "span"), default=None,
                     help="gradient canaries: dirac (C e_j, default for dpsgd/fdp) or span (+-C V_t u_j inside the "
                          "projection's span, default for proj/fpdp, where a Dirac canary is projected away)")
-    au.add_argument("--confidence", type=float, default=0.95)
+    au.add_argument("--confidence", type=float, default=0.95, help="confidence of the epsilon lower bound (default 0.95)")
     au.add_argument("--noise-scale", type=float, default=1.0,
                     help="POSITIVE CONTROL ONLY: add this fraction of the calibrated noise (the claim is then false)")
     au.add_argument("--unit", choices=("record", "patient"), default=None,
                     help="privacy unit (default: the config's privacy.unit); at patient level a canary is a patient")
-    au.add_argument("--epochs", type=int, default=None)
+    au.add_argument("--epochs", type=int, default=None, help="epochs of the audited run (default: the config's)")
     au.add_argument("--seed", type=int, default=None, help="reproducible canaries and noise (NOT for production)")
-    au.add_argument("--data", default=None)
+    au.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     au.add_argument("--out", default=None, help="write audit.json and audit.png here")
     _add_common(au)
     au.set_defaults(func=cmd_audit)
@@ -123,26 +123,27 @@ def register(sub: Any) -> None:
     mia.add_argument("--methods", default="nonprivate,dpsgd,fpdp", help="comma-separated training methods")
     mia.add_argument("--models", type=int, default=8, help="models per method (each is target once, shadows else)")
     mia.add_argument("--pool", type=int, default=200, help="records in the pool; each model trains on a random half")
-    mia.add_argument("--split", default="site-0")
+    mia.add_argument("--split", default="site-0", help="the split members are drawn from (default site-0)")
     mia.add_argument("--epsilon", type=float, default=None, help="default: the config's privacy.epsilon")
-    mia.add_argument("--epochs", type=int, default=None)
-    mia.add_argument("--seed", type=int, default=None)
-    mia.add_argument("--data", default=None)
+    mia.add_argument("--epochs", type=int, default=None, help="epochs of each model (default: the config's)")
+    mia.add_argument("--seed", type=int, default=None, help="reproducible splits and noise (NOT for production)")
+    mia.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     mia.add_argument("--out", default=None, help="write mia.json and mia.png here")
     _add_common(mia)
     mia.set_defaults(func=cmd_mia)
 
     reid = at.add_parser("reid", help="re-identification of people in DP-pixelized frames")
     reid.add_argument("--data", required=True, help="a synthetic ward (with identities.json)")
-    reid.add_argument("--split", default="site-0")
-    reid.add_argument("--epsilons", type=_floats, default=(0.1, 0.5, 1.0, 5.0))
+    reid.add_argument("--split", default="site-0", help="the split to re-identify people in (default site-0)")
+    reid.add_argument("--epsilons", type=_floats, default=(0.1, 0.5, 1.0, 5.0),
+                      help="comma-separated pixelization epsilons (default 0.1,0.5,1,5)")
     reid.add_argument("--cells", type=_ints, default=(8, 16), help="cell sides b")
-    reid.add_argument("--m", type=int, default=16)
+    reid.add_argument("--m", type=int, default=16, help="pixels a neighbouring image may differ in (default 16)")
     reid.add_argument("--n", type=int, default=4, help="adaptive split of body cells (n x n)")
     reid.add_argument("--steps", type=int, default=800, help="attacker training steps")
-    reid.add_argument("--train-per-identity", type=int, default=5)
+    reid.add_argument("--train-per-identity", type=int, default=5, help="images per person the attacker learns from (default 5)")
     reid.add_argument("--gray", action="store_true", help="grayscale frames (the pipeline's default release)")
-    reid.add_argument("--seed", type=int, default=0)
+    reid.add_argument("--seed", type=int, default=0, help="seed of the attack and the noise (default 0)")
     reid.add_argument("--out", default=None, help="write reid.json and reid.png here")
     _add_common(reid, config=False)
     reid.set_defaults(func=cmd_reid)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ FLOWER_ENV = {
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # Ray leaves CUDA_VISIBLE_DEVICES alone for a site with no GPU share
 }
 
 
@@ -119,19 +119,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": bool(args.resume)}
     sites = len(cfg.data.train_splits)
 
-    from flwr.simulation import run_simulation
+    from cli.simulation import run_local_simulation
 
-    if not args.verbose:
-        logging.getLogger("flwr").setLevel(logging.INFO)  # flwr logs its internals at DEBUG
-    server, client = simulation_apps(run_config)
-    run_simulation(
-        server_app=server, client_app=client, num_supernodes=sites,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, sites))}},
-    )
+    status = run_local_simulation(out, run_config, sites=sites, quiet=args.quiet)
     metrics_path = out / "metrics.json"
-    if not metrics_path.is_file():
-        raise RuntimeError(f"the federation ended without writing {metrics_path}; see the log above")
+    if status != "finished:completed" or not metrics_path.is_file():
+        raise RuntimeError(f"the federation did not finish ({status or 'no status'}); see the log above and "
+                           f"{out / 'superlink.log'}")
     metrics = json.loads(metrics_path.read_text())
     print_summary(metrics, out)
     return 0
@@ -193,11 +187,11 @@ def register(sub: Any) -> None:
     led.set_defaults(func=cmd_ledger)
 
     certs = sub.add_parser("certs", help="CA, server TLS certificate and SuperNode key pairs for a pilot")
-    certs.add_argument("--out", required=True)
+    certs.add_argument("--out", required=True, help="folder for the key material (outside any git repository)")
     certs.add_argument("--nodes", type=int, required=True, help="number of SuperNode key pairs")
     certs.add_argument("--host", action="append", default=None,
                        help="server name or IP for the certificate (repeat; default localhost, 127.0.0.1, ::1)")
-    certs.add_argument("--days", type=int, default=365)
+    certs.add_argument("--days", type=int, default=365, help="certificate validity in days (default 365)")
     certs.add_argument("--force", action="store_true", help="overwrite existing files")
     certs.add_argument("--verbose", action="store_true", help="debug logging")
     certs.set_defaults(func=cmd_certs)
@@ -238,7 +232,7 @@ def register(sub: Any) -> None:
                      help="a held-out split (disjoint from --data-path): the site scores every global model it "
                           "receives on it and keeps the numbers (evaluation.jsonl beside the ledger)")
     pol.add_argument("--min-sigma", type=float, default=None, help="default: derived from the budget")
-    pol.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
+    pol.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="privacy accountant (default rdp)")
     pol.add_argument("--verbose", action="store_true", help="debug logging")
     pol.set_defaults(func=cmd_site_policy)
 

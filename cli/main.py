@@ -19,9 +19,9 @@ log = logging.getLogger("fedpose")
 DEFAULT_CONFIG = "default"  # configs/default.yaml, shipped with fedpose (any command takes a name or a path)
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, quiet: bool = False) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -164,13 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the synthetic ward (MPII json layout)")
-    synth.add_argument("--out", required=True)
-    synth.add_argument("--sites", type=int, default=3)
-    synth.add_argument("--per-site", type=int, default=400)
-    synth.add_argument("--public", type=int, default=600)
-    synth.add_argument("--val", type=int, default=240)
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--image-size", type=int, default=128)
+    synth.add_argument("--out", required=True, help="a new folder for the ward")
+    synth.add_argument("--sites", type=int, default=3, help="hospital sites, each with its own camera style (default 3)")
+    synth.add_argument("--per-site", type=int, default=400, help="images per site (default 400)")
+    synth.add_argument("--public", type=int, default=600, help="images of the public split (default 600)")
+    synth.add_argument("--val", type=int, default=240, help="images of the validation split (default 240)")
+    synth.add_argument("--seed", type=int, default=0, help="the ward is a function of this seed (default 0)")
+    synth.add_argument("--image-size", type=int, default=128, help="image side in px (default 128)")
     _add_common(synth, config=False)
     synth.set_defaults(func=cmd_data_synth)
 
@@ -181,11 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(func=cmd_pretrain)
 
     tr = sub.add_parser("train", help="train with one of the five methods and evaluate")
-    tr.add_argument("--method", choices=METHODS, default=None)
-    tr.add_argument("--strategy", choices=STRATEGIES, default=None)
-    tr.add_argument("--epsilon", type=float, default=None)
-    tr.add_argument("--clip", type=float, default=None)
-    tr.add_argument("--epochs", type=int, default=None)
+    tr.add_argument("--method", choices=METHODS, default=None, help="training method (default: the config's train.method)")
+    tr.add_argument("--strategy", choices=STRATEGIES, default=None, help="what trains (default: the config's train.strategy)")
+    tr.add_argument("--epsilon", type=float, default=None, help="target epsilon (default: the config's privacy.epsilon)")
+    tr.add_argument("--clip", type=float, default=None, help="per-sample clip C (default: the config's privacy.clip_norm)")
+    tr.add_argument("--epochs", type=int, default=None, help="expected passes over the private data (default: the config's train.epochs)")
     tr.add_argument("--batch-size", type=int, default=None,
                     help="expected batch: records, or patients at --unit patient (sets q = B / n)")
     tr.add_argument("--seed", type=int, default=None, help="reproducible noise (NOT for production)")
@@ -195,13 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-records-per-patient", type=int, default=None,
                     help="patient: records of a patient used (a fixed subset); record: the stated cap of the "
                          "group-privacy bound in the claim")
-    tr.add_argument("--data", default=None)
-    tr.add_argument("--out", required=True)
+    tr.add_argument("--data", default=None, help="a data root of splits on disk (sets data.source files; default: the config's)")
+    tr.add_argument("--out", required=True, help="results folder (model.pt, metrics.json, config.yaml)")
     _add_common(tr)
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="PCKh of a checkpoint on a split in the MPII json layout")
-    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--checkpoint", required=True, help="a model.pt written by pretrain, train or a federation")
     ev.add_argument("--data", required=True, help="split directory (annotations.json, images/)")
     ev.add_argument("--headboxes", default=None, help="headboxes.json or the official mpii_gt_val.mat")
     ev.add_argument("--predictions", default=None, help="write predictions (MPII json layout) here")
@@ -211,7 +211,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     for register in _extensions():
         register(sub)
+    _common_options(parser)
     return parser
+
+
+def _leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    if not subs:
+        return [parser]
+    return [leaf for action in subs for child in action.choices.values() for leaf in _leaves(child)]
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    """Every command takes -v/--verbose and -q/--quiet; the top level takes --version."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("fedpose")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"fedpose {version}")
+    for leaf in _leaves(parser):
+        options = leaf._option_string_actions  # noqa: SLF001
+        for long, short, text in (("--verbose", "-v", "debug logging"),
+                                  ("--quiet", "-q", "no progress bars; warnings and errors only")):
+            if long in options and short not in options:
+                action = options[long]
+                action.option_strings.append(short)
+                options[short] = action
+            elif long not in options:
+                leaf.add_argument(short, long, action="store_true", help=text)
 
 
 def _extensions() -> list[Callable[[Any], None]]:
@@ -230,18 +259,26 @@ def _extensions() -> list[Callable[[Any], None]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every project error is one line on stderr and an exit code of ``ExitCode``."""
+    from shared.errors import ExitCode, PrivacyRefusal
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(getattr(args, "verbose", False))
+    _setup_logging(getattr(args, "verbose", False), getattr(args, "quiet", False))
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"fedpose {args.command}: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         # The project's own errors (ValueError and its ConfigError, FileNotFoundError/FileExistsError and
         # other OSErrors naming a file, ImportError with an install hint): one line, no traceback (-v logs it).
         log.debug("command failed", exc_info=True)
         message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
         print(f"fedpose {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        if isinstance(err, PrivacyRefusal):
+            return ExitCode.REFUSED
+        return ExitCode.FAILED if isinstance(err, RuntimeError) else ExitCode.BAD_INPUT
 
 
 if __name__ == "__main__":

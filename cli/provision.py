@@ -120,7 +120,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prov.add_argument("--sites", required=True, help="comma-separated site names, e.g. hospital-a,hospital-b")
     prov.add_argument("--host", action="append", default=None,
                       help="the server's name or IP (repeat; the first is the address sites dial)")
-    prov.add_argument("--port", type=int, default=8000)
+    prov.add_argument("--port", type=int, default=8000, help="the SuperLink's Fleet API port, the one sites dial (default 8000)")
     prov.add_argument("--config", default=DEFAULT_CONFIG, help="the run's config (batch size, local steps, psi)")
     prov.add_argument("--days", type=int, default=365, help="certificate validity")
     prov.add_argument("--install-dir", default=kit.INSTALL, help=f"where sites unpack their kits (default "

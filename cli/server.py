@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Exit codes of ``fedpose server run`` (also in the errors reference): 0 finished, 1 the run failed or was
-# stopped, 2 bad input (the CLI's usual), 3 the run could not be submitted or followed.
-RUN_FAILED, NOT_SUBMITTED = 1, 3
+from shared.errors import ExitCode
+
+# ``fedpose server run``: 0 finished completed; FAILED when the run failed, was stopped or was not submitted.
+RUN_FAILED = NOT_SUBMITTED = ExitCode.FAILED
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -11,10 +11,12 @@ before installing or importing it.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+
+from cli.processes import become_subreaper, reap_orphans  # noqa: E402
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -182,7 +184,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from cli.site_policy import report_check
     from client.policy import load_policy
 
-    report_check(load_policy(args.policy))
+    path = Path(args.policy).expanduser().resolve()
+    report_check(load_policy(path), path)
     return 0
 
 
@@ -208,7 +211,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         from client.policy import load_policy
 
         policy = Path(args.policy).expanduser().resolve()
-        report_check(load_policy(policy))  # the checks that read private data run here, once, not per message
+        report_check(load_policy(policy), policy)  # the checks that read private data run here, once, not per message
         supernode_args = _with_policy(supernode_args, policy)
     approved = Path(args.approved).expanduser().resolve()
     digests = load_approved(approved)
@@ -254,14 +257,14 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    reaper = _become_subreaper()
+    reaper = become_subreaper()
     failing_since: float | None = None
     while True:
         started = time.monotonic()
         child = subprocess.Popen(cmd, env=env)
         code = child.wait()
         if reaper:
-            _reap_orphans()  # its SuperExec would otherwise outlive it and attach to the next SuperNode
+            reap_orphans()  # its SuperExec would otherwise outlive it and attach to the next SuperNode
         if stopping or code != _RETRYABLE_EXIT:
             return code
         now = time.monotonic()
@@ -279,44 +282,6 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
         time.sleep(pause)
         if stopping:
             return code
-
-
-def _become_subreaper() -> bool:
-    """Linux: processes our SuperNode leaves behind are re-parented to this one (not to init)."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        return False
-
-
-def _reap_orphans() -> None:
-    """Kill and reap what an exited SuperNode left behind: its flower-superexec and app processes."""
-    import signal
-
-    me = os.getpid()
-    while True:
-        orphans = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == me:
-                orphans.append(int(stat.parent.name))
-        if not orphans:
-            return
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in orphans:  # reap them (their own children are re-parented to us next)
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
 
 
 def register(sub: Any) -> None:

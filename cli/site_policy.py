@@ -56,16 +56,19 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
         write_policy(out, policy)
         print(f"wrote {out}" + (f" (approving the public set {policy.public_path}, digest {digest})" if digest else ""))
     print(json.dumps(policy_to_dict(policy), indent=1))
-    report_check(policy)
+    report_check(policy, Path(args.check or args.out).resolve())
     return 0
 
 
-def report_check(policy) -> None:
-    """Run the site's own checks (recorded for its SuperNode, which never re-reads the data) and say how they went."""
+def report_check(policy, policy_path: Path) -> None:
+    """Run the site's own checks (recorded for its SuperNode, which never re-reads the data) and say how they went.
+
+    The ledger's id is kept in ``ledger.id`` beside the policy: a ledger lost later is refused, not re-created.
+    """
     from client.policy import min_sigma_for
     from client.site_data import prepare_site, spend_so_far
 
-    check = prepare_site(policy)
+    check = prepare_site(policy, id_file=policy_path.parent / "ledger.id")
     spend = spend_so_far(policy, None)
     unit = "patients" if policy.unit == "patient" else "records"
     print(f"checked: {check.units} {unit} to train on, delta < 1/n, no image twice"

@@ -237,6 +237,18 @@ class SiteLedger:
             with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
                 self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('site', ?)", (site,))
 
+    def ledger_id(self) -> str:
+        """This ledger's own id (made on first use): a backup restored is the same ledger, a fresh file is not."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchone()
+        if row is not None:
+            return str(row[0])
+        import uuid
+
+        value = uuid.uuid4().hex
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            self.conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('ledger_id', ?)", (value,))
+        return str(self.conn.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchone()[0])
+
     def close(self) -> None:
         self.conn.close()
 

@@ -208,11 +208,11 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
         rounds_done = ledger.rounds_done()
     # Timings, the realised batch sizes and the zeroed contributions track the private data: they stay in
     # this log, never in the reply (P10, P13).
-    log.info("site %s round %d: trained %d steps (sigma=%.4f, q=%.4f, B=%g, mean batch %.1f) in %.1f s (+%.1f s "
+    log.info("site %s round %d: trained %d steps on %s (sigma=%.4f, q=%.4f, B=%g, mean batch %.1f) in %.1f s (+%.1f s "
              "basis); %d non-finite private contributions zeroed, %d public gradients left out; eps spent %.4f of "
-             "%.4g", policy.site, request.round, result.steps, result.sigma, result.sample_rate,
-             policy.expected_batch, result.mean_batch, result.seconds, seconds_basis, result.zeroed,
-             result.public_zeroed, eps, policy.epsilon)
+             "%.4g", policy.site, request.round, result.steps, next(model.parameters()).device, result.sigma,
+             result.sample_rate, policy.expected_batch, result.mean_batch, result.seconds, seconds_basis,
+             result.zeroed, result.public_zeroed, eps, policy.epsilon)
     metrics = {
         "sigma": float(result.sigma),
         "sample-rate": float(result.sample_rate),

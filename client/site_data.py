@@ -31,6 +31,7 @@ from shared.data.mpii import load_split
 from shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
 from shared.data.records import PoseRecord
 from shared.data.split import content_hash
+from shared.errors import PrivacyRefusal
 from shared.data.split import manifest_digest as public_digest
 from shared.federation_messages import Refusal, RefusalCode, SiteInfo
 from shared.privacy.accountant import check_delta
@@ -191,8 +192,37 @@ def check_site(policy: SitePolicy) -> CheckedSite:
                        alerts=tuple(alerts))
 
 
-def prepare_site(policy: SitePolicy) -> SiteCheck:
-    """Run the site's checks and record their outcome beside the ledger (atomic); the operator's step."""
+def check_ledger_continuity(policy: SitePolicy, id_file: Path) -> str:
+    """The site's ledger is the one it always had: refuse a missing or replaced ledger once one existed.
+
+    Losing the ledger would silently reset the lifetime budget. ``id_file`` (beside the policy, outside the
+    state folder) keeps the ledger's id from its first check; a ledger that is missing, or that is another
+    file, is refused until it is restored from backup (or ``id_file`` is deleted on purpose, to start over).
+    """
+    ledger_path = Path(policy.ledger_path)
+    known = id_file.read_text().strip() if id_file.is_file() else None
+    if known is not None and not ledger_path.exists():
+        raise PrivacyRefusal(f"site ledger {ledger_path} is missing, but this site had one (id {known}, in {id_file}): "
+                         "restore it from its backup; to start a new budget on purpose, delete that file")
+    with SiteLedger(ledger_path, site=policy.site) as ledger:
+        current = ledger.ledger_id()
+    if known is not None and known != current:
+        raise PrivacyRefusal(f"site ledger {ledger_path} is not the ledger this site had (id {current}, expected {known}): "
+                         f"restore the right one from its backup; to start a new budget on purpose, delete {id_file}")
+    if known is None:
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(current + "\n")
+    return current
+
+
+def prepare_site(policy: SitePolicy, *, id_file: Path | None = None) -> SiteCheck:
+    """Run the site's checks and record their outcome beside the ledger (atomic); the operator's step.
+
+    ``id_file`` (the operator's commands pass ``ledger.id`` beside the policy): refuse a missing or replaced
+    ledger once one existed (``check_ledger_continuity``).
+    """
+    if id_file is not None:
+        check_ledger_continuity(policy, id_file)
     version = data_version(policy)
     checked = check_site(policy)
     record = SiteCheck(policy=policy_fingerprint(policy), data_version=version, records=len(checked.private),

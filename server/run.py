@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,36 @@ class Paths:
         return self.out / "rounds.jsonl"
 
 
+@contextmanager
+def _sole_server(out: Path, wait: float = 300.0) -> Iterator[None]:
+    """One server per run folder: a resumed server waits (bounded) for an old one that is still winding down."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "server.lock", "a+") as fh:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another server still runs on {out} after {wait:.0f} s: stop it first") from None
+                log.info("another server still holds %s: waiting for it to stop", out)
+                time.sleep(2.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out``."""
+    """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out`` (one server at a time)."""
+    with _sole_server(Path(out)):
+        return _run_federation(grid, cfg, out, resume=resume)
+
+
+def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
     from shared.data.mpii import load_split
     from shared.model.posenet import apply_strategy
     from shared.runs import initial_model

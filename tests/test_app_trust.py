@@ -170,9 +170,9 @@ def test_cli_approve_and_start_arguments(tmp_path, capsys):
     assert load_approved(approved) == {A}
     assert approved.read_text() == f"{A}  # fedpose 0.1.0 reviewed\n"
     # The gate only covers ClientApps the SuperNode starts itself.
-    assert cli_main(["site", "start", "--approved", str(approved), "--", "--isolation", "process"]) == 2
+    assert cli_main(["site", "start", "--approved", str(approved), "--", "--isolation", "process"]) == 3
     assert "--isolation subprocess" in capsys.readouterr().err
-    assert cli_main(["site", "start", "--approved", str(tmp_path / "none.txt"), "--", "--insecure"]) == 2
+    assert cli_main(["site", "start", "--approved", str(tmp_path / "none.txt"), "--", "--insecure"]) == 3
     assert "does not exist" in capsys.readouterr().err
 
 

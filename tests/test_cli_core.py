@@ -93,9 +93,35 @@ def test_eval_prints_json_and_writes_predictions_in_order(tiny, capsys):
 
 
 def test_bad_input_is_refused_with_a_message(tiny, capsys):
-    assert main(["train", "--config", str(tiny / "cfg.yaml"), "--epsilon", "-1", "--out", str(tiny / "x")]) == 2
+    assert main(["train", "--config", str(tiny / "cfg.yaml"), "--epsilon", "-1", "--out", str(tiny / "x")]) == 3
     assert "privacy.epsilon" in capsys.readouterr().err
-    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny / "ward" / "val")]) == 2
+    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny / "ward" / "val")]) == 3
     assert "missing.pt" in capsys.readouterr().err
-    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny)]) == 2
+    assert main(["eval", "--checkpoint", str(tiny / "missing.pt"), "--data", str(tiny)]) == 3
     assert "annotations.json" in capsys.readouterr().err
+
+
+def test_every_command_follows_the_cli_conventions(capsys):
+    """--version; -v/-q and help text on every option of every command; the exit-code scheme is the documented one."""
+    import argparse
+
+    from cli.main import _leaves, build_parser, main
+    from shared.errors import ExitCode
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("fedpose ")
+    missing = []
+    for leaf in _leaves(parser):
+        options = leaf._option_string_actions
+        assert {"-v", "--verbose", "-q", "--quiet"} <= set(options), leaf.prog
+        for action in leaf._actions:
+            if not isinstance(action, argparse._HelpAction) and not action.help:
+                missing.append(f"{leaf.prog} {action.option_strings or action.dest}")
+    assert not missing, missing
+    assert [c.value for c in ExitCode] == [0, 1, 2, 3, 4, 5, 130]
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--no-such-option"])
+    assert done.value.code == ExitCode.USAGE
+    assert main(["train", "--config", "no-such-config", "--out", "x"]) == ExitCode.BAD_INPUT

@@ -430,14 +430,14 @@ def test_source_that_never_opens(tmp_path):
 def test_cli_unopenable_source_exits_nonzero(random_onnx, tmp_path, capsys):
     code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(tmp_path / "nope.mp4"),
                      "--out-dir", str(tmp_path / "out")])
-    assert code == 2
+    assert code == 3
     assert "nope.mp4" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written for a source that never opened
     not_video = tmp_path / "text.mp4"
     not_video.write_text("this is not a video")
     code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(not_video),
                      "--out-dir", str(tmp_path / "out")])
-    assert code == 2
+    assert code == 3
     assert "cannot open video source" in capsys.readouterr().err
 
 
@@ -492,7 +492,7 @@ def test_cli_export_then_run(tmp_path, clip, capsys):
         assert code == 0
         assert len(_read_jsonl(tmp_path / model.suffix[1:] / KEYPOINTS_FILE)) == 4
     assert cli_main(["edge", "export", "--checkpoint", str(tmp_path / "model.pt"), "--out", str(tmp_path / "x.onnx"),
-                     "--input", "128x96"]) == 2
+                     "--input", "128x96"]) == 3
     assert "tied to the training input size" in capsys.readouterr().err
 
 
@@ -568,17 +568,17 @@ def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
     assert cv2.imread(str(png), cv2.IMREAD_UNCHANGED).shape == (LIGHTS.size[1], LIGHTS.size[0])
     capsys.readouterr()
     assert cli_main(["edge", "pixelize", "--in", str(image), "--eps", "1", "--b", "16", "--m", "4", "--n", "3",
-                     "--out", str(tmp_path / "x.png")]) == 2
+                     "--out", str(tmp_path / "x.png")]) == 3
     assert "does not divide" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_arguments(random_onnx, clip, tmp_path, capsys):
     base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--out-dir", str(tmp_path)]
-    assert cli_main(base + ["--roi", "1,2,3"]) == 2
+    assert cli_main(base + ["--roi", "1,2,3"]) == 3
     assert "--roi" in capsys.readouterr().err
-    assert cli_main(base + ["--pixelize", "eps=0,b=8,m=8"]) == 2
+    assert cli_main(base + ["--pixelize", "eps=0,b=8,m=8"]) == 3
     assert "eps must be > 0" in capsys.readouterr().err
-    assert cli_main(["edge", "build", "--onnx", str(random_onnx), "--out", str(tmp_path / "m.plan")]) == 2
+    assert cli_main(["edge", "build", "--onnx", str(random_onnx), "--out", str(tmp_path / "m.plan")]) == 3
     err = capsys.readouterr()
     assert "trtexec" in err.out  # the equivalent command is printed before TensorRT is needed
     if "TensorRT is not installed" in err.err:

@@ -325,7 +325,7 @@ def test_a_site_makes_its_own_key_pair_and_only_the_public_key_leaves(tmp_path, 
     assert key.public_key().public_numbers() == pub.public_numbers()
     assert oct((site / "node.key").stat().st_mode & 0o777) == "0o600"
     assert "send node.key.pub" in capsys.readouterr().out
-    assert main(["site", "keygen", "--out", str(site)]) == 2  # never silently replaces a registered key
+    assert main(["site", "keygen", "--out", str(site)]) == 3  # never silently replaces a registered key
     assert "already holds" in capsys.readouterr().err
-    assert main(["site", "keygen", "--out", str(REPO / "keys-here")]) == 2  # never inside a git work tree
+    assert main(["site", "keygen", "--out", str(REPO / "keys-here")]) == 3  # never inside a git work tree
     assert not (REPO / "keys-here").exists()

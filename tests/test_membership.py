@@ -83,5 +83,5 @@ def test_mia_end_to_end_on_a_tiny_ward(tmp_path):
 def test_cli_attack_mia_refuses_bad_input(tmp_path, capsys):
     from cli.main import main
 
-    assert main(["attack", "mia", "--methods", "nonprivate,bogus", "--out", str(tmp_path)]) == 2
+    assert main(["attack", "mia", "--methods", "nonprivate,bogus", "--out", str(tmp_path)]) == 3
     assert "methods" in capsys.readouterr().err

@@ -379,10 +379,45 @@ def test_an_unfilled_kit_policy_says_which_command_fills_it_in_one_line(tmp_path
 
     kits = provision(tmp_path / "kits", sites=["a"], hosts=["127.0.0.1"], port=8000, cfg=config_from_dict({}))
     policy = kits["a"] / "policy.yaml"
-    assert main(["site", "check", "--policy", str(policy)]) == 2
+    assert main(["site", "check", "--policy", str(policy)]) == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "sample_rate, data_path, public_path, public_digest still say FILL-ME" in err
     assert f"fedpose site set-data --policy {policy} DATA_DIR" in err and "fedpose site approve-public" in err
     assert main(["site", "status", "--policy", str(policy)]) == 1  # unhealthy, and says why
     assert "FILL-ME" in capsys.readouterr().out
+
+
+def test_a_lost_ledger_is_refused_not_silently_recreated(tmp_path, capsys):
+    """Losing the ledger would reset the lifetime budget: once a site had one, its checks refuse a missing or
+    replaced ledger until the backup is restored."""
+    import shutil
+
+    from cli.main import main
+    from federation_support import prepare_world, world_root  # noqa: F401
+    from test_federation_site import _policy
+
+    cfg = prepare_world(tmp_path / "world")
+    policy = _policy(cfg, tmp_path / "site", prepare=False)
+    from client.policy import write_policy
+
+    path = write_policy(tmp_path / "site" / "policy.yaml", policy)
+    assert main(["site", "check", "--policy", str(path)]) == 0
+    assert (tmp_path / "site" / "ledger.id").is_file()
+    ledger = Path(policy.ledger_path)
+    shutil.copy(ledger, tmp_path / "backup.sqlite")
+    ledger.unlink()
+    capsys.readouterr()
+    assert main(["site", "check", "--policy", str(path)]) == 4  # refused: a lost ledger
+    assert "is missing, but this site had one" in capsys.readouterr().err
+    assert not ledger.exists()  # not re-created
+    shutil.copy(tmp_path / "backup.sqlite", ledger)  # restored from its backup
+    assert main(["site", "check", "--policy", str(path)]) == 0
+    other = tmp_path / "other.sqlite"
+    from client.ledger import SiteLedger
+
+    with SiteLedger(other, site=policy.site) as fresh:
+        fresh.ledger_id()
+    shutil.copy(other, ledger)  # another ledger put in its place
+    assert main(["site", "check", "--policy", str(path)]) == 4
+    assert "is not the ledger this site had" in capsys.readouterr().err

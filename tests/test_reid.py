@@ -58,5 +58,5 @@ def test_cli_attack_reid(ward, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "clean" in printed and "DP pixelization b=16" in printed and "claim:" in printed
     assert (tmp_path / "reid.json").is_file() and (tmp_path / "reid.png").is_file()
-    assert main(["attack", "reid", "--data", str(ward), "--cells", "10", "--n", "4"]) == 2
+    assert main(["attack", "reid", "--data", str(ward), "--cells", "10", "--n", "4"]) == 3
     assert "multiple" in capsys.readouterr().err

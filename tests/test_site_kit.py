@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import REPO, flower_env, free_port, prepare_world, start, stop, wait_for, world_root
+from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
 from shared.config import dump_config
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
 
         # the README's status line, while the SuperLink is up: everything checks out; the rounds are used up
         for site in sites:
-            done = subprocess.run(["bash", "-c", f"fedpose site status --policy policy.yaml --json"], cwd=kits / site,
+            done = subprocess.run(["bash", "-c", "fedpose site status --policy policy.yaml --json"], cwd=kits / site,
                                   env=env, capture_output=True, text=True, timeout=120)
             report = json.loads(done.stdout)
             assert report["problems"] == [p for p in report["problems"] if "lifetime rounds are used" in p], report

@@ -1,4 +1,4 @@
-"""Generate the CLI and configuration reference pages from the real parser and the config dataclasses.
+"""Generate the CLI and configuration reference pages, and the kit files the guides show, from the code.
 
     python tools/docs_reference.py            # write docs/reference/cli.md and docs/reference/config.md
     python tools/docs_reference.py --check    # exit 1 when the committed pages differ (CI runs this as a test)
@@ -146,11 +146,54 @@ def config_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# Blocks of the how-to pages that show a kit's files: <!-- kit:NAME --> ... <!-- /kit:NAME -->, filled from the
+# templates fedpose provision uses (cli/kit_templates.py), for an example site, so the guide and a kit never differ.
+KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
+EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "api_port": 9094,
+           "health_port": 9095, "config": "default", "app": "/srv/fedpose/src", "sites": "hospital-a hospital-b"}
+
+
+def kit_blocks() -> dict[str, str]:
+    """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
+    from cli import kit_templates as kit
+    from shared.config import load_config
+
+    cfg = load_config("default")
+    paths = {"install": kit.INSTALL, "venv": kit.VENV, "state": kit.STATE, "user": kit.USER}
+    values = {**EXAMPLE, **paths, "epsilon": cfg.privacy.epsilon, "delta": cfg.privacy.delta,
+              "lifetime_rounds": cfg.federation.rounds, "rounds": cfg.federation.rounds,
+              "batch_size": cfg.train.batch_size, "local_steps": cfg.federation.local_steps,
+              "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
+              "augment": str(cfg.data.augment).lower(), "method": cfg.train.method,
+              "accountant": cfg.privacy.accountant}
+    names = ("POLICY", "START_SCRIPT", "SYSTEMD_UNIT", "SITE_STEPS", "SERVER_STEPS", "SUPERLINK_SCRIPT",
+             "REGISTER_SCRIPT")
+    return {name: getattr(kit, name).format(**values) for name in names}
+
+
+def fill_kit_blocks(text: str, blocks: dict[str, str]) -> str:
+    import re
+
+    def replace(match: "re.Match[str]") -> str:
+        name = match.group(1)
+        if name not in blocks:
+            raise KeyError(f"unknown kit block {name!r}")
+        fence = "ini" if name == "SYSTEMD_UNIT" else "yaml" if name == "POLICY" else \
+            "sh" if name.endswith("SCRIPT") else "text"
+        return f"<!-- kit:{name} -->\n```{fence}\n{blocks[name].rstrip()}\n```\n<!-- /kit:{name} -->"
+
+    return re.sub(r"<!-- kit:([A-Z_]+) -->.*?<!-- /kit:\1 -->", replace, text, flags=re.S)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a committed page is not current")
     args = parser.parse_args(argv)
     pages = {CLI_PAGE: cli_page(), CONFIG_PAGE: config_page()}
+    blocks = kit_blocks()
+    for page in KIT_PAGES:
+        if page.is_file():
+            pages[page] = fill_kit_blocks(page.read_text(), blocks)
     stale = [path for path, text in pages.items() if not path.is_file() or path.read_text() != text]
     if args.check:
         for path in stale:

@@ -1,0 +1,173 @@
+"""``fedpose simulate`` on Flower's supported simulation path: a local SuperLink in simulation mode and ``flwr run``.
+
+The SuperLink runs as a child of this command, on free ports of 127.0.0.1 with its state in the run
+folder, and stops with it. The app is this fedpose (its ``server.server_app`` and ``client.client_app``,
+exactly the deployment's); each simulated site is a Flower node with a ``partition-id``, so it takes the
+site policy ``fedpose simulate`` wrote for it. Ray gives each site one CPU and, when CUDA is present, an
+equal share of the GPUs; every site prints the device it trains on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+APP_PYPROJECT = """\
+# The Flower app of fedpose for a local simulation: its components are fedpose's own installed modules.
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "fedpose"
+version = "{version}"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedpose"
+
+[tool.flwr.app.components]
+serverapp = "server.server_app:app"
+clientapp = "client.client_app:app"
+
+[tool.flwr.app.config]
+config = ""
+overrides = ""
+out = ""
+resume = false
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    path = Path(sys.executable).with_name(name)
+    if not path.exists():
+        found = shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"{name} is not installed next to this Python: install fedpose[train] (it brings "
+                                    "flwr) in this environment")
+        return found
+    return str(path)
+
+
+def app_folder(out: Path) -> Path:
+    """A minimal Flower app folder for this fedpose (only its pyproject.toml: the code is the installed fedpose)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("fedpose")
+    except metadata.PackageNotFoundError:
+        version = "0.0.0"
+    app = out / "flwr-app"
+    app.mkdir(parents=True, exist_ok=True)
+    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(version=version))
+    return app
+
+
+def gpu_share(sites: int) -> float:
+    """The fraction of a GPU each simulated site gets: all GPUs shared equally (0 without CUDA)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return 0.0 if count == 0 else min(1.0, round(count / sites, 4))
+
+
+class LocalSuperLink:
+    """A SuperLink in simulation mode, owned by this process (stopped with it)."""
+
+    def __init__(self, out: Path, env: dict[str, str]) -> None:
+        self.port = _free_port()  # the Runtime HTTP API: the simulation's nodes and the Control API (flwr)
+        self.log = out / "superlink.log"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LocalSuperLink:
+        # Under cli.processes' guard: killed with this command, even by kill -9, with the SuperExec, the
+        # simulation runtime and Ray it starts (they would otherwise finish the federation on their own).
+        cmd = [sys.executable, "-m", "cli.processes", "--",
+               _bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--database", str(self.log.with_name("superlink.db"))]
+        self._fh = open(self.log, "ab")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the local SuperLink exited at start (code {self.proc.returncode}); see {self.log}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"the local SuperLink did not start within 120 s; see {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(timeout=wait)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        self._fh.close()
+
+
+def run_local_simulation(out: Path, run_config: dict[str, Any], *, sites: int, quiet: bool) -> str:
+    """Run the federation of ``run_config`` with ``sites`` simulated sites; returns Flower's final run status."""
+    from cli.fed import FLOWER_ENV
+
+    home = out / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(home),
+           # the SuperLink starts flower-superexec, and it flwr-serverapp / flwr-simulation, by name
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    gpus = gpu_share(sites)
+    with LocalSuperLink(out, env) as link:
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedpose-sim"\n\n[superlink.fedpose-sim]\n'
+            f'address = "127.0.0.1:{link.port}"\ninsecure = true\n')
+        parts = [f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}" for k, v in run_config.items()]
+        federation = (f"num_supernodes={sites} client_resources_num_cpus=1 client_resources_num_gpus={gpus} "
+                      f"init_args_num_cpus={max(1, min(os.cpu_count() or 1, sites))}")
+        submitted = subprocess.run([_bin("flwr"), "run", str(app_folder(out)), "fedpose-sim", "--run-config",
+                                    " ".join(parts), "--federation-config", federation, "--format", "json"],
+                                   env=env, capture_output=True, text=True, timeout=300)
+        try:
+            run_id = int(json.loads(submitted.stdout)["run-id"])
+        except (ValueError, KeyError, TypeError):
+            raise RuntimeError(f"the simulation was not submitted: {(submitted.stdout + submitted.stderr)[-800:]}") \
+                from None
+        if not quiet:
+            print(f"local simulation: run {run_id}, {sites} sites" + (f", {gpus:g} GPU each" if gpus else ", CPU") +
+                  f"; Flower's log below, the SuperLink's in {link.log}", flush=True)
+        # Follow the run's log to its end (flwr log --stream returns when the run finishes).
+        subprocess.run([_bin("flwr"), "log", str(run_id), "fedpose-sim", "--stream"], env=env,
+                       stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.STDOUT)
+        status = ""
+        for _ in range(150):
+            ls = subprocess.run([_bin("flwr"), "ls", "fedpose-sim", "--run-id", str(run_id), "--format", "json"],
+                                env=env, capture_output=True, text=True, timeout=60)
+            try:
+                status = str(json.loads(ls.stdout)["runs"][0]["status"])
+            except (ValueError, KeyError, IndexError):
+                status = ""
+            if status.startswith("finished"):
+                break
+            time.sleep(2)
+        return status
