@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from server.aggregate import ServerOptimizer
 from server.plan import _calibrated
-from server.combine import fedavg
+from server.combine import aggregate, bound_updates
 from shared.config import load_config, replace
 from shared.data.mpii import load_split
 from shared.model.posenet import apply_strategy, make_loss_fn
@@ -48,7 +48,7 @@ from shared.train import (
 )
 
 
-def run_one(cfg, seed: int, *, eval_every: int, progress: bool) -> dict:
+def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tuple[float, ...] = ()) -> dict:
     torch.manual_seed(seed)
     fed = cfg.federation
     method = cfg.train.method
@@ -70,6 +70,8 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool) -> dict:
     server_opt = ServerOptimizer(fed.server_optimizer, lr=fed.server_lr, momentum=fed.server_momentum)
     initial = float(evaluate(model, val)[0]["pckh"]["mean"])
     curve: list[float | None] = []
+    emas: dict[float, dict] = {}
+    ema_curves: dict[float, list[float | None]] = {}
     version, basis = 0, None
     t0 = time.perf_counter()
     ledger_dir = Path(tempfile.mkdtemp(prefix="levers-"))
@@ -95,16 +97,29 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool) -> dict:
             lnamed = dict(local.named_parameters())
             updates.append({k: lnamed[k].detach().clone() for k in local_trainable})  # uniform, as the server
         current = {k: named[k].detach().clone() for k in trainable}
+        bounded, _, _ = bound_updates(updates, current, fed.update_bound)  # as server/run.py combines them
         with torch.no_grad():
-            for k, v in server_opt.apply(current, fedavg(updates)).items():
+            for k, v in server_opt.apply(current, aggregate(bounded, fed.aggregator)).items():
                 named[k].copy_(v)
+        for decay in ema_decays:  # the released model as an average of the global iterates: post-processing
+            state = emas.setdefault(decay, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            for k, v in model.state_dict().items():
+                if v.is_floating_point():
+                    state[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
         if rnd % eval_every == 0 or rnd == fed.rounds:
             curve.append(float(evaluate(model, val)[0]["pckh"]["mean"]))
+            for decay, state in emas.items():
+                shadow = copy.deepcopy(model)
+                shadow.load_state_dict(state)
+                ema_curves.setdefault(decay, []).append(float(evaluate(shadow, val)[0]["pckh"]["mean"]))
             bar.set_postfix(pckh=f"{curve[-1]:.2f}")
         else:
             curve.append(None)
+            for decay in emas:
+                ema_curves.setdefault(decay, []).append(None)
     final = curve[-1]
     return {"seed": seed, "initial": initial, "curve": curve, "final": final,
+            "ema": {str(d): c for d, c in ema_curves.items()},
             "sigma": {s: p[2] for s, p in plans.items()}, "q": {s: p[1] for s, p in plans.items()},
             "seconds": time.perf_counter() - t0}
 
@@ -129,6 +144,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ema", type=float, nargs="*", default=[],
+                        help="also evaluate averages of the global iterates with these per-round decays")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,7 +159,7 @@ def main() -> None:
     tag = args.tag or (",".join(f"{k.split('.')[-1]}={v}" for k, v in over.items()) or "default")
     runs = []
     for seed in args.seeds:
-        r = run_one(cfg, seed, eval_every=args.eval_every, progress=not args.no_progress)
+        r = run_one(cfg, seed, eval_every=args.eval_every, progress=not args.no_progress, ema_decays=tuple(args.ema))
         runs.append(r)
         print(f"{tag} seed {seed}: final {r['final']:.2f} (from {r['initial']:.2f}) in {r['seconds']:.0f} s; "
               f"sigma {next(iter(r['sigma'].values())):.3f}", flush=True)
@@ -155,6 +172,9 @@ def main() -> None:
     for r in runs:
         c = " ".join("-" if v is None else f"{v:.1f}" for v in r["curve"])
         print(f"| {tag} | {r['seed']} | {c} | {r['final']:.2f} |")
+        for decay, values in r["ema"].items():
+            c = " ".join("-" if v is None else f"{v:.1f}" for v in values)
+            print(f"| {tag}, average of iterates ({decay}) | {r['seed']} | {c} | {values[-1]:.2f} |")
     print(f"| {tag} | mean ± std | | {mean:.2f} ± {sd:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "simulate", "--config", "configs/default.yaml", "--out", "{out}/federation"),
         (*FEDPOSE, "edge", "demo-video", "--out", "{out}/demo.mp4"),
         (*FEDPOSE, "edge", "export", "--checkpoint", "{out}/federation/model.pt", "--out", "{out}/model.onnx"),
-        (*FEDPOSE, "edge", "run", "--model", "{out}/model.onnx", "--source", "{out}/demo.mp4", "--out-dir",
+        (*FEDPOSE, "edge", "run", "--model", "{out}/model.onnx", "--source", "{out}/demo.mp4", "--out",
          "{out}/edge", "--video", "--pixelize", "eps=1,b=16,m=16,n=4"),
     )),
     Entry("methods", "the five methods on the default config, 3 seeds", (

@@ -19,7 +19,8 @@ from cli.main import _add_common, _load
 def cmd_audit(args: argparse.Namespace) -> int:
     from shared.audit import AuditSpec, run_audit
 
-    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs, "privacy.unit": args.unit})
+    cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
+                       "train.epochs": args.epochs, "privacy.unit": args.unit})
     spec = AuditSpec(method=args.method, epsilon=args.epsilon, canaries=args.canaries, mode=args.mode,
                      confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed,
                      placement=args.canary_placement)
@@ -59,7 +60,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def cmd_mia(args: argparse.Namespace) -> int:
     from shared.membership import MiaSpec, run_mia
 
-    cfg = _load(args, {"data.root": args.data, "train.epochs": args.epochs})
+    cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
+                       "train.epochs": args.epochs})
     spec = MiaSpec(methods=tuple(m for m in args.methods.split(",") if m), models=args.models, pool=args.pool,
                    split=args.split, epsilon=args.epsilon, seed=args.seed)
     res = run_mia(cfg, spec, args.out, progress=not args.quiet)

@@ -49,14 +49,12 @@ def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
     import numpy as np
 
     from edge.quantize import compare_precisions, quantize_int8, record_crops
-    from shared.config import load_config, replace
+    from cli.main import load_cli_config
     from shared.data.mpii import load_split
     from shared.runs import ensure_data
 
-    cfg = load_config(args.config)
-    if args.data:
-        cfg = replace(cfg, **{"data.root": args.data})
-    root = ensure_data(cfg)  # the synthetic ward is generated on first use
+    cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None})
+    root = ensure_data(cfg)  # data.source synthetic: the ward is generated on first use
     public = load_split(root, cfg.data.public_split)
     if not public:
         raise ValueError(f"the public split {cfg.data.public_split!r} under {root} is empty: nothing to calibrate on")
@@ -294,6 +292,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``edge`` command group to the main parser."""
+    from cli.main import add_config
+
     edge = subparsers.add_parser("edge", help="deployment on cameras: export, TensorRT, pipeline, DP pixelization")
     sub = edge.add_subparsers(dest="edge_command", required=True)
 
@@ -305,7 +305,8 @@ def register(subparsers: Any) -> None:
     ex.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17, what TensorRT 10 parses)")
     ex.add_argument("--fp16", action="store_true", help="half-precision ONNX (TensorRT 11 strongly typed FP16)")
     ex.add_argument("--int8", action="store_true", help="also write <out>.int8.onnx (Q/DQ) and report its PCKh drop")
-    ex.add_argument("--config", default="configs/default.yaml", help="config naming the data (for --int8)")
+    add_config(ex, help="the config naming the calibration data for --int8 (a file or a shipped name; default "
+                        "default)")
     ex.add_argument("--data", default=None, help="data root (default: the config's data.root)")
     ex.add_argument("--calib-count", type=int, default=64, help="public images used for INT8 calibration")
     ex.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax",
@@ -329,7 +330,8 @@ def register(subparsers: Any) -> None:
     rn = sub.add_parser("run", help="camera pipeline: frames -> keypoints.jsonl (+ video, + DP pixelized frames)")
     rn.add_argument("--model", required=True, help="model.onnx | model.plan | model.pt")
     rn.add_argument("--source", required=True, help="camera index (0), video file or rtsp:// URL")
-    rn.add_argument("--out-dir", required=True, help="folder for keypoints.jsonl, the video and the pixelized frames")
+    rn.add_argument("--out", dest="out_dir", required=True, help="folder for keypoints.jsonl, the video and the pixelized "
+                                                                "frames")
     rn.add_argument("--roi", default=None, help="x,y,w,h region where the person is (e.g. the bed)")
     rn.add_argument("--max-frames", type=int, default=None, help="stop after this many frames (default: the whole source)")
     rn.add_argument("--pixelize", default=None, help="publish DP pixelized frames: eps=..,b=..,m=..,n=..[,color=1]")

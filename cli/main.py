@@ -29,10 +29,50 @@ def _setup_logging(verbose: bool, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
+    """``--set key=value`` pairs (the value read as YAML: 0.5, true, [64, 48], null) as dotted overrides."""
+    from shared.config import ConfigError, parse_yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or " " in key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set train.lr=0.0005")
+        out[key.strip()] = parse_yaml(raw, what=f"--set {key.strip()}") if raw.strip() else ""
+    return out
+
+
+def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None, *, path: Any = None) -> Any:
+    """The command's config: its --config (a file or a shipped name), then its --set pairs, then ``overrides``
+    (the command's own flags that were given)."""
     from shared.config import load_config
 
-    return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+    merged = {**parse_sets(getattr(args, "set", None)),
+              **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return load_config(path if path is not None else args.config, merged)
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    return load_cli_config(args, overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    """The resolved config: the shipped defaults, the file, then every --set."""
+    from shared.config import dump_yaml, to_dict
+
+    cfg = load_cli_config(args)
+    if args.json:
+        print(json.dumps(to_dict(cfg), indent=1))
+        return 0
+    import io
+
+    import yaml
+
+    buffer = io.StringIO()
+    yaml.safe_dump(to_dict(cfg), buffer, sort_keys=False)
+    print(buffer.getvalue().rstrip())
+    del dump_yaml
+    return 0
 
 
 def data_line(metrics: dict[str, Any]) -> str:
@@ -58,6 +98,27 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
     root = generate_ward(Path(args.out), spec, progress=not args.quiet)
     print(f"synthetic ward written to {root}: public={args.public}, val={args.val}, "
           f"{args.sites} sites x {args.per_site} (MPII json layout)")
+    return 0
+
+
+def cmd_data_convert(args: argparse.Namespace) -> int:
+    from shared.data.convert import convert
+
+    out = convert(args.format, args.annotations, args.images, args.out, headboxes=args.headboxes, copy=args.copy)
+    print(f"wrote {out} (MPII json layout): point data.root at its parent folder and name it in data.train_splits, "
+          "data.public_split or data.val_split")
+    return 0
+
+
+def cmd_data_split(args: argparse.Namespace) -> int:
+    from shared.data.convert import split_dataset
+
+    counts = split_dataset(args.input, args.out, sites=args.sites, public=args.public, val=args.val, seed=args.seed,
+                           copy=args.copy)
+    if args.json:
+        print(json.dumps(counts))
+    else:
+        print(f"wrote {', '.join(f'{k} ({v} records)' for k, v in counts.items())} under {args.out}")
     return 0
 
 
@@ -147,9 +208,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------
 
 
+def add_config(p: argparse.ArgumentParser, *, default: str = DEFAULT_CONFIG, help: str | None = None) -> None:
+    """--config and --set, the same on every command that takes a config."""
+    p.add_argument("--config", default=default,
+                   help=help or f"a YAML config file, or the name of a shipped one (default {default})")
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="override one config value, e.g. --set train.lr=0.0005 (repeat; YAML values)")
+
+
 def _add_common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
     if config:
-        p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+        add_config(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="debug logging")
 
@@ -173,6 +242,40 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--image-size", type=int, default=128, help="image side in px (default 128)")
     _add_common(synth, config=False)
     synth.set_defaults(func=cmd_data_synth)
+
+    from shared.data.convert import FORMATS
+
+    conv = data.add_parser("convert", help="a real dataset (MPII as mmpose's json, COCO keypoints) to one split "
+                                           "folder in the MPII json layout")
+    conv.add_argument("--format", required=True, choices=FORMATS, help="the input's format")
+    conv.add_argument("--annotations", required=True, help="mmpose's train.json / valid.json, or COCO's "
+                                                          "person_keypoints_*.json")
+    conv.add_argument("--images", required=True, help="the folder the annotations' image names are relative to")
+    conv.add_argument("--out", required=True, help="the split folder to write (e.g. data/mpii/val)")
+    conv.add_argument("--headboxes", default=None, help="MPII: head boxes for PCKh (the official mpii_gt_val.mat, "
+                                                        "aligned with valid.json, or a headboxes.json)")
+    conv.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
+    _add_common(conv, config=False)
+    conv.set_defaults(func=cmd_data_convert)
+
+    spl = data.add_parser("split", help="cut one split folder into sites, public and val (by patient when the data "
+                                        "has patient ids, else by image)")
+    spl.add_argument("--in", dest="input", required=True, help="the split folder to cut")
+    spl.add_argument("--out", required=True, help="the data root to write site-0.., public and val under")
+    spl.add_argument("--sites", type=int, required=True, help="number of sites")
+    spl.add_argument("--public", type=float, default=0.2, help="share of patients (or images) for public (default 0.2)")
+    spl.add_argument("--val", type=float, default=0.1, help="share for the validation split (default 0.1)")
+    spl.add_argument("--seed", type=int, default=0, help="the cut is a function of this seed (default 0)")
+    spl.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
+    spl.add_argument("--json", action="store_true", help="print the records per split as JSON")
+    _add_common(spl, config=False)
+    spl.set_defaults(func=cmd_data_split)
+
+    conf = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
+    show = conf.add_parser("show", help="print the resolved config: the file (or shipped name) and every --set")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(show)
+    show.set_defaults(func=cmd_config_show)
 
     pre = sub.add_parser("pretrain", help="non-private pretraining on the public split")
     pre.add_argument("--out", default=None, help="output directory (default: the config's pretrain.out)")

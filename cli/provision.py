@@ -97,9 +97,9 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from shared.config import load_config
+    from cli.main import load_cli_config
 
-    cfg = load_config(args.config)
+    cfg = load_cli_config(args)
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost"], port=args.port,
                      cfg=cfg, days=args.days, install=args.install_dir, state=args.state_dir, venv=args.venv,
@@ -112,7 +112,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from cli.main import DEFAULT_CONFIG
+    from cli.main import add_config
 
     prov = sub.add_parser("provision", help="write a kit per site (CA cert, policy template, kit.json, SuperNode "
                                             "start script and systemd unit; no private key) and one for the server")
@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     prov.add_argument("--host", action="append", default=None,
                       help="the server's name or IP (repeat; the first is the address sites dial)")
     prov.add_argument("--port", type=int, default=8000, help="the SuperLink's Fleet API port, the one sites dial (default 8000)")
-    prov.add_argument("--config", default=DEFAULT_CONFIG, help="the run's config (batch size, local steps, psi)")
+    add_config(prov, help="the federation's config, a file or a shipped name (default default): its batch size, "
+                          "local steps and psi go into the kits")
     prov.add_argument("--days", type=int, default=365, help="certificate validity")
     prov.add_argument("--install-dir", default=kit.INSTALL, help=f"where sites unpack their kits (default "
                                                                   f"{kit.INSTALL}/<site>)")

@@ -23,10 +23,10 @@ RUN_FAILED = NOT_SUBMITTED = ExitCode.FAILED
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from cli.main import load_cli_config
     from server.prepare import prepare_server
-    from shared.config import load_config
 
-    prepare_server(load_config(args.config), Path(args.out), progress=not args.quiet)
+    prepare_server(load_cli_config(args), Path(args.out), progress=not args.quiet)
     return 0
 
 
@@ -122,14 +122,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from cli.main import DEFAULT_CONFIG
+    from cli.main import add_config
 
     server = sub.add_parser("server", help="the federation server: prepare its data and weights, run and follow "
                                            "a federation, its status")
     ss = server.add_subparsers(dest="server_command", required=True)
     prep = ss.add_parser("prepare", help="make or check the public split, the validation split and the public "
                                          "pretrained weights; write a config with absolute paths (server.yaml)")
-    prep.add_argument("--config", default=DEFAULT_CONFIG, help="the federation's config")
+    add_config(prep, help="the federation's config, a file or a shipped name (default default)")
     prep.add_argument("--out", required=True, help="folder for server.yaml (e.g. /srv/fedpose)")
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     prep.add_argument("--verbose", action="store_true", help="debug logging")

@@ -21,7 +21,7 @@ import numpy as np
 
 from shared.data.records import PIXEL_STD
 from shared.data.transforms import affine_matrix, invert_affine
-from shared.model.simcc import decode_simcc
+from shared.model.simcc_decode import decode_simcc
 
 # Person box = this factor x the extent of the keypoints (the training crops' convention).
 BOX_PADDING = 1.25

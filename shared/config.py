@@ -8,16 +8,14 @@ convert to and from dotted keys at that boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args
 
-from shared.data.synth import WardSpec
+from shared.config_build import build_dataclass
 from shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from shared.data.synth import WardSpec
 from shared.errors import ConfigError
 from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
 
@@ -44,6 +42,8 @@ class DataConfig:
     # root is an error. No default: a config says which, so a mistyped path is never filled with synthetic data.
     source: Literal["synthetic", "files"] | None = None
     root: str = "runs/data/ward"
+    # files: what to download and where to put it, printed with the error when root or a split is missing.
+    help: str = ""
     synth: WardSpec = field(default_factory=WardSpec)  # the embedded synthetic ward (data.source: synthetic)
     # Private training splits (pooled for a centralized run; one per site in a federation).
     train_splits: tuple[str, ...] = ("site-0", "site-1", "site-2")
@@ -107,11 +107,14 @@ class PretrainConfig:
     """Non-private training on the public split only (the starting point for finetune/full)."""
 
     out: str = "runs/pretrained"
-    epochs: int = 6
+    epochs: int = 30
     batch_size: int = 32
     lr: float = 2e-3
     weight_decay: float = 1e-4
     seed: int = 0
+    # A TinyViT checkpoint (timm or original layout, e.g. ImageNet tiny_vit_5m_22k_distill.pth) the trunk starts
+    # from before public pretraining; null: random initialisation.
+    init: str | None = None
     # Photometric jitter of the public images (shared/data/transforms.Augment.photometric): the public split has
     # one camera style, the sites others; without it the start depends on the seed by several PCKh points.
     photometric: float = 0.0
@@ -133,7 +136,7 @@ class PrivacyConfig:
     accountant: Literal["rdp", "prv"] = "rdp"
     psi: Literal["blur", "pixelate", "dp-pixelize"] = "blur"
     # blur: sigma as a fraction of min(H, W); pixelate, dp-pixelize: block size in input px.
-    psi_param: float = 0.06
+    psi_param: float = 0.03
     # dp-pixelize only (centralized runs): psi(x) is a DP pixelization of each record's canonical crop, released
     # once per record: eps_pix-DP for changes of up to psi_m pixels (edge/pixelize's mechanism, 3 channels).
     psi_eps: float = 1.0
@@ -185,8 +188,8 @@ class PrivacyConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     method: Method = "fpdp"
-    strategy: Strategy = "finetune"
-    epochs: int = 3
+    strategy: Strategy = "full"
+    epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
     batch_size: int = 64
     public_batch_size: int = 32
@@ -223,7 +226,7 @@ class TrainConfig:
 class FederationConfig:
     """The federated run: rounds, local work per round, participation, basis transport."""
 
-    rounds: int = 5
+    rounds: int = 10
     local_steps: int = 10  # private optimizer steps per site per round
     min_sites: int = 2  # a round needs at least this many valid replies, else it is not aggregated
     # site: each site computes V from the public set it holds at the received global weights (default:
@@ -307,100 +310,18 @@ def check_simulation_sites(cfg: Config) -> None:
         )
 
 
-# ---------------------------------------------------------------------------
-# building from plain data
-# ---------------------------------------------------------------------------
-
-
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """Check/convert one YAML value against a type hint, naming ``path`` on failure."""
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return _build(tp, value, path)
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError("; ".join(errors))
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-        return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        try:
-            number = float(value)
-        except OverflowError as err:
-            raise ConfigError(f"{path}: number too large ({len(str(value))} digits)") from err
-        if not math.isfinite(number):
-            raise ConfigError(f"{path}: expected a finite number, got {number}")
-        return number
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {type(value).__name__} {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover - schema bug
-
-
-def _build(cls: Any, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown config key {where}{unknown[0]} (known: {', '.join(sorted(names))})")
-    kwargs = {}
-    for name, value in data.items():
-        path = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(value, hints[name], path)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as err:  # a section validated by its own module (e.g. data.synth: WardSpec)
-        raise ConfigError(f"{prefix or 'config'}: {err}") from err
-
-
 def section_from_dict(cls: Any, data: dict[str, Any], path: str) -> Any:
     """Build and validate one config section (e.g. a checkpoint's ``ModelConfig``), naming ``path``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
-    return _build(cls, data, path)
+    return build_dataclass(cls, data, path)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from nested plain data (as parsed from YAML)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at top level, got {type(data).__name__}")
-    return _build(Config, data)
+    return build_dataclass(Config, data)
 
 
 def shipped_configs() -> list[str]:

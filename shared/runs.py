@@ -25,7 +25,14 @@ from shared.data.dataset import PoseDataset
 from shared.data.digest import data_identity
 from shared.data.synth import ensure_ward
 from shared.data.transforms import Augment
-from shared.model.posenet import PoseNet, build_model, build_pretrain_model, load_checkpoint, save_checkpoint
+from shared.model.posenet import (
+    PoseNet,
+    build_model,
+    build_pretrain_model,
+    load_checkpoint,
+    load_tinyvit_weights,
+    save_checkpoint,
+)
 from shared.model.tinyvit import fuse_batchnorm
 from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 from shared.privacy.claims import privacy_claim
@@ -57,9 +64,14 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
         raise ConfigError("data.source is not set: say 'synthetic' (generate the embedded ward at data.root) or "
                           "'files' (read the splits at data.root)")
     if source == "files":
+        hint = f" {cfg.data.help}" if cfg.data.help else " (convert a dataset first: fedpose data convert)"
         if not root.is_dir():
-            raise FileNotFoundError(f"no such directory: {root} (data.source is files; check data.root or --data, or "
-                                    "convert a dataset first: fedpose data convert)")
+            raise FileNotFoundError(f"no such directory: {root} (data.source is files; check data.root or --data).{hint}")
+        splits = [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split]
+        missing = [s for s in splits if not (root / s / "annotations.json").is_file()]
+        if missing:
+            raise FileNotFoundError(f"{root} has no split {', '.join(missing)} (each needs annotations.json and "
+                                    f"images/).{hint}")
         return root
     return ensure_ward(root, cfg.data.synth, progress=progress)
 
@@ -132,7 +144,15 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     root = ensure_data(cfg, progress=progress)
     public = load_records(root, cfg.data.public_split)
     val = load_records(root, cfg.data.val_split)
-    model = build_pretrain_model(cfg.model, cfg.data.input_size).to(device)
+    model = build_pretrain_model(cfg.model, cfg.data.input_size)
+    if cfg.pretrain.init:
+        init = Path(cfg.pretrain.init).expanduser()
+        if not init.is_file():
+            raise FileNotFoundError(f"pretrain.init: no TinyViT checkpoint at {init} (download the {cfg.model.variant} "
+                                    "weights of the TinyViT release, e.g. tiny_vit_5m_22k_distill.pth, and put them "
+                                    "there; or set pretrain.init: null to start from random weights)")
+        load_tinyvit_weights(model, init)
+    model = model.to(device)
     augment = Augment(photometric=cfg.pretrain.photometric) if cfg.data.augment else None
     dataset = PoseDataset(public, input_size=cfg.data.input_size, augment=augment, seed=cfg.pretrain.seed)
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)

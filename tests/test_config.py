@@ -74,3 +74,21 @@ def test_flat_view_round_trips_and_overrides(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="missing.yaml"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_one_source_of_defaults_and_config_show_resolves_every_set(capsys):
+    """A partial config trains what the shipped default trains: the dataclass defaults are configs/default.yaml
+    (before, strategy, epochs, psi strength and rounds differed); data.source alone has no default, on purpose."""
+    import json
+
+    from cli.main import main
+    from shared.config import Config, flatten, load_config
+
+    shipped, defaults = flatten(load_config("default")), flatten(Config())
+    assert {k for k in shipped if shipped[k] != defaults[k]} == {"data.source"}
+    assert main(["config", "show", "--config", "default", "--set", "train.lr=0.0005", "--set",
+                 "data.input_size=[64, 64]", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["train"]["lr"] == 0.0005 and shown["data"]["input_size"] == [64, 64]
+    assert main(["config", "show", "--set", "train.nope=1"]) == 3
+    assert "train.nope" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_the_noise_is_the_mechanisms_at_its_scale(eps):
 def test_config_boundaries_and_identity():
     cfg = config_from_dict({"privacy": {"psi": "dp-pixelize", "psi_param": 8, "psi_eps": 2.0, "psi_m": 4}})
     assert psi_label_of(cfg.privacy) == "dp-pixelize(8, eps=2, m=4)"
-    assert psi_label_of(config_from_dict({}).privacy) == "blur(0.06)"  # other maps are named as before
+    assert psi_label_of(config_from_dict({}).privacy) == "blur(0.03)"  # other maps are named as before
     for bad, match in [({"psi_param": 2.5}, "whole pixels"), ({"psi_param": 1}, "whole pixels"),
                        ({"psi_eps": 0.0}, "psi_eps"), ({"psi_eps": float("inf")}, "psi_eps"), ({"psi_m": 0}, "psi_m")]:
         with pytest.raises(ConfigError, match=match):

@@ -429,14 +429,14 @@ def test_source_that_never_opens(tmp_path):
 
 def test_cli_unopenable_source_exits_nonzero(random_onnx, tmp_path, capsys):
     code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(tmp_path / "nope.mp4"),
-                     "--out-dir", str(tmp_path / "out")])
+                     "--out", str(tmp_path / "out")])
     assert code == 3
     assert "nope.mp4" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written for a source that never opened
     not_video = tmp_path / "text.mp4"
     not_video.write_text("this is not a video")
     code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(not_video),
-                     "--out-dir", str(tmp_path / "out")])
+                     "--out", str(tmp_path / "out")])
     assert code == 3
     assert "cannot open video source" in capsys.readouterr().err
 
@@ -487,7 +487,7 @@ def test_cli_export_then_run(tmp_path, clip, capsys):
     out = capsys.readouterr().out
     assert "max abs diff" in out and "TensorRT 10" in out and onnx_path.is_file()
     for model in (onnx_path, tmp_path / "model.pt"):  # the export and the checkpoint itself both run
-        code = cli_main(["edge", "run", "--model", str(model), "--source", str(clip), "--out-dir",
+        code = cli_main(["edge", "run", "--model", str(model), "--source", str(clip), "--out",
                          str(tmp_path / model.suffix[1:]), "--max-frames", "4"])
         assert code == 0
         assert len(_read_jsonl(tmp_path / model.suffix[1:] / KEYPOINTS_FILE)) == 4
@@ -498,7 +498,7 @@ def test_cli_export_then_run(tmp_path, clip, capsys):
 
 def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out",
                      str(run_dir), "--roi", "20,20,70,90", "--video", "--pixelize", "eps=1,b=8,m=8,n=2", "--seed", "0",
                      "--max-frames", "12"])
     out = capsys.readouterr().out
@@ -535,7 +535,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     assert cli_main(["edge", "restore", "--in", str(npz[0]), "--out", str(restored)]) == 0
     assert np.array_equal(cv2.imread(str(restored), cv2.IMREAD_UNCHANGED), load_npz(npz[0]).render())
     # No keypoint clears a threshold above every score: the summary says the masks were empty.
-    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out",
                      str(tmp_path / "none"), "--roi", "20,20,70,90", "--pixelize", "eps=1,b=8,m=8,n=2", "--seed", "0",
                      "--max-frames", "4", "--threshold", "1.0"])
     assert code == 0
@@ -573,7 +573,7 @@ def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
 
 
 def test_cli_rejects_bad_arguments(random_onnx, clip, tmp_path, capsys):
-    base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--out-dir", str(tmp_path)]
+    base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--out", str(tmp_path)]
     assert cli_main(base + ["--roi", "1,2,3"]) == 3
     assert "--roi" in capsys.readouterr().err
     assert cli_main(base + ["--pixelize", "eps=0,b=8,m=8"]) == 3
@@ -626,7 +626,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
 
     frames = 8
     run_dir = tmp_path / "run"
-    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out",
                      str(run_dir), "--roi", "20,20,70,90", "--video", "--pixelize", "eps=1,b=8,m=8,n=2", "--seed", "0",
                      "--max-frames", str(frames)])
     out = capsys.readouterr().out
@@ -649,7 +649,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     assert "no overlay" in video_line
 
     # --overlay: the skeleton drawn from the raw frame's keypoints is released, and the claim names it.
-    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out",
                      str(tmp_path / "overlay"), "--roi", "20,20,70,90", "--video", "--overlay", "--pixelize",
                      "eps=1,b=8,m=8,n=2", "--seed", "0", "--max-frames", str(frames)])
     out = capsys.readouterr().out
@@ -660,7 +660,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     assert any(not np.array_equal(a, b) for a, b in zip(drawn, expected))
 
     # Without --video nothing names a video that was not written.
-    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out-dir",
+    code = cli_main(["edge", "run", "--model", str(lights.model), "--source", str(lights.clip), "--out",
                      str(tmp_path / "novideo"), "--roi", "20,20,70,90", "--pixelize", "eps=1,b=8,m=8,n=2",
                      "--seed", "0", "--max-frames", "2"])
     out = capsys.readouterr().out

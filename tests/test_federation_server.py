@@ -217,7 +217,7 @@ def test_plan_meets_the_budget_and_stops_sampling_after_it():
                             "federation": {"rounds": 4, "local_steps": 5}})
     info = SiteInfo(site="s", epsilon=3.0, delta=1e-5, lifetime_rounds=10, rounds_per_federation=10, rounds_done=0,
                     epsilon_spent=0.0, min_sigma=0.5, sample_rate=0.08, steps_per_round=5, clip_norm=1.0, psi="blur",
-                    psi_min=0.06, augment=True, accountant="rdp", methods=("dpsgd", "proj", "fdp", "fpdp"))
+                    psi_min=0.03, augment=True, accountant="rdp", methods=("dpsgd", "proj", "fdp", "fpdp"))
     plan = plan_site(info, cfg)
     assert plan.epsilon == 1.0 and plan.rounds == 4 and plan.sample_rate == pytest.approx(0.08)
     history: list[StepRecord] = []

@@ -171,7 +171,7 @@ def test_negative_threads_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
     from cli.main import main
 
     code = main(["edge", "run", "--model", str(tmp_path / "m.onnx"), "--source", "x.mp4",
-                 "--out-dir", str(tmp_path / "o"), "--threads", "-2"])
+                 "--out", str(tmp_path / "o"), "--threads", "-2"])
     assert code != 0
     assert "--threads" in capsys.readouterr().err
 

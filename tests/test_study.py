@@ -111,7 +111,7 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
         ("settings", "[centralised]", "study.settings\\[0\\]"),
         ("baselines", "[blur]", "study.baselines\\[0\\]"),
         ("strategies", "full", "study.strategies: expected a list"),
-        ("base", "nowhere.yaml", "cannot read config file"),
+        ("base", "nowhere.yaml", "config file .*nowhere.yaml does not exist"),
         ("seeds", "[1]\nepochs: 3", "unknown config key study.epochs"),
         ("seeds", "[1]\noverrides: {train.lr: fast}", "train.lr"),
         ("seeds", "[1]\nablations: {k: [{privacy.kk: 3}]}", "study ablations.k\\[0\\].*privacy.kk"),

@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 
 
-class SourceError(RuntimeError):
-    """The video source cannot be opened (or reopened)."""
+class SourceError(OSError):
+    """The video source cannot be opened (or reopened): a wrong path, camera index or URL, or a dead stream."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""Seeded runs repeat: the same seed gives the same weights with 1 and with 2 CPU threads in the environment,
+because the run fixes its own thread count (runtime.threads) and asks for deterministic kernels."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from federation_support import REPO, tiny_dict
+
+SCRIPT = """
+import hashlib, json, sys
+import torch
+from shared.config import config_from_dict
+from shared.runs import run_pretrain
+cfg = config_from_dict(json.loads(sys.argv[1]))
+metrics = run_pretrain(cfg, progress=False)
+state = torch.load(cfg.pretrain.out + "/model.pt", weights_only=False)["state_dict"]
+digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+print(json.dumps({"digest": digest, "pckh": metrics["pckh"]["mean"], "threads": metrics["provenance"]["threads"],
+                  "env": torch.get_num_threads()}))
+"""
+
+
+def test_pretraining_gives_the_same_weights_with_one_or_two_threads_in_the_environment(tmp_path: Path) -> None:
+    results = []
+    for threads in ("1", "2"):
+        data = tiny_dict(tmp_path / "w")  # the same ward for both (generated once, then reused)
+        data["pretrain"] = {**data["pretrain"], "out": str(tmp_path / f"pre-{threads}"), "epochs": 2}
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(data)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    one, two = results
+    assert one["threads"] == two["threads"] == 2  # the run's own count, whatever the environment said
+    assert one["digest"] == two["digest"] and one["pckh"] == two["pckh"]
+    assert hashlib.sha256(one["digest"].encode()).hexdigest()  # a real digest, not an empty one
