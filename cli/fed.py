@@ -10,31 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from cli.certs import LOOPBACK_NAMES, make_certs
 from cli.ledger import cmd_ledger
+from cli.simulation import flower_env
 from cli.site_policy import cmd_site_policy
-
-# Every Flower process we start runs offline, installs nothing and keeps Ray on loopback.
-FLOWER_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # Ray leaves CUDA_VISIBLE_DEVICES alone for a site with no GPU share
-}
-
-
-def flower_env(flwr_home: Path) -> None:
-    """Set the Flower environment of this process (before flwr or ray is imported)."""
-    os.environ.update(FLOWER_ENV)
-    os.environ.setdefault("FLWR_HOME", str(flwr_home))
-    Path(os.environ["FLWR_HOME"]).mkdir(parents=True, exist_ok=True)
-
 
 # ---------------------------------------------------------------------------
 # simulate
@@ -92,7 +75,8 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from shared.config import check_simulation_sites, load_config
+    from cli.main import load_cli_config
+    from shared.config import check_simulation_sites
 
     out = Path(args.out).expanduser().resolve()
     overrides: dict[str, Any] = {"federation.out": str(out)}
@@ -104,11 +88,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         previous = out / "run-config.yaml"
         if not previous.is_file():
             raise FileNotFoundError(f"{previous} not found: nothing to resume in {out}")
-        cfg = load_config(previous, overrides)
+        cfg = load_cli_config(args, overrides, path=previous)
     else:
         if (out / "checkpoint.pt").exists() or (out / "ledger.sqlite").exists():
             raise ValueError(f"{out} already holds a federation: continue it with --resume or choose another --out")
-        cfg = load_config(args.config, overrides)
+        cfg = load_cli_config(args, overrides)
     from server.prepare import absolute_paths
 
     cfg = absolute_paths(cfg)  # Ray workers may run elsewhere
@@ -164,10 +148,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from cli.main import DEFAULT_CONFIG
+    from cli.main import add_config
 
     sim = sub.add_parser("simulate", help="run the federation in Flower's simulation (one process, Ray)")
-    sim.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+    add_config(sim)
     sim.add_argument("--out", required=True, help="results directory (ledgers, rounds.jsonl, report, model)")
     sim.add_argument("--rounds", type=int, default=None, help="override federation.rounds")
     sim.add_argument("--seed", type=int, default=None,
@@ -212,7 +196,7 @@ def register(sub: Any) -> None:
     pol.add_argument("--sample-rate", type=float, default=None,
                      help="Poisson rate q of the private batch (default: B / n, computed here from the data once)")
     pol.add_argument("--steps-per-round", type=int, default=None, help="most local steps per round")
-    pol.add_argument("--clip-norm", type=float, default=1.0, help="per-sample clip C (default 1.0)")
+    pol.add_argument("--clip", dest="clip_norm", type=float, default=1.0, help="per-sample clip C (default 1.0)")
     pol.add_argument("--psi", choices=("blur", "pixelate"), default="blur", help="fdp/fpdp feature map (default blur)")
     pol.add_argument("--psi-min", type=float, default=0.03,
                      help="minimum psi strength, a fraction of min(H, W): blur sigma or pixelate block (default 0.03)")

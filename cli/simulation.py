@@ -19,6 +19,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Every Flower process we start runs offline, installs nothing and keeps Ray on loopback.
+FLOWER_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # Ray leaves CUDA_VISIBLE_DEVICES alone for a site with no GPU share
+}
+
+
+def flower_env(flwr_home: Path) -> None:
+    """Set the Flower environment of this process (before flwr or ray is imported)."""
+    os.environ.update(FLOWER_ENV)
+    os.environ.setdefault("FLWR_HOME", str(flwr_home))
+    Path(os.environ["FLWR_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
 APP_PYPROJECT = """\
 # The Flower app of fedpose for a local simulation: its components are fedpose's own installed modules.
 [build-system]
@@ -130,8 +147,6 @@ class LocalSuperLink:
 
 def run_local_simulation(out: Path, run_config: dict[str, Any], *, sites: int, quiet: bool) -> str:
     """Run the federation of ``run_config`` with ``sites`` simulated sites; returns Flower's final run status."""
-    from cli.fed import FLOWER_ENV
-
     home = out / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(home),

@@ -180,7 +180,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
 
 def main(argv: list[str]) -> int:
     config_path, out, results = Path(argv[0]), Path(argv[1]), Path(argv[2])
-    from cli.fed import flower_env, prepare_simulation, simulation_apps
+    from cli.fed import prepare_simulation, simulation_apps
+    from cli.simulation import flower_env
     from client.policy import load_policy, policy_to_dict, write_policy
     from shared.config import load_config
     from shared.data.mpii import load_split
