@@ -49,8 +49,11 @@ class HeldGrid(InProcessGrid):
 
 def _browser():
     if CHROMIUM is None:
-        pytest.fail("the console test needs Chromium (apt-get install chromium) and Playwright (pip install "
-                    "playwright); the README's test command installs both")
+        message = ("the console's browser test needs Debian's Chromium: apt-get install chromium (Playwright comes "
+                   "with the test extra)")
+        if os.environ.get("FEDPOSE_REQUIRE_BROWSER"):  # CI (.ci/run) installs it: there, a missing browser fails
+            pytest.fail(message)
+        pytest.skip(message)
     from playwright.sync_api import sync_playwright
 
     return sync_playwright()
