@@ -116,9 +116,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     source = FrameSource(args.source, policy=ReconnectPolicy(tries=args.reconnect_tries))
-    with make_runtime(args.model, args.backend, threads=args.threads) as runtime:
-        print(f"model {args.model} ({runtime.backend}, input {runtime.input_size[0]}x{runtime.input_size[1]}), "
-              f"source {args.source}")
+    with make_runtime(args.model, args.backend, threads=args.threads, device=args.device) as runtime:
+        used = getattr(runtime, "providers", None)  # onnxruntime: the execution providers the session really has
+        print(f"model {args.model} ({runtime.backend}" + (f" with {', '.join(used)}" if used else "") +
+              f", input {runtime.input_size[0]}x{runtime.input_size[1]}), source {args.source}")
         report = run_pipeline(runtime, source, options)
     print(report.summary())
     if report.claim:
@@ -343,6 +344,9 @@ def register(subparsers: Any) -> None:
     rn.add_argument("--show", action="store_true", help="display frames (needs OpenCV with GUI support)")
     rn.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default=None,
                     help="default: from the model file suffix")
+    rn.add_argument("--device", choices=("cpu", "cuda", "tensorrt"), default="cpu",
+                    help="where an .onnx model runs: onnxruntime's CPU, CUDA or TensorRT execution provider (the "
+                         "GPU ones need fedpose[edge-gpu]); a .pt model runs on the CPU or CUDA (default cpu)")
     rn.add_argument("--threads", type=int, default=None, help="CPU threads for inference")
     rn.add_argument("--threshold", type=float, default=0.05,
                     help="keypoint score for tracking, drawing and the pixelization body mask")

@@ -88,40 +88,6 @@ def data_line(metrics: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def cmd_data_synth(args: argparse.Namespace) -> int:
-    from shared.data.synth import WardSpec, generate_ward
-
-    spec = WardSpec(
-        sites=args.sites, per_site=args.per_site, public=args.public, val=args.val, seed=args.seed,
-        image_size=args.image_size,
-    )
-    root = generate_ward(Path(args.out), spec, progress=not args.quiet)
-    print(f"synthetic ward written to {root}: public={args.public}, val={args.val}, "
-          f"{args.sites} sites x {args.per_site} (MPII json layout)")
-    return 0
-
-
-def cmd_data_convert(args: argparse.Namespace) -> int:
-    from shared.data.convert import convert
-
-    out = convert(args.format, args.annotations, args.images, args.out, headboxes=args.headboxes, copy=args.copy)
-    print(f"wrote {out} (MPII json layout): point data.root at its parent folder and name it in data.train_splits, "
-          "data.public_split or data.val_split")
-    return 0
-
-
-def cmd_data_split(args: argparse.Namespace) -> int:
-    from shared.data.convert import split_dataset
-
-    counts = split_dataset(args.input, args.out, sites=args.sites, public=args.public, val=args.val, seed=args.seed,
-                           copy=args.copy)
-    if args.json:
-        print(json.dumps(counts))
-    else:
-        print(f"wrote {', '.join(f'{k} ({v} records)' for k, v in counts.items())} under {args.out}")
-    return 0
-
-
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from shared.metrics import pckh_table
     from shared.runs import run_pretrain
@@ -231,46 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
-    synth = data.add_parser("synth", help="generate the synthetic ward (MPII json layout)")
-    synth.add_argument("--out", required=True, help="a new folder for the ward")
-    synth.add_argument("--sites", type=int, default=3, help="hospital sites, each with its own camera style (default 3)")
-    synth.add_argument("--per-site", type=int, default=400, help="images per site (default 400)")
-    synth.add_argument("--public", type=int, default=600, help="images of the public split (default 600)")
-    synth.add_argument("--val", type=int, default=240, help="images of the validation split (default 240)")
-    synth.add_argument("--seed", type=int, default=0, help="the ward is a function of this seed (default 0)")
-    synth.add_argument("--image-size", type=int, default=128, help="image side in px (default 128)")
-    _add_common(synth, config=False)
-    synth.set_defaults(func=cmd_data_synth)
-
-    from shared.data.convert import FORMATS
-
-    conv = data.add_parser("convert", help="a real dataset (MPII as mmpose's json, COCO keypoints) to one split "
-                                           "folder in the MPII json layout")
-    conv.add_argument("--format", required=True, choices=FORMATS, help="the input's format")
-    conv.add_argument("--annotations", required=True, help="mmpose's train.json / valid.json, or COCO's "
-                                                          "person_keypoints_*.json")
-    conv.add_argument("--images", required=True, help="the folder the annotations' image names are relative to")
-    conv.add_argument("--out", required=True, help="the split folder to write (e.g. data/mpii/val)")
-    conv.add_argument("--headboxes", default=None, help="MPII: head boxes for PCKh (the official mpii_gt_val.mat, "
-                                                        "aligned with valid.json, or a headboxes.json)")
-    conv.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
-    _add_common(conv, config=False)
-    conv.set_defaults(func=cmd_data_convert)
-
-    spl = data.add_parser("split", help="cut one split folder into sites, public and val (by patient when the data "
-                                        "has patient ids, else by image)")
-    spl.add_argument("--in", dest="input", required=True, help="the split folder to cut")
-    spl.add_argument("--out", required=True, help="the data root to write site-0.., public and val under")
-    spl.add_argument("--sites", type=int, required=True, help="number of sites")
-    spl.add_argument("--public", type=float, default=0.2, help="share of patients (or images) for public (default 0.2)")
-    spl.add_argument("--val", type=float, default=0.1, help="share for the validation split (default 0.1)")
-    spl.add_argument("--seed", type=int, default=0, help="the cut is a function of this seed (default 0)")
-    spl.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
-    spl.add_argument("--json", action="store_true", help="print the records per split as JSON")
-    _add_common(spl, config=False)
-    spl.set_defaults(func=cmd_data_split)
-
     conf = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
     show = conf.add_parser("show", help="print the resolved config: the file (or shipped name) and every --set")
     show.add_argument("--json", action="store_true", help="print one JSON object")
@@ -349,7 +275,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge", "cli.audit",
+    for module in ("cli.data", "cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge", "cli.audit",
                    "cli.study"):
         try:
             mod = __import__(module, fromlist=["register"])
@@ -359,6 +285,24 @@ def _extensions() -> list[Callable[[Any], None]]:
             continue
         out.append(mod.register)
     return out
+
+
+# The extra that brings each third-party module a command may need (pyproject.toml's optional dependencies).
+EXTRA_OF_MODULE = {"torch": "train", "flwr": "train", "ray": "train", "opacus": "train", "onnx": "train",
+                   "scipy": "train", "matplotlib": "train", "PIL": "train", "pycocotools": "train",
+                   "grpc": "train", "onnxruntime": "edge", "tensorrt": "tensorrt", "cuda": "tensorrt"}
+
+
+def install_hint(err: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that brings a missing module (a camera installs fedpose[edge] without torch)."""
+    top = (err.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    what = {"train": "training, the federation and export", "edge": "inference with onnxruntime",
+            "tensorrt": "TensorRT engines (NVIDIA hardware)"}[extra]
+    return (f"this command needs {top!r}, which is not installed: it comes with fedpose's {extra} extra ({what}): "
+            f"pip install 'fedpose[{extra}]' (docs/how-to/install.md)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -378,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # other OSErrors naming a file, ImportError with an install hint): one line, no traceback (-v logs it).
         log.debug("command failed", exc_info=True)
         message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+        if isinstance(err, ModuleNotFoundError):
+            message = install_hint(err) or message
         print(f"fedpose {args.command}: error: {message}", file=sys.stderr)
         if isinstance(err, PrivacyRefusal):
             return ExitCode.REFUSED

@@ -9,6 +9,23 @@ import numpy as np
 from edge.runtime_base import Runtime
 
 
+# What ``fedpose edge run --device`` asks onnxruntime for, in order of preference (onnxruntime falls back along
+# the list node by node; the CPU provider is always last so every operator has a home).
+DEVICE_PROVIDERS: dict[str, list[str]] = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def providers_for(device: str) -> list[str]:
+    """onnxruntime execution providers for a device name (``cpu``, ``cuda``, ``tensorrt``)."""
+    try:
+        return list(DEVICE_PROVIDERS[device])
+    except KeyError as err:
+        raise ValueError(f"--device {device!r} is not one of {', '.join(DEVICE_PROVIDERS)}") from err
+
+
 class OnnxRuntime(Runtime):
     """onnxruntime session on an exported ``.onnx`` (CPU, or CUDA with onnxruntime-gpu)."""
 
@@ -24,19 +41,21 @@ class OnnxRuntime(Runtime):
         try:
             import onnxruntime as ort
         except ImportError as err:  # pragma: no cover - a core dependency
-            raise ImportError("onnxruntime is not installed: pip install onnxruntime (or onnxruntime-gpu)") from err
+            raise ImportError("onnxruntime is not installed: pip install 'fedpose[edge]' (CPU) or "
+                              "'fedpose[edge-gpu]' (NVIDIA GPU), not both") from err
 
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise FileNotFoundError(f"ONNX model {self.model_path} does not exist")
         available = ort.get_available_providers()
         wanted = providers or ["CPUExecutionProvider"]
-        missing = [p for p in wanted if p not in available]
-        if missing:
+        if wanted[0] not in available:  # the one asked for; the ones after it are fallbacks
             raise ValueError(
-                f"onnxruntime providers {missing} are not available here (available: {available}); "
-                "for CUDAExecutionProvider install onnxruntime-gpu (pip install 'fedpose[gpu]')"
+                f"onnxruntime's {wanted[0]} is not available here (this onnxruntime has {', '.join(available)}): the "
+                "CUDA and TensorRT providers need the GPU build, pip install 'fedpose[edge-gpu]' in place of "
+                "fedpose[edge] (the two onnxruntime wheels cannot be installed together), and an NVIDIA GPU"
             )
+        wanted = [p for p in wanted if p in available]
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads is not None:

@@ -62,11 +62,13 @@ def make_runtime(
     if kind == "torch":
         from edge.torch_runtime import TorchRuntime
 
-        return TorchRuntime(path, device=device, threads=threads)
+        return TorchRuntime(path, device="cpu" if device == "cpu" else "cuda", threads=threads)
     if kind == "onnxruntime":
         from edge.onnx_runtime import OnnxRuntime
 
-        return OnnxRuntime(path, providers=providers, threads=threads)
+        from edge.onnx_runtime import providers_for
+
+        return OnnxRuntime(path, providers=providers or providers_for(device), threads=threads)
     from edge.trt_runtime import TensorRTRuntime
 
     return TensorRTRuntime(path)

@@ -98,6 +98,25 @@ def test_io_names_and_batch_dimension(exported):
     assert dims(dynamic)[0].dim_param == "batch" and [d.dim_value for d in dims(dynamic)[1:]] == [3, *INPUT]
 
 
+def test_the_model_contract_holds_in_a_second_consumer(model, exported):
+    """docs/reference/model-contract.md: the metadata keys, and the same outputs from OpenCV's DNN module (what
+    an integrator's C++ pipeline loads) as from onnxruntime, on the same input."""
+    import cv2
+
+    path = exported[1][0]
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert meta == {"fedpose.input_size": f"{INPUT[0]}x{INPUT[1]}", "fedpose.split_ratio": "2.0",
+                    "fedpose.variant": "tinyvit-small"}
+    x = np.random.default_rng(3).random((1, 3, *INPUT), dtype=np.float32)  # RGB in [0, 1], NCHW
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+    net = cv2.dnn.readNetFromONNX(str(path))
+    net.setInput(x, INPUT_NAME)
+    got = net.forward(list(OUTPUT_NAMES))
+    for name, r, g in zip(OUTPUT_NAMES, ref, got):
+        assert g.shape == r.shape, name
+        assert float(np.abs(g - r).max()) <= 1e-4, name
+
+
 def _expected_window_pads(model):
     """(bottom, right) pad of every attention block that pads, from TinyVitBlock's rule."""
     h, w = math.ceil(INPUT[0] / 4), math.ceil(INPUT[1] / 4)  # after the patch embedding

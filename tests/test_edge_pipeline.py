@@ -666,3 +666,17 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     out = capsys.readouterr().out
     assert code == 0 and "annotated.mp4" not in out[out.index("DP pixelization"):]
     assert "keypoints.jsonl" in out[out.index("DP pixelization"):]
+
+
+def test_cli_device_maps_to_onnxruntime_providers_and_prints_the_ones_used(random_onnx, clip, tmp_path, capsys):
+    from edge.onnx_runtime import providers_for
+
+    assert providers_for("tensorrt")[0] == "TensorrtExecutionProvider" and providers_for("cpu") == ["CPUExecutionProvider"]
+    base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--max-frames", "2"]
+    assert cli_main(base + ["--out", str(tmp_path / "cpu"), "--device", "cpu"]) == 0
+    assert "(onnxruntime with CPUExecutionProvider," in capsys.readouterr().out
+    # This machine's onnxruntime is the CPU build: asking for CUDA says what to install, and runs nothing.
+    assert cli_main(base + ["--out", str(tmp_path / "cuda"), "--device", "cuda"]) == 3
+    err = capsys.readouterr().err
+    assert "CUDAExecutionProvider is not available" in err and "fedpose[edge-gpu]" in err
+    assert not (tmp_path / "cuda").exists()

@@ -16,7 +16,7 @@ python3 -m venv "$tmp/venv"
 # torch: the CPU build from this machine's disk (a bare `torch` would pull a multi-GB CUDA build); a GPU site
 # installs its CUDA build first and then uses this file as constraints (torch stays at the same version).
 "$tmp/venv/bin/pip" install -q torch==2.13.0
-"$tmp/venv/bin/pip" install -q -e '.[test]'
+"$tmp/venv/bin/pip" install -q -e '.[train,edge,test]'
 {
   echo "# The exact versions behind the README's commands and CI: pip install -c constraints.txt ..."
   echo "# Written by tools/update-lock.sh on $(date -u +%Y-%m-%d) (Python $("$tmp/venv/bin/python" -c 'import platform; print(platform.python_version())')); do not edit by hand."
