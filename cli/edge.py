@@ -114,6 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         pixelize_color=pix[1] if pix else False,
         score_threshold=args.threshold,
         seed=args.seed,
+        max_eps=args.max_eps,
+        store=args.store,
     )
     source = FrameSource(args.source, policy=ReconnectPolicy(tries=args.reconnect_tries))
     with make_runtime(args.model, args.backend, threads=args.threads, device=args.device) as runtime:
@@ -351,6 +353,12 @@ def register(subparsers: Any) -> None:
     rn.add_argument("--threshold", type=float, default=0.05,
                     help="keypoint score for tracking, drawing and the pixelization body mask")
     rn.add_argument("--reconnect-tries", type=int, default=6, help="reopen attempts for a dropped camera/stream")
+    rn.add_argument("--max-eps", type=float, default=None,
+                    help="with --pixelize: stop releasing frames once F x eps over the F released frames would pass "
+                         "this (keypoints go on); default: no limit, the claim states F x eps")
+    rn.add_argument("--store", choices=("npz", "png", "jpeg"), default="npz",
+                    help="how pixelized frames are written: npz (the noisy cell means, restorable bit for bit with "
+                         "edge restore), png or jpeg (rendered images) (default npz)")
     rn.add_argument("--seed", type=int, default=None, help="seed the pixelization noise (NOT for production)")
     _common(rn)
     rn.set_defaults(func=cmd_run)

@@ -1,18 +1,19 @@
-"""TensorRT runtime: deserialize an engine, own its device buffers, run it (TensorRT 8.6 / 10.x / 11.x API).
+"""TensorRT runtime: deserialize an engine, own its device buffers and stream, run it (TensorRT 10 / 11 API).
 
-Device memory is held by torch CUDA tensors (torch is already a dependency
-and its caching allocator handles growth), owned by ``DeviceBuffers``, a
-context manager that frees them on exit; ``TensorRTRuntime`` is a context
-manager that owns the execution context, the engine, the CUDA stream and
-the buffers, released in that order. One inference:
+No torch: device memory and the CUDA stream come from NVIDIA's cuda-python runtime bindings
+(``cuda.bindings.runtime``, ``cuda.cudart`` in older releases), so a camera needs only TensorRT,
+cuda-python, numpy and OpenCV. ``DeviceBuffers`` owns the allocations (a context manager that frees
+them), ``TensorRTRuntime`` owns the execution context, the engine, the stream and the buffers and
+releases them in reverse order. One inference, with explicit I/O tensors:
 
     context.set_input_shape("image", (N, 3, H, W))   # dynamic batch
-    context.set_tensor_address(name, ptr)            # every I/O tensor
+    context.set_tensor_address(name, device_ptr)     # every I/O tensor
+    cudaMemcpyAsync(input, host, H2D, stream)
     context.execute_async_v3(stream)                 # enqueue
-    stream.synchronize()
+    cudaMemcpyAsync(host, output, D2H, stream); cudaStreamSynchronize(stream)
 
-``tensorrt`` and CUDA are imported when a runtime is constructed, never at
-module import, so this module imports on a CPU-only machine.
+``tensorrt`` and cuda-python are imported when a runtime is constructed, never at module import, so this
+module imports on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -28,58 +29,67 @@ from edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeviceBuffers", "TensorRTRuntime", "TRT_INSTALL_HINT"]
+__all__ = ["DeviceBuffers", "TensorRTRuntime", "TRT_INSTALL_HINT", "import_cudart"]
+
+CUDA_INSTALL_HINT = ("the TensorRT runtime needs NVIDIA's cuda-python for device memory and streams: "
+                     "pip install 'fedpose[tensorrt]' (or pip install cuda-python matching the CUDA of this machine)")
+
+
+def import_cudart() -> Any:
+    """cuda-python's runtime module (``cuda.bindings.runtime``; ``cuda.cudart`` before cuda-python 12.6)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # type: ignore[no-redef]
+        except ImportError as err:
+            raise ImportError(CUDA_INSTALL_HINT) from err
+    return cudart
+
+
+def _check(cudart: Any, result: Any, what: str) -> Any:
+    """cuda-python returns (error, value...) tuples: raise on an error, return the value(s)."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        name = cudart.cudaGetErrorName(err)[1]
+        raise RuntimeError(f"CUDA {what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 class DeviceBuffers:
-    """Named CUDA buffers (torch tensors), re-allocated only when a shape or dtype changes.
+    """Named device allocations, re-allocated only when a tensor needs more bytes than it holds.
 
-    Use as a context manager (or call ``close``): leaving it drops every
-    tensor, so the memory goes back to torch's allocator.
+    Use as a context manager (or call ``close``): leaving it frees every allocation.
     """
 
-    def __init__(self, device: Any) -> None:
-        self._device = device
-        self._tensors: dict[str, Any] = {}
+    def __init__(self, cudart: Any) -> None:
+        self._cudart = cudart
+        self._ptrs: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        import torch
-
-        t = self._tensors.get(name)
-        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            t = torch.empty(tuple(shape), dtype=dtype, device=self._device)
-            self._tensors[name] = t
-        return t
-
-    def __getitem__(self, name: str) -> Any:
-        return self._tensors[name]
+    def get(self, name: str, nbytes: int) -> int:
+        """A device pointer to at least ``nbytes`` bytes for tensor ``name``."""
+        ptr, size = self._ptrs.get(name, (0, 0))
+        if size < nbytes:
+            if ptr:
+                _check(self._cudart, self._cudart.cudaFree(ptr), f"free of {name}")
+            ptr = int(_check(self._cudart, self._cudart.cudaMalloc(nbytes), f"allocation of {nbytes} bytes for {name}"))
+            self._ptrs[name] = (ptr, nbytes)
+        return ptr
 
     def close(self) -> None:
-        self._tensors.clear()
+        ptrs, self._ptrs = self._ptrs, {}
+        for name, (ptr, _) in ptrs.items():
+            err = self._cudart.cudaFree(ptr)[0]
+            if err != self._cudart.cudaError_t.cudaSuccess:  # freeing must go on for the others
+                log.warning("CUDA free of %s failed: %s", name, err)
 
     def __enter__(self) -> DeviceBuffers:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _torch_dtype(trt: Any, dtype: Any) -> Any:
-    import torch
-
-    table = {
-        trt.DataType.FLOAT: torch.float32,
-        trt.DataType.HALF: torch.float16,
-        trt.DataType.INT32: torch.int32,
-        trt.DataType.INT8: torch.int8,
-        trt.DataType.BOOL: torch.bool,
-    }
-    for name, tdt in (("INT64", torch.int64), ("UINT8", torch.uint8), ("BF16", torch.bfloat16)):
-        if hasattr(trt.DataType, name):
-            table[getattr(trt.DataType, name)] = tdt
-    if dtype not in table:
-        raise ValueError(f"unsupported TensorRT tensor type {dtype}")
-    return table[dtype]
 
 
 class TensorRTRuntime(Runtime):
@@ -90,19 +100,15 @@ class TensorRTRuntime(Runtime):
     def __init__(self, model_path: str | Path, *, device: int = 0) -> None:
         self.model_path = Path(model_path)
         trt = import_tensorrt()
-        try:
-            import torch
-        except ImportError as err:  # pragma: no cover - torch is a core dependency
-            raise ImportError("the TensorRT runtime keeps device buffers in torch CUDA tensors: install torch") from err
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"cannot run {self.model_path}: no CUDA device visible to torch (TensorRT needs an NVIDIA GPU and a "
-                "CUDA build of torch; on Jetson use NVIDIA's torch wheel for JetPack)"
-            )
+        cudart = import_cudart()
         if not self.model_path.is_file():
             raise FileNotFoundError(f"TensorRT engine {self.model_path} does not exist")
-        self._trt = trt
-        self._device = torch.device("cuda", device)
+        err, count = cudart.cudaGetDeviceCount()
+        if err != cudart.cudaError_t.cudaSuccess or count <= device:
+            raise RuntimeError(f"cannot run {self.model_path}: no CUDA device {device} here (TensorRT needs an NVIDIA GPU "
+                               "and its driver)")
+        _check(cudart, cudart.cudaSetDevice(device), f"selecting device {device}")
+        self._trt, self._cudart = trt, cudart
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         engine = self._runtime.deserialize_cuda_engine(self.model_path.read_bytes())
@@ -131,41 +137,50 @@ class TensorRTRuntime(Runtime):
         if self._batch is None:
             _, _, hi = engine.get_tensor_profile_shape(self._input, 0)
             self._max_batch = int(hi[0])
-        self._dtypes = {n: _torch_dtype(trt, engine.get_tensor_dtype(n)) for n in names}
-        self._stream = torch.cuda.Stream(device=self._device)
-        self._buffers = DeviceBuffers(self._device)
+        try:
+            self._dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+        except TypeError as err:  # e.g. BF16, which numpy has no type for
+            raise ValueError(f"{self.model_path}: an I/O tensor type numpy cannot hold ({err}); export FP32 or FP16 "
+                             "I/O") from err
+        self._stream = _check(cudart, cudart.cudaStreamCreate(), "stream creation")
+        self._buffers = DeviceBuffers(cudart)
 
     def _run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self._batch is None and x.shape[0] > self._max_batch:  # beyond the profile: chunk
             parts = [self._run(x[i : i + self._max_batch]) for i in range(0, x.shape[0], self._max_batch)]
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-        import torch
-
-        ctx = self._context
-        n = x.shape[0]
-        in_shape = (n, 3, *self._input_size)
+        cudart, ctx, stream = self._cudart, self._context, self._stream
+        in_shape = (x.shape[0], 3, *self._input_size)
         if not ctx.set_input_shape(self._input, in_shape):
             raise ValueError(f"{self.model_path}: TensorRT rejected input shape {in_shape} (outside the profile?)")
-        with torch.cuda.stream(self._stream):
-            inp = self._buffers.get(self._input, in_shape, self._dtypes[self._input])
-            inp.copy_(torch.from_numpy(x).to(self._device, non_blocking=True).to(inp.dtype))
-            ctx.set_tensor_address(self._input, inp.data_ptr())
-            for name in self._outputs:
-                out_shape = tuple(ctx.get_tensor_shape(name))
-                buf = self._buffers.get(name, out_shape, self._dtypes[name])
-                ctx.set_tensor_address(name, buf.data_ptr())
-            if not ctx.execute_async_v3(self._stream.cuda_stream):
-                raise RuntimeError(f"TensorRT failed to enqueue {self.model_path}")
-        self._stream.synchronize()
-        sx = self._buffers["simcc_x"].float().cpu().numpy()
-        sy = self._buffers["simcc_y"].float().cpu().numpy()
-        return sx, sy
+        host_in = np.ascontiguousarray(x, dtype=self._dtypes[self._input])
+        ptr = self._buffers.get(self._input, host_in.nbytes)
+        _check(cudart, cudart.cudaMemcpyAsync(ptr, host_in.ctypes.data, host_in.nbytes,
+                                              cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream), "copy to device")
+        ctx.set_tensor_address(self._input, ptr)
+        host_out: dict[str, np.ndarray] = {}
+        for name in self._outputs:
+            host_out[name] = np.empty(tuple(ctx.get_tensor_shape(name)), dtype=self._dtypes[name])
+            ctx.set_tensor_address(name, self._buffers.get(name, host_out[name].nbytes))
+        if not ctx.execute_async_v3(int(stream)):
+            raise RuntimeError(f"TensorRT failed to enqueue {self.model_path}")
+        for name in ("simcc_x", "simcc_y"):
+            out = host_out[name]
+            _check(cudart, cudart.cudaMemcpyAsync(out.ctypes.data, self._buffers.get(name, out.nbytes), out.nbytes,
+                                                  cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream),
+                   f"copy of {name} to the host")
+        _check(cudart, cudart.cudaStreamSynchronize(stream), "stream synchronisation")
+        return host_out["simcc_x"].astype(np.float32), host_out["simcc_y"].astype(np.float32)
 
     def close(self) -> None:
         buffers = getattr(self, "_buffers", None)
         if buffers is not None:
             buffers.close()
-        # Context before engine before runtime: TensorRT objects must die in reverse creation order.
+        # Context before engine before runtime: TensorRT objects die in reverse creation order; then the stream.
         for attr in ("_context", "_engine", "_runtime"):
             if hasattr(self, attr):
                 setattr(self, attr, None)
+        stream = getattr(self, "_stream", None)
+        if stream is not None:
+            self._cudart.cudaStreamDestroy(stream)
+            self._stream = None

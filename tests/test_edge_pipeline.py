@@ -680,3 +680,59 @@ def test_cli_device_maps_to_onnxruntime_providers_and_prints_the_ones_used(rando
     err = capsys.readouterr().err
     assert "CUDAExecutionProvider is not available" in err and "fedpose[edge-gpu]" in err
     assert not (tmp_path / "cuda").exists()
+
+
+def test_max_eps_stops_releasing_and_the_claim_counts_the_frames_released(random_onnx, clip, tmp_path, capsys):
+    """F x eps composes over a stream: with --max-eps the camera stops releasing frames at the budget (keypoints go
+    on), nothing of an unreleased frame reaches the video, and the claim and summary count what was released."""
+    out = tmp_path / "run"
+    assert cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--out", str(out), "--video",
+                     "--pixelize", "eps=1,b=16,m=16,n=4", "--max-eps", "3.5", "--max-frames", "8", "--store", "png",
+                     "--seed", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert len(_read_jsonl(out / KEYPOINTS_FILE)) == 8  # inference goes on
+    frames = sorted((out / "pixelized").iterdir())
+    assert [f.suffix for f in frames] == [".png"] * 3  # floor(3.5 / 1) frames, as images
+    assert _frame_count(out / "annotated.mp4") == 3  # the video shows released frames only
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["released_frames"] == 3 and summary["budget_stop"] == 3 and summary["frames"] == 8
+    assert "3 over F=3 frames" in printed and "frame_*.png" in printed
+    assert cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--out", str(tmp_path / "x"),
+                     "--pixelize", "eps=1,b=16,m=16", "--max-eps", "0.5"]) == 3  # not even one frame fits
+    assert "--max-eps" in capsys.readouterr().err
+
+
+def test_sigterm_ends_the_camera_run_with_its_outputs_finalised(random_onnx, tmp_path):
+    """A camera service is stopped with SIGTERM: the run ends after the current frame, the video is finalised (it
+    opens and holds the frames written), summary.json is written and the claim printed; exit code 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = tmp_path / "long.mp4"
+    write_demo_video(source, DemoSpec(frames=600, size=(192, 144), seed=1, style="public"))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "edge", "run", "--model", str(random_onnx), "--source",
+                             str(source), "--out", str(out), "--video", "--pixelize", "eps=0.5,b=16,m=16,n=4",
+                             "--threads", "1"], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": "."})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = out / KEYPOINTS_FILE
+            if path.is_file() and len(path.read_text().splitlines()) >= 5:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and 5 <= summary["frames"] < 600
+    assert _frame_count(out / "annotated.mp4") == summary["released_frames"] == summary["frames"]
+    assert "stopped by SIGTERM" in stdout and f"over F={summary['frames']} frames" in stdout

@@ -23,7 +23,7 @@ from shared.data.transforms import affine_matrix, warp_points
 from shared.model.posenet import build_model, save_checkpoint
 
 INPUT = (64, 48)
-HAS_TRT = importlib.util.find_spec("tensorrt") is not None
+HAS_TRT = importlib.util.find_spec("tensorrt") is not None and importlib.util.find_spec("cuda") is not None
 TRT_SKIP = (
     "TensorRT engines need the tensorrt package and an NVIDIA GPU "
     "(pip install 'fedpose[tensorrt]'; Jetson: python3-libnvinfer); neither is present here"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,40 @@ from edge.prepost import postprocess, preprocess
 log = logging.getLogger(__name__)
 
 
+SUMMARY_FILE = "summary.json"
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM end the loop after the current frame (the outputs are then finalised as at the end of
+    the source); ``restore`` puts the previous handlers back. Only the main thread can take signals."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._stop)
+
+    def _stop(self, signum: int, _frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        log.warning("%s: stopping after this frame", self.signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
 def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) -> PipelineReport:
-    """Run the camera loop until the source ends, is lost, or ``max_frames`` frames are done.
+    """Run the camera loop until the source ends, is lost, ``max_frames`` frames are done, or SIGINT/SIGTERM.
 
     Writes ``keypoints.jsonl`` (one JSON object per frame: frame, timestamp
     (Unix s), pos_ms (source position), box [x, y, w, h], box_source,
-    keypoints 16 x [x, y, score], latency_ms), and optionally the annotated
-    video and the pixelized NPZ frames. Returns the run's report.
+    keypoints 16 x [x, y, score], latency_ms), optionally the annotated
+    video and the pixelized frames (until ``max_eps`` is reached), and
+    ``summary.json``. Returns the run's report.
     """
     out_dir = Path(options.out_dir)
     report = PipelineReport(keypoints_path=out_dir / KEYPOINTS_FILE)
@@ -54,7 +83,9 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
 
     writer = None
     t_start = time.perf_counter()
+    stop = _StopOnSignal()
     try:
+        stop.install()
         source.open()  # before creating any output: an unopenable source leaves nothing behind
         t_start = time.perf_counter()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +94,8 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
             report.pixelized_dir.mkdir(exist_ok=True)
         with open(report.keypoints_path, "w", buffering=1) as jsonl:
             for index, frame, pos_ms in source.frames():
+                if stop.signal is not None:
+                    break
                 if frame.ndim == 2:
                     frame = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
                 size = (frame.shape[0], frame.shape[1])
@@ -79,9 +112,19 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
 
                 published = frame
                 if options.pixelize is not None:
-                    published, empty = _pixelize_frame(frame, kps[0], scores[0], options, rng, report.pixelized_dir, index)
-                    report.empty_masks += int(empty)
-                if options.write_video or options.show:
+                    spec = options.pixelize
+                    if options.max_eps is not None and (report.released + 1) * spec.eps > options.max_eps * (1 + 1e-9):
+                        if report.budget_stop is None:
+                            report.budget_stop = index
+                            log.warning("--max-eps %g reached after %d released frames: no more pixelized frames "
+                                        "(keypoints go on)", options.max_eps, report.released)
+                        published = None  # nothing of this frame may be shown: its release is not paid for
+                    else:
+                        published, empty = _pixelize_frame(frame, kps[0], scores[0], options, rng,
+                                                           report.pixelized_dir, index)
+                        report.empty_masks += int(empty)
+                        report.released += 1
+                if published is not None and (options.write_video or options.show):
                     if options.pixelize is None or options.overlay:
                         annotated = draw_skeleton(published, kps[0], scores[0], threshold=options.score_threshold,
                                                   box=box)
@@ -100,6 +143,8 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                 if options.max_frames is not None and report.frames >= options.max_frames:
                     break
     finally:
+        stop.restore()
+        report.stopped_by = stop.signal
         report.seconds = time.perf_counter() - t_start
         if writer is not None:
             writer.release()
@@ -114,11 +159,14 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
     if options.pixelize is not None:
         report.claim = release_claim(
             options.pixelize,
-            frames=max(1, report.frames),
+            frames=max(1, report.released),
             keypoints_file=report.keypoints_path.name if report.keypoints_path else None,
             video_file=report.video_path.name if report.video_path else None,
             shown=options.show,
             overlay=options.overlay,
+            store=options.store,
         )
+    if out_dir.is_dir():
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     log.info("pipeline done: %d frames, %.1f FPS", report.frames, report.fps)
     return report

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+FRAME_STORES = ("npz", "png", "jpeg")
+
 _COLOR_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
                 "off": False}
 
@@ -74,10 +76,22 @@ class PipelineOptions:
     # External person box (x, y, w, h) per frame index, e.g. from a detector or a demo clip's ground truth;
     # it replaces the tracker for that frame (box_source "external"), None falls back to the tracker.
     boxes: Callable[[int], Any] | None = None
+    # Stop releasing pixelized frames once their composed epsilon (F x eps over F released frames) would pass
+    # this; keypoints go on. None: no limit (the claim states F x eps for whatever was released).
+    max_eps: float | None = None
+    store: str = "npz"  # how pixelized frames are written: npz (noisy cell means, restorable), png or jpeg
 
     def __post_init__(self) -> None:
         if self.max_frames is not None and self.max_frames < 1:
             raise ValueError(f"--max-frames must be >= 1, got {self.max_frames}")
+        if self.store not in FRAME_STORES:
+            raise ValueError(f"--store must be one of {', '.join(FRAME_STORES)}, got {self.store!r}")
+        if self.max_eps is not None:
+            if self.pixelize is None:
+                raise ValueError("--max-eps limits the pixelized frames: it needs --pixelize")
+            if not math.isfinite(self.max_eps) or self.max_eps < self.pixelize.eps:
+                raise ValueError(f"--max-eps {self.max_eps:g} is below one frame's eps {self.pixelize.eps:g}: no frame "
+                                 "could be released")
         if not 0.0 <= self.score_threshold <= 1.0:
             raise ValueError(f"score threshold must be in [0, 1], got {self.score_threshold}")
 
@@ -99,6 +113,9 @@ class PipelineReport:
     pixelized_dir: Path | None = None
     overlay: bool = False
     claim: str | None = None
+    released: int = 0  # pixelized frames written
+    budget_stop: int | None = None  # the frame index from which no frame was released (--max-eps reached)
+    stopped_by: str | None = None  # the signal that ended the run (SIGINT, SIGTERM), if one did
 
     @property
     def fps(self) -> float:
@@ -119,9 +136,21 @@ class PipelineReport:
             lines.append(f"keypoints: {self.keypoints_path}")
         if self.video_path:
             lines.append(f"video: {self.video_path}")
+        if self.stopped_by:
+            lines.append(f"stopped by {self.stopped_by}: outputs finalised")
         if self.pixelized_dir:
-            lines.append(f"pixelized frames (NPZ, restore with `fedpose edge restore`): {self.pixelized_dir}")
+            lines.append(f"pixelized frames: {self.released} released in {self.pixelized_dir}")
+            if self.budget_stop is not None:
+                lines.append(f"--max-eps reached: no frame released from frame {self.budget_stop} on (keypoints go on)")
             if self.empty_masks:
                 lines.append(f"body mask empty on {self.empty_masks} of {self.frames} frames (no keypoint above the "
                              "score threshold): those frames are pixelized with the coarse grid everywhere")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json: what the run did and released."""
+        return {"frames": self.frames, "bad_frames": self.bad_frames, "reconnects": self.reconnects,
+                "source_lost": self.source_lost, "seconds": round(self.seconds, 3), "fps": round(self.fps, 2),
+                "latency_ms": {"p50": self.latency(50), "p95": self.latency(95)} if self.latencies_ms else None,
+                "released_frames": self.released, "budget_stop": self.budget_stop, "stopped_by": self.stopped_by,
+                "empty_masks": self.empty_masks, "claim": self.claim}

@@ -52,6 +52,7 @@ def release_claim(
     video_file: str | None,
     shown: bool = False,
     overlay: bool = False,
+    store: str = "npz",
 ) -> str:
     """The printed edge claim of a pixelized run: the DP statement, then every output the run released.
 
@@ -65,7 +66,8 @@ def release_claim(
     lines = [
         pixelize_claim(spec, mask_source="keypoints", frames=frames),
         "Released by this run (a viewer of these outputs may learn all of it):",
-        f"- {PIXELIZED_DIR}/frame_*.npz: the DP-pixelized frames (noisy cell means, {spec.eps:g}-DP per frame, "
+        f"- {PIXELIZED_DIR}/frame_*.{ {'npz': 'npz', 'png': 'png', 'jpeg': 'jpg'}[store]}: the DP-pixelized frames "
+        f"({'noisy cell means' if store == 'npz' else 'rendered images of the noisy cell means'}, {spec.eps:g}-DP per frame, "
         f"{frames * spec.eps:g} over F={frames} frames) and the cell layout, i.e. the region mask, which is "
         "derived from the raw frame's keypoints and NOT protected.",
     ]
@@ -116,8 +118,11 @@ def _pixelize_frame(
     image = frame if options.pixelize_color else cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
     mask = body_mask_from_keypoints(frame.shape[:2], kps, scores, score_threshold=options.score_threshold)
     released = pixelize(image, options.pixelize, mask=mask, rng=rng)
-    save_npz(released, out / f"frame_{index:06d}.npz")
     rendered = released.render()
+    if options.store == "npz":
+        save_npz(released, out / f"frame_{index:06d}.npz")
+    elif not cv2.imwrite(str(out / f"frame_{index:06d}.{'jpg' if options.store == 'jpeg' else 'png'}"), rendered):
+        raise OSError(f"cannot write a {options.store} frame in {out}")  # JPEG's loss is post-processing of the release
     bgr = rendered if rendered.ndim == 3 else cv2.cvtColor(rendered, cv2.COLOR_GRAY2BGR)
     return bgr, not mask.any()
 
