@@ -1,25 +1,26 @@
-"""Every results table and figure of the README, from one command (issue #14).
+"""Every measurement behind the results pages, from one command.
 
     python benchmarks/reproduce.py [--out runs/reproduce] [--only NAME ...] [--list] [--dry-run] [--force]
 
-Each entry below fills one README block (the text between ``<!-- results-NAME -->`` and
-``<!-- /results-NAME -->``; ``tests/test_reproduce.py`` checks that every results table and figure of the
-README lies in such a block and that every block has an entry here) with the commands that measured it,
-in order. Every command runs in its own process from the repository root with this interpreter; its
-output goes to the terminal (the commands' own progress bars) and to ``OUT/NAME/<i>.log``. An entry is
-done when ``OUT/NAME/done.json`` exists (each command's exit code and seconds): rerunning the command
-skips it (``--force`` reruns), and a failed command stops its entry and is rerun next time.
+Each entry below runs the commands of one measurement, in order, each in its own process from the repository
+root with this interpreter; the output goes to the terminal (the commands' own progress bars) and to
+``OUT/NAME/<i>.log``. An entry is done when ``OUT/NAME/done.json`` exists (each command's exit code and
+seconds): rerunning skips it (``--force`` reruns), and a failed command stops its entry and is rerun next time.
+The files an entry lists in ``results`` are then copied to ``benchmarks/results/``, from which
+``tools/render_results.py`` renders the tables of docs/results/ (``tests/test_reproduce.py`` checks that every
+rendered table's file is one an entry writes). Entries without ``results`` re-measure numbers the archive page
+keeps by hand.
 
-The README states, per block, the machine and load it was measured under; on the 2-core CPU the whole
-list takes about 5 hours (the study, the levers and the 3-seed table dominate); with a CUDA build of torch
-the same commands train on the GPU. Run it as a file (Opacus installs a top-level ``benchmarks`` package that shadows
-``python -m benchmarks...``).
+On the 2-core CPU the whole list takes many hours (the study, the levers and the seeded runs dominate); with a
+CUDA build of torch the same commands train on the GPU. Run it as a file (Opacus installs a top-level
+``benchmarks`` package that shadows ``python -m benchmarks...``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -27,14 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 FEDPOSE = ("{py}", "-m", "cli.main")
 
 
 @dataclass(frozen=True)
 class Entry:
-    name: str  # the README block: <!-- results-NAME -->
+    name: str
     what: str
     commands: tuple[tuple[str, ...], ...]  # "{py}" is this interpreter, "{out}" this entry's folder
+    results: tuple[str, ...] = ()  # files of {out} copied to benchmarks/results/ when the entry is done
 
 
 def _levers(tag: str, *flags: str, rounds: int = 19) -> tuple[str, ...]:
@@ -48,13 +51,13 @@ def _train(out: str, *flags: str) -> tuple[str, ...]:
 
 
 ENTRIES: tuple[Entry, ...] = (
-    Entry("federation", "the main command: the default federation, then the edge step", (
-        (*FEDPOSE, "simulate", "--config", "configs/default.yaml", "--out", "{out}/federation"),
-        (*FEDPOSE, "edge", "demo-video", "--out", "{out}/demo.mp4"),
-        (*FEDPOSE, "edge", "export", "--checkpoint", "{out}/federation/model.pt", "--out", "{out}/model.onnx"),
-        (*FEDPOSE, "edge", "run", "--model", "{out}/model.onnx", "--source", "{out}/demo.mp4", "--out",
-         "{out}/edge", "--video", "--pixelize", "eps=1,b=16,m=16,n=4"),
-    )),
+    Entry("main", "the main command's pretraining and federation over 3 seeds", (
+        ("{py}", "benchmarks/main_seeds.py", "--config", "default", "--seeds", "0", "1", "2", "--out", "{out}"),
+    ), results=("main.json",)),
+    Entry("pretraining", "the public-pretrained start over seeds and CPU kernels", (
+        ("{py}", "benchmarks/pretrain_seeds.py", "--recipe", "last-iterate=pretrain.ema=0", "--recipe",
+         "shipped=", "--seeds", "0", "1", "2", "--capabilities", "native", "avx2", "--out", "{out}"),
+    ), results=("pretraining.json",)),
     Entry("methods", "the five methods on the default config, 3 seeds", (
         ("{py}", "benchmarks/compare_methods.py", "--config", "configs/default.yaml", "--seeds", "1", "2", "3",
          "--out", "{out}", "--reuse"),
@@ -77,13 +80,13 @@ ENTRIES: tuple[Entry, ...] = (
          "1", "2", "3", "--out", "{out}/centralized", "--reuse"),
     )),
     Entry("study", "the privacy-utility grid that fits this CPU", (
-        (*FEDPOSE, "study", "--config", "configs/study-cpu.yaml", "--out", "{out}", "--threads", "1"),
+        (*FEDPOSE, "study", "--config", "configs/study-cpu.yaml", "--out", "{out}/study", "--threads", "1"),
         (*FEDPOSE, "study", "--config", "configs/study-ablations-cpu.yaml", "--out", "{out}/ablations", "--threads",
          "1", "--jobs", "2"),
-    )),
+    ), results=("study/results.csv",)),
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
-    )),
+    ), results=("privacy_attacks.json",)),
     Entry("benchmarks", "step time, downlink, edge latency, DP pixelization", (
         ("{py}", "benchmarks/dp_step.py", "--repeats", "3"),
         ("{py}", "benchmarks/federation.py", "--json", "{out}/federation.json"),
@@ -119,6 +122,10 @@ def run_entry(entry: Entry, out: Path) -> bool:
             print(f"  failed (exit {code}) after {seconds:.0f} s: see {out / f'{i}.log'}", flush=True)
             return False
     (out / "done.json").write_text(json.dumps({"entry": entry.name, "steps": steps}, indent=2) + "\n")
+    for name in entry.results:
+        (RESULTS / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / name, RESULTS / name)
+        print(f"  {out / name} -> {RESULTS / name} (render the pages: python tools/render_results.py)", flush=True)
     return True
 
 
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or args.dry_run:
         for e in chosen:
             done = (out / e.name / "done.json").exists()
-            print(f"{e.name:<11} {'done' if done else 'to run':<7} README <!-- results-{e.name} -->: {e.what}")
+            print(f"{e.name:<11} {'done' if done else 'to run':<7} {e.what}" +
+                  (f" -> benchmarks/results/{', '.join(e.results)}" if e.results else " (the archive's numbers)"))
             if args.dry_run:
                 for part in e.commands:
                     print("    " + " ".join(command(part, out / e.name)))

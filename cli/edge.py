@@ -137,7 +137,7 @@ def cmd_demo_video(args: argparse.Namespace) -> int:
 
     spec = DemoSpec(frames=args.frames, size=parse_size(args.size), seed=args.seed, fps=args.fps, style=args.style)
     sidecar = write_demo_video(args.out, spec)
-    print(f"wrote {args.out} ({spec.frames} frames, {spec.size[0]}x{spec.size[1]}, {spec.fps:g} fps) "
+    print(f"wrote {args.out} ({spec.frames} frames, {spec.size[1]}x{spec.size[0]} (HxW), {spec.fps:g} fps) "
           f"and ground truth {sidecar}")
     return 0
 
@@ -366,7 +366,7 @@ def register(subparsers: Any) -> None:
     dv = sub.add_parser("demo-video", help="render a synthetic ward clip with ground truth (F.mp4 + F.mp4.json)")
     dv.add_argument("--out", required=True, help="the .mp4 to write (ground truth beside it as .mp4.json)")
     dv.add_argument("--frames", type=int, default=120, help="frames (default 120)")
-    dv.add_argument("--size", default="320x240", help="WxH (default 320x240)")
+    dv.add_argument("--size", default="240x320", help="frame size HxW, height first as every size (default 240x320)")
     dv.add_argument("--seed", type=int, default=0, help="the clip is a function of this seed (default 0)")
     dv.add_argument("--fps", type=float, default=25.0, help="frames per second (default 25)")
     dv.add_argument("--style", default="public", help="'public' or a site index (0, 1, ...)")

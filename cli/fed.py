@@ -116,10 +116,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def print_summary(metrics: dict[str, Any], out: Path) -> None:
+    from cli.main import data_line
     from shared.metrics import pckh_table
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))
+    curve = [float(json.loads(line)["pckh_mean"]) for line in (out / "rounds.jsonl").read_text().splitlines()
+             if line.strip()] if (out / "rounds.jsonl").is_file() else []
+    start, final = metrics.get("initial_pckh_mean"), metrics["pckh_mean"]
+    if start is not None:
+        best = f"; best {max(curve):.2f} at round {1 + curve.index(max(curve))}" if curve else ""
+        print(f"PCKh@0.5: start {start:.2f} (the public-pretrained model) -> {final:.2f} after {metrics['rounds']} "
+              f"rounds (gain {final - start:+.2f}{best})")
+    print(data_line(metrics))
     print("privacy spent per site (accountant " + metrics["accountant"] + "; run = this federation, the max of the "
           "server's recomputation and the site's own reports; lifetime = the site's whole ledger):")
     for site, s in sorted(metrics["sites"].items()):

@@ -55,11 +55,11 @@ class DemoSpec:
 
 
 def parse_size(value: str) -> tuple[int, int]:
-    """``"WxH"`` -> (W, H)."""
+    """``"HxW"`` (height first, as every size fedpose takes) -> (W, H), the frame size ``DemoSpec`` holds."""
     try:
-        w, h = (int(v) for v in value.lower().split("x"))
+        h, w = (int(v) for v in value.lower().split("x"))
     except ValueError as err:
-        raise ValueError(f"--size must look like WxH (e.g. 320x240), got {value!r}") from err
+        raise ValueError(f"--size must look like HxW (e.g. 240x320), got {value!r}") from err
     return w, h
 
 
@@ -182,7 +182,7 @@ def write_demo_video(out: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
         raise RuntimeError(f"{out}: wrote {spec.frames} frames but OpenCV reads back {count}")
     sidecar = sidecar_path(out)
     sidecar.write_text(json.dumps(truth))
-    log.info("demo clip %s: %d frames %dx%d, ground truth in %s", out, spec.frames, w, h, sidecar)
+    log.info("demo clip %s: %d frames of %dx%d (HxW), ground truth in %s", out, spec.frames, h, w, sidecar)
     return sidecar
 
 

@@ -1,4 +1,4 @@
-"""One command reproduces every results table and figure of the README (issue #14): benchmarks/reproduce.py."""
+"""One command reproduces every measurement behind the results pages: benchmarks/reproduce.py."""
 
 from __future__ import annotations
 
@@ -22,36 +22,38 @@ def _reproduce():
     return module
 
 
-def _blocks(text: str) -> dict[str, tuple[int, int]]:
-    """results-NAME -> (first line, last line) of its block."""
-    lines = text.splitlines()
-    opened, blocks = {}, {}
-    for i, line in enumerate(lines):
-        if m := re.fullmatch(r"<!-- results-([a-z-]+) -->", line.strip()):
-            opened[m.group(1)] = i
-        elif m := re.fullmatch(r"<!-- /results-([a-z-]+) -->", line.strip()):
-            assert m.group(1) in opened, f"README line {i + 1}: {line} closes a block never opened"
-            blocks[m.group(1)] = (opened.pop(m.group(1)), i)
-    assert not opened, f"README blocks never closed: {sorted(opened)}"
-    return blocks
+def _render():
+    spec = importlib.util.spec_from_file_location("render_results", REPO / "tools" / "render_results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["render_results"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_every_results_table_and_figure_of_the_readme_is_in_a_block_the_command_reproduces():
-    text = (REPO / "README.md").read_text()
-    blocks = _blocks(text)
-    entries = {e.name for e in _reproduce().ENTRIES}
-    assert set(blocks) == entries, f"README blocks {sorted(blocks)} vs reproduce.py entries {sorted(entries)}"
-    lines = text.splitlines()
-    measured = [i for i, line in enumerate(lines) if line.startswith(("## Results", "## What the guarantee means"))]
-    assert len(measured) == 2
-    outside = []
-    for start in measured:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        for i in range(start, end):
-            is_result = lines[i].startswith("|---") or re.search(r"!\[|benchmarks/results/\S+\.png", lines[i])
-            if is_result and not any(a < i < b for a, b in blocks.values()):
-                outside.append(f"{i + 1}: {lines[i][:80]}")
-    assert not outside, "results tables or figures outside any <!-- results-NAME --> block:\n" + "\n".join(outside)
+def test_every_rendered_table_comes_from_a_file_an_entry_writes_and_no_table_is_written_by_hand():
+    """The results pages: every rendered block names a renderer, every renderer reads a file of
+    benchmarks/results/ that one entry of reproduce.py writes, and every table and figure of the results pages
+    (but the archive's and the benchmark list's) lies inside a rendered block."""
+    render, reproduce = _render(), _reproduce()
+    written = {name for e in reproduce.ENTRIES for name in e.results}
+    for name, (load, _) in render.RENDERERS.items():
+        source = next(c.cell_contents for c in load.__closure__ if isinstance(c.cell_contents, str))
+        assert source in written, f"rendered block {name!r} reads {source}, which no reproduce.py entry writes"
+        assert (REPO / "benchmarks" / "results" / source).is_file(), source
+    used = set()
+    for page in render.pages():
+        text = page.read_text()
+        names = re.findall(r"<!-- rendered:([a-z0-9-]+) -->", text)
+        assert set(names) <= set(render.RENDERERS), (page, names)
+        used |= set(names)
+        if page.parent.name != "results" or page.stem in ("archive", "benchmarks"):
+            continue
+        spans = [(m.start(), m.end()) for m in render.BLOCK.finditer(text)]
+        for m in re.finditer(r"^\|---.*$|!\[", text, re.M):
+            inside = any(a <= m.start() < b for a, b in spans)
+            figure = text[m.start():m.start() + 2] == "!["
+            assert inside or figure, f"{page.name}: a table outside any rendered block at {text[m.start():][:60]!r}"
+    assert used == set(render.RENDERERS), f"renderers no page uses: {set(render.RENDERERS) - used}"
 
 
 def test_every_command_parses_with_the_tools_it_names(tmp_path):

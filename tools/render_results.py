@@ -1,0 +1,214 @@
+"""Render the results pages' tables from the artefacts the measurements wrote (JSON and CSV files).
+
+    python tools/render_results.py          # rewrite every rendered block
+    python tools/render_results.py --check  # exit 1 when a page differs from its artefacts (CI runs this)
+
+A page holds a rendered block as
+
+    <!-- rendered:NAME -->
+    ...
+    <!-- /rendered:NAME -->
+
+and NAME is one of ``RENDERERS`` below, each a function of one artefact under ``benchmarks/results/``. Nothing
+between the markers is written by hand: a number on a results page is either rendered here from the file a
+measurement wrote, or it is in the archive with the reason it is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PAGES = (REPO / "docs" / "results", REPO / "docs" / "tutorials", REPO / "README.md")
+
+
+def _provenance(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "_Provenance: not recorded by this measurement._"
+    versions = p.get("versions") or {}
+    software = ", ".join(f"{k} {versions[k]}" for k in ("torch", "numpy", "opencv-python-headless", "flwr")
+                         if versions.get(k))
+    machine = f"{p.get('cpus')} CPUs" + (f" ({p['cpu']}, {p.get('cpu_capability')})" if p.get("cpu") else "")
+    if p.get("gpu"):
+        machine += f", GPU {p['gpu']}"
+    commit = (p.get("commit") or "unknown")[:10] + (" with local changes" if p.get("dirty") else "")
+    return (f"_Provenance: `{p.get('command', '')}`; commit {commit}; {str(p.get('date', ''))[:10]}; {machine}, "
+            f"{p.get('threads')} torch threads; {software}._")
+
+
+def render_main(data: dict[str, Any]) -> str:
+    """benchmarks/results/main.json (benchmarks/main_seeds.py): the main command over seeds."""
+    rows = ["| seed | start | best (round) | final | gain over the start | epsilon per site | minutes |",
+            "|---|---|---|---|---|---|---|"]
+    for r in data["seeds"]:
+        minutes = f"{r['seconds'] / 60:.1f}" if r.get("seconds") else "-"
+        rows.append(f"| {r['seed']} | {r['start']:.2f} | {r['best']:.2f} ({r['best_round']}) | {r['final']:.2f} | "
+                    f"{r['gain']:+.2f} | {max(r['sites'].values()):.4f} | {minutes} |")
+    s = data["summary"]
+    rows.append(f"| **mean ± std** | **{s['start']['mean']:.2f} ± {s['start']['std']:.2f}** | "
+                f"{s['best']['mean']:.2f} ± {s['best']['std']:.2f} | **{s['final']['mean']:.2f} ± "
+                f"{s['final']['std']:.2f}** | **{s['gain']['mean']:+.2f} ± {s['gain']['std']:.2f}** | | |")
+    curves = ["", "PCKh@0.5 after each round (round 0 is the start):", ""]
+    for r in data["seeds"]:
+        curves.append(f"- seed {r['seed']}: " + ", ".join(f"{v:.2f}" for v in [r["start"], *r["curve"]]))
+    return "\n".join(rows + curves + ["", _provenance(data.get("provenance"))])
+
+
+def render_main_brief(data: dict[str, Any]) -> str:
+    """One sentence of main.json for the README and the quickstart."""
+    s, n = data["summary"], len(data["seeds"])
+    minutes = [r["seconds"] / 60 for r in data["seeds"] if r.get("seconds")]
+    took = f" Each run took {min(minutes):.0f} to {max(minutes):.0f} minutes on {data['provenance'].get('cpus')} CPU cores." \
+        if minutes else ""
+    return (f"Over {n} seeds, the public-pretrained start scores **{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
+            f"PCKh@0.5 on the validation split and the federated model ends at **{s['final']['mean']:.1f} ± "
+            f"{s['final']['std']:.1f}** (a gain of {s['gain']['mean']:+.1f} ± {s['gain']['std']:.1f}), every site "
+            f"having spent at most epsilon {max(max(r['sites'].values()) for r in data['seeds']):.2f}.{took}")
+
+
+def render_pretraining(data: dict[str, Any]) -> str:
+    """benchmarks/results/pretraining.json (benchmarks/pretrain_seeds.py): the start per recipe, seed and kernels."""
+    recipes = data["recipes"]
+    caps = sorted({r["capability"] for v in recipes.values() for r in v["runs"]})
+    seeds = sorted({r["seed"] for v in recipes.values() for r in v["runs"]})
+    head = [f"seed {s}, {c}" for c in caps for s in seeds]
+    rows = ["| recipe | " + " | ".join(head) + " | mean ± std |", "|---|" + "---|" * (len(head) + 1)]
+    for name, v in recipes.items():
+        got = {(r["capability"], r["seed"]): r["start"] for r in v["runs"]}
+        over = ", ".join(v["overrides"]) or "the config as shipped"
+        cells = " | ".join(f"{got[(c, s)]:.2f}" if (c, s) in got else "-" for c in caps for s in seeds)
+        rows.append(f"| {name} ({over}) | {cells} | **{v['mean']:.2f} ± {v['std']:.2f}** |")
+    return "\n".join(rows + ["", _provenance(data.get("provenance"))])
+
+
+def render_audits(data: dict[str, Any]) -> str:
+    """benchmarks/results/privacy_attacks.json, "audit": one-run audits."""
+    rows = ["| method | canaries | noise | claimed eps | eps lower bound (95%) | correct / guesses | steps |",
+            "|---|---|---|---|---|---|---|"]
+    for a in data["audit"]:
+        kind = "input" if a["mode"] == "input" else ("in-span" if "span" in a["name"] else "Dirac")
+        noise = "calibrated" if a["noise_scale"] == 1.0 else f"{a['noise_scale']:g} x (control: eps {a['epsilon_ran']:.0f} ran)"
+        method = a["method"] + (f", psi {a['psi']}" if a.get("psi") else "")
+        rows.append(f"| {method} | {a['canaries']} {kind} | {noise} | {a['epsilon_claimed']:.3f} | "
+                    f"**{a['epsilon_lb']:.3f}** | {a['v']} / {a['r']} | {a['steps']} |")
+    return "\n".join(rows)
+
+
+def render_mia(data: dict[str, Any]) -> str:
+    """benchmarks/results/privacy_attacks.json, "mia": membership inference."""
+    m = data["mia"]
+    rows = [f"{m['models']} models per method, each on a random half of a {m['pool']}-record pool, {m['steps']} steps.",
+            "", "| method | eps | attack | AUC | TPR @ 1% FPR | TPR @ 0.1% FPR |", "|---|---|---|---|---|---|"]
+    for method, v in m["methods"].items():
+        eps = "-" if v["epsilon"] is None else f"{v['epsilon']:.3f}"
+        for attack, r in v["attacks"].items():
+            rows.append(f"| {method} | {eps} | {attack.replace('_', ' ')} | {r['auc']:.3f} | {r['tpr@0.01fpr']:.3f} | "
+                        f"{r['tpr@0.001fpr']:.3f} |")
+    return "\n".join(rows)
+
+
+def render_reid(data: dict[str, Any]) -> str:
+    """benchmarks/results/privacy_attacks.json, "reid": re-identification of pixelized frames."""
+    r = data["reid"]
+    eps = sorted({p["eps"] for p in r["pixelized"]})
+    rows = [f"{r['identities']} people, {r['query_frames']} queries, chance {r['chance']:.3f}; top-1 accuracy.", "",
+            "| release | " + " | ".join(f"eps {e:g}" for e in eps) + " |", "|---|" + "---|" * len(eps)]
+    rows.append(f"| clean (no redaction) | {r['clean']:.3f} |" + " |" * (len(eps) - 1))
+    rows.append(f"| Gaussian blur sigma {r['blur_sigma']:g} px | {r['blur']:.3f} |" + " |" * (len(eps) - 1))
+    for p in r.get("plain_pixelization", []):
+        rows.append(f"| plain pixelization b = {p['b']} (no noise, not DP) | {p['top1']:.3f} |" + " |" * (len(eps) - 1))
+    for b in sorted({p["b"] for p in r["pixelized"]}):
+        for mode in ("uniform", "adaptive"):
+            cells = {p["eps"]: p["top1"] for p in r["pixelized"] if p["b"] == b and p["mode"] == mode}
+            if cells:
+                rows.append(f"| DP b = {b} {mode} | " + " | ".join(f"{cells[e]:.3f}" for e in eps) + " |")
+    return "\n".join(rows)
+
+
+def render_study(rows: list[dict[str, str]]) -> str:
+    """benchmarks/results/study/results.csv (fedpose study): PCKh@0.5 per method, setting and epsilon."""
+    private = [r for r in rows if r["epsilon"] and not r["ablation"]]
+    cols = sorted({(r["setting"], float(r["epsilon"])) for r in private})
+    table = ["| method | " + " | ".join(f"{s} eps {e:g}" for s, e in cols) + " |", "|---|" + "---|" * len(cols)]
+    for method in ("dpsgd", "proj", "fdp", "fpdp"):
+        cells = []
+        for setting, eps in cols:
+            vals = [float(r["mean"]) for r in private if r["method"] == method and r["setting"] == setting
+                    and float(r["epsilon"]) == eps]
+            cells.append(f"{statistics.mean(vals):.2f}" + (f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
+                         if vals else "-")
+        table.append(f"| {method} | " + " | ".join(cells) + " |")
+    base = {r["method"]: float(r["mean"]) for r in rows if not r["epsilon"] and not r["ablation"]}
+    notes = ", ".join(f"{k} {v:.2f}" for k, v in sorted(base.items()))
+    return "\n".join(table + ["", f"Baselines (no DP, centralized): {notes}."])
+
+
+def _json(name: str) -> Callable[[], Any]:
+    return lambda: json.loads((RESULTS / name).read_text())
+
+
+def _csv(name: str) -> Callable[[], Any]:
+    return lambda: list(csv.DictReader((RESULTS / name).read_text().splitlines()))
+
+
+RENDERERS: dict[str, tuple[Callable[[], Any], Callable[[Any], str]]] = {
+    "main": (_json("main.json"), render_main),
+    "main-brief": (_json("main.json"), render_main_brief),
+    "pretraining": (_json("pretraining.json"), render_pretraining),
+    "audits": (_json("privacy_attacks.json"), render_audits),
+    "mia": (_json("privacy_attacks.json"), render_mia),
+    "reid": (_json("privacy_attacks.json"), render_reid),
+    "study": (_csv("study/results.csv"), render_study),
+}
+
+BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
+
+
+def render_text(text: str, where: str) -> str:
+    def one(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in RENDERERS:
+            raise SystemExit(f"{where}: unknown rendered block {name!r} (known: {', '.join(RENDERERS)})")
+        load, render = RENDERERS[name]
+        return match.group(1) + render(load()).rstrip() + "\n" + match.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def pages() -> list[Path]:
+    out: list[Path] = []
+    for p in PAGES:
+        out.extend(sorted(p.rglob("*.md")) if p.is_dir() else [p])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a page is not what its artefacts render")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        new = render_text(text, str(page.relative_to(REPO)))
+        if new != text:
+            stale.append(page.relative_to(REPO))
+            if not args.check:
+                page.write_text(new)
+                print(f"rendered {page.relative_to(REPO)}")
+    if args.check and stale:
+        print("not current (run python tools/render_results.py): " + ", ".join(map(str, stale)), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
