@@ -65,6 +65,16 @@ def _git() -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def provenance(**extra: Any) -> dict[str, Any]:
     """The versions, machine, numeric settings and commit of this process; ``extra`` (e.g. the command) added."""
     import torch
@@ -78,6 +88,10 @@ def provenance(**extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        # The CPU and the instruction set torch dispatches to (AVX2, AVX512): kernels for another one sum in
+        # another order, so the same seed can train to other weights on another kind of CPU.
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": device,
         "threads": torch.get_num_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
