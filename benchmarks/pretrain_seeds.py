@@ -7,7 +7,7 @@ this runs ``fedpose pretrain`` for every seed, once per CPU instruction set torc
 the ``avx512`` ones), each in its own process, and writes ``OUT/pretraining.json``: per recipe the start of
 every run, the mean and standard deviation, and the provenance. Finished runs are read, not rerun.
 
-    python benchmarks/pretrain_seeds.py --recipe last-iterate= --recipe ema="pretrain.ema=0.995" \\
+    python benchmarks/pretrain_seeds.py --recipe no-jitter=pretrain.photometric=0 --recipe shipped= \\
         --seeds 0 1 2 --capabilities native avx2 --out runs/pretrain-seeds
 """
 

@@ -55,7 +55,7 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/main_seeds.py", "--config", "default", "--seeds", "0", "1", "2", "--out", "{out}"),
     ), results=("main.json",)),
     Entry("pretraining", "the public-pretrained start over seeds and CPU kernels", (
-        ("{py}", "benchmarks/pretrain_seeds.py", "--recipe", "last-iterate=pretrain.ema=0", "--recipe",
+        ("{py}", "benchmarks/pretrain_seeds.py", "--recipe", "no-jitter=pretrain.photometric=0", "--recipe",
          "shipped=", "--seeds", "0", "1", "2", "--capabilities", "native", "avx2", "--out", "{out}"),
     ), results=("pretraining.json",)),
     Entry("methods", "the five methods on the default config, 3 seeds", (
