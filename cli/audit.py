@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cli.main import _add_common, _load
+from cli.main import _add_common, _load, add_json, emit_json
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -25,6 +25,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                      confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed,
                      placement=args.canary_placement)
     result = run_audit(cfg, spec, args.out, progress=not args.quiet)
+    if emit_json(args, result):
+        return 0
     placed = f" ({result['placement']} placement)" if result["placement"] else ""
     print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries{placed} "
           f"({result['included']} included), one run of {result['steps']} steps, {result['unit']} level, "
@@ -65,6 +67,8 @@ def cmd_mia(args: argparse.Namespace) -> int:
     spec = MiaSpec(methods=tuple(m for m in args.methods.split(",") if m), models=args.models, pool=args.pool,
                    split=args.split, epsilon=args.epsilon, seed=args.seed)
     res = run_mia(cfg, spec, args.out, progress=not args.quiet)
+    if emit_json(args, res):
+        return 0
     print(f"membership inference: {res['models']} models per method, each on a random half of {res['pool']} "
           f"records of {res['split']} ({res['steps']} steps); every model attacked with the others as shadows")
     print(f"{'method':<11} {'eps':>6} {'attack':<13} {'AUC':>6} {'TPR@1%':>7} {'TPR@0.1%':>8}")
@@ -85,6 +89,8 @@ def cmd_reid(args: argparse.Namespace) -> int:
     spec = ReidSpec(epsilons=args.epsilons, cells=args.cells, m=args.m, n=args.n, steps=args.steps,
                     train_per_identity=args.train_per_identity, color=not args.gray, seed=args.seed)
     res = run_reid(args.data, args.split, spec, args.out, progress=not args.quiet)
+    if emit_json(args, res):
+        return 0
     print(f"re-identification of {res['identities']} people ({res['query_frames']} query frames, chance "
           f"{res['chance']:.3f}); attacker trained on {res['train_frames']} clean crops")
     print(f"  clean {res['clean']:.3f}   blur sigma {res['blur_sigma']:g} px {res['blur']:.3f}   " + "   ".join(
@@ -117,6 +123,7 @@ def register(sub: Any) -> None:
     au.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     au.add_argument("--out", default=None, help="write audit.json and audit.png here")
     _add_common(au)
+    add_json(au, "audit.json's content")
     au.set_defaults(func=cmd_audit)
 
     attack = sub.add_parser("attack", help="attacks on trained models and released frames")
@@ -132,6 +139,7 @@ def register(sub: Any) -> None:
     mia.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     mia.add_argument("--out", default=None, help="write mia.json and mia.png here")
     _add_common(mia)
+    add_json(mia, "mia.json's content")
     mia.set_defaults(func=cmd_mia)
 
     reid = at.add_parser("reid", help="re-identification of people in DP-pixelized frames")
@@ -148,4 +156,5 @@ def register(sub: Any) -> None:
     reid.add_argument("--seed", type=int, default=0, help="seed of the attack and the noise (default 0)")
     reid.add_argument("--out", default=None, help="write reid.json and reid.png here")
     _add_common(reid, config=False)
+    add_json(reid, "reid.json's content")
     reid.set_defaults(func=cmd_reid)

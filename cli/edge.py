@@ -3,20 +3,17 @@
 ``register(subparsers)`` is called by ``cli.main``; every handler imports its
 modules lazily so ``fedpose --help`` never loads onnx, TensorRT or torch.
 Handlers raise ValueError / FileNotFoundError / ImportError / RuntimeError
-with a message; ``cli.main`` prints it and exits with status 2.
+with a message; ``cli.main`` prints it in one line with its exit code. pixelize and restore live in
+``cli.edge_pixelize``.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("fedpose.edge")
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
-VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov")
+from cli.edge_pixelize import cmd_pixelize, cmd_restore
 
 
 # ---------------------------------------------------------------------------
@@ -48,8 +45,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
     import numpy as np
 
-    from edge.quantize import compare_precisions, quantize_int8, record_crops
     from cli.main import load_cli_config
+    from edge.quantize import compare_precisions, quantize_int8, record_crops
     from shared.data.mpii import load_split
     from shared.runs import ensure_data
 
@@ -78,7 +75,12 @@ def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from edge.trt_build import build_engine, check_build_request, parse_profile, trtexec_command
+    from edge.trt_build import (
+        build_engine,
+        check_build_request,
+        parse_profile,
+        trtexec_command,
+    )
 
     profile = parse_profile(args.batch) if args.batch else None
     request = check_build_request(
@@ -97,7 +99,15 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from edge.pipeline import FrameSource, PipelineOptions, ReconnectPolicy, parse_pixelize, parse_roi, run_pipeline
+    from cli.main import emit_json
+    from edge.pipeline import (
+        FrameSource,
+        PipelineOptions,
+        ReconnectPolicy,
+        parse_pixelize,
+        parse_roi,
+        run_pipeline,
+    )
     from edge.runtime import make_runtime
 
     if args.threads is not None and args.threads < 1:
@@ -123,12 +133,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"model {args.model} ({runtime.backend}" + (f" with {', '.join(used)}" if used else "") +
               f", input {runtime.input_size[0]}x{runtime.input_size[1]}), source {args.source}")
         report = run_pipeline(runtime, source, options)
+    if report.frames == 0:
+        raise RuntimeError(f"no frame could be read from {args.source}")
+    if emit_json(args, report.to_dict()):
+        return 0
     print(report.summary())
     if report.claim:
         print("privacy of the published outputs:")
         print(report.claim)
-    if report.frames == 0:
-        raise RuntimeError(f"no frame could be read from {args.source}")
     return 0
 
 
@@ -139,147 +151,6 @@ def cmd_demo_video(args: argparse.Namespace) -> int:
     sidecar = write_demo_video(args.out, spec)
     print(f"wrote {args.out} ({spec.frames} frames, {spec.size[1]}x{spec.size[0]} (HxW), {spec.fps:g} fps) "
           f"and ground truth {sidecar}")
-    return 0
-
-
-# ---------------------------------------------------------------------------
-# pixelize / restore
-# ---------------------------------------------------------------------------
-
-
-def _read_inputs(path: Path, gray: bool) -> tuple[str, list[tuple[str, Any]]]:
-    """(kind, [(name, image)]) for an image file, a directory of images or a video."""
-    import cv2
-
-    def load(p: Path) -> Any:
-        img = cv2.imread(str(p), cv2.IMREAD_UNCHANGED)
-        if img is None:
-            raise ValueError(f"cannot decode image {p}")
-        if img.dtype != "uint8":
-            raise ValueError(f"{p}: only 8-bit images can be pixelized, got {img.dtype}")
-        if img.ndim == 3 and img.shape[2] == 4:
-            img = cv2.cvtColor(img, cv2.COLOR_BGRA2BGR)
-        if gray and img.ndim == 3:
-            img = cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
-        return img
-
-    if not path.exists():
-        raise FileNotFoundError(f"--in {path} does not exist")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise ValueError(f"--in {path} contains no images ({', '.join(IMAGE_SUFFIXES)})")
-        return "dir", [(p.stem, load(p)) for p in files]
-    if path.suffix.lower() in VIDEO_SUFFIXES:
-        cap = cv2.VideoCapture(str(path))
-        if not cap.isOpened():
-            raise ValueError(f"cannot open video {path}")
-        frames = []
-        try:
-            while True:
-                ok, frame = cap.read()
-                if not ok:
-                    break
-                frames.append((f"frame_{len(frames):06d}", cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY) if gray else frame))
-        finally:
-            cap.release()
-        if not frames:
-            raise ValueError(f"no frame could be decoded from {path}")
-        return "video", frames
-    return "image", [(path.stem, load(path))]
-
-
-def cmd_pixelize(args: argparse.Namespace) -> int:
-    import cv2
-    import numpy as np
-
-    from edge.pixelize import PixelizeSpec, load_mask, pixelize, pixelize_claim, save_npz
-
-    spec = PixelizeSpec(eps=args.eps, b=args.b, m=args.m, n=args.n, noise=args.noise)
-    kind, items = _read_inputs(Path(args.input), args.gray)
-    out = Path(args.out)
-    single = kind == "image"
-    if single:
-        want = ".npz" if args.store == "npz" else None
-        if want and out.suffix != want:
-            raise ValueError(f"--store npz writes one NPZ file: --out must end in .npz, got {out}")
-        if not want and out.suffix.lower() not in IMAGE_SUFFIXES:
-            raise ValueError(f"--out must be an image file ({', '.join(IMAGE_SUFFIXES)}) for a single image, got {out}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-
-    mask_source, fixed_mask, runtime = "none", None, None
-    if args.mask == "pose":
-        if not args.model:
-            raise ValueError("--mask pose estimates the body region with a pose model: pass --model model.onnx|.pt")
-        from edge.runtime import make_runtime
-
-        runtime = make_runtime(args.model)
-        mask_source = "keypoints"
-    elif args.mask:
-        fixed_mask = load_mask(args.mask)
-        mask_source = "file"
-    if args.seed is not None:
-        log.warning("pixelization noise seeded with %d: reproducible, NOT for production", args.seed)
-    rng = np.random.default_rng(args.seed)
-    try:
-        for name, image in items:
-            mask = fixed_mask
-            if runtime is not None:
-                mask = _pose_mask(runtime, image)
-            if mask is not None and mask.shape != image.shape[:2]:
-                raise ValueError(f"mask {args.mask} is {mask.shape[1]}x{mask.shape[0]}, image {name} is "
-                                 f"{image.shape[1]}x{image.shape[0]}: they must match")
-            frame = pixelize(image, spec, mask=mask, rng=rng)
-            if args.store == "npz":
-                save_npz(frame, out if single else out / f"{name}.npz")
-            else:
-                target = out if single else out / f"{name}.png"
-                if not cv2.imwrite(str(target), frame.render()):
-                    raise ValueError(f"OpenCV cannot write {target}")
-    finally:
-        if runtime is not None:
-            runtime.close()
-    print(f"pixelized {len(items)} {'frame' if len(items) == 1 else 'frames'} -> {out}"
-          + (" (NPZ: noisy means only; rebuild with `fedpose edge restore`)" if args.store == "npz" else ""))
-    print(pixelize_claim(spec, mask_source=mask_source, frames=len(items)))
-    return 0
-
-
-def _pose_mask(runtime: Any, image: Any) -> Any:
-    """Body mask of the (single) person in an image from a full-frame pose estimate."""
-    import cv2
-    import numpy as np
-
-    from edge.pixelize import body_mask_from_keypoints
-    from edge.prepost import postprocess, preprocess
-
-    bgr = image if image.ndim == 3 else cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
-    h, w = image.shape[:2]
-    batch, mats = preprocess(bgr, np.array([[0.0, 0.0, w, h]]), runtime.input_size)
-    sx, sy = runtime.infer(batch)
-    kps, scores = postprocess(sx, sy, mats, runtime.input_size)
-    return body_mask_from_keypoints((h, w), kps[0], scores[0], score_threshold=0.05)
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
-    import cv2
-
-    from edge.pixelize import restore
-
-    src = Path(args.input)
-    if not src.is_file():
-        raise FileNotFoundError(f"--in {src} does not exist")
-    image = restore(src)
-    out = Path(args.out)
-    if out.suffix.lower() not in IMAGE_SUFFIXES:
-        raise ValueError(f"--out must be an image file ({', '.join(IMAGE_SUFFIXES)}), got {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(out), image):
-        raise ValueError(f"OpenCV cannot write {out}")
-    print(f"restored {src} -> {out} ({image.shape[1]}x{image.shape[0]}, "
-          f"{'grayscale' if image.ndim == 2 else 'colour'}; identical to the released frame)")
     return 0
 
 
@@ -295,7 +166,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``edge`` command group to the main parser."""
-    from cli.main import add_config
+    from cli.main import add_config, add_json
 
     edge = subparsers.add_parser("edge", help="deployment on cameras: export, TensorRT, pipeline, DP pixelization")
     sub = edge.add_subparsers(dest="edge_command", required=True)
@@ -360,6 +231,7 @@ def register(subparsers: Any) -> None:
                     help="how pixelized frames are written: npz (the noisy cell means, restorable bit for bit with "
                          "edge restore), png or jpeg (rendered images) (default npz)")
     rn.add_argument("--seed", type=int, default=None, help="seed the pixelization noise (NOT for production)")
+    add_json(rn, "summary.json's content (frames, latency, frames released, the claim)")
     _common(rn)
     rn.set_defaults(func=cmd_run)
 

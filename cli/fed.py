@@ -75,7 +75,7 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from cli.main import load_cli_config
+    from cli.main import emit_json, load_cli_config
     from shared.config import check_simulation_sites
 
     out = Path(args.out).expanduser().resolve()
@@ -105,13 +105,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from cli.simulation import run_local_simulation
 
-    status = run_local_simulation(out, run_config, sites=sites, quiet=args.quiet)
+    status = run_local_simulation(out, run_config, sites=sites, quiet=args.quiet or args.json)
     metrics_path = out / "metrics.json"
     if status != "finished:completed" or not metrics_path.is_file():
         raise RuntimeError(f"the federation did not finish ({status or 'no status'}); see the log above and "
                            f"{out / 'superlink.log'}")
     metrics = json.loads(metrics_path.read_text())
-    print_summary(metrics, out)
+    if not emit_json(args, metrics):
+        print_summary(metrics, out)
     return 0
 
 
@@ -157,7 +158,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from cli.main import add_config
+    from cli.main import add_config, add_json
 
     sim = sub.add_parser("simulate", help="run the federation in Flower's simulation (one process, Ray)")
     add_config(sim)
@@ -166,6 +167,7 @@ def register(sub: Any) -> None:
     sim.add_argument("--seed", type=int, default=None,
                      help="seed every site's noise and sampling: the run repeats exactly (NOT for production)")
     sim.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    add_json(sim, "the federation's metrics.json (Flower's log is then left out)")
     sim.add_argument("--quiet", action="store_true", help="no progress bars")
     sim.add_argument("--verbose", action="store_true", help="debug logging")
     sim.set_defaults(func=cmd_simulate)

@@ -75,6 +75,18 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def emit_json(args: argparse.Namespace, payload: Any) -> bool:
+    """With ``--json``: print the command's result as one JSON object on stdout (instead of the summary)."""
+    if not getattr(args, "json", False):
+        return False
+    print(json.dumps(payload, indent=1, default=str))
+    return True
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "the result (metrics.json's content)") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON object instead of the summary")
+
+
 def data_line(metrics: dict[str, Any]) -> str:
     """One line naming the data and the software a run's numbers came from (metrics.json has the rest)."""
     data, prov = metrics["data"], metrics["provenance"]
@@ -95,6 +107,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data,
                        "data.source": "files" if args.data else None})
     metrics = run_pretrain(cfg, args.out, progress=not args.quiet)
+    if emit_json(args, metrics):
+        return 0
     print(pckh_table({"pretrained (public)": metrics["pckh"]}))
     print(f"PCKh@0.1 mean: {metrics['pckh@0.1']['mean']:.2f}")
     print(data_line(metrics))
@@ -125,6 +139,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         },
     )
     metrics = run_train(cfg, args.out, progress=not args.quiet)
+    if emit_json(args, metrics):
+        return 0
     print()
     print(pckh_table({f"{metrics['method']} ({metrics['strategy']})": metrics["pckh"]}))
     print(f"PCKh@0.5 mean: {metrics['pckh']['mean']:.2f} from a start of {metrics['initial_pckh_mean']:.2f} "
@@ -206,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("pretrain", help="non-private pretraining on the public split")
     pre.add_argument("--out", default=None, help="output directory (default: the config's pretrain.out)")
     pre.add_argument("--data", default=None, help="data root (default: the config's data.root)")
+    add_json(pre)
     _add_common(pre)
     pre.set_defaults(func=cmd_pretrain)
 
@@ -226,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "group-privacy bound in the claim")
     tr.add_argument("--data", default=None, help="a data root of splits on disk (sets data.source files; default: the config's)")
     tr.add_argument("--out", required=True, help="results folder (model.pt, metrics.json, config.yaml)")
+    add_json(tr)
     _add_common(tr)
     tr.set_defaults(func=cmd_train)
 
