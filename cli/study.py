@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -61,7 +62,9 @@ def run_cell(path: Path) -> None:
     from shared.config import load_config
 
     spec = json.loads((path / "cell.json").read_text())
-    cfg = load_config(path / "config.yaml")
+    # The thread count ``fedpose study`` gave this cell (cores / jobs, or --threads) is the run's own count: the
+    # runtime section is never part of a cell's id, so the cell stays the same point of the grid.
+    cfg = load_config(path / "config.yaml", {"runtime.threads": int(os.environ.get("OMP_NUM_THREADS", "1"))})
     if spec["kind"] == "train":
         from shared.runs import run_train
 
@@ -81,7 +84,8 @@ def run_cell(path: Path) -> None:
     elif spec["kind"] == "federated":
         from cli.main import main
 
-        args = ["simulate", "--config", str(path / "config.yaml"), "--out", str(path), "--quiet"]
+        args = ["simulate", "--config", str(path / "config.yaml"), "--out", str(path), "--quiet", "--set",
+                f"runtime.threads={cfg.runtime.threads}"]
         if (path / "checkpoint.pt").exists() or (path / "ledger.sqlite").exists():
             args.append("--resume")  # an interrupted federation continues from its checkpoint
         code = main(args)
@@ -91,15 +95,27 @@ def run_cell(path: Path) -> None:
         raise ValueError(f"{path}/cell.json: unknown kind {spec['kind']!r}")
 
 
-def launch(path: Path, threads: int) -> tuple[int, float]:
-    """Run one cell in its own process (log in ``path/log.txt``); returns (exit code, seconds)."""
+def device_slots(jobs: int, gpus: int) -> list[int | None]:
+    """The device each of ``jobs`` parallel cells runs on: GPUs round-robin when there are any, else the CPU."""
+    return [j % gpus if gpus else None for j in range(jobs)]
+
+
+def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, int | None]:
+    """Run one cell in its own process on a free device slot (log in ``path/log.txt``); returns (exit code,
+    seconds, GPU index or None)."""
+    gpu = slots.get()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)  # the cell sees one GPU; train.device auto picks it
     t0 = time.perf_counter()
-    with open(path / "log.txt", "ab") as fh:
-        code = subprocess.call([sys.executable, "-m", "cli.study", str(path)], stdout=fh,
-                               stderr=subprocess.STDOUT, env=env)
-    return code, time.perf_counter() - t0
+    try:
+        with open(path / "log.txt", "ab") as fh:
+            code = subprocess.call([sys.executable, "-m", "cli.study", str(path)], stdout=fh,
+                                   stderr=subprocess.STDOUT, env=env)
+    finally:
+        slots.put(gpu)
+    return code, time.perf_counter() - t0, gpu
 
 
 def cmd_study(args: argparse.Namespace) -> int:
@@ -127,6 +143,12 @@ def cmd_study(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(threads * args.jobs)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        slots: queue.Queue = queue.Queue()
+        for device in device_slots(args.jobs, gpus):
+            slots.put(device)
+        print(f"{args.jobs} cells at a time, {threads} CPU threads each" +
+              (f", on {gpus} GPUs round-robin" if gpus else ", on the CPU"), flush=True)
         prepare(todo, progress=not args.quiet)
         paths = {c.id: write_cell(out, c) for c in todo}
         # The bar counts expected work (``shared.study.cost``), so its time left weighs a federated fpdp cell
@@ -137,14 +159,15 @@ def cmd_study(args: argparse.Namespace) -> int:
         finished = len(unique) - len(todo)
         bar.set_postfix_str(f"{finished}/{len(unique)} cells")
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(launch, paths[c.id], threads): c for c in todo}
+            futures = {pool.submit(launch, paths[c.id], threads, slots): c for c in todo}
             for future in as_completed(futures):
                 cell = futures[future]
-                code, seconds = future.result()
+                code, seconds, gpu = future.result()
                 what = f"{cell.setting} {cell.method} {cell.strategy or ''} eps={cell.epsilon} C={cell.clip} " \
                        f"seed={cell.seed}{' ' + cell.variant if cell.variant else ''}"
+                where = "CPU" if gpu is None else f"GPU {gpu}"
                 if code == 0 and is_done(out, cell):
-                    tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s)")
+                    tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s on the {where})")
                 else:
                     failed.append(cell.id)
                     tqdm.write(f"FAILED {cell.id}  {what}  (exit {code}; see {paths[cell.id] / 'log.txt'})")
@@ -168,7 +191,8 @@ def register(sub: Any) -> None:
     p.add_argument("--config", default="configs/study.yaml", help="study file (default configs/study.yaml)")
     p.add_argument("--out", required=True, help="results directory (cells/<id>/ per run; rerun to resume)")
     p.add_argument("--quick", action="store_true", help="the study file's quick grid (CI-sized)")
-    p.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="cells run in parallel (default 1); with CUDA GPUs, each on one GPU, round-robin")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the CSV, tables and figures of the cells finished so far")
     p.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: cores / jobs)")

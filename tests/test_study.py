@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -176,6 +177,11 @@ def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
     assert (out / "gap_recovered.csv").is_file() and (out / "gap_recovered.md").is_file()
     assert (out / "pckh_vs_eps_finetune_C1.png").stat().st_size > 0
     assert (out / "qualitative.png").stat().st_size > 0
+    # Each cell ran with the thread count the study gave it (cores / jobs), not the config's runtime.threads.
+    trained = [json.loads(p.read_text()) for p in out.glob("cells/*/metrics.json")]
+    expected = max(1, (os.cpu_count() or 1) // 1)
+    assert {m["provenance"]["threads"] for m in trained if "provenance" in m} == {expected}
+    assert "on the CPU" in first.stdout
     done = sorted(out.glob("cells/*/metrics.json"))
     stamps = [p.stat().st_mtime_ns for p in done]
 
@@ -183,6 +189,12 @@ def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"{len(done)} cells, {len(done)} done, 0 to run" in second.stdout
     assert [p.stat().st_mtime_ns for p in done] == stamps  # nothing was rerun
+
+
+def test_parallel_cells_go_to_the_gpus_round_robin():
+    from cli.study import device_slots
+
+    assert device_slots(3, 2) == [0, 1, 0] and device_slots(2, 0) == [None, None] and device_slots(1, 4) == [0]
 
 
 def test_progress_weights_cells_by_their_expected_cost(tmp_path):
