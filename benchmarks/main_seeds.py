@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -69,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         if not (run / "metrics.json").is_file():
             cmd = command(args.config, seed, out)
             print(f"seed {seed}: {' '.join(cmd)}", flush=True)
-            t0 = time.perf_counter()
+            t0, load = time.perf_counter(), os.getloadavg()[0]
             done = subprocess.run(cmd, cwd=REPO)
             seconds = round(time.perf_counter() - t0, 1)
+            print(f"seed {seed}: {seconds:.0f} s; 1-minute load average {load:.1f} at the start, "
+                  f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine slow a run down)", flush=True)
             if done.returncode != 0:
                 print(f"seed {seed} failed (exit {done.returncode}): see {run}", file=sys.stderr)
                 return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -17,8 +18,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from federation_support import (
+    REPO,
+    flower_env,
+    prepare_world,
+    start,
+    stop,
+    wait_for,
+    world_root,
+)
 
-from federation_support import REPO, flower_env, prepare_world, start, stop, wait_for, world_root
 from shared.config import dump_config
 from shared.privacy.accountant import StepRecord, epsilon_spent
 
@@ -65,6 +74,10 @@ def test_simulation_two_rounds_with_server_kill_and_resume(tmp_path: Path, tmp_p
     resumed = subprocess.run([*cmd, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "privacy spent per site" in resumed.stdout
+    # The summary names the start, the gain and the best round, and the data the numbers came from.
+    assert re.search(r"PCKh@0\.5: start \d+\.\d\d \(the public-pretrained model\) -> \d+\.\d\d after 2 rounds "
+                     r"\(gain [+-]\d+\.\d\d; best \d+\.\d\d at round [12]\)", resumed.stdout), resumed.stdout[-2000:]
+    assert "data: synthetic ward at " in resumed.stdout
 
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]

