@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from server.report import read_rounds  # noqa: E402
 from shared.provenance import provenance  # noqa: E402
 
 
@@ -42,8 +43,7 @@ def command(config: str, seed: int, out: Path) -> list[str]:
 def read_seed(run: Path, seed: int, seconds: float | None) -> dict:
     """One finished federation's numbers, from its own files."""
     metrics = json.loads((run / "metrics.json").read_text())
-    rounds = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines() if line.strip()]
-    curve = [float(r["pckh_mean"]) for r in rounds]
+    curve = [float(r["pckh_mean"]) for r in read_rounds(run / "rounds.jsonl")]
     start = float(metrics["initial_pckh_mean"])
     return {"seed": seed, "start": start, "curve": curve, "best": max(curve), "best_round": 1 + curve.index(max(curve)),
             "final": curve[-1], "gain": curve[-1] - start, "epsilon": metrics["epsilon"],

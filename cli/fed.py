@@ -118,12 +118,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def print_summary(metrics: dict[str, Any], out: Path) -> None:
     from cli.main import data_line
+    from server.report import read_rounds
     from shared.metrics import pckh_table
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))
-    curve = [float(json.loads(line)["pckh_mean"]) for line in (out / "rounds.jsonl").read_text().splitlines()
-             if line.strip()] if (out / "rounds.jsonl").is_file() else []
+    curve = [float(r["pckh_mean"]) for r in read_rounds(out / "rounds.jsonl")] if (out / "rounds.jsonl").is_file() else []
     start, final = metrics.get("initial_pckh_mean"), metrics["pckh_mean"]
     if start is not None:
         best = f"; best {max(curve):.2f} at round {1 + curve.index(max(curve))}" if curve else ""

@@ -58,20 +58,12 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     """The resolved config: the shipped defaults, the file, then every --set."""
-    from shared.config import dump_yaml, to_dict
+    from shared.config import to_dict
+    from shared.yaml_io import yaml_text
 
-    cfg = load_cli_config(args)
-    if args.json:
-        print(json.dumps(to_dict(cfg), indent=1))
-        return 0
-    import io
-
-    import yaml
-
-    buffer = io.StringIO()
-    yaml.safe_dump(to_dict(cfg), buffer, sort_keys=False)
-    print(buffer.getvalue().rstrip())
-    del dump_yaml
+    data = to_dict(load_cli_config(args))
+    if not emit_json(args, data):
+        print(yaml_text(data).rstrip())
     return 0
 
 
@@ -215,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     conf = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
     show = conf.add_parser("show", help="print the resolved config: the file (or shipped name) and every --set")
-    show.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json(show, "the resolved config")
     _add_common(show)
     show.set_defaults(func=cmd_config_show)
 

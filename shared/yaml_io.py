@@ -110,6 +110,11 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+def yaml_text(data: Any) -> str:
+    """Plain data as YAML text (no aliases, keys in order)."""
+    return yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False)
+
+
 def dump_yaml(data: Any, path: str | Path) -> None:
     """Write plain data as YAML (no aliases, keys in order)."""
-    Path(path).write_text(yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False))
+    Path(path).write_text(yaml_text(data))
