@@ -133,3 +133,33 @@ def _flat(data: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
+
+
+def test_the_quickstart_runs_as_its_page_says_on_a_tiny_ward(tmp_path):
+    """tutorials/quickstart.md's commands in order (the federation on a tiny ward of 2 sites and 2 rounds, the
+    camera step as written): the outputs the page names exist and the lines it shows are printed."""
+    import json
+
+    page = (DOCS / "tutorials" / "quickstart.md").read_text()
+    commands = _fedpose_commands(page)
+    assert [c[:2] for c in commands] == [["simulate", "--config"], ["edge", "demo-video"], ["edge", "export"],
+                                         ["edge", "run"]]
+    data = tiny_dict(tmp_path / "w")
+    sets = [f"{k}={json.dumps(v)}" for k, v in _flat(data).items() if not k.startswith("runtime.")]
+    outputs = []
+    for argv in commands:
+        argv = [a.replace("runs/", f"{tmp_path}/runs/") for a in argv]
+        if argv[0] == "simulate":
+            argv += [x for s in sets for x in ("--set", s)] + ["--quiet"]
+        done = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
+        outputs.append(done.stdout)
+    shown = re.search(r"```\n(Method .*?)\n```", page, re.S).group(1)
+    for prefix in ("PCKh@0.5: start ", "data: synthetic ward at ", "privacy spent per site", "claim: (eps="):
+        assert prefix in shown and prefix in outputs[0], prefix
+    runs = tmp_path / "runs"
+    for name in ("federation/model.pt", "federation/metrics.json", "federation/rounds.jsonl", "federation/report.md",
+                 "federation/federation.png", "model.onnx", "edge/keypoints.jsonl", "edge/annotated.mp4"):
+        assert (runs / name).is_file(), name
+    assert any((runs / "edge" / "pixelized").iterdir()) and "Released by this run" in outputs[-1]
