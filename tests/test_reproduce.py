@@ -36,8 +36,7 @@ def test_every_rendered_table_comes_from_a_file_an_entry_writes_and_no_table_is_
     (but the archive's and the benchmark list's) lies inside a rendered block."""
     render, reproduce = _render(), _reproduce()
     written = {name for e in reproduce.ENTRIES for name in e.results}
-    for name, (load, _) in render.RENDERERS.items():
-        source = next(c.cell_contents for c in load.__closure__ if isinstance(c.cell_contents, str))
+    for name, (source, _) in render.RENDERERS.items():
         assert source in written, f"rendered block {name!r} reads {source}, which no reproduce.py entry writes"
         assert (REPO / "benchmarks" / "results" / source).is_file(), source
     used = set()

@@ -152,22 +152,21 @@ def render_study(rows: list[dict[str, str]]) -> str:
     return "\n".join(table + ["", f"Baselines (no DP, centralized): {notes}."])
 
 
-def _json(name: str) -> Callable[[], Any]:
-    return lambda: json.loads((RESULTS / name).read_text())
+def load_artefact(name: str) -> Any:
+    """A measurement's file under benchmarks/results/: JSON, or CSV as a list of rows."""
+    text = (RESULTS / name).read_text()
+    return list(csv.DictReader(text.splitlines())) if name.endswith(".csv") else json.loads(text)
 
 
-def _csv(name: str) -> Callable[[], Any]:
-    return lambda: list(csv.DictReader((RESULTS / name).read_text().splitlines()))
-
-
-RENDERERS: dict[str, tuple[Callable[[], Any], Callable[[Any], str]]] = {
-    "main": (_json("main.json"), render_main),
-    "main-brief": (_json("main.json"), render_main_brief),
-    "pretraining": (_json("pretraining.json"), render_pretraining),
-    "audits": (_json("privacy_attacks.json"), render_audits),
-    "mia": (_json("privacy_attacks.json"), render_mia),
-    "reid": (_json("privacy_attacks.json"), render_reid),
-    "study": (_csv("study/results.csv"), render_study),
+# Block name -> (the artefact under benchmarks/results/ it is rendered from, the renderer).
+RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "main": ("main.json", render_main),
+    "main-brief": ("main.json", render_main_brief),
+    "pretraining": ("pretraining.json", render_pretraining),
+    "audits": ("privacy_attacks.json", render_audits),
+    "mia": ("privacy_attacks.json", render_mia),
+    "reid": ("privacy_attacks.json", render_reid),
+    "study": ("study/results.csv", render_study),
 }
 
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
@@ -178,8 +177,8 @@ def render_text(text: str, where: str) -> str:
         name = match["name"]
         if name not in RENDERERS:
             raise SystemExit(f"{where}: unknown rendered block {name!r} (known: {', '.join(RENDERERS)})")
-        load, render = RENDERERS[name]
-        return match.group(1) + render(load()).rstrip() + "\n" + match.group(4)
+        artefact, render = RENDERERS[name]
+        return match.group(1) + render(load_artefact(artefact)).rstrip() + "\n" + match.group(4)
 
     return BLOCK.sub(one, text)
 
