@@ -45,7 +45,7 @@ SPAN_CANARIES = 300  # in-span canaries share k = 16 dimensions: 100 / 300 / 100
 
 def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[dict]) -> list[dict]:
     """Audit rows of ``methods``; rows of other methods are kept from ``previous`` (the last run)."""
-    from shared.audit import AuditSpec, run_audit
+    from shared.experiments.audit import AuditSpec, run_audit
 
     cfg = bench_config(root)
     longer = bench_config(root, epochs=12)  # 84 steps: what an in-span audit needs to catch the control
@@ -72,7 +72,7 @@ def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[d
 
 
 def run_membership(root: Path, out: Path) -> dict:
-    from shared.membership import MiaSpec, run_mia
+    from shared.experiments.membership import MiaSpec, run_mia
 
     cfg = bench_config(root, batch_size=16, epochs=30)
     res = run_mia(cfg, MiaSpec(methods=("nonprivate", "dpsgd", "fpdp"), models=6, pool=96, split="site-0", seed=0),

@@ -1,8 +1,8 @@
 """``fedpose audit`` and ``fedpose attack {mia,reid}``: check the printed guarantee from the outside.
 
-``audit`` runs the one-run privacy audit (shared/audit.py) and prints the
+``audit`` runs the one-run privacy audit (shared/experiments/audit.py) and prints the
 empirical lower bound eps_LB next to the accountant's claim; ``attack mia``
-runs membership inference on trained pose models (shared/membership.py);
+runs membership inference on trained pose models (shared/experiments/membership.py);
 ``attack reid`` re-identifies people in DP-pixelized crops (edge/reid.py).
 Each writes JSON and a PNG under --out. Handlers import lazily.
 """
@@ -17,7 +17,7 @@ from cli.main import _add_common, _load, add_json, emit_json
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from shared.audit import AuditSpec, run_audit
+    from shared.experiments.audit import AuditSpec, run_audit
 
     cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
                        "train.epochs": args.epochs, "privacy.unit": args.unit})
@@ -60,7 +60,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_mia(args: argparse.Namespace) -> int:
-    from shared.membership import MiaSpec, run_mia
+    from shared.experiments.membership import MiaSpec, run_mia
 
     cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
                        "train.epochs": args.epochs})

@@ -1,6 +1,6 @@
 """``fedpose study``: the privacy-utility grid, one subprocess per cell, resumable, with tables and figures.
 
-Registered by ``cli.main``. The grid and its cells are ``shared/study.py``;
+Registered by ``cli.main``. The grid and its cells are ``shared/experiments/study.py``;
 this module runs them: the data and the public pretrained weights every cell
 needs are prepared once here, then each unfinished cell runs in its own
 process (``python -m cli.study CELL_DIR``) so parallel cells never share
@@ -48,7 +48,7 @@ def prepare(cells: list[Any], *, progress: bool) -> None:
 def write_cell(out: Path, cell: Any) -> Path:
     """The cell's folder with what its process needs: cell.json and config.yaml."""
     from shared.config import dump_config
-    from shared.study import cell_dir
+    from shared.experiments.study import cell_dir
 
     path = cell_dir(out, cell)
     path.mkdir(parents=True, exist_ok=True)
@@ -121,8 +121,8 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
 def cmd_study(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from shared.study import collect, cost, expand, is_done, load_study
-    from shared.study_report import write_report
+    from shared.experiments.study import collect, cost, expand, is_done, load_study
+    from shared.experiments.study_report import write_report
 
     if args.jobs < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
@@ -151,7 +151,7 @@ def cmd_study(args: argparse.Namespace) -> int:
               (f", on {gpus} GPUs round-robin" if gpus else ", on the CPU"), flush=True)
         prepare(todo, progress=not args.quiet)
         paths = {c.id: write_cell(out, c) for c in todo}
-        # The bar counts expected work (``shared.study.cost``), so its time left weighs a federated fpdp cell
+        # The bar counts expected work (``shared.experiments.study.cost``), so its time left weighs a federated fpdp cell
         # above a nonprivate one; the cell count is in its postfix.
         total = sum(cost(c) for c in todo)
         bar = tqdm(total=round(total), desc="study", disable=args.quiet, dynamic_ncols=True,

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.audit_hooks import AuditHooks, ReleasedStep
 from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig
 from shared.data.dataset import PoseDataset
 from shared.data.patients import PatientGroups
@@ -28,8 +27,9 @@ from shared.data.records import PoseRecord
 from shared.data.transforms import Augment
 from shared.evaluation import evaluate, predict  # noqa: F401  (re-exported: runs, sites and tests import them from here)
 from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
-from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.pixelization.spec import PixelizeSpec
+from shared.privacy.audit_hooks import AuditHooks, ReleasedStep
+from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import DPPixelize, PsiBatch, apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
 from shared.privacy.subspace import compute_basis

@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from shared.audit import AuditSpec, run_audit
 from shared.config import config_from_dict
+from shared.experiments.audit import AuditSpec, run_audit
 from shared.privacy.canaries import DiracCanaries, DiracGrads
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.subspace import flatten

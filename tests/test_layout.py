@@ -176,3 +176,10 @@ def test_dependency_direction():
 def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_library_never_imports_the_experiments():
+    """shared/experiments/ (study, audit, membership) is built on the library; nothing else in shared/ imports it."""
+    bad = [f"{m} imports {t}" for m, targets in sorted(_graph().items()) for t in sorted(targets)
+           if m.startswith("shared.") and not m.startswith("shared.experiments") and t.startswith("shared.experiments")]
+    assert not bad, "\n".join(bad)

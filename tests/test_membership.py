@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from shared.config import config_from_dict
-from shared.membership import MiaSpec, attack_scores, evaluate_attacks, roc_curve, roc_summary, run_mia
+from shared.experiments.membership import (
+    MiaSpec,
+    attack_scores,
+    evaluate_attacks,
+    roc_curve,
+    roc_summary,
+    run_mia,
+)
 
 
 def test_roc_and_auc_on_hand_computed_cases():

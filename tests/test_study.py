@@ -38,7 +38,7 @@ def study_text(**fields: str) -> str:
 
 
 def test_shipped_study_config_and_its_quick_grid_load():
-    from shared.study import load_study
+    from shared.experiments.study import load_study
 
     full = load_study(REPO / "configs" / "study.yaml")
     assert full.axes.methods == ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
@@ -49,7 +49,7 @@ def test_shipped_study_config_and_its_quick_grid_load():
     quick = load_study(REPO / "configs" / "study.yaml", quick=True)
     assert len(quick.axes.epsilons) == 1 and quick.base.train.epochs == 1
     # The domain-shift ablation: the shifted public set is generated and pretrained on apart from the shared cache.
-    from shared.study import expand
+    from shared.experiments.study import expand
 
     public_set = {c.config.data.synth.public_style: c for c in expand(full) if c.ablation == "public_set"}
     assert set(public_set) == {"public", "shifted"}
@@ -58,7 +58,7 @@ def test_shipped_study_config_and_its_quick_grid_load():
 
 
 def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):
-    from shared.study import expand, load_study
+    from shared.experiments.study import expand, load_study
 
     cells = expand(load_study(write_study(tmp_path, study_text())))
     grid = [c for c in cells if not c.ablation]
@@ -80,7 +80,7 @@ def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):
 
 
 def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_path):
-    from shared.study import expand, load_study
+    from shared.experiments.study import expand, load_study
 
     text = study_text(seeds="[1]", settings="[centralized]", epsilons="[0.8]") + (
         "ablations:\n  k: [{privacy.k: 10}, {privacy.k: 50}]\n  dplh: [{model.task_uncertainty: false}]\n"
@@ -120,21 +120,21 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
     ],
 )
 def test_bad_study_configs_name_what_is_wrong(tmp_path, field, value, message):
-    from shared.study import expand, load_study
+    from shared.experiments.study import expand, load_study
 
     with pytest.raises(ConfigError, match=message):
         expand(load_study(write_study(tmp_path, study_text(**{field: value}))))
 
 
 def test_quick_without_a_quick_section_is_refused(tmp_path):
-    from shared.study import load_study
+    from shared.experiments.study import load_study
 
     with pytest.raises(ConfigError, match="no 'quick' section"):
         load_study(write_study(tmp_path, study_text()), quick=True)
 
 
 def test_gap_recovered_per_point_with_the_centralized_reference_for_federations():
-    from shared.study_report import gap_rows
+    from shared.experiments.study_report import gap_rows
 
     def row(method, setting, eps, mean, seed=1):
         return {"method": method, "setting": setting, "strategy": "full", "clip": None if method == "nonprivate"
@@ -198,7 +198,7 @@ def test_parallel_cells_go_to_the_gpus_round_robin():
 
 
 def test_progress_weights_cells_by_their_expected_cost(tmp_path):
-    from shared.study import cost, expand, load_study
+    from shared.experiments.study import cost, expand, load_study
 
     cells = {(c.setting, c.method, c.epsilon): c for c in expand(load_study(write_study(tmp_path, study_text())))}
     central = [cost(cells[("centralized", m, 0.8)]) for m in ("dpsgd", "fpdp")]

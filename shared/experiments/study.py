@@ -8,7 +8,7 @@ hash of that config (output paths left out), its setting and its kind: the
 same point always gets the same id, and a cell is done iff
 ``<out>/cells/<id>/metrics.json`` exists, so a study is resumed by running it
 again. Running cells is the CLI's job (``cli/study.py``: one subprocess per
-cell); tables and figures are ``shared/study_report.py``.
+cell); tables and figures are ``shared/experiments/study_report.py``.
 
 Another axis (e.g. the privacy unit, ``privacy.unit``) is a field of
 ``StudyAxes`` and of ``Cell``, one more loop in ``expand`` putting its value

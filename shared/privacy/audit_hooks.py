@@ -2,7 +2,7 @@
 
 ``AuditHooks`` carries the canaries and the observer; ``ReleasedStep`` is what the
 observer sees after every step. Both are plain data: the audit itself lives in
-``shared.audit``, the canaries in ``shared.privacy.canaries``.
+``shared.experiments.audit``, the canaries in ``shared.privacy.canaries``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ReleasedStep:
 
 @dataclass(frozen=True)
 class AuditHooks:
-    """What ``fedpose audit`` adds to a private run (``shared.audit``); never set in production.
+    """What ``fedpose audit`` adds to a private run (``shared.experiments.audit``); never set in production.
 
     canaries: gradient canaries (Dirac or in-span), drawn every step with the
     records' q and added to their clipped sum before the noise

@@ -1,6 +1,6 @@
 """What a study writes: results.csv, tables.md (the paper's layout), gap recovered, the figures.
 
-Input is the rows of ``shared.study.collect`` (one per cell and seed); every
+Input is the rows of ``shared.experiments.study.collect`` (one per cell and seed); every
 function here is post-processing of finished cells, so a partly finished
 study reports what it has.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shared.study import COLUMNS, GROUPS
+from shared.experiments.study import COLUMNS, GROUPS
 
 PRIVATE_ORDER = ("dpsgd", "proj", "fdp", "fpdp")
 METHOD_ORDER = ("pretrained", "psi-only", "nonprivate", *PRIVATE_ORDER)
@@ -307,9 +307,9 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     from PIL import Image
 
     from shared.data.joints import SKELETON
+    from shared.experiments.study import cell_dir
     from shared.model.posenet import load_checkpoint
     from shared.runs import load_records
-    from shared.study import cell_dir
     from shared.train import evaluate
 
     finished = [c for c in cells if not c.ablation and c.setting == "centralized"

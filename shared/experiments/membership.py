@@ -35,10 +35,23 @@ from tqdm.auto import tqdm
 
 from shared.config import Config
 from shared.data.dataset import PoseDataset
-from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from shared.privacy.accountant import (
+    StepRecord,
+    calibrate_sigma,
+    check_delta,
+    epsilon_spent,
+)
 from shared.privacy.noise import make_generator
 from shared.runs import ensure_data, initial_model, load_records
-from shared.train import PRIVATE, local_train, make_dataset, select_device, steps_per_epoch, to_device, write_json
+from shared.train import (
+    PRIVATE,
+    local_train,
+    make_dataset,
+    select_device,
+    steps_per_epoch,
+    to_device,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 

@@ -48,14 +48,35 @@ from shared.config import Config
 from shared.data.dataset import PoseDataset
 from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint
-from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from shared.privacy.accountant import (
+    StepRecord,
+    calibrate_sigma,
+    check_delta,
+    epsilon_spent,
+)
 from shared.privacy.audit_bound import best_lower_bound
 from shared.privacy.canaries import DiracCanaries, SpanCanaries
 from shared.privacy.noise import make_generator
 from shared.privacy.psi import psi_label_of
 from shared.privacy.subspace import flatten
-from shared.runs import check_batch_size, ensure_data, initial_model, load_records, private_records, training_records
-from shared.train import AuditHooks, ReleasedStep, local_train, make_dataset, select_device, steps_per_epoch, to_device, write_json
+from shared.runs import (
+    check_batch_size,
+    ensure_data,
+    initial_model,
+    load_records,
+    private_records,
+    training_records,
+)
+from shared.train import (
+    AuditHooks,
+    ReleasedStep,
+    local_train,
+    make_dataset,
+    select_device,
+    steps_per_epoch,
+    to_device,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
