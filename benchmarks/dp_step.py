@@ -1,24 +1,34 @@
-"""Benchmark: one optimizer step at batch 32, side by side (not a test).
+"""Benchmark: what one private step costs against a non-private one, side by side (not a test).
 
-For tinyvit-small and tinyvit-5m at 128x96 (finetune parameters), times one
-optimizer step of: non-private SGD, our DP-SGD (torch.func per-sample
-gradients, clipping, noise), our FP-DP (DP-SGD + projection onto k = 50
-directions + the public gradient on psi(x) of 32 images), and Opacus
-(GradSampleModule in hooks mode on the same BatchNorm-free model; layers
-Opacus has no hook for, here the channel LayerNorm2d, fall back to its
-functorch path). Finetune parameters without the attention biases and the
-task-uncertainty weights, which Opacus' hooks cannot handle. Also times the
-projection basis (m = 100 public per-sample gradients, k = 50) for the 5M
-finetune parameters. Every configuration runs in its own process so that
-its peak memory (ru_maxrss above the process's baseline) is its own.
+For tinyvit-small and tinyvit-5m (finetune parameters) at 128x96, batch 32, one optimizer step of:
 
-Run: python benchmarks/dp_step.py [--repeats 5] [--variants tinyvit-small,tinyvit-5m]
+- ``nonprivate``: the plain mean gradient of the batch;
+- ``dpsgd``: per-sample clipping (book-keeping: one forward and one backward), one noise draw;
+- ``dpsgd-generic``: the same step on the generic ``vmap(grad)`` path, for reference;
+- ``fpdp``: DP-SGD, projection onto k = 50 directions and the public gradient on psi(x) of the
+  same 32 images, compared with ``nonprivate-2x``, a non-private step over the same 64 images
+  (the private batch and the psi batch), so the ratio shows what DP costs on top of the psi batch;
+- ``opacus`` (when installed): Opacus' GradSampleModule hooks, clipping and noise on the same model.
+
+Timing runs every kind in one process per model, in interleaved rounds (kind after kind, round after
+round), and reports each ratio's median over the rounds with its min-max spread: on a shared 2-core
+machine a ratio measured in two separate runs can move by 30%. Memory runs each configuration in its own
+process: the peak resident memory (live, see LIVE_MEMORY) above the process's baseline of a DP step at chunk 16 for realised
+Poisson batches of 16, 32 and 64 (a site pins the chunk, so the peak must not follow the batch), beside a
+non-private step at 32. The projection basis (m = 100 public samples, k = 50, tinyvit-5m finetune) is
+timed in its own process too.
+
+    python benchmarks/dp_step.py [--repeats 7] [--variants tinyvit-small,tinyvit-5m] [--out FILE]
+
+writes benchmarks/results/dp_step.json (rendered into docs/results/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
@@ -29,155 +39,249 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 INPUT = (128, 96)
 BATCH = 32
-TARGETS = {"dpsgd/nonprivate": 1.5, "fpdp/nonprivate": 2.6, "dpsgd/opacus": 0.6, "basis_s": 3.0}
+K = 50
+TARGETS = {"dpsgd": 1.10, "fpdp": 1.15, "basis_s": 2.0}
 
 
 def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _setup(variant: str):
+def _batch(size: int, seed: int):
+    import torch
+
+    h, w = INPUT
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "image": torch.rand(size, 3, h, w, generator=gen),
+        "joints": torch.rand(size, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
+        "visible": torch.ones(size, 16),
+    }
+
+
+def _setup(variant: str, *, opacus_compatible: bool = False):
     import torch
 
     from shared.config import ModelConfig
     from shared.model.posenet import apply_strategy, build_model, make_loss_fn
 
     torch.manual_seed(0)
-    # Same model and parameter set for every method. Opacus' hooks cannot produce per-sample
-    # gradients for parameters used outside a layer's forward (the learned task weights) or
-    # through an index table (attention biases), so those two are left out for all methods.
-    model = build_model(ModelConfig(variant=variant, task_uncertainty=False), INPUT)
-    names = [n for n in apply_strategy(model, "finetune") if not n.endswith("attention_biases")]
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in names)
-    h, w = INPUT
-    batch = {
-        "image": torch.rand(BATCH, 3, h, w),
-        "joints": torch.rand(BATCH, 16, 2) * torch.tensor([w - 1.0, h - 1.0]),
-        "visible": torch.ones(BATCH, 16),
-    }
-    return model, names, make_loss_fn(model, names), batch
+    # Opacus' hooks cannot produce per-sample gradients for parameters used outside a layer's forward
+    # (the learned task weights) or through an index table (attention biases): its row leaves them out.
+    model = build_model(ModelConfig(variant=variant, task_uncertainty=not opacus_compatible), INPUT)
+    names = apply_strategy(model, "finetune")
+    if opacus_compatible:
+        names = [n for n in names if not n.endswith("attention_biases")]
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in names)
+    return model, names, make_loss_fn(model, names)
 
 
-def _run(kind: str, variant: str, repeats: int, queue) -> None:
+def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str]):
+    """{kind: step()} for one model; every kind updates the same model with SGD."""
     import torch
 
     from shared.privacy.fpdp import DPSpec, dp_gradient
     from shared.privacy.psi import GaussianBlur, apply_psi
-    from shared.privacy.subspace import compute_basis
 
-    torch.set_num_threads(torch.get_num_threads())
-    model, names, loss_fn, batch = _setup(variant)
+    model, names, loss_fn = _setup(variant)
     named = dict(model.named_parameters())
     params = [named[n] for n in names]
-    opt = torch.optim.SGD(params, lr=1e-3)
+    opt = torch.optim.SGD(params, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
-    n = 1000
-    spec_args = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / n, expected_batch=float(BATCH), chunk_size=BATCH)
-    basis = None
-    psi_batch = None
-    if kind == "fpdp":
-        p = sum(named[n_].numel() for n_ in names)
-        basis = torch.linalg.qr(torch.randn(p, 50, generator=gen))[0]
+    batch = _batch(batch_size, 1)
+    psi_batch = both = basis = None
+    if {"fpdp", "nonprivate-2x"} & set(kinds):  # only what the kinds use, so that memory runs hold nothing else
         psi_batch = apply_psi(GaussianBlur(0.06), batch)
-    if kind == "basis":
-        h, w = INPUT
-        pub = {  # m = 100 distinct public samples
-            "image": torch.rand(100, 3, h, w, generator=gen),
-            "joints": torch.rand(100, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
-            "visible": torch.ones(100, 16),
-        }
+        both = {key: torch.cat([batch[key], psi_batch.tensors[key]]) for key in batch}
+        p = sum(named[n].numel() for n in names)
+        basis = torch.linalg.qr(torch.randn(p, K, generator=gen))[0]
+    spec = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / 1000, expected_batch=float(BATCH), chunk_size=chunk)
 
-    if kind == "opacus":
-        import warnings
+    def generic(params_, batch_):  # hides the model from book-keeping: the vmap(grad) path
+        return loss_fn(params_, batch_)
 
-        from opacus.grad_sample import GradSampleModule
-
-        warnings.filterwarnings("ignore")
-        from shared.model.posenet import _LossModule
-
-        gsm = GradSampleModule(_LossModule(model), batch_first=True, loss_reduction="sum")
-
-    def step() -> None:
-        if kind == "nonprivate":
-            loss = model.losses(batch).mean()
-            loss.backward()
-        elif kind in ("dpsgd", "fpdp"):
-            current = {n_: named[n_].detach() for n_ in names}
-            grads, _ = dp_gradient(
-                loss_fn, current, spec=DPSpec(method=kind, **spec_args), private_batch=batch,
-                psi_batch=psi_batch, generator=gen, basis=basis,
-            )
-            for n_ in names:
-                named[n_].grad = grads[n_]
-        elif kind == "opacus":
-            # Opacus' per-sample path: hooks fill p.grad_sample, then clip, sum, add noise.
-            losses = gsm(batch)
-            losses.sum().backward()
-            gs = [named[n_].grad_sample for n_ in names]
-            norms = torch.stack([g.reshape(g.shape[0], -1).norm(dim=1) for g in gs]).norm(dim=0)
-            factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
-            for n_, g in zip(names, gs):
-                summed = torch.einsum("i,i...->...", factor, g)
-                noise = torch.normal(0.0, 1.0, summed.shape, generator=gen)
-                named[n_].grad = (summed + noise) / BATCH
-                named[n_].grad_sample = None
-        elif kind == "basis":
-            current = {n_: named[n_].detach() for n_ in names}
-            compute_basis(loss_fn, current, pub, k=50, chunk_size=25)
-            return
+    def apply(grads) -> None:
+        for n in names:
+            named[n].grad = grads[n]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # warm-up (allocations, kernels)
-    base = _maxrss_mb()
+    def current():
+        return {n: named[n].detach() for n in names}
+
+    def nonprivate(images=None) -> None:
+        model.losses(batch if images is None else images).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def private(method: str, fn=loss_fn) -> None:
+        grads, _ = dp_gradient(fn, current(), spec=DPSpec(method=method, **spec), private_batch=batch,
+                               psi_batch=psi_batch if method == "fpdp" else None, generator=gen,
+                               basis=basis if method == "fpdp" else None)
+        apply(grads)
+
+    steps = {
+        "nonprivate": nonprivate,
+        "nonprivate-2x": lambda: nonprivate(both),
+        "dpsgd": lambda: private("dpsgd"),
+        "dpsgd-generic": lambda: private("dpsgd", generic),
+        "fpdp": lambda: private("fpdp"),
+        "opacus": lambda: None,
+    }
+    if "opacus" in kinds:
+        steps["opacus"] = _opacus_step(variant, batch, gen)
+    return {k: steps[k] for k in kinds}
+
+
+def _opacus_step(variant: str, batch, gen):
+    import warnings
+
+    import torch
+    from opacus.grad_sample import GradSampleModule
+
+    from shared.model.posenet import _LossModule
+
+    warnings.filterwarnings("ignore")
+    model, names, _ = _setup(variant, opacus_compatible=True)
+    named = dict(model.named_parameters())
+    opt = torch.optim.SGD([named[n] for n in names], lr=1e-4)
+    gsm = GradSampleModule(_LossModule(model), batch_first=True, loss_reduction="sum")
+
+    def step() -> None:  # Opacus' per-sample path: hooks fill p.grad_sample, then clip, sum, add noise
+        gsm(batch).sum().backward()
+        gs = [named[n].grad_sample for n in names]
+        norms = torch.stack([g.reshape(g.shape[0], -1).norm(dim=1) for g in gs]).norm(dim=0)
+        factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+        for n, g in zip(names, gs):
+            summed = torch.einsum("i,i...->...", factor, g)
+            named[n].grad = (summed + torch.normal(0.0, 1.0, summed.shape, generator=gen)) / BATCH
+            named[n].grad_sample = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
+    steps = _steps(variant, BATCH, BATCH, kinds)
+    for step in steps.values():  # warm-up: allocations, kernels
+        step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for kind, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[kind].append(time.perf_counter() - t0)
+    queue.put(times)
+
+
+def _memory(variant: str, kind: str, realised: int, queue) -> None:
+    import gc
+
+    steps = _steps(variant, realised, 16, [kind])
+    step = steps[kind]
+    gc.collect()
+    base = _maxrss_mb()  # model, weights and the batch itself: what every kind holds before its step
+    step()
+    step()
+    queue.put(max(0.0, _maxrss_mb() - base))
+
+
+def _basis(repeats: int, queue) -> None:
+    from shared.privacy.subspace import compute_basis
+
+    model, names, loss_fn = _setup("tinyvit-5m")
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in names}
+    public = _batch(100, 2)
+    compute_basis(loss_fn, params, public, k=K, chunk_size=25)  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        step()
+        compute_basis(loss_fn, params, public, k=K, chunk_size=25)
         times.append(time.perf_counter() - t0)
-    queue.put({"kind": kind, "variant": variant, "median_s": statistics.median(times),
-               "peak_extra_mb": max(0.0, _maxrss_mb() - base)})
+    queue.put({"times": times, "parameters": sum(v.numel() for v in params.values())})
 
 
-def measure(kind: str, variant: str, repeats: int) -> dict:
+def _in_process(target, *args, env: dict[str, str] | None = None):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_run, args=(kind, variant, repeats, queue))
-    proc.start()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})  # a spawned process starts with the parent's environment as it is now
+    try:
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     result = queue.get(timeout=3600)
     proc.join()
     return result
 
 
-def main() -> None:
+# glibc keeps freed heap blocks mapped, so its high-water mark also counts fragmentation (it grew with the
+# number of chunks in one step); with every block above 64 KiB mapped on its own, the peak is the live memory.
+LIVE_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds (default: 7)")
     parser.add_argument("--variants", default="tinyvit-small,tinyvit-5m")
-    args = parser.parse_args()
-    rows = []
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "dp_step.json")
+    args = parser.parse_args(argv)
+    from shared.provenance import provenance
+
+    try:
+        import opacus  # noqa: F401
+
+        kinds = ["nonprivate", "nonprivate-2x", "dpsgd", "dpsgd-generic", "fpdp", "opacus"]
+    except ImportError:
+        kinds = ["nonprivate", "nonprivate-2x", "dpsgd", "dpsgd-generic", "fpdp"]
+    started = time.time()
+    result: dict = {"input": list(INPUT), "batch": BATCH, "k": K, "repeats": args.repeats, "targets": TARGETS,
+                    "variants": {}}
     for variant in args.variants.split(","):
-        res = {k: measure(k, variant, args.repeats) for k in ("nonprivate", "dpsgd", "fpdp", "opacus")}
-        base = res["nonprivate"]["median_s"]
-        print(f"\n{variant} @ {INPUT[0]}x{INPUT[1]}, batch {BATCH}, finetune parameters")
-        print(f"{'method':<12}{'ms/step':>10}{'x nonpriv':>11}{'peak MB':>10}")
-        for k, r in res.items():
-            print(f"{k:<12}{1000 * r['median_s']:>10.1f}{r['median_s'] / base:>11.2f}{r['peak_extra_mb']:>10.0f}")
-        ratios = {
-            "dpsgd/nonprivate": res["dpsgd"]["median_s"] / base,
-            "fpdp/nonprivate": res["fpdp"]["median_s"] / base,
-            "dpsgd/opacus": res["dpsgd"]["median_s"] / res["opacus"]["median_s"],
+        times = _in_process(_time_variant, variant, args.repeats, kinds)
+        base, both = times["nonprivate"], times["nonprivate-2x"]
+        ratios = {kind: [t / b for t, b in zip(times[kind], base)] for kind in times}
+        ratios["fpdp-vs-2x"] = [t / b for t, b in zip(times["fpdp"], both)]
+        memory = {f"dpsgd@{n}": _in_process(_memory, variant, "dpsgd", n, env=LIVE_MEMORY) for n in (16, 32, 64)}
+        memory["nonprivate@32"] = _in_process(_memory, variant, "nonprivate", 32, env=LIVE_MEMORY)
+        result["variants"][variant] = {
+            "ms": {kind: _spread([1000 * t for t in ts]) for kind, ts in times.items()},
+            "ratio": {kind: _spread(rs) for kind, rs in ratios.items()},
+            "peak_mb": memory,
         }
-        for name, value in ratios.items():
-            ok = "met" if value <= TARGETS[name] else "NOT met"
-            print(f"  {name:<18} {value:5.2f}  (target <= {TARGETS[name]}: {ok})")
-        rows.append((variant, res, ratios))
+        print(f"\n{variant} @ {INPUT[0]}x{INPUT[1]}, batch {BATCH}, finetune parameters, {args.repeats} rounds")
+        print(f"{'step':<15}{'ms (median)':>12}{'x nonprivate':>14}{'  min-max':>14}")
+        for kind in times:
+            r = result["variants"][variant]["ratio"][kind]
+            print(f"{kind:<15}{result['variants'][variant]['ms'][kind]['median']:>12.1f}{r['median']:>14.2f}"
+                  f"{r['min']:>8.2f}-{r['max']:.2f}")
+        r = result["variants"][variant]["ratio"]["fpdp-vs-2x"]
+        print(f"{'fpdp / nonprivate-2x':<29}{r['median']:>14.2f}{r['min']:>8.2f}-{r['max']:.2f}")
+        print("peak MB above baseline: " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
     if "tinyvit-5m" in args.variants:
-        b = measure("basis", "tinyvit-5m", max(1, args.repeats // 2))
-        ok = "met" if b["median_s"] <= TARGETS["basis_s"] else "NOT met"
-        print(f"\nbasis (m=100, k=50, tinyvit-5m finetune): {b['median_s']:.2f} s, peak +{b['peak_extra_mb']:.0f} MB "
-              f"(target <= {TARGETS['basis_s']} s: {ok})")
+        b = _in_process(_basis, max(3, args.repeats // 2))
+        result["basis"] = {"seconds": _spread(b["times"]), "m": 100, "k": K, "parameters": b["parameters"]}
+        print(f"\nbasis (m=100, k={K}, tinyvit-5m finetune, {b['parameters']} parameters): "
+              f"{statistics.median(b['times']):.2f} s (min {min(b['times']):.2f}, max {max(b['times']):.2f})")
+    command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])
+    result["provenance"] = provenance(command=command, seconds=time.time() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

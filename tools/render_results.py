@@ -152,6 +152,48 @@ def render_study(rows: list[dict[str, str]]) -> str:
     return "\n".join(table + ["", f"Baselines (no DP, centralized): {notes}."])
 
 
+_STEP_LABELS = {
+    "nonprivate": "non-private",
+    "nonprivate-2x": "non-private over private + psi images",
+    "dpsgd": "DP-SGD (book-keeping clipping)",
+    "dpsgd-generic": "DP-SGD, generic per-sample path",
+    "fpdp": "FP-DP",
+    "opacus": "Opacus (hooks), same model",
+}
+
+
+def render_dp_step(data: dict[str, Any]) -> str:
+    """benchmarks/results/dp_step.json (benchmarks/dp_step.py): a private step against a non-private one."""
+    h, w = data["input"]
+    variants = list(data["variants"])
+    rows = [f"One optimizer step, batch {data['batch']} at {h}x{w}, finetune parameters; median of "
+            f"{data['repeats']} interleaved rounds, with the min-max of the per-round ratio.", "",
+            "| step | " + " | ".join(f"{v}: ms | × non-private" for v in variants) + " |",
+            "|---|" + "---|---|" * len(variants)]
+    for kind, label in _STEP_LABELS.items():
+        if not all(kind in data["variants"][v]["ms"] for v in variants):
+            continue
+        cells = []
+        for v in variants:
+            ms, r = data["variants"][v]["ms"][kind], data["variants"][v]["ratio"][kind]
+            cells.append(f"{ms['median']:.1f} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    fpdp = ", ".join(f"{v} {data['variants'][v]['ratio']['fpdp-vs-2x']['median']:.2f}" for v in variants)
+    rows += ["", f"FP-DP against a non-private step over the same images (the private batch and the psi batch): "
+             f"{fpdp}.", "",
+             "Peak memory above the model and the batch (MB), DP-SGD with 16 per-sample gradients at a time:", "",
+             "| realised batch | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+    for key in data["variants"][variants[0]]["peak_mb"]:
+        label = key.replace("dpsgd@", "DP-SGD, ").replace("nonprivate@", "non-private, ")
+        rows.append(f"| {label} | " + " | ".join(f"{data['variants'][v]['peak_mb'][key]:.0f}" for v in variants) + " |")
+    if "basis" in data:
+        b = data["basis"]
+        rows += ["", f"Projection basis (m = {b['m']} public samples, k = {b['k']}, {b['parameters']:,} tinyvit-5m "
+                 f"finetune parameters): {b['seconds']['median']:.2f} s (min {b['seconds']['min']:.2f}, max "
+                 f"{b['seconds']['max']:.2f})."]
+    return "\n".join(rows + ["", _provenance(data.get("provenance"))])
+
+
 def load_artefact(name: str) -> Any:
     """A measurement's file under benchmarks/results/: JSON, or CSV as a list of rows."""
     text = (RESULTS / name).read_text()
@@ -167,6 +209,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mia": ("privacy_attacks.json", render_mia),
     "reid": ("privacy_attacks.json", render_reid),
     "study": ("study/results.csv", render_study),
+    "dp-step": ("dp_step.json", render_dp_step),
 }
 
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,10 +55,10 @@ class PoseNet(TinyVit):
         x = (images - self.pixel_mean) / self.pixel_std
         return self.head(self.forward_features(x))
 
-    def losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample total loss (B,) on ``batch`` ("image", "joints", "visible")."""
+    def task_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample task losses (B, 3) on ``batch`` ("image", "joints", "visible"): x, y, visibility."""
         x_logits, y_logits, vis_logits = self(batch["image"])
-        task = simcc_losses(
+        return simcc_losses(
             x_logits,
             y_logits,
             vis_logits,
@@ -68,7 +67,10 @@ class PoseNet(TinyVit):
             split_ratio=self.cfg.split_ratio,
             sigma=self.cfg.sigma,
         )
-        return combine_task_losses(task, self.head.log_task_scale, vis_weight=self.cfg.vis_weight)
+
+    def losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample total loss (B,) on ``batch`` ("image", "joints", "visible")."""
+        return combine_task_losses(self.task_losses(batch), self.head.log_task_scale, vis_weight=self.cfg.vis_weight)
 
 
 def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseNet:
@@ -119,38 +121,61 @@ def apply_strategy(model: nn.Module, strategy: Strategy) -> list[str]:
     return [n for n, _ in model.named_parameters() if n in keep]
 
 
-def make_loss_fn(
-    model: PoseNet, trainable: list[str]
-) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
-    """Functional per-sample loss ``loss_fn(params, batch) -> (B,)`` over the trainable params.
+TASK_SCALE = "head.log_task_scale"
 
-    Frozen parameters and buffers are closed over (detached), so
-    ``torch.func.grad`` differentiates only what the strategy trains.
+
+class PoseLoss:
+    """Functional per-sample loss ``loss(params, batch) -> (B,)`` over the trainable params.
+
+    Frozen parameters and buffers are closed over (detached), so ``torch.func.grad``
+    differentiates only what the strategy trains. It also shows the loss's structure
+    to book-keeping clipping (``shared.privacy.bookkeeping``): ``parts`` runs the model
+    to the per-sample task losses, ``combine`` weighs them, and ``combine_names`` are
+    the parameters only ``combine`` uses (the task-uncertainty weights).
     """
-    keep = set(trainable)
-    unknown = keep - {n for n, _ in model.named_parameters()}
-    if unknown:
-        raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
-    wrapper = _LossModule(model)
-    frozen = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n not in keep}
-    buffers = {f"m.{n}": b for n, b in model.named_buffers()}
 
-    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        tensors = {**frozen, **buffers, **{f"m.{n}": p for n, p in params.items()}}
-        return functional_call(wrapper, tensors, (batch,))
+    def __init__(self, model: PoseNet, trainable: list[str]) -> None:
+        keep = set(trainable)
+        unknown = keep - {n for n, _ in model.named_parameters()}
+        if unknown:
+            raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
+        self.model = model
+        self.combine_names = (TASK_SCALE,)
+        self._wrapper = _LossModule(model, tasks=True)
+        self._frozen = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n not in keep}
+        self._buffers = {f"m.{n}": b for n, b in model.named_buffers()}
 
-    return loss_fn
+    def parts(self, params: dict[str, torch.Tensor] | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample task losses (B, 3) with the trainable tensors taken from ``params`` (None: the model's own)."""
+        if params is None:
+            return self._wrapper(batch)
+        tensors = {**self._frozen, **self._buffers, **{f"m.{n}": p for n, p in params.items()}}
+        return functional_call(self._wrapper, tensors, (batch,))
+
+    def combine(self, parts: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, 3) task losses -> (B,) total, with the task weights from ``params`` when they train."""
+        scale = params.get(TASK_SCALE, self._frozen.get(f"m.{TASK_SCALE}"))
+        return combine_task_losses(parts, scale, vis_weight=self.model.cfg.vis_weight)
+
+    def __call__(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.combine(self.parts(params, batch), params)
+
+
+def make_loss_fn(model: PoseNet, trainable: list[str]) -> PoseLoss:
+    """The functional per-sample loss over ``trainable`` (see ``PoseLoss``)."""
+    return PoseLoss(model, trainable)
 
 
 class _LossModule(nn.Module):
-    """Routes ``functional_call`` to ``PoseNet.losses`` instead of ``forward``."""
+    """Routes ``functional_call`` to ``PoseNet.losses`` (or ``task_losses``) instead of ``forward``."""
 
-    def __init__(self, model: PoseNet) -> None:
+    def __init__(self, model: PoseNet, *, tasks: bool = False) -> None:
         super().__init__()
         self.m = model
+        self.tasks = tasks
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.m.losses(batch)
+        return self.m.task_losses(batch) if self.tasks else self.m.losses(batch)
 
 
 # ---------------------------------------------------------------------------

@@ -173,6 +173,13 @@ class Attention(nn.Module):
         self.attention_biases = nn.Parameter(torch.zeros(num_heads, window * window))
         # Plain attribute (not a buffer): never in state_dict / functional_call.
         self._bias_index = _offset_index(window)
+        # The biased logits pass through this no-op so that book-keeping clipping can tap their gradient.
+        self.logits = nn.Identity()
+
+    @property
+    def bias_index(self) -> torch.Tensor:
+        """(N, N) index of each pair of window points into the bias table's offsets."""
+        return self._bias_index
 
     def _bias(self) -> torch.Tensor:
         idx = self._bias_index
@@ -189,7 +196,7 @@ class Attention(nn.Module):
         q = q.transpose(2, 3)  # (B, nW, h, N, d)
         k = k.transpose(2, 3)
         v = v.transpose(2, 3)
-        attn = (q * self.scale) @ k.transpose(-2, -1) + self._bias()  # (B, nW, h, N, N)
+        attn = self.logits((q * self.scale) @ k.transpose(-2, -1) + self._bias())  # (B, nW, h, N, N)
         attn = attn.softmax(dim=-1)
         out = (attn @ v).transpose(2, 3).reshape(b, nw, n, c)
         return self.proj(out)
@@ -255,6 +262,8 @@ class TinyVitStage(nn.Module):
 
 class LayerNorm2d(nn.LayerNorm):
     """LayerNorm over channels of an NCHW map (timm's LayerNorm2d)."""
+
+    channels_first = True  # read by book-keeping clipping
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.permute(0, 2, 3, 1)

@@ -77,7 +77,7 @@ def check_params(params: Mapping[str, Tensor]) -> None:
             )
 
 
-def _check_chunk_size(chunk_size: int) -> None:
+def check_chunk_size(chunk_size: int) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(
             f"chunk_size={chunk_size!r} must be a positive int (samples per vmap call; "
@@ -131,7 +131,7 @@ def iter_per_sample_grads(
     preallocated matrix) without ever holding all B of them.
     """
     check_params(params)
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     size = batch_size_of(batch)
     if size == 0:
         return

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from shared.privacy import bookkeeping
 from shared.privacy.persample import (
     LossFn,
     batch_size_of,
@@ -191,10 +192,19 @@ def compute_basis(
     first = next(iter(params.values()))
     matrix = torch.empty((size, total), dtype=first.dtype, device=first.device)  # (m, p)
     row = 0
-    for grads in iter_per_sample_grads(loss_fn, params, public_batch, chunk_size=chunk_size):
-        block = flatten_per_sample(grads)  # (b, p)
-        matrix[row : row + block.shape[0]] = block
-        row += block.shape[0]
+    if bookkeeping.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
+        chunks = (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, public_batch,
+                                                                     chunk_size=chunk_size))
+    else:
+        chunks = iter_per_sample_grads(loss_fn, params, public_batch, chunk_size=chunk_size)
+    names = sorted(params)  # flatten's order, written column block by column block (no (b, p) temporary)
+    offsets = dict(zip(names, torch.tensor([0] + [params[n].numel() for n in names]).cumsum(0).tolist()))
+    for grads in chunks:
+        b = next(iter(grads.values())).shape[0]
+        for name in names:
+            start = offsets[name]
+            matrix[row : row + b, start : start + params[name].numel()] = grads[name].reshape(b, -1)
+        row += b
     basis = projection_basis(matrix, k, rtol=rtol)
     log.info("projection basis from %d public samples: p=%d, k=%d", size, total, k)
     return basis

@@ -1,0 +1,410 @@
+"""Book-keeping clipping: every per-sample norm and the clipped sum from one forward and one backward.
+
+The generic path (``persample``) gets per-sample gradients with ``vmap(grad(...))``:
+exact, but it pays a per-sample weight gradient for every trainable tensor. For the
+layers a pose model is made of, the per-sample gradient is a small product of two
+tensors autograd computes anyway: a layer's input ``a_i`` and the gradient of the
+loss at its output ``g_i``. A Linear layer's weight gradient is ``g_i^T a_i``, so
+
+- its squared norm is ``sum_{t,s} (a_it . a_is)(g_it . g_is)`` (the "ghost norm",
+  Goodfellow 2015, Li et al. 2022): T x T Gram matrices instead of a d x p
+  gradient per sample, used where that is cheaper (few tokens, wide layers);
+- the clipped sum ``sum_i c_i g_i^T a_i = (c * g)^T a`` is one matmul, the cost of the
+  non-private weight gradient (book-keeping, Bu et al. 2023): no second backward.
+
+One forward with hooks on the layers that own trainable tensors records ``a``; one
+``autograd.grad`` of the summed loss with respect to those layers' outputs gives every
+``g`` (and skips the weight gradients a non-private backward would compute). Rules:
+
+- ``nn.Linear`` and ``nn.Conv2d`` with groups = 1 (unfolded to a Linear over positions):
+  ghost norm or per-sample product, whichever is cheaper for the layer's shape;
+- grouped (depthwise) ``nn.Conv2d``, ``nn.LayerNorm`` (over the last dimension, or over
+  the channels of an NCHW map for a ``LayerNorm2d`` that says so with ``channels_first``):
+  per-sample gradients, which are small;
+- a relative-position bias table, for a module that holds ``attention_biases``,
+  ``bias_index`` (N, N) and a tap module ``logits`` through which its biased
+  attention logits pass: the gradient at the logits, summed per table entry;
+- parameters the loss uses after the model, in ``combine`` (task-uncertainty weights):
+  ``vmap(grad)`` of ``combine`` alone over the per-sample task losses.
+
+A loss supports this path when it has ``model`` (the nn.Module), ``parts(params,
+batch) -> (B, T)`` (per-sample loss parts through the model), ``combine(parts,
+params) -> (B,)`` and ``combine_names`` (the parameters only ``combine`` uses), and
+every trainable tensor falls under a rule; otherwise callers use the generic path.
+The sums are equal to the generic path's to float tolerance (tests/test_bookkeeping.py).
+
+P14 is kept row by row exactly as the generic path keeps it: a sample whose norm is
+not finite in float32 is recomputed in float64 from its own ``a_i``, ``g_i``; if it is
+still not finite it contributes zero (its rows of ``a`` and ``g`` are zeroed before any
+product: 0 x NaN is NaN), and a huge finite one is scaled in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Below this a float32 clip factor is subnormal: such rows are scaled in float64 (as in clipping.py).
+_SMALLEST_FLOAT32_FACTOR = 1e-30
+
+
+# ---------------------------------------------------------------------------------------------------
+# which loss and which parameters this path covers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str] | None:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        return None
+    return module_name, module, attr
+
+
+def _rule_kind(module: nn.Module, attr: str) -> str | None:
+    if isinstance(module, nn.Linear) and attr in ("weight", "bias"):
+        return "linear"
+    if isinstance(module, nn.Conv2d) and attr in ("weight", "bias") and module.padding_mode == "zeros":
+        return "conv" if module.groups == 1 else "grouped_conv"
+    if isinstance(module, nn.LayerNorm) and attr in ("weight", "bias") and len(module.normalized_shape) == 1:
+        return "layer_norm"
+    if attr == "attention_biases" and isinstance(getattr(module, "logits", None), nn.Module) \
+            and isinstance(getattr(module, "bias_index", None), Tensor):
+        return "bias_table"
+    return None
+
+
+def supports(loss_fn: Any, params: Mapping[str, Tensor]) -> bool:
+    """True when ``loss_fn`` exposes its model and every tensor of ``params`` falls under a rule."""
+    model = getattr(loss_fn, "model", None)
+    if not isinstance(model, nn.Module) or not all(hasattr(loss_fn, a) for a in ("parts", "combine", "combine_names")):
+        return False
+    return _cached_plan(loss_fn, tuple(params)) is not None
+
+
+def _cached_plan(loss_fn: Any, names: tuple[str, ...]) -> dict | None:
+    """The plan for these names (None: some tensor falls under no rule), kept on the loss: it runs every step."""
+    cache = loss_fn.__dict__.setdefault("_bookkeeping_plans", {})
+    if names not in cache:
+        layer_names = [n for n in names if n not in loss_fn.combine_names]
+        found = [_owner(loss_fn.model, n) for n in layer_names]
+        covered = all(f is not None and _rule_kind(f[1], f[2]) is not None for f in found)
+        cache[names] = _plan(loss_fn.model, layer_names) if covered else None
+    return cache[names]
+
+
+def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, str, dict[str, str]]]:
+    """module name -> (module, rule kind, {attr: parameter name}) for the layers that own ``names``."""
+    plan: dict[str, tuple[nn.Module, str, dict[str, str]]] = {}
+    for name in names:
+        module_name, module, attr = _owner(model, name)  # type: ignore[misc]  (supports() checked it)
+        kind = _rule_kind(module, attr)
+        entry = plan.setdefault(module_name, (module, kind, {}))
+        entry[2][attr] = name
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# rules: per layer, the per-sample squared norms, the clipped sum and exact per-sample gradients
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Instantiated:
+    """Per-sample gradients held as such, {name: (b, *shape)}: small tensors (norms, biases, tables)."""
+
+    def __init__(self, grads: dict[str, Tensor]) -> None:
+        self.grads = grads
+
+    def sq_norms(self) -> Tensor:
+        return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).to(torch.float64).pow(2)
+                   for g in self.grads.values())
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
+        for name, g in self.grads.items():
+            flat = g.reshape(g.shape[0], -1)
+            if keep is not None:
+                flat = torch.where(keep[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+            summed[name].add_((factors.to(flat.dtype) @ flat).view_as(summed[name]))
+
+    def exact(self, rows: Tensor) -> dict[str, Tensor]:
+        return {name: g[rows].to(torch.float64) for name, g in self.grads.items()}
+
+    def per_sample(self) -> dict[str, Tensor]:
+        return self.grads
+
+
+class _LinearLike:
+    """A (b, T, d) and g (b, T, p): weight gradient g_i^T a_i (p, d), bias gradient sum_t g_it (p,)."""
+
+    def __init__(self, a: Tensor, g: Tensor, names: dict[str, str], shapes: dict[str, torch.Size]) -> None:
+        self.a, self.g, self.names, self.shapes = a, g, names, shapes
+        b, t, d = a.shape
+        p = g.shape[2]
+        # ghost: two T x T Gram matrices per sample, b T^2 (d + p); instantiated: b T d p
+        self.ghost = t * (d + p) < d * p
+        self.weight = None if self.ghost or "weight" not in names else torch.bmm(g.transpose(1, 2), a)  # (b, p, d)
+        self.bias = g.sum(1) if "bias" in names else None  # (b, p)
+
+    def sq_norms(self) -> Tensor:
+        total = torch.zeros(self.a.shape[0], dtype=torch.float64, device=self.a.device)
+        if "weight" in self.names:
+            if self.ghost:
+                gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
+                gram_g = torch.bmm(self.g, self.g.transpose(1, 2))
+                total += torch.einsum("bij,bij->b", gram_a, gram_g).to(torch.float64)
+            else:
+                total += torch.linalg.vector_norm(self.weight, dim=(1, 2)).to(torch.float64).pow(2)
+        if self.bias is not None:
+            total += torch.linalg.vector_norm(self.bias, dim=1).to(torch.float64).pow(2)
+        return total
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
+        a, g, weight, bias = self.a, self.g, self.weight, self.bias
+        if keep is not None:  # rows left out: zero them first, 0 x NaN is NaN
+            zero = torch.zeros((), dtype=a.dtype, device=a.device)
+            a, g = torch.where(keep[:, None, None], a, zero), torch.where(keep[:, None, None], g, zero)
+            weight = None if weight is None else torch.where(keep[:, None, None], weight, zero)
+            bias = None if bias is None else torch.where(keep[:, None], bias, zero)
+        f = factors.to(a.dtype)
+        if "weight" in self.names:
+            name = self.names["weight"]
+            if self.ghost:
+                p, d = g.shape[2], a.shape[2]
+                total = (g * f[:, None, None]).reshape(-1, p).t() @ a.reshape(-1, d)  # (p, d)
+            else:
+                total = (f @ weight.reshape(weight.shape[0], -1))
+            summed[name].add_(total.reshape(self.shapes[name]))
+        if bias is not None:
+            name = self.names["bias"]
+            summed[name].add_((f @ bias).reshape(self.shapes[name]))
+
+    def exact(self, rows: Tensor) -> dict[str, Tensor]:
+        a, g = self.a[rows].to(torch.float64), self.g[rows].to(torch.float64)
+        out = {}
+        if "weight" in self.names:
+            name = self.names["weight"]
+            out[name] = torch.bmm(g.transpose(1, 2), a).reshape(len(rows), *self.shapes[name])
+        if "bias" in self.names:
+            out[self.names["bias"]] = g.sum(1)
+        return out
+
+    def per_sample(self) -> dict[str, Tensor]:
+        b = self.a.shape[0]
+        out = {}
+        if "weight" in self.names:
+            name = self.names["weight"]
+            weight = self.weight if self.weight is not None else torch.bmm(self.g.transpose(1, 2), self.a)
+            out[name] = weight.reshape(b, *self.shapes[name])
+        if self.bias is not None:
+            out[self.names["bias"]] = self.bias
+        return out
+
+
+def _linear(module: nn.Linear, x: Tensor, g: Tensor, names, shapes) -> _LinearLike:
+    b = x.shape[0]
+    return _LinearLike(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]), names, shapes)
+
+
+def _unfold(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """(b, C_in, H, W) -> (b, C_in kh kw, T) patches in the weight's (c, i, j) order."""
+    if module.kernel_size == (1, 1) and module.stride == (1, 1) and module.padding == (0, 0):
+        return x.reshape(x.shape[0], x.shape[1], -1)
+    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+
+
+def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> _LinearLike:
+    b, cout = g.shape[:2]
+    return _LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
+
+
+def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> _Instantiated:
+    b, cout = g.shape[:2]
+    groups = module.groups
+    cols = _unfold(module, x)  # (b, C_in kh kw, T)
+    cols = cols.reshape(b, groups, cols.shape[1] // groups, cols.shape[2])  # (b, G, d, T)
+    out = g.reshape(b, groups, cout // groups, -1)  # (b, G, p, T)
+    grads = {}
+    if "weight" in names:
+        grads[names["weight"]] = torch.einsum("bgpt,bgdt->bgpd", out, cols).reshape(b, *shapes[names["weight"]])
+    if "bias" in names:
+        grads[names["bias"]] = g.reshape(b, cout, -1).sum(2)
+    return _Instantiated(grads)
+
+
+def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> _Instantiated:
+    b = x.shape[0]
+    if getattr(module, "channels_first", False):  # LayerNorm2d: normalises the channels of NCHW
+        x, g = x.movedim(1, -1), g.movedim(1, -1)
+    x = x.reshape(b, -1, x.shape[-1])
+    g = g.reshape(b, -1, g.shape[-1])
+    grads = {}
+    if "weight" in names:
+        normed = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+        grads[names["weight"]] = (normed * g).sum(1)
+    if "bias" in names:
+        grads[names["bias"]] = g.sum(1)
+    return _Instantiated(grads)
+
+
+def _bias_table(module: nn.Module, g: Tensor, names, shapes) -> _Instantiated:
+    # g: (b, ..., heads, N, N) at the biased logits; the table (heads, offsets) is read through bias_index
+    b = g.shape[0]
+    heads, n = g.shape[-3], g.shape[-1]
+    per_pair = g.reshape(b, -1, heads, n * n).sum(1)  # (b, heads, N*N)
+    name = names["attention_biases"]
+    table = per_pair.new_zeros((b, *shapes[name]))
+    table.index_add_(2, module.bias_index.reshape(-1).to(g.device), per_pair)
+    return _Instantiated({name: table})
+
+
+_RULES = {"linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "layer_norm": _layer_norm}
+
+
+# ---------------------------------------------------------------------------------------------------
+# one chunk: forward with taps, one backward, the rules
+# ---------------------------------------------------------------------------------------------------
+
+
+class Tape:
+    """The rules of one chunk of samples, ready to give norms and to add their clipped sum."""
+
+    def __init__(self, rules: list[_Instantiated | _LinearLike], size: int) -> None:
+        self.rules = rules
+        self.size = size
+
+    def norms(self) -> Tensor:
+        """(b,) float64 per-sample L2 norms over all trainable tensors; rows that overflow float32 redone in float64."""
+        norms = torch.sqrt(sum(rule.sq_norms() for rule in self.rules))
+        odd = ~torch.isfinite(norms)
+        if bool(odd.any()):
+            rows = odd.nonzero().flatten()
+            exact = self._exact(rows)
+            norms[rows] = torch.sqrt(sum(v.reshape(len(rows), -1).pow(2).sum(1) for v in exact.values()))
+        return norms
+
+    def per_sample(self) -> dict[str, Tensor]:
+        """Every sample's gradient, {name: (b, *shape)} in the parameters' dtype (the public basis needs them)."""
+        out: dict[str, Tensor] = {}
+        for rule in self.rules:
+            out.update(rule.per_sample())
+        return out
+
+    def _exact(self, rows: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for rule in self.rules:
+            out.update(rule.exact(rows))
+        return out
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, finite: Tensor) -> None:
+        """summed += sum_i factors_i g_i; rows not finite add nothing; tiny factors are applied in float64."""
+        tiny = factors < _SMALLEST_FLOAT32_FACTOR
+        special = tiny | ~finite
+        regular = torch.where(special, torch.zeros_like(factors), factors)
+        keep = None if not bool(special.any()) else ~special
+        for rule in self.rules:
+            rule.add_clipped(summed, regular, keep)
+        rows = (tiny & finite & (factors > 0)).nonzero().flatten()
+        if len(rows):
+            for name, g in self._exact(rows).items():
+                scaled = (factors[rows].reshape(-1, *[1] * (g.dim() - 1)) * g).sum(0)
+                summed[name].add_(scaled.to(summed[name].dtype))
+
+
+def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor, Tensor], grad: Tensor | None,
+          shapes: dict[str, torch.Size]) -> _Instantiated | _LinearLike:
+    """The rule of one layer from its input, its output and the loss's gradient there."""
+    module, kind, names = entry
+    x, out = seen
+    grad = torch.zeros_like(out) if grad is None else grad.detach()
+    if kind == "bias_table":
+        return _bias_table(module, grad, dict(names), shapes)
+    return _RULES[kind](module, x.detach(), grad, dict(names), shapes)
+
+
+def _are_the_models_own(model: nn.Module, params: Mapping[str, Tensor], combine_names: list[str]) -> bool:
+    """True when ``params`` hold the model's trainable weights themselves and nothing else in it trains.
+
+    Then a plain forward builds the same graph as one through ``params`` (only the gradients at the
+    layers' outputs are asked for, never the weights'), without swapping every tensor of the model.
+    """
+    own = dict(model.named_parameters())
+    for name, param in own.items():
+        value = params.get(name)
+        if value is None:
+            if param.requires_grad:
+                return False
+        elif name not in combine_names and (
+            not param.requires_grad or value.data_ptr() != param.data_ptr() or value.shape != param.shape
+            or value.stride() != param.stride() or value.dtype != param.dtype
+        ):
+            return False
+    return all(name in own for name in params)
+
+
+def iter_tapes(
+    loss_fn: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *, chunk_size: int
+) -> Iterator[Tape]:
+    """Per chunk of ``chunk_size`` samples: a forward with taps and one backward, as a ``Tape``.
+
+    Only ``chunk_size`` samples' activations are alive at a time, whatever the batch.
+    """
+    combine_names = [n for n in params if n in loss_fn.combine_names]
+    plan = _cached_plan(loss_fn, tuple(params))
+    if plan is None:
+        raise ValueError("book-keeping clipping does not cover every trainable tensor; check supports() first")
+    shapes = {name: value.shape for name, value in params.items()}
+    size = next(iter(batch.values())).shape[0]
+    leaves = {name: value.detach().requires_grad_(name not in combine_names) for name, value in params.items()}
+    direct = _are_the_models_own(loss_fn.model, params, combine_names)
+    for start in range(0, size, chunk_size):
+        chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
+        seen: dict[str, tuple[Tensor, Tensor]] = {}
+
+        def hook_for(key: str):
+            def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+                if key in seen:
+                    raise RuntimeError(f"{key} ran twice in one forward; book-keeping needs one use per layer")
+                seen[key] = (args[0] if args else None, output)
+            return hook
+
+        handles = []
+        for module_name, (module, kind, _) in plan.items():
+            target = module.logits if kind == "bias_table" else module
+            handles.append(target.register_forward_hook(hook_for(module_name)))
+        try:
+            with torch.enable_grad():
+                # the training loop passes the model's own weights: run the model as it is (no parameter swap)
+                parts = loss_fn.parts(None if direct else leaves, chunk)  # (b, T)
+        finally:
+            for handle in handles:
+                handle.remove()
+        detached = {n: leaves[n].detach() for n in combine_names}
+        losses = loss_fn.combine(parts, {**leaves, **detached})
+        keys = [k for k in plan if k in seen]
+        outputs = [seen[k][1] for k in keys]
+        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
+        rules: list[_Instantiated | _LinearLike] = []
+        for key, grad in zip(keys, grads):
+            rules.append(_rule(plan[key], seen[key], grad, shapes))
+        missing = [k for k in plan if k not in seen]
+        if missing:  # a layer the loss never ran: its gradient is zero for every sample
+            b = parts.shape[0]
+            rules.append(_Instantiated({name: leaves[name].new_zeros((b, *shapes[name]))
+                                        for k in missing for name in plan[k][2].values()}))
+        if combine_names:
+            parts_d = parts.detach()
+
+            def one(extra: dict[str, Tensor], row: Tensor) -> Tensor:
+                return loss_fn.combine(row.unsqueeze(0), {**leaves, **extra}).sum()
+
+            per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
+            rules.append(_Instantiated(dict(per_sample)))
+        tape = Tape(rules, parts.shape[0])
+        del seen, outputs, grads, rules, parts, losses
+        yield tape
+        del tape  # only one chunk's activations are alive at a time

@@ -1,0 +1,126 @@
+"""Book-keeping clipping gives the clipped sum of the per-example loop, P14 included.
+
+The pose model's private step takes ``shared.privacy.bookkeeping`` (one forward, one backward per chunk);
+these tests hold it to the generic ``vmap(grad)`` path, which the per-example loop tests already hold
+(tests/test_privacy.py), on the real model with every training strategy and both variants.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.config import ModelConfig
+from shared.model.posenet import apply_strategy, build_model, make_loss_fn
+from shared.privacy import bookkeeping
+from shared.privacy.clipping import clipped_grad_sum
+from shared.privacy.persample import per_sample_grads, per_sample_norms
+
+INPUT = (64, 48)
+
+
+def _setup(variant: str, strategy: str, *, task_uncertainty: bool = True, seed: int = 0, size: int = 5):
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(variant=variant, task_uncertainty=task_uncertainty), INPUT)
+    with torch.no_grad():  # weights away from their init (zero biases, unit norms) so every rule is exercised
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainable = apply_strategy(model, strategy)
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in trainable}
+    h, w = INPUT
+    gen = torch.Generator().manual_seed(seed + 1)
+    batch = {
+        "image": torch.rand(size, 3, h, w, generator=gen),
+        "joints": torch.rand(size, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
+        "visible": (torch.rand(size, 16, generator=gen) > 0.2).float(),
+    }
+    return model, make_loss_fn(model, trainable), params, batch
+
+
+def _generic(loss_fn):
+    return lambda params, batch: loss_fn(params, batch)  # hides the model: the vmap(grad) path
+
+
+def _close(a: dict, b: dict, rtol=2e-4, atol=2e-6) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = float(b[name].abs().max()) + 1e-12
+        assert torch.allclose(a[name], b[name], rtol=rtol, atol=atol * max(scale, 1.0)), (
+            name, float((a[name] - b[name]).abs().max()), scale)
+
+
+@pytest.mark.parametrize("variant,strategy", [
+    ("tinyvit-5m", "finetune"), ("tinyvit-5m", "full"), ("tinyvit-small", "finetune"),
+])
+def test_clipped_sum_and_norms_equal_the_generic_path(variant, strategy):
+    model, loss_fn, params, batch = _setup(variant, strategy)
+    assert bookkeeping.supports(loss_fn, params)
+    fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=3)
+    slow = clipped_grad_sum(_generic(loss_fn), params, batch, clip_norm=0.05, chunk_size=3)
+    assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
+    assert fast.zeroed == slow.zeroed == 0
+    assert bool((slow.norms > 0.05).any()), "the test must clip some samples"
+    _close(fast.summed, slow.summed)
+    # weights that are not the model's own (a server's copy) run through the loss's parameters: same sum
+    copies = clipped_grad_sum(loss_fn, {n: v.clone() for n, v in params.items()}, batch, clip_norm=0.05, chunk_size=3)
+    _close(copies.summed, fast.summed, rtol=1e-5, atol=1e-7)
+
+
+def test_norms_are_the_per_example_norms_and_chunks_do_not_matter():
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", task_uncertainty=True, size=4)
+    reference = per_sample_norms(per_sample_grads(_generic(loss_fn), params, batch, chunk_size=1))
+    for chunk in (1, 3, 4):
+        got = clipped_grad_sum(loss_fn, params, batch, clip_norm=1e9, chunk_size=chunk)
+        assert torch.allclose(got.norms, reference, rtol=1e-4)
+    # with no clipping at all the sum is the plain summed gradient
+    plain = torch.func.grad(lambda p: loss_fn(p, batch).sum())(params)
+    _close(clipped_grad_sum(loss_fn, params, batch, clip_norm=1e9, chunk_size=2).summed, plain)
+
+
+def test_every_rule_is_used_by_the_pose_model():
+    """The model's trainable tensors under 'full' fall under each rule at least once (none goes unnoticed)."""
+    model, loss_fn, params, _ = _setup("tinyvit-5m", "full")
+    kinds = {kind for _, kind, _ in bookkeeping._plan(model, [n for n in params if n not in loss_fn.combine_names]).values()}
+    assert kinds == {"linear", "conv", "grouped_conv", "layer_norm", "bias_table"}
+
+
+def test_unsupported_loss_or_parameter_takes_the_generic_path():
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=2)
+    assert not bookkeeping.supports(_generic(loss_fn), params)
+    assert not bookkeeping.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
+
+
+def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
+    """P14 on this path: a sample whose forward overflows gives zero; the others' sum is unchanged."""
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=4)
+    poisoned = dict(batch)
+    poisoned["image"] = batch["image"].clone()
+    poisoned["image"][2] = float("nan")
+    got = clipped_grad_sum(loss_fn, params, poisoned, clip_norm=0.05, chunk_size=4)
+    keep = [0, 1, 3]
+    rest = clipped_grad_sum(loss_fn, params, {k: v[keep] for k, v in batch.items()}, clip_norm=0.05, chunk_size=4)
+    assert got.zeroed == 1 and not bool(torch.isfinite(got.norms[2]))
+    _close(got.summed, rest.summed)
+    assert all(bool(torch.isfinite(v).all()) for v in got.summed.values())
+
+    # huge but finite: the head's hidden layer scaled by 1e25 makes norms far above float32's square range
+    big = dict(params)
+    big["head.x_head.weight"] = params["head.x_head.weight"] * 1e25
+    huge = clipped_grad_sum(loss_fn, big, batch, clip_norm=0.05, chunk_size=4)
+    generic = clipped_grad_sum(_generic(loss_fn), big, batch, clip_norm=0.05, chunk_size=4)
+    assert huge.zeroed == generic.zeroed
+    total = torch.sqrt(sum(v.double().pow(2).sum() for v in huge.summed.values()))
+    assert bool(torch.isfinite(total)) and float(total) <= 0.05 * 4 * (1 + 1e-4)
+    finite = torch.isfinite(generic.norms)
+    assert torch.allclose(huge.norms[finite], generic.norms[finite], rtol=1e-3)
+
+
+def test_public_basis_from_book_keeping_spans_the_generic_one():
+    from shared.privacy.subspace import compute_basis
+
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=12)
+    fast = compute_basis(loss_fn, params, batch, k=4, chunk_size=5)
+    slow = compute_basis(_generic(loss_fn), params, batch, k=4, chunk_size=5)
+    cosines = torch.linalg.svdvals(fast.double().T @ slow.double())  # principal angles (float64: p is large)
+    assert float(cosines.min()) > 0.999
