@@ -320,3 +320,18 @@ class InProcessGrid:
             handler = on_query if message.metadata.message_type == MessageType.QUERY else on_train
             replies.append(handler(message, context, dict(self.run_config)))
         return replies
+
+    def push_messages(self, messages):
+        """Each site answers at once; the replies wait for ``pull_messages`` (as a SuperLink's would)."""
+        self.pending = getattr(self, "pending", {})
+        ids = []
+        for i, message in enumerate(messages):
+            key = f"m{len(self.pending)}-{i}"
+            (reply,) = self.send_and_receive([message])
+            reply.metadata.__dict__["_reply_to_message_id"] = key
+            self.pending[key] = reply
+            ids.append(key)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.pending.pop(key) for key in list(message_ids) if key in self.pending]

@@ -37,14 +37,14 @@ class HeldGrid(InProcessGrid):
         super().__init__(run_config, sites)
         self.release = threading.Event()
 
-    def send_and_receive(self, messages, timeout=None):
+    def push_messages(self, messages):
         from shared.federation_messages import CONFIG
 
         for message in messages:
             config = message.content.config_records.get(CONFIG)
             if config is not None and int(config.get("round", 0)) >= 2:
                 assert self.release.wait(timeout=600), "the test never released round 2"
-        return super().send_and_receive(messages, timeout)
+        return super().push_messages(messages)
 
 
 def _browser():
