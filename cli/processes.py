@@ -32,8 +32,9 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def reap_orphans() -> None:
-    """Kill and reap every child of this process, then theirs as they are re-parented here (a subreaper)."""
+def reap_orphans(keep: frozenset[int] = frozenset()) -> None:
+    """Kill and reap every child of this process but ``keep``, then theirs as they are re-parented here (a
+    subreaper)."""
     me = os.getpid()
     while True:
         orphans = []
@@ -42,7 +43,7 @@ def reap_orphans() -> None:
                 ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == me:
+            if ppid == me and int(stat.parent.name) not in keep:
                 orphans.append(int(stat.parent.name))
         if not orphans:
             return

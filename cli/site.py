@@ -11,6 +11,7 @@ before installing or importing it.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -216,17 +217,63 @@ def cmd_start(args: argparse.Namespace) -> int:
     approved = Path(args.approved).expanduser().resolve()
     digests = load_approved(approved)
     gate_dir = Path(args.gate_dir).expanduser() if args.gate_dir else approved.parent / "gate-bin"
-    shim = write_shim(gate_dir, approved=approved)
     exe = shutil.which("flower-supernode")
     if exe is None:
         raise FileNotFoundError("flower-supernode is not on PATH: install fedpose (it depends on flwr) in this "
                                 "environment")
     if args.retry_for < 0:
         raise ValueError(f"--retry-for: must be >= 0 seconds, got {args.retry_for}")
-    env = gated_env(shim.parent)
-    print(f"SuperNode runs only app bundles approved in {approved} ({len(digests)} digest"
-          f"{'s' if len(digests) != 1 else ''}); gate {shim}", flush=True)
-    return supervise([exe, *supernode_args], env, retry_for=args.retry_for, pause=args.retry_pause)
+    warm = None if args.cold else start_warm(approved)
+    try:
+        shim = write_shim(gate_dir, approved=approved, warm_socket=warm[1] if warm else None)
+        env = gated_env(shim.parent)
+        # Flower's SuperExec looks for a new message every second by default; a site answers sooner at 0.1 s.
+        env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+        print(f"SuperNode runs only app bundles approved in {approved} ({len(digests)} digest"
+              f"{'s' if len(digests) != 1 else ''}); gate {shim}"
+              + ("; ClientApps forked warm" if warm else "; every ClientApp started cold"), flush=True)
+        return supervise([exe, *supernode_args], env, retry_for=args.retry_for, pause=args.retry_pause,
+                         keep=frozenset({warm[0].pid}) if warm else frozenset())
+    finally:
+        if warm is not None:
+            stop_warm(*warm)
+
+
+def start_warm(approved: Path) -> tuple[Any, Path] | None:
+    """Start the warm-start server (``client.warm``) on a socket in a private folder; None if it cannot start."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    folder = Path(tempfile.mkdtemp(prefix="fedpose-warm-"))  # 0700, and short: a socket path has 107 bytes at most
+    sock = folder / "clientapp.sock"
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
+                            env=env)
+    deadline = time.monotonic() + 60
+    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not sock.exists():
+        print("fedpose site start: the warm-start server did not come up; every ClientApp starts cold", flush=True)
+        stop_warm(proc, sock)
+        return None
+    return proc, sock
+
+
+def stop_warm(proc: Any, sock: Path) -> None:
+    import shutil as _shutil
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    _shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 # flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer
@@ -234,7 +281,8 @@ def cmd_start(args: argparse.Namespace) -> int:
 _RETRYABLE_EXIT = 1
 
 
-def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float) -> int:
+def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float,
+              keep: frozenset[int] = frozenset()) -> int:
     """Run the SuperNode; after an error exit start it again, until it has failed for ``retry_for`` s.
 
     A SuperNode restarted right after a crash is refused by the SuperLink ("Failed to activate
@@ -264,7 +312,7 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
         child = subprocess.Popen(cmd, env=env)
         code = child.wait()
         if reaper:
-            reap_orphans()  # its SuperExec would otherwise outlive it and attach to the next SuperNode
+            reap_orphans(keep)  # its SuperExec would otherwise outlive it and attach to the next SuperNode
         if stopping or code != _RETRYABLE_EXIT:
             return code
         now = time.monotonic()
@@ -346,6 +394,9 @@ def register(sub: Any) -> None:
                          "after one, a SuperLink restart) until it has failed for this many seconds; "
                          "0: never (default 300)")
     st.add_argument("--retry-pause", type=float, default=10.0, help="seconds between two starts (default 10)")
+    st.add_argument("--cold", action="store_true",
+                    help="start every ClientApp as a new Python process (default: fork it from a warm-start server "
+                         "that has the libraries imported, which saves their import at every message)")
     st.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then the flower-supernode arguments")
     st.add_argument("--verbose", action="store_true", help="debug logging")
     st.set_defaults(func=cmd_start)

@@ -221,11 +221,14 @@ def run_gate(argv: Sequence[str]) -> None:
     flwr_clientapp()
 
 
-def write_shim(directory: str | Path, *, approved: str | Path, python: str | None = None) -> Path:
+def write_shim(directory: str | Path, *, approved: str | Path, python: str | None = None,
+               warm_socket: str | Path | None = None) -> Path:
     """Write the ``flwr-clientapp`` executable that runs Flower's ClientApp through the gate.
 
     Put ``directory`` first on the SuperNode's PATH (``fedpose site start`` does):
-    Flower's SuperExec starts ``flwr-clientapp`` by name.
+    Flower's SuperExec starts ``flwr-clientapp`` by name. With ``warm_socket``, the shim first asks the
+    site's warm-start server (``client.warm``) to fork the gated ClientApp from its already imported
+    libraries; when that server is not there it runs the gate itself, as it does without one.
     """
     approved_path = Path(approved).expanduser().resolve()
     load_approved(approved_path)  # fail now, not at the first task
@@ -235,10 +238,31 @@ def write_shim(directory: str | Path, *, approved: str | Path, python: str | Non
     repo = Path(__file__).resolve().parents[1]
     shim = directory / SHIM_NAME
     shim.write_text(
-        "#!/bin/sh\n"
+        f"#!{python} -IS\n"
         "# fedpose site gate: only app bundles whose SHA-256 is in the approved file run here.\n"
-        f"PYTHONPATH='{repo}'${{PYTHONPATH:+:$PYTHONPATH}} exec '{python}' -m client.app_trust "
-        f"--approved '{approved_path}' -- \"$@\"\n",
+        "import os, signal, socket, sys\n"
+        f"REPO, PYTHON, APPROVED, WARM = {str(repo)!r}, {python!r}, {str(approved_path)!r}, "
+        f"{str(warm_socket) if warm_socket else None!r}\n"
+        "def cold():\n"
+        "    env = dict(os.environ)\n"
+        "    env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')\n"
+        "    os.execve(PYTHON, [PYTHON, '-m', 'client.app_trust', '--approved', APPROVED, '--', *sys.argv[1:]], env)\n"
+        "sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "try:\n"
+        "    if WARM is None: raise OSError\n"
+        "    sock.connect(WARM)\n"
+        "except OSError:\n"
+        "    cold()\n"
+        "sys.path.insert(0, REPO)\n"
+        "from client.warm import recv_frame, send_frame\n"
+        "send_frame(sock, {'argv': sys.argv[1:], 'env': dict(os.environ), 'cwd': os.getcwd()}, [0, 1, 2])\n"
+        "try:\n"
+        "    pid = recv_frame(sock)[0]['pid']\n"
+        "    for sig in (signal.SIGTERM, signal.SIGINT):\n"
+        "        signal.signal(sig, lambda n, _f: os.kill(pid, n))\n"
+        "    sys.exit(recv_frame(sock)[0]['exit'])\n"
+        "except (OSError, ValueError, KeyError):\n"
+        "    sys.exit(1)\n",
         encoding="utf-8",
     )
     shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

@@ -18,7 +18,10 @@ site's spend; its text never depends on private data (P10).
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -67,10 +70,25 @@ def _field(content: Any, key: str, kind: type) -> Any:
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), or None where that cannot be read."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _answer(msg: Message, policy: Any, work: Callable[[], RecordDict], content: Any = None) -> Message:
-    """Run ``work``; a refusal or any failure becomes a typed error reply that reveals nothing private (P10)."""
+    """Run ``work``; a refusal or any failure becomes a typed error reply that reveals nothing private (P10).
+
+    The site's own log says what each message cost it: the time its process took to start (Python, imports,
+    the bundle's install) and the time the message took. Local only, like every log line.
+    """
     federation = _field(content, "federation", str) if content is not None else None
     round = _field(content, "round", int) if content is not None else None
+    age, started = process_age(), time.monotonic()
     try:
         return Message(work(), reply_to=msg)
     except Refusal as refusal:
@@ -80,6 +98,9 @@ def _answer(msg: Message, policy: Any, work: Callable[[], RecordDict], content: 
         log.exception("site %s failed while handling a %s message", policy.site, msg.metadata.message_type)
         return _error(msg, policy, int(RefusalCode.SITE_ERROR), "the site failed; the detail is in its own log",
                       federation, round)
+    finally:
+        log.info("site %s: %s message handled in %.2f s; its process had started %s s before", policy.site,
+                 msg.metadata.message_type, time.monotonic() - started, "?" if age is None else f"{age:.2f}")
 
 
 def on_query(msg: Message, context: Context, run_config: dict | None = None) -> Message:

@@ -11,6 +11,8 @@ import inspect
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -188,3 +190,39 @@ def test_shim_runs_flowers_clientapp_through_the_gate(tmp_path):
     approved.write_text("# emptied\n")
     done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "lists no digest" in done.stderr
+
+
+def test_warm_start_forks_the_gated_clientapp_and_the_shim_falls_back_cold(tmp_path):
+    """With the warm-start server the shim's ClientApp is a fork of it: same arguments, streams, exit code, and the
+    approved list read again per message; without the server the shim runs the gate itself."""
+    import time
+
+    approved = tmp_path / "approved.txt"
+    approved.write_text(f"{A}\n")
+    sock = Path(tempfile.mkdtemp(prefix="fedpose-test-")) / "s.sock"
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    server = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sock.exists(), server.stdout.read() if server.poll() is not None else "no socket"
+        assert oct(sock.stat().st_mode & 0o777) == "0o600"
+        shim = write_shim(tmp_path / "gate-bin", approved=approved, warm_socket=sock)
+        done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "--runtime-api-address" in done.stdout, done.stdout + done.stderr
+        done = subprocess.run([str(shim), "--no-such-flag"], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "flwr-clientapp: error" in done.stderr  # argparse's exit code and stream
+        approved.write_text("# emptied\n")  # read again at every message, by the forked child
+        done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "lists no digest" in done.stderr
+        assert server.poll() is None  # a failing child never takes the server down
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert not sock.exists()
+    approved.write_text(f"{A}\n")
+    done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--runtime-api-address" in done.stdout  # cold: the shim ran the gate itself

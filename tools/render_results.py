@@ -194,6 +194,26 @@ def render_dp_step(data: dict[str, Any]) -> str:
     return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 
+def render_deploy_round(data: dict[str, Any]) -> str:
+    """benchmarks/results/deploy_round.json (benchmarks/deploy_round.py): a round beyond the sites' own work."""
+    h, w = data["input"]
+    rows = [f"{data['sites']} sites on 127.0.0.1, {h}x{w} inputs, {data['local_steps']} local steps a round. "
+            "Server: the time from sending the round's train messages to the last reply; site: what the slower "
+            "site spent on the round itself (local training and the basis); the rest is the engine, the message "
+            "processes and the transfer.", "",
+            "| round | server s | site s | beyond the site s | MB down | MB up |", "|---|---|---|---|---|---|"]
+    for r in data["rounds"]:
+        rows.append(f"| {r['round']} | {r['server_train_s']:.2f} | {r['site_work_s']:.2f} | {r['overhead_s']:.2f} | "
+                    f"{r['bytes_down'] / 1e6:.1f} | {r['bytes_up'] / 1e6:.1f} |")
+    o = data["overhead_s"]
+    rows += ["", f"Beyond the sites' own work: {o['median']:.2f} s a round (median; {o['min']:.2f}-{o['max']:.2f}).", "",
+             "| message | count | process start-up s | handler s |", "|---|---|---|---|"]
+    for kind, m in data["messages"].items():
+        rows.append(f"| {kind} | {m['count']} | {m['startup_s']:.2f} | {m['handler_s']:.2f} |")
+    return "\n".join(rows + ["", "Medians over the messages of both sites; the handler includes the round's training "
+                             "and basis.", "", _provenance(data.get("provenance"))])
+
+
 def load_artefact(name: str) -> Any:
     """A measurement's file under benchmarks/results/: JSON, or CSV as a list of rows."""
     text = (RESULTS / name).read_text()
@@ -210,6 +230,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "reid": ("privacy_attacks.json", render_reid),
     "study": ("study/results.csv", render_study),
     "dp-step": ("dp_step.json", render_dp_step),
+    "deploy-round": ("deploy_round.json", render_deploy_round),
 }
 
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
