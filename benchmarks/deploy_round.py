@@ -6,7 +6,8 @@ app gate, one SuperNode each) on 127.0.0.1, submits the app with ``flwr run`` an
 for the round's train messages (sent until the last reply came back) against what the slower site spent
 on the round itself (its log: local training and the basis), and per message what the site paid before
 it could start on it: the age of the ClientApp process Flower started for the message (Python, imports,
-the bundle's install) when the handler began, and the handler's own time.
+the bundle's install) when the handler began, and the handler's own time. It runs the federation twice,
+side by side: with the sites' warm start (the default of ``fedpose site start``) and with ``--cold``.
 
     python benchmarks/deploy_round.py [--rounds 4] [--out FILE]
 
@@ -16,6 +17,8 @@ writes benchmarks/results/deploy_round.json (rendered into docs/results/benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 import statistics
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -39,52 +43,46 @@ def site_costs(log: str) -> tuple[dict[int, float], list[dict]]:
     return rounds, messages
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="federation rounds (default: 4)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "deploy_round.json")
-    parser.add_argument("--keep", type=Path, default=None, help="copy the processes' logs into this folder")
-    args = parser.parse_args(argv)
-
+def run_pilot(rounds: int, *, cold: bool, keep: Path | None) -> tuple[list[dict], list, Any]:
+    """A federation of ``rounds`` rounds on a real SuperLink and two gated SuperNodes; its rounds and site logs."""
     from federation_support import Pilot, prepare_world
 
     from shared.config import dump_config
-    from shared.provenance import provenance
 
-    started = time.time()
     with tempfile.TemporaryDirectory(prefix="fedpose-deploy-bench-") as tmp:
         root = Path(tmp)
-        cfg = prepare_world(root / "world", rounds=args.rounds)
+        cfg = prepare_world(root / "world", rounds=rounds)
         config_path = root / "federation.yaml"
         dump_config(cfg, config_path)
-        pilot = Pilot(root, cfg, lifetime_rounds=args.rounds)
+        with contextlib.redirect_stdout(io.StringIO()):  # the kit's own printing
+            pilot = Pilot(root, cfg, lifetime_rounds=rounds)
         try:
             pilot.start_superlink()
             pilot.register(1, 2)
             for i in (0, 1):
-                pilot.start_site(i)
+                pilot.start_site(i, None, *(["--cold"] if cold else []))
             out = root / "out"
-            print(f"running {args.rounds} rounds on the deployment engine (2 sites on 127.0.0.1) ...", flush=True)
             run_id = pilot.submit(pilot.app, f"config='{config_path}' out='{out}'")
-            status = pilot.wait_finished(run_id, 300 + 120 * args.rounds)
+            status = pilot.wait_finished(run_id, 300 + 120 * rounds)
             if status != "finished:completed":
                 raise SystemExit(f"run {run_id} ended {status}:\n{pilot.run_log(run_id)[-4000:]}")
         finally:
             pilot.close()
         records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
         per_site = [site_costs(pilot.log(f"supernode-{i}").read_text()) for i in (0, 1)]
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
+        if keep:
+            keep.mkdir(parents=True, exist_ok=True)
             for log in root.glob("*.log"):
-                (args.keep / log.name).write_bytes(log.read_bytes())
+                (keep / log.name).write_bytes(log.read_bytes())
+    return records, per_site, cfg
 
+
+def summarise(records: list[dict], per_site: list) -> dict:
     rounds = []
     for r in records:
         site_s = max(costs.get(r["round"], 0.0) for costs, _ in per_site)
         rounds.append({"round": r["round"], "server_train_s": r["seconds"]["train"], "site_work_s": site_s,
-                       "overhead_s": r["seconds"]["train"] - site_s, "server_basis_s": r["seconds"]["basis"],
-                       "aggregation_s": r["seconds"]["aggregation"],
-                       "evaluation_s": r["seconds"].get("evaluation", 0.0),
+                       "overhead_s": r["seconds"]["train"] - site_s,
                        "bytes_down": sum(r["bytes_down"].values()), "bytes_up": sum(r["bytes_up"].values())})
     messages = [m for _, ms in per_site for m in ms]
     by_type: dict[str, dict] = {}
@@ -92,16 +90,33 @@ def main(argv: list[str] | None = None) -> int:
         these = [m for m in messages if m["type"] == kind]
         by_type[kind] = {"count": len(these), "startup_s": statistics.median(m["startup_s"] for m in these),
                          "handler_s": statistics.median(m["handler_s"] for m in these)}
-    result = {"rounds": rounds, "messages": by_type, "sites": 2, "input": list(cfg.data.input_size),
-              "local_steps": cfg.federation.local_steps,
-              "overhead_s": {"median": statistics.median(r["overhead_s"] for r in rounds),
-                             "min": min(r["overhead_s"] for r in rounds), "max": max(r["overhead_s"] for r in rounds)}}
-    print(f"{'round':>5}{'server s':>10}{'site s':>8}{'overhead s':>12}")
-    for r in rounds:
-        print(f"{r['round']:>5}{r['server_train_s']:>10.2f}{r['site_work_s']:>8.2f}{r['overhead_s']:>12.2f}")
-    for kind, m in by_type.items():
-        print(f"{kind} messages: {m['count']}, process start-up {m['startup_s']:.2f} s, handler {m['handler_s']:.2f} s "
-              "(medians)")
+    overheads = [r["overhead_s"] for r in rounds]
+    return {"rounds": rounds, "messages": by_type,
+            "overhead_s": {"median": statistics.median(overheads), "min": min(overheads), "max": max(overheads)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="federation rounds (default: 4)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "deploy_round.json")
+    parser.add_argument("--keep", type=Path, default=None, help="copy the processes' logs into this folder")
+    args = parser.parse_args(argv)
+
+    from shared.provenance import provenance
+
+    started = time.time()
+    result: dict = {"sites": 2, "modes": {}}
+    for mode in ("warm", "cold"):  # fedpose site start as it is, and with --cold: side by side in one run
+        print(f"{mode}: {args.rounds} rounds on the deployment engine (2 sites on 127.0.0.1) ...", flush=True)
+        records, per_site, cfg = run_pilot(args.rounds, cold=mode == "cold", keep=args.keep and args.keep / mode)
+        result["modes"][mode] = summarise(records, per_site)
+        result["input"], result["local_steps"] = list(cfg.data.input_size), cfg.federation.local_steps
+        print(f"{'round':>5}{'server s':>10}{'site s':>8}{'beyond s':>10}")
+        for r in result["modes"][mode]["rounds"]:
+            print(f"{r['round']:>5}{r['server_train_s']:>10.2f}{r['site_work_s']:>8.2f}{r['overhead_s']:>10.2f}")
+        for kind, m in result["modes"][mode]["messages"].items():
+            print(f"{kind} messages: {m['count']}, process start-up {m['startup_s']:.2f} s, handler {m['handler_s']:.2f} s "
+                  "(medians)")
     command = " ".join(["python", "benchmarks/deploy_round.py", *(argv if argv is not None else sys.argv[1:])])
     result["provenance"] = provenance(command=command, seconds=time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -197,19 +197,28 @@ def render_dp_step(data: dict[str, Any]) -> str:
 def render_deploy_round(data: dict[str, Any]) -> str:
     """benchmarks/results/deploy_round.json (benchmarks/deploy_round.py): a round beyond the sites' own work."""
     h, w = data["input"]
-    rows = [f"{data['sites']} sites on 127.0.0.1, {h}x{w} inputs, {data['local_steps']} local steps a round. "
-            "Server: the time from sending the round's train messages to the last reply; site: what the slower "
-            "site spent on the round itself (local training and the basis); the rest is the engine, the message "
-            "processes and the transfer.", "",
-            "| round | server s | site s | beyond the site s | MB down | MB up |", "|---|---|---|---|---|---|"]
-    for r in data["rounds"]:
-        rows.append(f"| {r['round']} | {r['server_train_s']:.2f} | {r['site_work_s']:.2f} | {r['overhead_s']:.2f} | "
-                    f"{r['bytes_down'] / 1e6:.1f} | {r['bytes_up'] / 1e6:.1f} |")
-    o = data["overhead_s"]
-    rows += ["", f"Beyond the sites' own work: {o['median']:.2f} s a round (median; {o['min']:.2f}-{o['max']:.2f}).", "",
-             "| message | count | process start-up s | handler s |", "|---|---|---|---|"]
-    for kind, m in data["messages"].items():
-        rows.append(f"| {kind} | {m['count']} | {m['startup_s']:.2f} | {m['handler_s']:.2f} |")
+    modes = data["modes"]
+    rows = [f"{data['sites']} sites on 127.0.0.1, {h}x{w} inputs, {data['local_steps']} local steps a round, with "
+            "the sites' warm start and with `--cold`. Server: the time from sending the round's train messages to the "
+            "last reply; site: what the slower site spent on the round itself (local training and the basis); the "
+            "rest is the engine, the message processes and the transfer.", "",
+            "| round | " + " | ".join(f"{m}: server s | site s | beyond s" for m in modes) + " |",
+            "|---|" + "---|---|---|" * len(modes)]
+    for i, r in enumerate(next(iter(modes.values()))["rounds"]):
+        cells = []
+        for m in modes.values():
+            x = m["rounds"][i]
+            cells.append(f"{x['server_train_s']:.2f} | {x['site_work_s']:.2f} | {x['overhead_s']:.2f}")
+        rows.append(f"| {r['round']} | " + " | ".join(cells) + " |")
+    rows += ["", "Beyond the sites' own work, a round: " + "; ".join(
+        f"{name} {m['overhead_s']['median']:.2f} s (median; {m['overhead_s']['min']:.2f}-{m['overhead_s']['max']:.2f})"
+        for name, m in modes.items()) + ".", "",
+        "| message | " + " | ".join(f"{m}: process start-up s | handler s" for m in modes) + " |",
+        "|---|" + "---|---|" * len(modes)]
+    for kind in next(iter(modes.values()))["messages"]:
+        cells = [f"{m['messages'][kind]['startup_s']:.2f} | {m['messages'][kind]['handler_s']:.2f}"
+                 for m in modes.values()]
+        rows.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(rows + ["", "Medians over the messages of both sites; the handler includes the round's training "
                              "and basis.", "", _provenance(data.get("provenance"))])
 
