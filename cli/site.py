@@ -264,7 +264,7 @@ def start_warm(approved: Path) -> tuple[Any, Path] | None:
 
 
 def stop_warm(proc: Any, sock: Path) -> None:
-    import shutil as _shutil
+    """Stop the warm-start server and remove its private folder."""
     import subprocess
 
     if proc.poll() is None:
@@ -273,7 +273,7 @@ def stop_warm(proc: Any, sock: Path) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-    _shutil.rmtree(sock.parent, ignore_errors=True)
+    shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 # flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer

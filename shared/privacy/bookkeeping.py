@@ -48,8 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Below this a float32 clip factor is subnormal: such rows are scaled in float64 (as in clipping.py).
-_SMALLEST_FLOAT32_FACTOR = 1e-30
+# Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
+# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
+# generic path (clipping.py) and this one use it.
+SMALLEST_FLOAT32_FACTOR = 1e-30
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ class Tape:
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, finite: Tensor) -> None:
         """summed += sum_i factors_i g_i; rows not finite add nothing; tiny factors are applied in float64."""
-        tiny = factors < _SMALLEST_FLOAT32_FACTOR
+        tiny = factors < SMALLEST_FLOAT32_FACTOR
         special = tiny | ~finite
         regular = torch.where(special, torch.zeros_like(factors), factors)
         keep = None if not bool(special.any()) else ~special

@@ -38,16 +38,11 @@ def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
-# Below this a float32 factor is subnormal and loses precision: a row that needs it (a gradient of norm
-# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C.
-_SMALLEST_FLOAT32_FACTOR = 1e-30
-
-
 def _add_clipped(summed: Tensor, flat: Tensor, factors: Tensor, finite: Tensor) -> None:
     """summed += sum_i factors_i flat_i with non-finite rows left out (0 x NaN is NaN, so they are zeroed first)."""
     if not bool(finite.all()):
         flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-    tiny = factors < _SMALLEST_FLOAT32_FACTOR
+    tiny = factors < bookkeeping.SMALLEST_FLOAT32_FACTOR
     regular = torch.where(tiny, torch.zeros_like(factors), factors).to(flat.dtype)
     total = regular @ flat  # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
     if bool((tiny & finite & (factors > 0)).any()):
