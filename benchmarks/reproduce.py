@@ -87,8 +87,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
     ), results=("privacy_attacks.json",)),
-    Entry("benchmarks", "step time, downlink, edge latency, DP pixelization", (
-        ("{py}", "benchmarks/dp_step.py", "--repeats", "3"),
+    Entry("dp-step", "a private step against a non-private one, its memory, and the public basis (machine idle)", (
+        ("{py}", "benchmarks/dp_step.py", "--repeats", "9", "--out", "{out}/dp_step.json"),
+    ), results=("dp_step.json",)),
+    Entry("deploy-round", "a round on Flower's deployment engine, warm start and cold (machine idle)", (
+        ("{py}", "benchmarks/deploy_round.py", "--rounds", "4", "--out", "{out}/deploy_round.json"),
+    ), results=("deploy_round.json",)),
+    Entry("benchmarks", "downlink, edge latency, DP pixelization", (
         ("{py}", "benchmarks/federation.py", "--json", "{out}/federation.json"),
         ("{py}", "benchmarks/edge_latency.py", "--repeats", "30", "--frames", "120", "--threads", "2"),
         ("{py}", "benchmarks/pixelize.py"),

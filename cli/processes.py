@@ -9,10 +9,14 @@ parent dies, even by kill -9 (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -79,6 +83,36 @@ def guard(cmd: list[str]) -> int:
     code = child.wait()
     reap_orphans()
     return code
+
+
+def start_warm(approved: Path) -> tuple[Any, Path] | None:
+    """Start the warm-start server (``client.warm``) on a socket in a private folder; None if it cannot start."""
+    folder = Path(tempfile.mkdtemp(prefix="fedpose-warm-"))  # 0700, and short: a socket path has 107 bytes at most
+    sock = folder / "clientapp.sock"
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
+                            env=env)
+    deadline = time.monotonic() + 60
+    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not sock.exists():
+        print("fedpose site start: the warm-start server did not come up; every ClientApp starts cold", flush=True)
+        stop_warm(proc, sock)
+        return None
+    return proc, sock
+
+
+def stop_warm(proc: Any, sock: Path) -> None:
+    """Stop the warm-start server and remove its private folder."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":  # python -m cli.processes -- CMD...: what LocalSuperLink runs

@@ -11,13 +11,12 @@ before installing or importing it.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 
-from cli.processes import become_subreaper, reap_orphans  # noqa: E402
+from cli.processes import become_subreaper, reap_orphans, start_warm, stop_warm  # noqa: E402
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -237,43 +236,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     finally:
         if warm is not None:
             stop_warm(*warm)
-
-
-def start_warm(approved: Path) -> tuple[Any, Path] | None:
-    """Start the warm-start server (``client.warm``) on a socket in a private folder; None if it cannot start."""
-    import subprocess
-    import sys
-    import tempfile
-    import time
-
-    folder = Path(tempfile.mkdtemp(prefix="fedpose-warm-"))  # 0700, and short: a socket path has 107 bytes at most
-    sock = folder / "clientapp.sock"
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
-                            env=env)
-    deadline = time.monotonic() + 60
-    while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not sock.exists():
-        print("fedpose site start: the warm-start server did not come up; every ClientApp starts cold", flush=True)
-        stop_warm(proc, sock)
-        return None
-    return proc, sock
-
-
-def stop_warm(proc: Any, sock: Path) -> None:
-    """Stop the warm-start server and remove its private folder."""
-    import subprocess
-
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 # flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer

@@ -11,7 +11,6 @@ multi-task learning in DPLH): sum_i L_i / (2 s_i^2) + log s_i.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -45,8 +45,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from shared.privacy.layer_rules import RULES, Instantiated, LinearLike, bias_table
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
 # above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
@@ -112,162 +113,6 @@ def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, str,
 
 
 # ---------------------------------------------------------------------------------------------------
-# rules: per layer, the per-sample squared norms, the clipped sum and exact per-sample gradients
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Instantiated:
-    """Per-sample gradients held as such, {name: (b, *shape)}: small tensors (norms, biases, tables)."""
-
-    def __init__(self, grads: dict[str, Tensor]) -> None:
-        self.grads = grads
-
-    def sq_norms(self) -> Tensor:
-        return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).to(torch.float64).pow(2)
-                   for g in self.grads.values())
-
-    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
-        for name, g in self.grads.items():
-            flat = g.reshape(g.shape[0], -1)
-            if keep is not None:
-                flat = torch.where(keep[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-            summed[name].add_((factors.to(flat.dtype) @ flat).view_as(summed[name]))
-
-    def exact(self, rows: Tensor) -> dict[str, Tensor]:
-        return {name: g[rows].to(torch.float64) for name, g in self.grads.items()}
-
-    def per_sample(self) -> dict[str, Tensor]:
-        return self.grads
-
-
-class _LinearLike:
-    """A (b, T, d) and g (b, T, p): weight gradient g_i^T a_i (p, d), bias gradient sum_t g_it (p,)."""
-
-    def __init__(self, a: Tensor, g: Tensor, names: dict[str, str], shapes: dict[str, torch.Size]) -> None:
-        self.a, self.g, self.names, self.shapes = a, g, names, shapes
-        b, t, d = a.shape
-        p = g.shape[2]
-        # ghost: two T x T Gram matrices per sample, b T^2 (d + p); instantiated: b T d p
-        self.ghost = t * (d + p) < d * p
-        self.weight = None if self.ghost or "weight" not in names else torch.bmm(g.transpose(1, 2), a)  # (b, p, d)
-        self.bias = g.sum(1) if "bias" in names else None  # (b, p)
-
-    def sq_norms(self) -> Tensor:
-        total = torch.zeros(self.a.shape[0], dtype=torch.float64, device=self.a.device)
-        if "weight" in self.names:
-            if self.ghost:
-                gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
-                gram_g = torch.bmm(self.g, self.g.transpose(1, 2))
-                total += torch.einsum("bij,bij->b", gram_a, gram_g).to(torch.float64)
-            else:
-                total += torch.linalg.vector_norm(self.weight, dim=(1, 2)).to(torch.float64).pow(2)
-        if self.bias is not None:
-            total += torch.linalg.vector_norm(self.bias, dim=1).to(torch.float64).pow(2)
-        return total
-
-    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
-        a, g, weight, bias = self.a, self.g, self.weight, self.bias
-        if keep is not None:  # rows left out: zero them first, 0 x NaN is NaN
-            zero = torch.zeros((), dtype=a.dtype, device=a.device)
-            a, g = torch.where(keep[:, None, None], a, zero), torch.where(keep[:, None, None], g, zero)
-            weight = None if weight is None else torch.where(keep[:, None, None], weight, zero)
-            bias = None if bias is None else torch.where(keep[:, None], bias, zero)
-        f = factors.to(a.dtype)
-        if "weight" in self.names:
-            name = self.names["weight"]
-            if self.ghost:
-                p, d = g.shape[2], a.shape[2]
-                total = (g * f[:, None, None]).reshape(-1, p).t() @ a.reshape(-1, d)  # (p, d)
-            else:
-                total = (f @ weight.reshape(weight.shape[0], -1))
-            summed[name].add_(total.reshape(self.shapes[name]))
-        if bias is not None:
-            name = self.names["bias"]
-            summed[name].add_((f @ bias).reshape(self.shapes[name]))
-
-    def exact(self, rows: Tensor) -> dict[str, Tensor]:
-        a, g = self.a[rows].to(torch.float64), self.g[rows].to(torch.float64)
-        out = {}
-        if "weight" in self.names:
-            name = self.names["weight"]
-            out[name] = torch.bmm(g.transpose(1, 2), a).reshape(len(rows), *self.shapes[name])
-        if "bias" in self.names:
-            out[self.names["bias"]] = g.sum(1)
-        return out
-
-    def per_sample(self) -> dict[str, Tensor]:
-        b = self.a.shape[0]
-        out = {}
-        if "weight" in self.names:
-            name = self.names["weight"]
-            weight = self.weight if self.weight is not None else torch.bmm(self.g.transpose(1, 2), self.a)
-            out[name] = weight.reshape(b, *self.shapes[name])
-        if self.bias is not None:
-            out[self.names["bias"]] = self.bias
-        return out
-
-
-def _linear(module: nn.Linear, x: Tensor, g: Tensor, names, shapes) -> _LinearLike:
-    b = x.shape[0]
-    return _LinearLike(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]), names, shapes)
-
-
-def _unfold(module: nn.Conv2d, x: Tensor) -> Tensor:
-    """(b, C_in, H, W) -> (b, C_in kh kw, T) patches in the weight's (c, i, j) order."""
-    if module.kernel_size == (1, 1) and module.stride == (1, 1) and module.padding == (0, 0):
-        return x.reshape(x.shape[0], x.shape[1], -1)
-    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
-
-
-def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> _LinearLike:
-    b, cout = g.shape[:2]
-    return _LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
-
-
-def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> _Instantiated:
-    b, cout = g.shape[:2]
-    groups = module.groups
-    cols = _unfold(module, x)  # (b, C_in kh kw, T)
-    cols = cols.reshape(b, groups, cols.shape[1] // groups, cols.shape[2])  # (b, G, d, T)
-    out = g.reshape(b, groups, cout // groups, -1)  # (b, G, p, T)
-    grads = {}
-    if "weight" in names:
-        grads[names["weight"]] = torch.einsum("bgpt,bgdt->bgpd", out, cols).reshape(b, *shapes[names["weight"]])
-    if "bias" in names:
-        grads[names["bias"]] = g.reshape(b, cout, -1).sum(2)
-    return _Instantiated(grads)
-
-
-def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> _Instantiated:
-    b = x.shape[0]
-    if getattr(module, "channels_first", False):  # LayerNorm2d: normalises the channels of NCHW
-        x, g = x.movedim(1, -1), g.movedim(1, -1)
-    x = x.reshape(b, -1, x.shape[-1])
-    g = g.reshape(b, -1, g.shape[-1])
-    grads = {}
-    if "weight" in names:
-        normed = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
-        grads[names["weight"]] = (normed * g).sum(1)
-    if "bias" in names:
-        grads[names["bias"]] = g.sum(1)
-    return _Instantiated(grads)
-
-
-def _bias_table(module: nn.Module, g: Tensor, names, shapes) -> _Instantiated:
-    # g: (b, ..., heads, N, N) at the biased logits; the table (heads, offsets) is read through bias_index
-    b = g.shape[0]
-    heads, n = g.shape[-3], g.shape[-1]
-    per_pair = g.reshape(b, -1, heads, n * n).sum(1)  # (b, heads, N*N)
-    name = names["attention_biases"]
-    table = per_pair.new_zeros((b, *shapes[name]))
-    table.index_add_(2, module.bias_index.reshape(-1).to(g.device), per_pair)
-    return _Instantiated({name: table})
-
-
-_RULES = {"linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "layer_norm": _layer_norm}
-
-
-# ---------------------------------------------------------------------------------------------------
 # one chunk: forward with taps, one backward, the rules
 # ---------------------------------------------------------------------------------------------------
 
@@ -275,7 +120,7 @@ _RULES = {"linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "laye
 class Tape:
     """The rules of one chunk of samples, ready to give norms and to add their clipped sum."""
 
-    def __init__(self, rules: list[_Instantiated | _LinearLike], size: int) -> None:
+    def __init__(self, rules: list[Instantiated | LinearLike], size: int) -> None:
         self.rules = rules
         self.size = size
 
@@ -318,14 +163,14 @@ class Tape:
 
 
 def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor, Tensor], grad: Tensor | None,
-          shapes: dict[str, torch.Size]) -> _Instantiated | _LinearLike:
+          shapes: dict[str, torch.Size]) -> Instantiated | LinearLike:
     """The rule of one layer from its input, its output and the loss's gradient there."""
     module, kind, names = entry
     x, out = seen
     grad = torch.zeros_like(out) if grad is None else grad.detach()
     if kind == "bias_table":
-        return _bias_table(module, grad, dict(names), shapes)
-    return _RULES[kind](module, x.detach(), grad, dict(names), shapes)
+        return bias_table(module, grad, dict(names), shapes)
+    return RULES[kind](module, x.detach(), grad, dict(names), shapes)
 
 
 def _are_the_models_own(model: nn.Module, params: Mapping[str, Tensor], combine_names: list[str]) -> bool:
@@ -390,13 +235,13 @@ def iter_tapes(
         keys = [k for k in plan if k in seen]
         outputs = [seen[k][1] for k in keys]
         grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
-        rules: list[_Instantiated | _LinearLike] = []
+        rules: list[Instantiated | LinearLike] = []
         for key, grad in zip(keys, grads):
             rules.append(_rule(plan[key], seen[key], grad, shapes))
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample
             b = parts.shape[0]
-            rules.append(_Instantiated({name: leaves[name].new_zeros((b, *shapes[name]))
+            rules.append(Instantiated({name: leaves[name].new_zeros((b, *shapes[name]))
                                         for k in missing for name in plan[k][2].values()}))
         if combine_names:
             parts_d = parts.detach()
@@ -405,8 +250,9 @@ def iter_tapes(
                 return loss_fn.combine(row.unsqueeze(0), {**leaves, **extra}).sum()
 
             per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
-            rules.append(_Instantiated(dict(per_sample)))
+            rules.append(Instantiated(dict(per_sample)))
         tape = Tape(rules, parts.shape[0])
-        del seen, outputs, grads, rules, parts, losses
+        seen.clear()  # the chunk's activations go with the tape, not with this frame
+        del outputs, grads, rules, parts, losses
         yield tape
         del tape  # only one chunk's activations are alive at a time

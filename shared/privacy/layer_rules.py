@@ -1,0 +1,166 @@
+"""The per-layer rules of book-keeping clipping (``shared.privacy.bookkeeping``).
+
+Each rule holds one layer's per-sample gradients implicitly, from the layer's input ``a`` and the gradient of
+the summed loss at its output ``g``, and gives the per-sample squared norms, the clipped sum added into the
+running sums, exact float64 per-sample gradients of chosen rows (for the rows that overflow float32 or need a
+tiny clip factor) and every sample's gradient (for the public basis).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------------------
+
+
+class Instantiated:
+    """Per-sample gradients held as such, {name: (b, *shape)}: small tensors (norms, biases, tables)."""
+
+    def __init__(self, grads: dict[str, Tensor]) -> None:
+        self.grads = grads
+
+    def sq_norms(self) -> Tensor:
+        return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).to(torch.float64).pow(2)
+                   for g in self.grads.values())
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
+        for name, g in self.grads.items():
+            flat = g.reshape(g.shape[0], -1)
+            if keep is not None:
+                flat = torch.where(keep[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+            summed[name].add_((factors.to(flat.dtype) @ flat).view_as(summed[name]))
+
+    def exact(self, rows: Tensor) -> dict[str, Tensor]:
+        return {name: g[rows].to(torch.float64) for name, g in self.grads.items()}
+
+    def per_sample(self) -> dict[str, Tensor]:
+        return self.grads
+
+
+class LinearLike:
+    """A (b, T, d) and g (b, T, p): weight gradient g_i^T a_i (p, d), bias gradient sum_t g_it (p,)."""
+
+    def __init__(self, a: Tensor, g: Tensor, names: dict[str, str], shapes: dict[str, torch.Size]) -> None:
+        self.a, self.g, self.names, self.shapes = a, g, names, shapes
+        b, t, d = a.shape
+        p = g.shape[2]
+        # ghost: two T x T Gram matrices per sample, b T^2 (d + p); instantiated: b T d p
+        self.ghost = t * (d + p) < d * p
+        self.weight = None if self.ghost or "weight" not in names else torch.bmm(g.transpose(1, 2), a)  # (b, p, d)
+        self.bias = g.sum(1) if "bias" in names else None  # (b, p)
+
+    def sq_norms(self) -> Tensor:
+        total = torch.zeros(self.a.shape[0], dtype=torch.float64, device=self.a.device)
+        if "weight" in self.names:
+            if self.ghost:
+                gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
+                gram_g = torch.bmm(self.g, self.g.transpose(1, 2))
+                total += torch.einsum("bij,bij->b", gram_a, gram_g).to(torch.float64)
+            else:
+                total += torch.linalg.vector_norm(self.weight, dim=(1, 2)).to(torch.float64).pow(2)
+        if self.bias is not None:
+            total += torch.linalg.vector_norm(self.bias, dim=1).to(torch.float64).pow(2)
+        return total
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
+        a, g, weight, bias = self.a, self.g, self.weight, self.bias
+        if keep is not None:  # rows left out: zero them first, 0 x NaN is NaN
+            zero = torch.zeros((), dtype=a.dtype, device=a.device)
+            a, g = torch.where(keep[:, None, None], a, zero), torch.where(keep[:, None, None], g, zero)
+            weight = None if weight is None else torch.where(keep[:, None, None], weight, zero)
+            bias = None if bias is None else torch.where(keep[:, None], bias, zero)
+        f = factors.to(a.dtype)
+        if "weight" in self.names:
+            name = self.names["weight"]
+            if self.ghost:
+                p, d = g.shape[2], a.shape[2]
+                total = (g * f[:, None, None]).reshape(-1, p).t() @ a.reshape(-1, d)  # (p, d)
+            else:
+                total = (f @ weight.reshape(weight.shape[0], -1))
+            summed[name].add_(total.reshape(self.shapes[name]))
+        if bias is not None:
+            name = self.names["bias"]
+            summed[name].add_((f @ bias).reshape(self.shapes[name]))
+
+    def exact(self, rows: Tensor) -> dict[str, Tensor]:
+        a, g = self.a[rows].to(torch.float64), self.g[rows].to(torch.float64)
+        out = {}
+        if "weight" in self.names:
+            name = self.names["weight"]
+            out[name] = torch.bmm(g.transpose(1, 2), a).reshape(len(rows), *self.shapes[name])
+        if "bias" in self.names:
+            out[self.names["bias"]] = g.sum(1)
+        return out
+
+    def per_sample(self) -> dict[str, Tensor]:
+        b = self.a.shape[0]
+        out = {}
+        if "weight" in self.names:
+            name = self.names["weight"]
+            weight = self.weight if self.weight is not None else torch.bmm(self.g.transpose(1, 2), self.a)
+            out[name] = weight.reshape(b, *self.shapes[name])
+        if self.bias is not None:
+            out[self.names["bias"]] = self.bias
+        return out
+
+
+def _linear(module: nn.Linear, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
+    b = x.shape[0]
+    return LinearLike(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]), names, shapes)
+
+
+def _unfold(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """(b, C_in, H, W) -> (b, C_in kh kw, T) patches in the weight's (c, i, j) order."""
+    if module.kernel_size == (1, 1) and module.stride == (1, 1) and module.padding == (0, 0):
+        return x.reshape(x.shape[0], x.shape[1], -1)
+    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+
+
+def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
+    b, cout = g.shape[:2]
+    return LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
+
+
+def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> Instantiated:
+    b, cout = g.shape[:2]
+    groups = module.groups
+    cols = _unfold(module, x)  # (b, C_in kh kw, T)
+    cols = cols.reshape(b, groups, cols.shape[1] // groups, cols.shape[2])  # (b, G, d, T)
+    out = g.reshape(b, groups, cout // groups, -1)  # (b, G, p, T)
+    grads = {}
+    if "weight" in names:
+        grads[names["weight"]] = torch.einsum("bgpt,bgdt->bgpd", out, cols).reshape(b, *shapes[names["weight"]])
+    if "bias" in names:
+        grads[names["bias"]] = g.reshape(b, cout, -1).sum(2)
+    return Instantiated(grads)
+
+
+def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> Instantiated:
+    b = x.shape[0]
+    if getattr(module, "channels_first", False):  # LayerNorm2d: normalises the channels of NCHW
+        x, g = x.movedim(1, -1), g.movedim(1, -1)
+    x = x.reshape(b, -1, x.shape[-1])
+    g = g.reshape(b, -1, g.shape[-1])
+    grads = {}
+    if "weight" in names:
+        normed = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+        grads[names["weight"]] = (normed * g).sum(1)
+    if "bias" in names:
+        grads[names["bias"]] = g.sum(1)
+    return Instantiated(grads)
+
+
+def bias_table(module: nn.Module, g: Tensor, names, shapes) -> Instantiated:
+    # g: (b, ..., heads, N, N) at the biased logits; the table (heads, offsets) is read through bias_index
+    b = g.shape[0]
+    heads, n = g.shape[-3], g.shape[-1]
+    per_pair = g.reshape(b, -1, heads, n * n).sum(1)  # (b, heads, N*N)
+    name = names["attention_biases"]
+    table = per_pair.new_zeros((b, *shapes[name]))
+    table.index_add_(2, module.bias_index.reshape(-1).to(g.device), per_pair)
+    return Instantiated({name: table})
+
+
+RULES = {"linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "layer_norm": _layer_norm}
