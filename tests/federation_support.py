@@ -305,6 +305,8 @@ class InProcessGrid:
         self.run_config = run_config
         self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={"partition-id": i}, state=RecordDict(),
                                         run_config={}) for i in range(sites)}
+        self.pending: dict[str, Any] = {}  # replies waiting for pull_messages, by the id of their message
+        self.sent = 0
 
     def get_node_ids(self) -> list[int]:
         return sorted(self.contexts)
@@ -323,10 +325,10 @@ class InProcessGrid:
 
     def push_messages(self, messages):
         """Each site answers at once; the replies wait for ``pull_messages`` (as a SuperLink's would)."""
-        self.pending = getattr(self, "pending", {})
         ids = []
-        for i, message in enumerate(messages):
-            key = f"m{len(self.pending)}-{i}"
+        for message in messages:
+            self.sent += 1
+            key = f"m{self.sent}"
             (reply,) = self.send_and_receive([message])
             reply.metadata.__dict__["_reply_to_message_id"] = key
             self.pending[key] = reply

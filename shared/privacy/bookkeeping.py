@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.privacy.layer_rules import RULES, Instantiated, LinearLike, bias_table
+from shared.privacy.persample import batch_size_of, check_chunk_size
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
 # above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
@@ -200,12 +201,13 @@ def iter_tapes(
 
     Only ``chunk_size`` samples' activations are alive at a time, whatever the batch.
     """
+    check_chunk_size(chunk_size)
+    size = batch_size_of(batch)
     combine_names = [n for n in params if n in loss_fn.combine_names]
     plan = _cached_plan(loss_fn, tuple(params))
     if plan is None:
         raise ValueError("book-keeping clipping does not cover every trainable tensor; check supports() first")
     shapes = {name: value.shape for name, value in params.items()}
-    size = next(iter(batch.values())).shape[0]
     leaves = {name: value.detach().requires_grad_(name not in combine_names) for name, value in params.items()}
     direct = _are_the_models_own(loss_fn.model, params, combine_names)
     for start in range(0, size, chunk_size):

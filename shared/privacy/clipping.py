@@ -18,14 +18,7 @@ import torch
 from torch import Tensor
 
 from shared.privacy import bookkeeping
-from shared.privacy.persample import (
-    LossFn,
-    check_chunk_size,
-    batch_size_of,
-    check_params,
-    iter_per_sample_grads,
-    robust_norms,
-)
+from shared.privacy.persample import LossFn, batch_size_of, check_params, iter_per_sample_grads, robust_norms
 
 # Added to the norm before dividing, as in Opacus, so that a zero gradient
 # gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
@@ -105,9 +98,6 @@ def clipped_grad_sum(
     norms_parts: list[Tensor] = []
     zeroed = 0
     if bookkeeping.supports(loss_fn, params):  # same sum from one forward and one backward per chunk
-        check_chunk_size(chunk_size)
-        if batch_size_of(batch) == 0:
-            return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
         for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size):
             norms = tape.norms()  # (b,) float64
             finite = torch.isfinite(norms)
@@ -115,19 +105,17 @@ def clipped_grad_sum(
             zeroed += int((~finite).sum())
             norms_parts.append(norms)
             del tape  # let the next chunk reuse this one's memory
-        return ClippedSum(summed, torch.cat(norms_parts), zeroed)
-    for grads in iter_per_sample_grads(
-        loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness
-    ):
-        flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
-        norms = robust_norms(list(flats.values()))  # (b,) float64
-        finite = torch.isfinite(norms)
-        factors = clip_factors(norms, clip)  # (b,) float64, 0 where not finite
-        for name, flat in flats.items():
-            _add_clipped(summed[name], flat, factors, finite)
-        zeroed += int((~finite).sum())
-        norms_parts.append(norms)
-        del grads, flats
+    else:
+        for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
+            flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
+            norms = robust_norms(list(flats.values()))  # (b,) float64
+            finite = torch.isfinite(norms)
+            factors = clip_factors(norms, clip)  # (b,) float64, 0 where not finite
+            for name, flat in flats.items():
+                _add_clipped(summed[name], flat, factors, finite)
+            zeroed += int((~finite).sum())
+            norms_parts.append(norms)
+            del grads, flats
     if not norms_parts:  # empty batch: zero sum, no norms
         return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
     return ClippedSum(summed, torch.cat(norms_parts), zeroed)

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# ---------------------------------------------------------------------------------------------------
-
 
 class Instantiated:
     """Per-sample gradients held as such, {name: (b, *shape)}: small tensors (norms, biases, tables)."""
