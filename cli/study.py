@@ -57,6 +57,54 @@ def write_cell(out: Path, cell: Any) -> Path:
     return path
 
 
+# Relative seconds per image (nonprivate = 1), from benchmarks/dp_step.py's step ratios with book-keeping clipping
+# (the public batch and the basis make fdp and fpdp about twice a non-private step): only for the progress bar.
+METHOD_COST = {"nonprivate": 1.0, "psi-only": 1.0, "dpsgd": 1.2, "proj": 1.4, "fdp": 1.9, "fpdp": 2.1}
+FEDERATION_OVERHEAD = 20000.0  # Flower / Ray start-up and per-round evaluation, in nonprivate images
+
+
+def cost(cell: Any) -> float:
+    """Expected cost of a cell in nonprivate-image units (an estimate for the progress bar, never a result)."""
+    cfg = cell.config
+    if cell.kind == "pretrained":
+        return 500.0
+    factor = METHOD_COST.get(cell.method, 1.0)
+    if cell.kind == "federated":
+        images = cfg.federation.rounds * cfg.federation.local_steps * cfg.train.batch_size * len(cfg.data.train_splits)
+        return images * factor + FEDERATION_OVERHEAD
+    n = len(cfg.data.train_splits) * cfg.data.synth.per_site  # the synthetic ward's size; real data: a guess
+    return cfg.train.epochs * n * factor
+
+
+def record_cell(out: Path, record: Path, cell: Any) -> None:
+    """Keep a finished cell's description and metrics in ``record/<id>.json`` (small: meant to be committed)."""
+    from shared.experiments.study import cell_dir
+
+    metrics = json.loads((cell_dir(out, cell) / "metrics.json").read_text())
+    record.mkdir(parents=True, exist_ok=True)
+    (record / f"{cell.id}.json").write_text(json.dumps({"cell": cell.describe(), "metrics": metrics}, indent=1) + "\n")
+
+
+def restore_cells(out: Path, record: Path, cells: list[Any]) -> int:
+    """Cells recorded in ``record`` but not finished in ``out`` become finished there (another clone ran them)."""
+    from shared.experiments.study import cell_dir, is_done
+
+    restored = 0
+    for cell in cells:
+        kept = record / f"{cell.id}.json"
+        if is_done(out, cell) or not kept.is_file():
+            continue
+        data = json.loads(kept.read_text())
+        if data.get("cell") != cell.describe():
+            raise ValueError(f"{kept} records another cell than {cell.id} ({data.get('cell')}): remove it")
+        path = cell_dir(out, cell)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "cell.json").write_text(json.dumps(cell.describe(), indent=1))
+        (path / "metrics.json").write_text(json.dumps(data["metrics"], indent=1))
+        restored += 1
+    return restored
+
+
 def run_cell(path: Path) -> None:
     """Run the cell in ``path`` (in this process) and write its metrics.json last (the done marker)."""
     from shared.config import load_config
@@ -121,7 +169,7 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
 def cmd_study(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from shared.experiments.study import collect, cost, expand, is_done, load_study
+    from shared.experiments.study import collect, expand, is_done, load_study
     from shared.experiments.study_report import write_report
 
     if args.jobs < 1 or (args.threads is not None and args.threads < 1):
@@ -130,6 +178,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     out = Path(args.out)
     cells = expand(study)
     unique = list({c.id: c for c in cells}.values())
+    record = Path(args.record) if args.record else None
+    if record is not None and (restored := restore_cells(out, record, unique)):
+        print(f"{restored} cells finished elsewhere restored from {record}", flush=True)
     todo = [c for c in unique if not is_done(out, c)]
     print(f"study {args.config}{' (quick)' if args.quick else ''}: {len(unique)} cells, "
           f"{len(unique) - len(todo)} done, {len(todo)} to run", flush=True)
@@ -151,7 +202,7 @@ def cmd_study(args: argparse.Namespace) -> int:
               (f", on {gpus} GPUs round-robin" if gpus else ", on the CPU"), flush=True)
         prepare(todo, progress=not args.quiet)
         paths = {c.id: write_cell(out, c) for c in todo}
-        # The bar counts expected work (``shared.experiments.study.cost``), so its time left weighs a federated fpdp cell
+        # The bar counts expected work (``cost``), so its time left weighs a federated fpdp cell
         # above a nonprivate one; the cell count is in its postfix.
         total = sum(cost(c) for c in todo)
         bar = tqdm(total=round(total), desc="study", disable=args.quiet, dynamic_ncols=True,
@@ -167,6 +218,8 @@ def cmd_study(args: argparse.Namespace) -> int:
                        f"seed={cell.seed}{' ' + cell.variant if cell.variant else ''}"
                 where = "CPU" if gpu is None else f"GPU {gpu}"
                 if code == 0 and is_done(out, cell):
+                    if record is not None:
+                        record_cell(out, record, cell)
                     tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s on the {where})")
                 else:
                     failed.append(cell.id)
@@ -175,6 +228,10 @@ def cmd_study(args: argparse.Namespace) -> int:
                 bar.set_postfix_str(f"{finished}/{len(unique)} cells", refresh=False)
                 bar.update(min(round(cost(cell)), bar.total - bar.n))
         bar.close()
+    if record is not None:  # cells finished before --record was given are kept too
+        for cell in unique:
+            if is_done(out, cell) and not (record / f"{cell.id}.json").is_file():
+                record_cell(out, record, cell)
     rows = collect(out, cells)
     written = write_report(out, rows, cells, study)
     print(f"wrote {', '.join(str(p.relative_to(out)) for p in written)} in {out} ({len(rows)} rows)")
@@ -195,6 +252,9 @@ def register(sub: Any) -> None:
                    help="cells run in parallel (default 1); with CUDA GPUs, each on one GPU, round-robin")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the CSV, tables and figures of the cells finished so far")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="keep each finished cell's metrics in DIR/<cell id>.json and count the cells kept there as "
+                        "done (commit DIR: another clone then resumes instead of starting over)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per cell (default: cores / jobs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="debug logging")

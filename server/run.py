@@ -115,6 +115,9 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     paths.out.mkdir(parents=True, exist_ok=True)
     if cfg.train.method == "nonprivate":
         raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
+    if cfg.privacy.noise_factor != 1.0:  # each site plans its own sigma from its policy
+        raise ConfigError("privacy.noise_factor: for centralized reference runs only; a federation's sites plan "
+                          "their noise from their own budgets")
     if cfg.privacy.psi == "dp-pixelize":  # a site's psi is pinned by its policy, which has no eps_pix / m fields
         raise ConfigError("privacy.psi: dp-pixelize is for centralized runs only: in a federation each site would "
                           "have to keep its one release per record across rounds and pin eps_pix and m in its "

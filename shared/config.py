@@ -156,6 +156,10 @@ class PrivacyConfig:
     # must hold no more per patient (checked where patient ids exist) and the claim states the group-privacy
     # bound at this many records. null: all records (patient) / no cap stated (record).
     max_records_per_patient: int | None = None
+    # Centralized research runs only: the planned noise multiplier times this (>= 1). The epsilon reported is the
+    # accountant's for the sigma that ran, so it is below privacy.epsilon. The study's federated reference uses it:
+    # a pooled run with the noise a federation's average carries (about sqrt(sites) times a pooled run's).
+    noise_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.epsilon <= 0:
@@ -182,6 +186,9 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.psi_eps: must be a finite number > 0, got {self.psi_eps}")
         if self.psi_m < 1:
             raise ConfigError(f"privacy.psi_m: must be >= 1 (pixels that may differ), got {self.psi_m}")
+        if not (math.isfinite(self.noise_factor) and self.noise_factor >= 1):
+            raise ConfigError(f"privacy.noise_factor: must be a finite number >= 1 (it only adds noise), got "
+                              f"{self.noise_factor}")
         if self.max_records_per_patient is not None and self.max_records_per_patient < 1:
             raise ConfigError(f"privacy.max_records_per_patient: must be >= 1 or null, got "
                               f"{self.max_records_per_patient}")

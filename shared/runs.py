@@ -222,13 +222,14 @@ def initial_model(cfg: Config, *, progress: bool = True) -> PoseNet:
 def plan_sigma(cfg: Config, *, n: int, steps: int) -> float:
     """Noise multiplier meeting the target over the whole plan (calibrated once, never overshooting).
 
-    ``n``: privacy units (records, or patients at patient level).
+    ``n``: privacy units (records, or patients at patient level). ``privacy.noise_factor`` multiplies it (a
+    research reference with more noise; the epsilon reported is then computed from the larger sigma).
     """
     if cfg.train.method == "nonprivate":
         return 0.0
     check_delta(cfg.privacy.delta, n)
     q = min(1.0, cfg.train.batch_size / n)
-    return calibrate_sigma(
+    return cfg.privacy.noise_factor * calibrate_sigma(
         target_epsilon=cfg.privacy.epsilon,
         delta=cfg.privacy.delta,
         sample_rate=q,

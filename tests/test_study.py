@@ -198,7 +198,8 @@ def test_parallel_cells_go_to_the_gpus_round_robin():
 
 
 def test_progress_weights_cells_by_their_expected_cost(tmp_path):
-    from shared.experiments.study import cost, expand, load_study
+    from cli.study import cost
+    from shared.experiments.study import expand, load_study
 
     cells = {(c.setting, c.method, c.epsilon): c for c in expand(load_study(write_study(tmp_path, study_text())))}
     central = [cost(cells[("centralized", m, 0.8)]) for m in ("dpsgd", "fpdp")]
@@ -216,3 +217,95 @@ def test_report_only_runs_nothing_and_reports_what_is_finished(tmp_path, capsys)
     assert "0 done, 21 to run" in printed and "21 unfinished cells left out" in printed
     assert not (tmp_path / "out" / "cells").exists()
     assert (tmp_path / "out" / "results.csv").read_text().startswith("cell_id,setting,method,")
+
+
+def test_grids_put_their_keys_over_the_axes_and_shared_cells_run_once(tmp_path):
+    from shared.experiments.study import expand, load_study
+
+    text = study_text(methods="[dpsgd, fpdp]", epsilons="[0.8]", seeds="[1, 2]", baselines="[]") + (
+        "grids:\n  - {methods: [nonprivate, dpsgd, fpdp]}\n  - {epsilons: [0.2, 0.8]}\n"
+        "  - {methods: [proj], epsilons: [0.2], seeds: [1], settings: [centralized]}\n")
+    cells = expand(load_study(write_study(tmp_path, text)))
+    points = [(c.setting, c.method, c.epsilon, c.seed) for c in cells]
+    assert len(points) == len(set(points)) == len({c.id for c in cells})  # eps 0.8 is in two grids: run once
+    assert sum(m == "nonprivate" for _, m, _, _ in points) == 2
+    assert sorted(p for p in points if p[1] == "proj") == [("centralized", "proj", 0.2, 1)]
+    assert {(e, s) for st, m, e, s in points if m == "fpdp" and st == "federated"} == {
+        (e, s) for e in (0.2, 0.8) for s in (1, 2)}
+    # the first grid's cells come first (eps 0.8 before the sweep)
+    assert [c.epsilon for c in cells if c.method == "dpsgd"][:4] == [0.8] * 4
+    for bad, message in (("grids: [{base: other.yaml}]", "grids\\[0\\]: a grid varies the study's base"),
+                         ("grids: [{seeds: [1, 1]}]", "study grids\\[0\\]: study.seeds: 1 is listed twice"),
+                         ("grids: {methods: [fpdp]}", "study grids: expected a list")):
+        with pytest.raises(ConfigError, match=message):
+            load_study(write_study(tmp_path, study_text() + bad + "\n"))
+
+
+def test_reference_setting_pools_the_sites_batch_and_noise_of_the_federation(tmp_path):
+    import dataclasses
+    import math
+
+    from shared.experiments.study import expand, load_study
+    from shared.runs import plan_sigma
+
+    text = study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
+                      settings="[centralized, reference]") + "overrides: {federation.rounds: 19}\n"
+    cells = {c.setting: c for c in expand(load_study(write_study(tmp_path, text)))}
+    pooled, reference = cells["centralized"].config, cells["reference"].config
+    sites = len(pooled.data.train_splits)
+    assert reference.train.batch_size == sites * pooled.train.batch_size
+    assert reference.privacy.noise_factor == pytest.approx(math.sqrt(sites)) and pooled.privacy.noise_factor == 1.0
+    n = sites * pooled.data.synth.per_site
+    steps = reference.train.epochs * math.ceil(n / reference.train.batch_size)
+    site_steps = pooled.federation.rounds * pooled.federation.local_steps
+    assert abs(steps - site_steps) <= math.ceil(n / reference.train.batch_size) / 2  # one site's steps, to an epoch
+    # sigma is the accountant's for the site's sampling rate and steps, times sqrt(S)
+    site = plan_sigma(dataclasses.replace(reference, privacy=pooled.privacy), n=n, steps=steps)
+    assert plan_sigma(reference, n=n, steps=steps) == pytest.approx(math.sqrt(sites) * site)
+    with pytest.raises(ConfigError, match="reference setting needs the sites' sizes"):
+        load_study(write_study(tmp_path, text.replace("overrides: {", "overrides: {data.source: files, ")))
+
+
+def test_noise_factor_only_adds_noise_and_a_federation_refuses_it():
+    from shared.config import load_config, replace
+
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="privacy.noise_factor: (must be a finite number >= 1|expected a finite)"):
+            replace(cfg, **{"privacy.noise_factor": bad})  # (the type check names non-finite values itself)
+    from server.run import run_federation
+
+    with pytest.raises(ConfigError, match="privacy.noise_factor: for centralized reference runs only"):
+        run_federation(None, replace(cfg, **{"privacy.noise_factor": 2.0}), REPO / "runs" / "never-written")
+
+
+def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, capsys):
+    from cli.main import main
+    from shared.experiments.study import GROUPS, cell_dir, expand, load_study
+
+    config = write_study(tmp_path, study_text(methods="[dpsgd]", epsilons="[0.8]", seeds="[1]", baselines="[]",
+                                              settings="[centralized]"))
+    cell = expand(load_study(config))[0]
+    first = tmp_path / "first"
+    cell_dir(first, cell).mkdir(parents=True)
+    pckh = {**{g: 40.0 for g in GROUPS}, "mean": 41.5}
+    (cell_dir(first, cell) / "metrics.json").write_text(json.dumps(
+        {"pckh": pckh, "pckh@0.1": {"mean": 12.0}, "epsilon": 0.79, "seconds": 3.0}))
+    record = tmp_path / "record"
+    assert main(["study", "--config", str(config), "--out", str(first), "--record", str(record), "--report-only",
+                 "--quiet"]) == 0
+    kept = json.loads((record / f"{cell.id}.json").read_text())
+    assert kept["cell"]["method"] == "dpsgd" and kept["metrics"]["pckh"]["mean"] == 41.5
+    second = tmp_path / "second"  # a clean clone: nothing ran there, the record has the cell
+    assert main(["study", "--config", str(config), "--out", str(second), "--record", str(record), "--report-only",
+                 "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 cells finished elsewhere restored" in printed and "1 done, 0 to run" in printed
+    rows = list(csv.DictReader(open(second / "results.csv")))
+    assert [(r["method"], r["mean"], r["eps_spent"]) for r in rows] == [("dpsgd", "41.5000", "0.7900")]
+    kept["cell"]["seed"] = 7  # a record that does not describe the cell it is named for is refused
+    (record / f"{cell.id}.json").write_text(json.dumps(kept))
+    assert main(["study", "--config", str(config), "--out", str(tmp_path / "third"), "--record", str(record),
+                 "--report-only", "--quiet"]) != 0
+    assert "records another cell than" in capsys.readouterr().err
+    assert not (tmp_path / "third" / "cells").exists()

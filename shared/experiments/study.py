@@ -10,6 +10,14 @@ same point always gets the same id, and a cell is done iff
 again. Running cells is the CLI's job (``cli/study.py``: one subprocess per
 cell); tables and figures are ``shared/experiments/study_report.py``.
 
+A file may list ``grids``: each one puts its keys over the top-level axes
+(e.g. every method at one epsilon with three seeds, then an epsilon sweep of
+two methods), and a cell several grids name runs once. The ``reference``
+setting is the federation's reachable centralized reference: the pooled data
+with the sites' summed batch (S x B) and sqrt(S) times the noise multiplier
+(``privacy.noise_factor``), as many steps as one site takes in the federation,
+so its averaged gradient carries the noise of the federation's average.
+
 Another axis (e.g. the privacy unit, ``privacy.unit``) is a field of
 ``StudyAxes`` and of ``Cell``, one more loop in ``expand`` putting its value
 in with ``_cell``, and a column in ``COLUMNS``; cell ids need nothing (they
@@ -42,7 +50,7 @@ from shared.config import (
 )
 from shared.config_flat import identity_flat
 
-Setting = Literal["centralized", "federated"]
+Setting = Literal["centralized", "federated", "reference"]
 Baseline = Literal["psi-only", "pretrained"]
 SETTINGS: tuple[str, ...] = get_args(Setting)
 BASELINES: tuple[str, ...] = get_args(Baseline)
@@ -89,6 +97,7 @@ class Study:
     axes: StudyAxes
     base: Config  # the base run config with the study's overrides
     base_path: Path
+    grids: tuple[StudyAxes, ...] = ()  # the file's grids, each over the top-level axes; () = the axes alone
     # name -> variants, each a tuple of (dotted key, value) put over the base config
     ablations: tuple[tuple[str, tuple[tuple[tuple[str, Any], ...], ...]], ...] = ()
 
@@ -148,9 +157,22 @@ def load_study(path: str | Path, *, quick: bool = False) -> Study:
         raw.update(quick_section)
     overrides = _mapping(raw.pop("overrides", None) or {}, "study overrides")
     ablations_raw = _mapping(raw.pop("ablations", None) or {}, "study ablations")
+    grids_raw = raw.pop("grids", None) or []
     if "base" not in raw:
         raise ConfigError("study.base: name the run config the grid varies (e.g. base: default.yaml)")
     axes = section_from_dict(StudyAxes, raw, "study")
+    if not isinstance(grids_raw, list):
+        raise ConfigError(f"study grids: expected a list of mappings, got {type(grids_raw).__name__}")
+    grids = []
+    for i, grid in enumerate(grids_raw):
+        grid = _mapping(grid, f"study grids[{i}]")
+        if "base" in grid:
+            raise ConfigError(f"study grids[{i}]: a grid varies the study's base config; it cannot name another")
+        try:
+            grids.append(section_from_dict(StudyAxes, {**raw, **grid}, f"study grids[{i}]"))
+        except ConfigError as err:  # the axes' own checks name "study.<field>": say which grid
+            raise ConfigError(str(err) if str(err).startswith("study grids") else f"study grids[{i}]: {err}") \
+                from err
     base_path = Path(axes.base).expanduser()
     if not base_path.is_absolute():
         base_path = path.parent / base_path
@@ -171,7 +193,9 @@ def load_study(path: str | Path, *, quick: bool = False) -> Study:
                 raise ConfigError(f"study ablations.{name}[{i}]: {err}") from err
             resolved.append(tuple(flat.items()))
         ablations.append((str(name), tuple(resolved)))
-    return Study(axes=axes, base=base, base_path=base_path, ablations=tuple(ablations))
+    if "reference" in {s for g in (axes, *grids) for s in g.settings}:
+        reference_values(base)  # the reference needs the sites' sizes: a clear error now, not in a cell
+    return Study(axes=axes, base=base, base_path=base_path, ablations=tuple(ablations), grids=tuple(grids))
 
 
 def _mapping(value: Any, what: str) -> dict[str, Any]:
@@ -218,10 +242,27 @@ def _cell(base: Config, *, method: str, setting: str, strategy: str | None, epsi
         values["privacy.clip_norm"] = clip
     if seed is not None:
         values["train.seed"] = seed
+    if setting == "reference":
+        values.update(reference_values(base))
     cfg = with_variant(base, values)
     kind = "pretrained" if method == "pretrained" else ("federated" if setting == "federated" else "train")
     return Cell(id=cell_id(cfg, kind=kind), method=method, setting=setting, strategy=strategy, epsilon=epsilon,
                 clip=clip, seed=seed, config=cfg, ablation=ablation, variant=variant)
+
+
+def reference_values(base: Config) -> dict[str, Any]:
+    """The reference setting's overrides: batch S x B, noise x sqrt(S), a site's step count in the federation.
+
+    Needs equal-sized sites of known size (the synthetic ward); the step count
+    is matched to the nearest whole epoch.
+    """
+    if base.data.source != "synthetic":
+        raise ConfigError("study settings: the reference setting needs the sites' sizes (data.source: synthetic)")
+    sites = len(base.data.train_splits)
+    batch = base.train.batch_size * sites
+    per_epoch = math.ceil(sites * base.data.synth.per_site / batch)
+    epochs = max(1, round(base.federation.rounds * base.federation.local_steps / per_epoch))
+    return {"train.batch_size": batch, "train.epochs": epochs, "privacy.noise_factor": math.sqrt(sites)}
 
 
 def expand(study: Study) -> list[Cell]:
@@ -233,7 +274,6 @@ def expand(study: Study) -> list[Cell]:
     id with a grid cell (the base variant): they are listed again under their
     ablation and run once.
     """
-    ax = study.axes
     cells: list[Cell] = []
     seen: set[str] = set()
 
@@ -242,6 +282,25 @@ def expand(study: Study) -> list[Cell]:
             seen.add(cell.id)
             cells.append(cell)
 
+    for ax in study.grids or (study.axes,):
+        _expand_grid(study, ax, add)
+    ax = study.axes
+    for name, variants in study.ablations:
+        for variant in variants:
+            base = with_variant(study.base, dict(variant))
+            label = ", ".join(f"{k}={v}" for k, v in variant)
+            for method in ax.ablation_methods:
+                private_method = method != "nonprivate"
+                for seed in ax.ablation_seeds:
+                    add(_cell(base, method=method, setting="centralized", strategy=base.train.strategy,
+                              epsilon=base.privacy.epsilon if private_method else None,
+                              clip=base.privacy.clip_norm if private_method else None, seed=seed,
+                              ablation=name, variant=label))
+    return [_isolate_caches(c, study.base) for c in cells]
+
+
+def _expand_grid(study: Study, ax: StudyAxes, add: Any) -> None:
+    """One grid's cells (baselines, then the private methods per setting) passed to ``add``."""
     if "pretrained" in ax.baselines:
         add(_cell(study.base, method="pretrained", setting="centralized", strategy=None, epsilon=None, clip=None,
                   seed=None))
@@ -262,18 +321,6 @@ def expand(study: Study) -> list[Cell]:
                         for seed in ax.seeds:
                             add(_cell(study.base, method=method, setting=setting, strategy=strategy,
                                       epsilon=epsilon, clip=clip, seed=seed))
-    for name, variants in study.ablations:
-        for variant in variants:
-            base = with_variant(study.base, dict(variant))
-            label = ", ".join(f"{k}={v}" for k, v in variant)
-            for method in ax.ablation_methods:
-                private_method = method != "nonprivate"
-                for seed in ax.ablation_seeds:
-                    add(_cell(base, method=method, setting="centralized", strategy=base.train.strategy,
-                              epsilon=base.privacy.epsilon if private_method else None,
-                              clip=base.privacy.clip_norm if private_method else None, seed=seed,
-                              ablation=name, variant=label))
-    return [_isolate_caches(c, study.base) for c in cells]
 
 
 def _isolate_caches(cell: Cell, base: Config) -> Cell:
@@ -347,22 +394,3 @@ def collect(out: str | Path, cells: list[Cell]) -> list[dict[str, Any]]:
         if path.is_file():
             rows.append(cell_row(cell, json.loads(path.read_text())))
     return rows
-
-
-# Relative seconds per step (nonprivate = 1), from the README's timings of the five methods
-# (86 : 195 : 310 : 230 : 368 s for the same steps): only for the progress bar's time left.
-METHOD_COST = {"nonprivate": 1.0, "psi-only": 1.0, "dpsgd": 2.3, "proj": 3.6, "fdp": 2.7, "fpdp": 4.3}
-FEDERATION_OVERHEAD = 200.0  # Flower / Ray start-up and per-round evaluation, in nonprivate steps
-
-
-def cost(cell: Cell) -> float:
-    """Expected cost of a cell in nonprivate-step units (an estimate for the progress bar, never a result)."""
-    cfg = cell.config
-    if cell.kind == "pretrained":
-        return 5.0
-    factor = METHOD_COST.get(cell.method, 1.0)
-    if cell.kind == "federated":
-        steps = cfg.federation.rounds * cfg.federation.local_steps * len(cfg.data.train_splits)
-        return steps * factor + FEDERATION_OVERHEAD
-    n = len(cfg.data.train_splits) * cfg.data.synth.per_site  # the synthetic ward's size; real data: a guess
-    return cfg.train.epochs * max(1, math.ceil(n / cfg.train.batch_size)) * factor

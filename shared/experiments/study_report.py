@@ -18,6 +18,9 @@ from shared.experiments.study import COLUMNS, GROUPS
 
 PRIVATE_ORDER = ("dpsgd", "proj", "fdp", "fpdp")
 METHOD_ORDER = ("pretrained", "psi-only", "nonprivate", *PRIVATE_ORDER)
+SETTING_ORDER = ("centralized", "federated", "reference")
+SETTING_TITLES = {"centralized": "centralized", "federated": "federated",
+                  "reference": "reference (pooled, the federation's batch and noise)"}
 HEADERS = ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1")
 VALUE_KEYS = (*GROUPS, "mean", "mean@0.1")
 
@@ -125,7 +128,7 @@ def tables_markdown(rows: list[dict[str, Any]]) -> str:
                     baseline_rows.append((f"{label}, {strategy}", group))
     if baseline_rows:
         parts.append(_table("Non-private baselines (centralized)", baseline_rows))
-    for setting in ("centralized", "federated"):
+    for setting in SETTING_ORDER:
         points = sorted({(p[2], p[4], p[3]) for p in groups if p[0] == setting and p[1] in PRIVATE_ORDER},
                         key=lambda t: (t[0], t[1], t[2]))
         for strategy, clip, eps in points:
@@ -138,7 +141,7 @@ def tables_markdown(rows: list[dict[str, Any]]) -> str:
                 group = groups.get((setting, method, strategy, eps, clip, "", ""))
                 if group:
                     labelled.append((method, group))
-            parts.append(_table(f"{setting}, {strategy}, C = {clip}, eps = {eps}", labelled))
+            parts.append(_table(f"{SETTING_TITLES[setting]}, {strategy}, C = {clip}, eps = {eps}", labelled))
     parts.append(summary_markdown(grid))
     ablations = [r for r in rows if r["ablation"]]
     if ablations:
@@ -255,7 +258,7 @@ def eps_figures(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     grid = [r for r in rows if not r["ablation"]]
     groups = by_point(grid)
     panels = sorted({(p[2], p[4]) for p in groups if p[1] in PRIVATE_ORDER}, key=str)
-    settings = [s for s in ("centralized", "federated") if any(p[0] == s and p[1] in PRIVATE_ORDER for p in groups)]
+    settings = [s for s in SETTING_ORDER if any(p[0] == s and p[1] in PRIVATE_ORDER for p in groups)]
     written = []
     for strategy, clip in panels:
         fig, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 4), sharey=True, squeeze=False)
@@ -312,8 +315,14 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     from shared.runs import load_records
     from shared.train import evaluate
 
-    finished = [c for c in cells if not c.ablation and c.setting == "centralized"
-                and (cell_dir(out, c) / "metrics.json").is_file()]
+    def weights_of(cell: Any) -> Path:
+        where = cell_dir(out, cell)
+        if cell.kind == "pretrained" and (where / "metrics.json").is_file():
+            return Path(json.loads((where / "metrics.json").read_text())["checkpoint"])
+        return where / "model.pt"
+
+    # Cells restored from a study's record have no weights here: they are left out of the figure.
+    finished = [c for c in cells if not c.ablation and c.setting == "centralized" and weights_of(c).is_file()]
     if not finished:
         return None
     strategy = study.base.train.strategy
@@ -334,11 +343,7 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     val = load_records(Path(cfg.data.root), cfg.data.val_split)[:images]
     fig, axes = plt.subplots(len(chosen), len(val), figsize=(1.9 * len(val), 2.0 * len(chosen)), squeeze=False)
     for i, cell in enumerate(chosen):
-        where = cell_dir(out, cell)
-        weights = where / "model.pt"
-        if cell.kind == "pretrained":
-            weights = Path(json.loads((where / "metrics.json").read_text())["checkpoint"])
-        model, _ = load_checkpoint(weights)
+        model, _ = load_checkpoint(weights_of(cell))
         _, keypoints, _ = evaluate(model, val)
         label = cell.method if cell.epsilon is None else f"{cell.method}\neps {cell.epsilon:g}, C {cell.clip:g}"
         for j, record in enumerate(val):
