@@ -38,6 +38,7 @@ class Entry:
     what: str
     commands: tuple[tuple[str, ...], ...]  # "{py}" is this interpreter, "{out}" this entry's folder
     results: tuple[str, ...] = ()  # files of {out} copied to benchmarks/results/ when the entry is done
+    records: tuple[str, ...] = ()  # folders of benchmarks/results/ its commands write themselves, cell by cell
 
 
 def _levers(tag: str, *flags: str, rounds: int = 19) -> tuple[str, ...]:
@@ -84,6 +85,14 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-ablations-cpu.yaml", "--out", "{out}/ablations", "--threads",
          "1", "--jobs", "2"),
     ), results=("study/results.csv",)),
+    Entry("study-30", "the five methods, the eps sweep and the federation's reference at 30 epochs (hours; each "
+                      "finished cell is kept in benchmarks/results/study-30, so a rerun or another clone continues)", (
+        (*FEDPOSE, "study", "--config", "configs/study-30.yaml", "--out", "{out}/study-30", "--record",
+         "benchmarks/results/study-30", "--threads", "1", "--jobs", "2"),
+    ), records=("study-30",)),
+    Entry("proj", "why proj ends below dpsgd: signal and noise of a step under Adam and SGD, and 30-epoch runs", (
+        ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs", "--out", "{out}/proj_diagnosis.json"),
+    ), results=("proj_diagnosis.json",)),
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
     ), results=("privacy_attacks.json",)),
@@ -93,9 +102,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("deploy-round", "a round on Flower's deployment engine, warm start and cold (machine idle)", (
         ("{py}", "benchmarks/deploy_round.py", "--rounds", "4", "--out", "{out}/deploy_round.json"),
     ), results=("deploy_round.json",)),
-    Entry("benchmarks", "downlink, edge latency, DP pixelization", (
+    Entry("edge-latency", "PyTorch eager against onnxruntime, and the camera pipeline (machine idle)", (
+        ("{py}", "benchmarks/edge_latency.py", "--repeats", "200", "--frames", "300", "--threads", "2", "--out",
+         "{out}/edge_latency.json"),
+    ), results=("edge_latency.json",)),
+    Entry("benchmarks", "downlink, DP pixelization", (
         ("{py}", "benchmarks/federation.py", "--json", "{out}/federation.json"),
-        ("{py}", "benchmarks/edge_latency.py", "--repeats", "30", "--frames", "120", "--threads", "2"),
         ("{py}", "benchmarks/pixelize.py"),
     )),
 )
@@ -148,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in chosen:
             done = (out / e.name / "done.json").exists()
             print(f"{e.name:<11} {'done' if done else 'to run':<7} {e.what}" +
-                  (f" -> benchmarks/results/{', '.join(e.results)}" if e.results else " (the archive's numbers)"))
+                  (f" -> benchmarks/results/{', '.join(e.results + e.records)}" if e.results or e.records
+                   else " (the archive's numbers)"))
             if args.dry_run:
                 for part in e.commands:
                     print("    " + " ".join(command(part, out / e.name)))

@@ -14,6 +14,7 @@ training crops did (``shared.data.synth.person_box``: 1.25 x the extent).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import cv2
@@ -71,10 +72,10 @@ def preprocess(
     img = np.asarray(frame)
     if img.dtype != np.uint8 or img.ndim not in (2, 3) or (img.ndim == 3 and img.shape[2] not in (1, 3)):
         raise ValueError(f"frame must be (h, w[, 3]) uint8, got {img.shape} {img.dtype}")
+    swap = bgr  # the crop's channels are swapped to RGB (as the model was trained), not the whole frame's
     if img.ndim == 2 or img.shape[2] == 1:
-        img = np.repeat(img.reshape(img.shape[0], img.shape[1], 1), 3, axis=2)
-    elif bgr:
-        img = img[:, :, ::-1]  # RGB, as the model was trained
+        img, swap = cv2.cvtColor(img.reshape(img.shape[0], img.shape[1]), cv2.COLOR_GRAY2BGR), False
+    img = np.ascontiguousarray(img)
     boxes_arr = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     in_h, in_w = int(input_size[0]), int(input_size[1])
     batch = np.empty((len(boxes_arr), 3, in_h, in_w), dtype=np.float32)
@@ -83,10 +84,10 @@ def preprocess(
         center, scale = box_to_center_scale(box, (in_h, in_w), padding=1.0)
         matrices[i] = affine_matrix(center, scale, (in_h, in_w))
         crop = cv2.warpAffine(
-            np.ascontiguousarray(img), matrices[i], (in_w, in_h), flags=cv2.INTER_LINEAR,
-            borderMode=cv2.BORDER_CONSTANT, borderValue=0,
-        )  # (H, W, 3) uint8 RGB
-        batch[i] = crop.transpose(2, 0, 1).astype(np.float32) / 255.0
+            img, matrices[i], (in_w, in_h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=0,
+        )  # (H, W, 3) uint8, the frame's channel order
+        # One pass: channels to RGB, HWC to CHW, / 255 (the same values as crop[..., ::-1].transpose(2, 0, 1) / 255).
+        batch[i] = cv2.dnn.blobFromImage(crop, scalefactor=1.0 / 255.0, swapRB=swap)[0]
     return batch, matrices
 
 
@@ -110,7 +111,7 @@ def postprocess(
     in_h, in_w = int(input_size[0]), int(input_size[1])
     sx = simcc_x.shape[-1] / in_w
     sy = simcc_y.shape[-1] / in_h
-    if not np.isclose(sx, sy, rtol=1e-3):
+    if not math.isclose(sx, sy, rel_tol=1e-3):
         raise ValueError(
             f"SimCC bins do not match the input size {in_h}x{in_w}: {simcc_x.shape[-1]} x bins, "
             f"{simcc_y.shape[-1]} y bins"

@@ -152,6 +152,133 @@ def render_study(rows: list[dict[str, str]]) -> str:
     return "\n".join(table + ["", f"Baselines (no DP, centralized): {notes}."])
 
 
+STUDY30 = "fedpose study --config configs/study-30.yaml --out runs/study-30 --record benchmarks/results/study-30"
+PRIVATE = ("dpsgd", "proj", "fdp", "fpdp")
+WARD_RECORDS, SITE_BATCH = 1200, 64  # configs/default.yaml, which the study varies: 3 sites x 400 records, B = 64
+
+
+def _stat(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 seed)"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)})"
+
+
+def _records(records: list[dict[str, Any]], **point: Any) -> list[dict[str, Any]]:
+    return [r for r in records if all(r["cell"].get(k) == v for k, v in point.items())]
+
+
+def _pckh(records: list[dict[str, Any]], **point: Any) -> list[float]:
+    return [float(r["metrics"]["pckh"]["mean"]) for r in _records(records, **point)]
+
+
+def _study_provenance(records: list[dict[str, Any]]) -> str:
+    provs = [r["metrics"].get("provenance") or {} for r in records]
+    if not provs:
+        return "_No cell has finished yet._"
+    dates = sorted(str(p["date"])[:10] for p in provs if p.get("date"))
+    commits = sorted({(p.get("commit") or "unknown")[:10] for p in provs})
+    return (_provenance({**provs[0], "command": STUDY30, "commit": ", ".join(commits)})[:-2]
+            + f"; {len(records)} cells finished, {dates[0]} to {dates[-1]}._")
+
+
+def render_study30_methods(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-30/ (fedpose study --record): the five methods at eps 0.8, 30 epochs per record."""
+    settings = ("centralized", "federated", "reference")
+    lines = ["| method | centralized | federated | reference (pooled, the federation's noise) |", "|---|---|---|---|"]
+    start = _pckh(records, method="pretrained")
+    lines.append(f"| pretrained start (public data only) | {start[0]:.2f} | | |" if start else "| pretrained | - | | |")
+    for method in ("psi-only", "nonprivate"):
+        lines.append(f"| {method} (no DP) | {_stat(_pckh(records, method=method))} | | |")
+    for method in PRIVATE:
+        cells = [_stat(_pckh(records, method=method, setting=s, epsilon=0.8)) for s in settings]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", "PCKh@0.5 mean ± std (seeds).", "", _study_provenance(records)])
+
+
+def render_study30_sweep(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-30/: PCKh@0.5 against epsilon, centralized and federated."""
+    eps_values = sorted({r["cell"]["epsilon"] for r in records if r["cell"]["epsilon"] is not None})
+    lines = ["| setting | method | " + " | ".join(f"eps {e:g}" for e in eps_values) + " |",
+             "|---|---|" + "---|" * len(eps_values)]
+    for setting in ("centralized", "federated"):
+        for method in PRIVATE:
+            cells = [_stat(_pckh(records, method=method, setting=setting, epsilon=e)) for e in eps_values]
+            if any(c != "-" for c in cells):
+                lines.append(f"| {setting} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", _study_provenance(records)])
+
+
+def render_study30_reference(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-30/: the federation against its reachable reference and the pooled run."""
+    lines = ["| method | run | PCKh@0.5 | sigma | q | batch | noise per coordinate and step (sigma C / B) |"
+             " epsilon spent |", "|---|---|---|---|---|---|---|---|"]
+    gaps = []
+    for method in ("dpsgd", "fpdp"):
+        means = {}
+        for setting, label in (("centralized", "pooled"), ("reference", "reference"), ("federated", "federation")):
+            runs = _records(records, method=method, setting=setting, epsilon=0.8)
+            values = [float(r["metrics"]["pckh"]["mean"]) for r in runs]
+            means[setting] = statistics.mean(values) if values else None
+            if not runs:
+                lines.append(f"| {method} | {label} | - | | | | | |")
+                continue
+            m = runs[0]["metrics"]
+            if setting == "federated":
+                site = next(iter(m["sites"].values()))
+                sites = len(m["sites"])
+                sigma, q, batch = site["sigma"], site["sample_rate"], f"{sites} sites x {SITE_BATCH}"
+                noise = sigma / SITE_BATCH / sites ** 0.5
+            else:
+                sigma, q = m["sigma"], m["sample_rate"]
+                batch, noise = f"{round(q * WARD_RECORDS)}", m["sigma"] / round(q * WARD_RECORDS)
+            lines.append(f"| {method} | {label} | {_stat(values)} | {sigma:.2f} | {q:.3f} | {batch} | {noise:.3f} | "
+                         f"{statistics.mean(float(r['metrics']['epsilon']) for r in runs):.3f} |")
+        if all(means.values()):
+            gaps.append(f"{method}: the federation's own gap (federation - reference) "
+                        f"{means['federated'] - means['reference']:+.2f}; the price of not trusting the server "
+                        f"(reference - pooled) {means['reference'] - means['centralized']:+.2f}")
+    return "\n".join(lines + [""] + [f"- {g}" for g in gaps] + ["", _study_provenance(records)])
+
+
+def render_proj(data: dict[str, Any]) -> str:
+    """benchmarks/results/proj_diagnosis.json (benchmarks/proj_diagnosis.py): why proj ends below dpsgd."""
+    lines = ["| weights | V keeps of g* | V keeps of the noise | step SNR dpsgd | step SNR proj | update | "
+             "cos(u, g*) | one step's loss change |", "|---|---|---|---|---|---|---|---|"]
+    for point in data["points"]:
+        where = Path(point["weights"]).parent.name
+        for i, (name, o) in enumerate(point["optimizers"].items()):
+            change = ", ".join(f"{d:+.4f} at lr {lr}" for lr, d in o["loss_change"].items())
+            head = (f"{where} | {100 * point['signal_kept']:.1f} % | {100 * point['noise_kept']:.4f} % | "
+                    f"{point['snr_step']['dpsgd']:.1e} | {point['snr_step']['proj']:.1e}") if i == 0 else " | | | |"
+            lines.append(f"| {head} | {name} | {o['cosine_mean_last10']:+.3f} | {change} |")
+    if data.get("training"):
+        lines += ["", "| method | optimizer | learning rate | PCKh@0.5 after 30 epochs (start) | epsilon spent |",
+                  "|---|---|---|---|---|"]
+        for r in data["training"]:
+            lines.append(f"| {r['method']} | {r['optimizer']} | {r['lr']:g} | {r['pckh']:.2f} ({r['start']:.2f}) | "
+                         f"{r['epsilon']:.3f} |")
+    return "\n".join(lines + ["", _provenance(data)])
+
+
+def render_edge_latency(data: dict[str, Any]) -> str:
+    """benchmarks/results/edge_latency.json (benchmarks/edge_latency.py): eager against onnxruntime, the pipeline."""
+    lines = ["| model | input | backend | p50 ms | p95 ms | against eager |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['model']} | {r['input'][0]}x{r['input'][1]} | {r['backend']} | {r['p50_ms']:.2f} | "
+                     f"{r['p95_ms']:.2f} | {r['speedup']:.2f}x |")
+    speedups = "; ".join(f"{name}: **{statistics.median(r):.2f}x** ({min(r):.2f}-{max(r):.2f})"
+                         for name, r in data["ort_speedup_rounds"].items())
+    lines += ["", f"onnxruntime fp32 against eager, median of rounds timed side by side (range): {speedups}.", "",
+              "| camera loop | frames per second | onnxruntime alone | share (rounds) |", "|---|---|---|---|"]
+    for p in data["pipelines"]:
+        rounds = ", ".join(f"{r:.2f}" for r in p["share_runs"])
+        lines.append(f"| {p['model']} {p['input'][0]}x{p['input'][1]} | {p['fps']:.0f} | {p['ort_bound_fps']:.0f} | "
+                     f"**{p['share_of_bound']:.2f}** ({rounds}) |")
+    return "\n".join(lines + ["", _provenance(data)])
+
+
 _STEP_LABELS = {
     "nonprivate": "non-private",
     "nonprivate-2x": "non-private over private + psi images",
@@ -224,7 +351,9 @@ def render_deploy_round(data: dict[str, Any]) -> str:
 
 
 def load_artefact(name: str) -> Any:
-    """A measurement's file under benchmarks/results/: JSON, or CSV as a list of rows."""
+    """A measurement's file under benchmarks/results/: JSON, CSV as a list of rows, a folder as its JSON files."""
+    if (RESULTS / name).is_dir():
+        return [json.loads(p.read_text()) for p in sorted((RESULTS / name).glob("*.json"))]
     text = (RESULTS / name).read_text()
     return list(csv.DictReader(text.splitlines())) if name.endswith(".csv") else json.loads(text)
 
@@ -238,7 +367,12 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mia": ("privacy_attacks.json", render_mia),
     "reid": ("privacy_attacks.json", render_reid),
     "study": ("study/results.csv", render_study),
+    "study30-methods": ("study-30", render_study30_methods),
+    "study30-sweep": ("study-30", render_study30_sweep),
+    "study30-reference": ("study-30", render_study30_reference),
+    "proj": ("proj_diagnosis.json", render_proj),
     "dp-step": ("dp_step.json", render_dp_step),
+    "edge-latency": ("edge_latency.json", render_edge_latency),
     "deploy-round": ("deploy_round.json", render_deploy_round),
 }
 

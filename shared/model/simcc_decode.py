@@ -24,19 +24,21 @@ def decode_simcc(
         raise ValueError(f"expected (N, K, bins) logits, got {x_logits.shape} and {y_logits.shape}")
 
     def one_axis(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        z = logits.astype(np.float64)
-        z = z - z.max(-1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # (N, K, bins)
-        bins = logp.shape[-1]
-        peak = logp.argmax(-1)  # (N, K)
-        left = np.take_along_axis(logp, np.clip(peak - 1, 0, bins - 1)[..., None], -1)[..., 0]
-        mid = np.take_along_axis(logp, peak[..., None], -1)[..., 0]
-        right = np.take_along_axis(logp, np.clip(peak + 1, 0, bins - 1)[..., None], -1)[..., 0]
+        z = logits.astype(np.float64).reshape(-1, logits.shape[-1])  # (N*K, bins)
+        rows, bins = np.arange(z.shape[0]), z.shape[1]
+        peak = z.argmax(-1)  # the log-softmax is a shift of each row: the same arg-max
+        top = z[rows, peak]
+        lse = top + np.log(np.exp(z - top[:, None]).sum(-1))  # log-sum-exp of each row
+        # log-probabilities of the peak and its two neighbours (edges clipped, as the parabola is not used there)
+        mid = top - lse
+        left = z[rows, np.maximum(peak - 1, 0)] - lse
+        right = z[rows, np.minimum(peak + 1, bins - 1)] - lse
         curv = left - 2.0 * mid + right
         inside = (peak > 0) & (peak < bins - 1) & (curv < -1e-9)
         offset = np.where(inside, 0.5 * (left - right) / np.where(inside, curv, -1.0), 0.0)
         loc = peak + np.clip(offset, -0.5, 0.5)
-        return loc / split_ratio, np.exp(mid)
+        shape = logits.shape[:-1]
+        return (loc / split_ratio).reshape(shape), np.exp(mid).reshape(shape)
 
     x, px = one_axis(x_logits)
     y, py = one_axis(y_logits)
