@@ -152,8 +152,8 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
 
 
 # (method, optimizer, learning rate) of the --train runs
-TRAIN_RUNS = (("dpsgd", "adam", 1e-3), ("proj", "adam", 1e-3), ("dpsgd", "adam", 1e-4), ("proj", "adam", 1e-4),
-              ("dpsgd", "sgd", 0.01), ("proj", "sgd", 0.01), ("dpsgd", "sgd", 0.1), ("proj", "sgd", 0.1))
+TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4) for method in ("dpsgd", "proj")) + tuple(
+    (method, "sgd", lr) for lr in (0.01, 0.001) for method in ("dpsgd", "proj"))
 
 
 def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[dict]:  # noqa: ANN001
@@ -162,16 +162,26 @@ def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[di
     rows = []
     for method, optimizer, lr in tqdm(TRAIN_RUNS, desc="training runs"):
         out = runs / f"{method}-{optimizer}-{lr:g}-{seed}"
-        if (out / "metrics.json").is_file():
+        row = {"method": method, "optimizer": optimizer, "lr": lr, "seed": seed}
+        if (out / "failed.txt").is_file():  # a run that broke down is a result too: it is not rerun
+            row["failed"] = (out / "failed.txt").read_text().strip()
+        elif (out / "metrics.json").is_file():
             metrics = json.loads((out / "metrics.json").read_text())
         else:
             run = replace(cfg, **{"train.method": method, "train.optimizer": optimizer, "train.lr": lr,
                                   "train.seed": seed, "train.out": str(out), "runtime.threads": threads})
-            metrics = run_train(run, out, progress=False)
-        rows.append({"method": method, "optimizer": optimizer, "lr": lr, "seed": seed,
-                     "pckh": metrics["pckh"]["mean"], "start": metrics["initial_pckh_mean"],
-                     "epsilon": metrics["epsilon"], "seconds": metrics["seconds"]})
-        tqdm.write(f"{method} {optimizer} lr {lr:g}: PCKh {rows[-1]['pckh']:.2f} (start {rows[-1]['start']:.2f})")
+            try:
+                metrics = run_train(run, out, progress=False)
+            except ValueError as err:  # e.g. the model collapsed and its public gradients lost their rank
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "failed.txt").write_text(str(err) + "\n")
+                row["failed"] = str(err)
+        if "failed" not in row:
+            row.update(pckh=metrics["pckh"]["mean"], start=metrics["initial_pckh_mean"], epsilon=metrics["epsilon"],
+                       seconds=metrics["seconds"])
+        rows.append(row)
+        tqdm.write(f"{method} {optimizer} lr {lr:g}: " + (f"FAILED ({row['failed']})" if "failed" in row else
+                                                         f"PCKh {row['pckh']:.2f} (start {row['start']:.2f})"))
         if on_run is not None:
             on_run(list(rows))
     return rows

@@ -124,3 +124,21 @@ def test_public_basis_from_book_keeping_spans_the_generic_one():
     slow = compute_basis(_generic(loss_fn), params, batch, k=4, chunk_size=5)
     cosines = torch.linalg.svdvals(fast.double().T @ slow.double())  # principal angles (float64: p is large)
     assert float(cosines.min()) > 0.999
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"),
+                         [(3, 1, 1, 1), (3, 2, 1, 1), ((3, 5), (2, 1), (0, 2), 1), (3, 1, 2, 2)])
+def test_depthwise_taps_equal_the_unfolded_per_sample_gradient(kernel, stride, padding, dilation):
+    """The depthwise rule's strided products give each sample's weight gradient exactly as autograd does."""
+    from torch import nn
+
+    from shared.privacy.layer_rules import _depthwise_weight
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6)
+    x = torch.randn(3, 6, 11, 9)
+    g = torch.randn_like(conv(x))
+    got = _depthwise_weight(conv, x, g)
+    for i in range(3):
+        (want,) = torch.autograd.grad((conv(x[i:i + 1]) * g[i:i + 1]).sum(), conv.weight)
+        torch.testing.assert_close(got[i], want[:, 0], rtol=1e-5, atol=1e-5)

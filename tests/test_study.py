@@ -234,7 +234,15 @@ def test_grids_put_their_keys_over_the_axes_and_shared_cells_run_once(tmp_path):
         (e, s) for e in (0.2, 0.8) for s in (1, 2)}
     # the first grid's cells come first (eps 0.8 before the sweep)
     assert [c.epsilon for c in cells if c.method == "dpsgd"][:4] == [0.8] * 4
+    # a grid's own overrides: its cells carry them as their variant and get their own ids
+    tuned = expand(load_study(write_study(tmp_path, text + "  - {methods: [dpsgd], overrides: {train.lr: 0.0001}}\n")))
+    own = [c for c in tuned if c.variant]
+    assert {c.variant for c in own} == {"train.lr=0.0001"} and {c.method for c in own} == {"dpsgd"}
+    assert all(c.config.train.lr == 0.0001 for c in own) and len(own) == 2 * 2  # 2 settings x 2 seeds
+    assert not {c.id for c in own} & {c.id for c in cells}
+    assert [c.id for c in tuned if not c.variant] == [c.id for c in cells]  # the other cells keep their ids
     for bad, message in (("grids: [{base: other.yaml}]", "grids\\[0\\]: a grid varies the study's base"),
+                         ("grids: [{overrides: {train.lr: fast}}]", "study grids\\[0\\].overrides: .*train.lr"),
                          ("grids: [{seeds: [1, 1]}]", "study grids\\[0\\]: study.seeds: 1 is listed twice"),
                          ("grids: {methods: [fpdp]}", "study grids: expected a list")):
         with pytest.raises(ConfigError, match=message):

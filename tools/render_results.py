@@ -191,9 +191,10 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     lines.append(f"| pretrained start (public data only) | {start[0]:.2f} | | |" if start else "| pretrained | - | | |")
     for method in ("psi-only", "nonprivate"):
         lines.append(f"| {method} (no DP) | {_stat(_pckh(records, method=method))} | | |")
-    for method in PRIVATE:
-        cells = [_stat(_pckh(records, method=method, setting=s, epsilon=0.8)) for s in settings]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    variants = sorted({(r["cell"]["method"], r["cell"]["variant"]) for r in records if r["cell"]["variant"]})
+    for method, variant in [(m, "") for m in PRIVATE] + variants:
+        cells = [_stat(_pckh(records, method=method, setting=s, epsilon=0.8, variant=variant)) for s in settings]
+        lines.append(f"| {method}{f' ({variant})' if variant else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", "PCKh@0.5 mean ± std (seeds).", "", _study_provenance(records)])
 
 
@@ -204,7 +205,7 @@ def render_study30_sweep(records: list[dict[str, Any]]) -> str:
              "|---|---|" + "---|" * len(eps_values)]
     for setting in ("centralized", "federated"):
         for method in PRIVATE:
-            cells = [_stat(_pckh(records, method=method, setting=setting, epsilon=e)) for e in eps_values]
+            cells = [_stat(_pckh(records, method=method, setting=setting, epsilon=e, variant="")) for e in eps_values]
             if any(c != "-" for c in cells):
                 lines.append(f"| {setting} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", _study_provenance(records)])
@@ -218,7 +219,7 @@ def render_study30_reference(records: list[dict[str, Any]]) -> str:
     for method in ("dpsgd", "fpdp"):
         means = {}
         for setting, label in (("centralized", "pooled"), ("reference", "reference"), ("federated", "federation")):
-            runs = _records(records, method=method, setting=setting, epsilon=0.8)
+            runs = _records(records, method=method, setting=setting, epsilon=0.8, variant="")
             values = [float(r["metrics"]["pckh"]["mean"]) for r in runs]
             means[setting] = statistics.mean(values) if values else None
             if not runs:
@@ -242,23 +243,37 @@ def render_study30_reference(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [""] + [f"- {g}" for g in gaps] + ["", _study_provenance(records)])
 
 
+def _weights_label(path: str) -> str:
+    folder = Path(path).parent.name  # pretrained, or <method>-<optimizer>-<lr>-<seed> of a --train run
+    parts = folder.split("-")
+    if len(parts) == 4:
+        return f"{parts[0]} after 30 epochs ({parts[1]}, lr {parts[2]})"
+    return "the public-pretrained start" if folder == "pretrained" else folder
+
+
 def render_proj(data: dict[str, Any]) -> str:
     """benchmarks/results/proj_diagnosis.json (benchmarks/proj_diagnosis.py): why proj ends below dpsgd."""
-    lines = ["| weights | V keeps of g* | V keeps of the noise | step SNR dpsgd | step SNR proj | update | "
-             "cos(u, g*) | one step's loss change |", "|---|---|---|---|---|---|---|---|"]
-    for point in data["points"]:
-        where = Path(point["weights"]).parent.name
-        for i, (name, o) in enumerate(point["optimizers"].items()):
-            change = ", ".join(f"{d:+.4f} at lr {lr}" for lr, d in o["loss_change"].items())
-            head = (f"{where} | {100 * point['signal_kept']:.1f} % | {100 * point['noise_kept']:.4f} % | "
-                    f"{point['snr_step']['dpsgd']:.1e} | {point['snr_step']['proj']:.1e}") if i == 0 else " | | | |"
-            lines.append(f"| {head} | {name} | {o['cosine_mean_last10']:+.3f} | {change} |")
+    lines = ["| weights | V keeps of the signal g* | V keeps of the noise | signal / noise of a step, dpsgd | "
+             "the same, proj |", "|---|---|---|---|---|"]
+    for p in data["points"]:
+        lines.append(f"| {_weights_label(p['weights'])} | {100 * p['signal_kept']:.1f} % | "
+                     f"{100 * p['noise_kept']:.4f} % | {p['snr_step']['dpsgd']:.1e} | {p['snr_step']['proj']:.2f} |")
+    lines += ["", f"After {data['steps']} noisy steps at these weights: the cosine of each update u with g*, and "
+              "the training loss change of one step along u.", "",
+              "| weights | update | cos(u, g*) | loss change (learning rate) |", "|---|---|---|---|"]
+    for p in data["points"]:
+        for i, (name, o) in enumerate(p["optimizers"].items()):
+            change = ", ".join(f"{d:+.4f} ({lr})" for lr, d in o["loss_change"].items())
+            where = _weights_label(p["weights"]) if i == 0 else ""
+            lines.append(f"| {where} | {name} | {o['cosine_mean_last10']:+.3f} | {change} |")
     if data.get("training"):
-        lines += ["", "| method | optimizer | learning rate | PCKh@0.5 after 30 epochs (start) | epsilon spent |",
+        lines += ["", "| method | optimizer | learning rate | PCKh@0.5 after 30 epochs | epsilon spent |",
                   "|---|---|---|---|---|"]
         for r in data["training"]:
-            lines.append(f"| {r['method']} | {r['optimizer']} | {r['lr']:g} | {r['pckh']:.2f} ({r['start']:.2f}) | "
-                         f"{r['epsilon']:.3f} |")
+            result = (f"broke down: {r['failed'].split(';')[0]}" if "failed" in r else
+                      f"{r['pckh']:.2f} (start {r['start']:.2f})")
+            eps = f"{r['epsilon']:.3f}" if "epsilon" in r else "-"
+            lines.append(f"| {r['method']} | {r['optimizer']} | {r['lr']:g} | {result} | {eps} |")
     return "\n".join(lines + ["", _provenance(data)])
 
 

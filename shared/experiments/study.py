@@ -1,27 +1,21 @@
 """The privacy-utility study: a grid of runs read from one YAML file, expanded into cells with stable ids.
 
-A study file (``configs/study.yaml``) names a base run config and the axes of
-the grid: method x epsilon x clip x strategy x setting (centralized |
-federated) x seed, the non-private baselines and the ablations. ``expand``
-turns it into ``Cell`` s, each with its resolved ``Config`` and an id that is a
-hash of that config (output paths left out), its setting and its kind: the
-same point always gets the same id, and a cell is done iff
-``<out>/cells/<id>/metrics.json`` exists, so a study is resumed by running it
-again. Running cells is the CLI's job (``cli/study.py``: one subprocess per
-cell); tables and figures are ``shared/experiments/study_report.py``.
+A study file (``configs/study.yaml``) names a base run config and the grid's axes: method x epsilon x clip x
+strategy x setting (centralized | federated | reference) x seed, the non-private baselines and the ablations.
+``expand`` turns it into ``Cell`` s, each with its resolved ``Config`` and an id hashing that config (output
+paths left out) and its kind: a cell is done iff ``<out>/cells/<id>/metrics.json`` exists, so running a study
+again resumes it. Running cells is ``cli/study.py`` (one subprocess per cell); tables and figures are
+``shared/experiments/study_report.py``.
 
-A file may list ``grids``: each one puts its keys over the top-level axes
-(e.g. every method at one epsilon with three seeds, then an epsilon sweep of
-two methods), and a cell several grids name runs once. The ``reference``
-setting is the federation's reachable centralized reference: the pooled data
-with the sites' summed batch (S x B) and sqrt(S) times the noise multiplier
-(``privacy.noise_factor``), as many steps as one site takes in the federation,
-so its averaged gradient carries the noise of the federation's average.
+``grids``: each puts its keys over the top-level axes (every method at one epsilon with three seeds, then an
+epsilon sweep of two methods); a cell several grids name runs once. A grid's ``overrides`` (dotted keys, e.g.
+another learning rate) go over the base config for its cells, which carry them as their ``variant``. The
+``reference`` setting is a federation's reachable centralized reference: the pooled data with the sites' summed
+batch (S x B), sqrt(S) times the noise multiplier (``privacy.noise_factor``) and one site's step count, so its
+averaged gradient carries the noise of the federation's average.
 
-Another axis (e.g. the privacy unit, ``privacy.unit``) is a field of
-``StudyAxes`` and of ``Cell``, one more loop in ``expand`` putting its value
-in with ``_cell``, and a column in ``COLUMNS``; cell ids need nothing (they
-hash the resolved config).
+Another axis (e.g. ``privacy.unit``) is a field of ``StudyAxes`` and of ``Cell``, one more loop in ``expand``
+putting its value in with ``_cell``, and a column in ``COLUMNS``; cell ids need nothing (they hash the config).
 """
 
 from __future__ import annotations
@@ -98,6 +92,7 @@ class Study:
     base: Config  # the base run config with the study's overrides
     base_path: Path
     grids: tuple[StudyAxes, ...] = ()  # the file's grids, each over the top-level axes; () = the axes alone
+    grid_overrides: tuple[tuple[tuple[str, Any], ...], ...] = ()  # per grid: (dotted key, value) over the base
     # name -> variants, each a tuple of (dotted key, value) put over the base config
     ablations: tuple[tuple[str, tuple[tuple[tuple[str, Any], ...], ...]], ...] = ()
 
@@ -161,18 +156,6 @@ def load_study(path: str | Path, *, quick: bool = False) -> Study:
     if "base" not in raw:
         raise ConfigError("study.base: name the run config the grid varies (e.g. base: default.yaml)")
     axes = section_from_dict(StudyAxes, raw, "study")
-    if not isinstance(grids_raw, list):
-        raise ConfigError(f"study grids: expected a list of mappings, got {type(grids_raw).__name__}")
-    grids = []
-    for i, grid in enumerate(grids_raw):
-        grid = _mapping(grid, f"study grids[{i}]")
-        if "base" in grid:
-            raise ConfigError(f"study grids[{i}]: a grid varies the study's base config; it cannot name another")
-        try:
-            grids.append(section_from_dict(StudyAxes, {**raw, **grid}, f"study grids[{i}]"))
-        except ConfigError as err:  # the axes' own checks name "study.<field>": say which grid
-            raise ConfigError(str(err) if str(err).startswith("study grids") else f"study grids[{i}]: {err}") \
-                from err
     base_path = Path(axes.base).expanduser()
     if not base_path.is_absolute():
         base_path = path.parent / base_path
@@ -193,9 +176,35 @@ def load_study(path: str | Path, *, quick: bool = False) -> Study:
                 raise ConfigError(f"study ablations.{name}[{i}]: {err}") from err
             resolved.append(tuple(flat.items()))
         ablations.append((str(name), tuple(resolved)))
+    grids, grid_overrides = _grids(grids_raw, raw, base)
     if "reference" in {s for g in (axes, *grids) for s in g.settings}:
         reference_values(base)  # the reference needs the sites' sizes: a clear error now, not in a cell
-    return Study(axes=axes, base=base, base_path=base_path, ablations=tuple(ablations), grids=tuple(grids))
+    return Study(axes=axes, base=base, base_path=base_path, ablations=tuple(ablations), grids=tuple(grids),
+                 grid_overrides=tuple(grid_overrides))
+
+
+def _grids(grids_raw: Any, raw: dict[str, Any], base: Config) -> tuple[list[StudyAxes], list[tuple]]:
+    """The file's grids (each over the top-level keys ``raw``) and each grid's own overrides of ``base``."""
+    if not isinstance(grids_raw, list):
+        raise ConfigError(f"study grids: expected a list of mappings, got {type(grids_raw).__name__}")
+    grids, grid_overrides = [], []
+    for i, grid in enumerate(grids_raw):
+        grid = _mapping(grid, f"study grids[{i}]")
+        if "base" in grid:
+            raise ConfigError(f"study grids[{i}]: a grid varies the study's base config; it cannot name another")
+        grid = dict(grid)
+        own = flatten_plain(_mapping(grid.pop("overrides", None) or {}, f"study grids[{i}].overrides"))
+        try:
+            with_variant(base, own)
+        except ConfigError as err:
+            raise ConfigError(f"study grids[{i}].overrides: {err}") from err
+        grid_overrides.append(tuple(own.items()))
+        try:
+            grids.append(section_from_dict(StudyAxes, {**raw, **grid}, f"study grids[{i}]"))
+        except ConfigError as err:  # the axes' own checks name "study.<field>": say which grid
+            raise ConfigError(str(err) if str(err).startswith("study grids") else f"study grids[{i}]: {err}") \
+                from err
+    return grids, grid_overrides
 
 
 def _mapping(value: Any, what: str) -> dict[str, Any]:
@@ -251,11 +260,8 @@ def _cell(base: Config, *, method: str, setting: str, strategy: str | None, epsi
 
 
 def reference_values(base: Config) -> dict[str, Any]:
-    """The reference setting's overrides: batch S x B, noise x sqrt(S), a site's step count in the federation.
-
-    Needs equal-sized sites of known size (the synthetic ward); the step count
-    is matched to the nearest whole epoch.
-    """
+    """The reference setting's overrides: batch S x B, noise x sqrt(S), a site's step count in the federation (to
+    the nearest whole epoch). Needs equal-sized sites of known size (the synthetic ward)."""
     if base.data.source != "synthetic":
         raise ConfigError("study settings: the reference setting needs the sites' sizes (data.source: synthetic)")
     sites = len(base.data.train_splits)
@@ -282,8 +288,9 @@ def expand(study: Study) -> list[Cell]:
             seen.add(cell.id)
             cells.append(cell)
 
-    for ax in study.grids or (study.axes,):
-        _expand_grid(study, ax, add)
+    for ax, own in zip(study.grids, study.grid_overrides) if study.grids else [(study.axes, ())]:
+        base = with_variant(study.base, dict(own)) if own else study.base
+        _expand_grid(base, ax, add, variant=", ".join(f"{k}={v}" for k, v in own))
     ax = study.axes
     for name, variants in study.ablations:
         for variant in variants:
@@ -299,19 +306,19 @@ def expand(study: Study) -> list[Cell]:
     return [_isolate_caches(c, study.base) for c in cells]
 
 
-def _expand_grid(study: Study, ax: StudyAxes, add: Any) -> None:
+def _expand_grid(base: Config, ax: StudyAxes, add: Any, *, variant: str) -> None:
     """One grid's cells (baselines, then the private methods per setting) passed to ``add``."""
     if "pretrained" in ax.baselines:
-        add(_cell(study.base, method="pretrained", setting="centralized", strategy=None, epsilon=None, clip=None,
-                  seed=None))
+        add(_cell(base, method="pretrained", setting="centralized", strategy=None, epsilon=None, clip=None,
+                  seed=None, variant=variant))
     for strategy in ax.strategies:
         for seed in ax.seeds:
             if "nonprivate" in ax.methods:
-                add(_cell(study.base, method="nonprivate", setting="centralized", strategy=strategy, epsilon=None,
-                          clip=None, seed=seed))
+                add(_cell(base, method="nonprivate", setting="centralized", strategy=strategy, epsilon=None,
+                          clip=None, seed=seed, variant=variant))
             if "psi-only" in ax.baselines:
-                add(_cell(study.base, method="psi-only", setting="centralized", strategy=strategy, epsilon=None,
-                          clip=None, seed=seed))
+                add(_cell(base, method="psi-only", setting="centralized", strategy=strategy, epsilon=None,
+                          clip=None, seed=seed, variant=variant))
     private = [m for m in ax.methods if m != "nonprivate"]
     for setting in ax.settings:
         for strategy in ax.strategies:
@@ -319,19 +326,16 @@ def _expand_grid(study: Study, ax: StudyAxes, add: Any) -> None:
                 for epsilon in ax.epsilons:
                     for method in private:
                         for seed in ax.seeds:
-                            add(_cell(study.base, method=method, setting=setting, strategy=strategy,
-                                      epsilon=epsilon, clip=clip, seed=seed))
+                            add(_cell(base, method=method, setting=setting, strategy=strategy,
+                                      epsilon=epsilon, clip=clip, seed=seed, variant=variant))
 
 
 def _isolate_caches(cell: Cell, base: Config) -> Cell:
     """Give a cell whose data or model differs from the base its own data root / pretrained weights.
 
-    Cells run in parallel share the base's cached data and pretrained weights;
-    a variant that changes them (another model, another public style) would
-    otherwise regenerate or re-pretrain over the shared cache. Paths are
-    derived from the cached artefact's own config, so variants that agree
-    share them; the cell id is unchanged (computed before).
-    """
+    Cells run in parallel share the base's cached data and weights; a variant changing them (another model,
+    public style) would otherwise overwrite the shared cache. Paths derive from the cached artefact's own config,
+    so variants that agree share them; the cell id is unchanged (computed before)."""
     def cache_key(c: Config) -> dict[str, Any]:  # what the cached data and weights depend on (not where they are)
         key = {s: to_dict(getattr(c, s)) for s in ("data", "model", "pretrain")}
         key["data"].pop("root")

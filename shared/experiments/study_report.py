@@ -141,6 +141,8 @@ def tables_markdown(rows: list[dict[str, Any]]) -> str:
                 group = groups.get((setting, method, strategy, eps, clip, "", ""))
                 if group:
                     labelled.append((method, group))
+            labelled += [(f"{p[1]} ({p[6]})", g) for p, g in sorted(groups.items(), key=lambda kv: str(kv[0]))
+                         if p[6] and p[:6] == (setting, p[1], strategy, eps, clip, "")]  # a grid's own overrides
             parts.append(_table(f"{SETTING_TITLES[setting]}, {strategy}, C = {clip}, eps = {eps}", labelled))
     parts.append(summary_markdown(grid))
     ablations = [r for r in rows if r["ablation"]]

@@ -121,14 +121,30 @@ def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
     return LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
 
 
+def _depthwise_weight(module: nn.Conv2d, x: Tensor, g: Tensor) -> Tensor:
+    """Per-sample weight gradient (b, C, kh, kw) of a depthwise conv: one strided product per kernel tap, no
+    unfolded copy of the input (kh kw times its size)."""
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = module.kernel_size, module.stride, module.dilation, module.padding
+    xp = F.pad(x, (pw, pw, ph, ph))
+    h, w = g.shape[2], g.shape[3]
+    out = g.new_empty(g.shape[0], g.shape[1], kh, kw)
+    for i in range(kh):
+        for j in range(kw):
+            tap = xp[:, :, i * dh: i * dh + (h - 1) * sh + 1: sh, j * dw: j * dw + (w - 1) * sw + 1: sw]
+            out[:, :, i, j] = torch.einsum("bchw,bchw->bc", tap, g)
+    return out
+
+
 def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> Instantiated:
     b, cout = g.shape[:2]
     groups = module.groups
-    cols = _unfold(module, x)  # (b, C_in kh kw, T)
-    cols = cols.reshape(b, groups, cols.shape[1] // groups, cols.shape[2])  # (b, G, d, T)
-    out = g.reshape(b, groups, cout // groups, -1)  # (b, G, p, T)
     grads = {}
-    if "weight" in names:
+    if "weight" in names and groups == module.in_channels == cout and isinstance(module.padding, tuple):
+        grads[names["weight"]] = _depthwise_weight(module, x, g).reshape(b, *shapes[names["weight"]])
+    elif "weight" in names:
+        cols = _unfold(module, x)  # (b, C_in kh kw, T)
+        cols = cols.reshape(b, groups, cols.shape[1] // groups, cols.shape[2])  # (b, G, d, T)
+        out = g.reshape(b, groups, cout // groups, -1)  # (b, G, p, T)
         grads[names["weight"]] = torch.einsum("bgpt,bgdt->bgpd", out, cols).reshape(b, *shapes[names["weight"]])
     if "bias" in names:
         grads[names["bias"]] = g.reshape(b, cout, -1).sum(2)
