@@ -152,7 +152,7 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
 
 
 # (method, optimizer, learning rate) of the --train runs
-TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4) for method in ("dpsgd", "proj")) + tuple(
+TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4, 3e-5) for method in ("dpsgd", "proj")) + tuple(
     (method, "sgd", lr) for lr in (0.01, 0.001) for method in ("dpsgd", "proj"))
 
 
