@@ -121,6 +121,11 @@ def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
     return LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
 
 
+# Depthwise convs with more output positions than this take strided taps (3x to 9x faster than unfolding on the
+# early stages' maps); on smaller maps the unfolded product is faster.
+DEPTHWISE_TAPS_ABOVE = 16
+
+
 def _depthwise_weight(module: nn.Conv2d, x: Tensor, g: Tensor) -> Tensor:
     """Per-sample weight gradient (b, C, kh, kw) of a depthwise conv: one strided product per kernel tap, no
     unfolded copy of the input (kh kw times its size)."""
@@ -139,10 +144,8 @@ def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> Ins
     b, cout = g.shape[:2]
     groups = module.groups
     grads = {}
-    # Depthwise with more than 16 output positions: strided taps (3x to 9x faster than unfolding there); on
-    # smaller maps the unfolded product is faster.
     if "weight" in names and groups == module.in_channels == cout and isinstance(module.padding, tuple) \
-            and g.shape[2] * g.shape[3] > 16:
+            and g.shape[2] * g.shape[3] > DEPTHWISE_TAPS_ABOVE:
         grads[names["weight"]] = _depthwise_weight(module, x, g).reshape(b, *shapes[names["weight"]])
     elif "weight" in names:
         cols = _unfold(module, x)  # (b, C_in kh kw, T)
