@@ -12,7 +12,7 @@ and its planned noise (eps 0.8, 30 epochs), this measures:
   dpsgd and proj (the same noisy gradients, projected or not) under Adam (the config's betas) and under SGD
   with momentum, at each optimizer's learning rates.
 
-``--train`` then runs the outcome: centralized 30-epoch runs (eps 0.8, one seed) of dpsgd and proj under Adam at
+``--train`` first runs the outcome: centralized 30-epoch runs (eps 0.8, one seed) of dpsgd and proj under Adam at
 the config's learning rate and a tenth of it, and under SGD with momentum at two learning rates (resumable: a run
 whose metrics.json exists in ``--runs`` is read back).
 
@@ -153,7 +153,7 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
 
 # (method, optimizer, learning rate) of the --train runs
 TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4, 3e-5) for method in ("dpsgd", "proj")) + tuple(
-    (method, "sgd", lr) for lr in (0.01, 0.001) for method in ("dpsgd", "proj"))
+    (method, "sgd", lr) for lr in (0.01, 0.001) for method in ("dpsgd", "proj")) + (("proj", "adam", 1e-5),)
 
 
 def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[dict]:  # noqa: ANN001
@@ -190,7 +190,9 @@ def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
-    parser.add_argument("--weights", nargs="*", default=[], help="model.pt files (default: the pretrained start)")
+    parser.add_argument("--weights", nargs="*", default=[],
+                        help="model.pt files (default: the pretrained start and, with --train, the weights dpsgd and "
+                             "proj end with under Adam at 1e-3)")
     parser.add_argument("--steps", type=int, default=40, help="noisy steps fed to each optimizer at fixed weights")
     parser.add_argument("--signal-batch", type=int, default=512, help="records in g*, the clipped mean gradient")
     parser.add_argument("--seed", type=int, default=0)
@@ -200,12 +202,22 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/proj_diagnosis.json")
     args = parser.parse_args()
     cfg = load_config(args.config)
-    weights = [Path(w) for w in args.weights] or [Path(ensure_pretrained(cfg, progress=True))]
     t0 = time.perf_counter()
-    points = []
+    result = {"points": [], "training": [], "steps": args.steps, "signal_batch": args.signal_batch,
+              "seed": args.seed, "config": args.config, **provenance(command=" ".join(sys.argv))}
+
+    def write(**values) -> None:  # after each training run and after each diagnosis point  # noqa: ANN003
+        result.update(values, seconds=round(time.perf_counter() - t0, 1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    if args.train:  # first: the diagnosis then also looks at the weights dpsgd and proj end with under Adam 1e-3
+        train_runs(cfg, Path(args.runs), seed=1, threads=args.threads, on_run=lambda rows: write(training=rows))
+    weights = [Path(w) for w in args.weights] or [Path(ensure_pretrained(cfg, progress=True))] + [
+        p for m in ("dpsgd", "proj") if args.train and (p := Path(args.runs) / f"{m}-adam-0.001-1" / "model.pt").is_file()]
     for w in weights:
         point = diagnose(cfg, w, steps=args.steps, signal_batch=args.signal_batch, seed=args.seed)
-        points.append(point)
+        write(points=[*result["points"], point])
         print(f"{w}: sigma {point['sigma']:.3f}, V keeps {100 * point['signal_kept']:.1f} % of g*'s energy and "
               f"{100 * point['noise_kept']:.4f} % of the noise's; step SNR dpsgd {point['snr_step']['dpsgd']:.2e}, "
               f"proj {point['snr_step']['proj']:.2e}")
@@ -213,17 +225,6 @@ def main() -> None:
             change = "  ".join(f"lr {lr}: {d:+.4f}" for lr, d in o["loss_change"].items())
             print(f"  {name:11s} cos(u, g*) {o['cosine_mean_last10']:+.4f}  <u, g*> {o['gain_per_lr']:+.4f}  "
                   f"|u| {o['update_norm']:.1f}  loss change {change}")
-    result = {"points": points, "training": [], "steps": args.steps, "signal_batch": args.signal_batch,
-              "seed": args.seed, "config": args.config, **provenance(command=" ".join(sys.argv))}
-
-    def write(training: list[dict]) -> None:  # after the diagnosis and after each training run
-        result.update(training=training, seconds=round(time.perf_counter() - t0, 1))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
-    write([])
-    if args.train:
-        train_runs(cfg, Path(args.runs), seed=1, threads=args.threads, on_run=write)
     print(f"wrote {args.out}")
 
 

@@ -267,13 +267,17 @@ def render_proj(data: dict[str, Any]) -> str:
             where = _weights_label(p["weights"]) if i == 0 else ""
             lines.append(f"| {where} | {name} | {o['cosine_mean_last10']:+.3f} | {change} |")
     if data.get("training"):
-        lines += ["", "| method | optimizer | learning rate | PCKh@0.5 after 30 epochs | epsilon spent |",
-                  "|---|---|---|---|---|"]
-        for r in data["training"]:
-            result = (f"broke down: {r['failed'].split(';')[0]}" if "failed" in r else
-                      f"{r['pckh']:.2f} (start {r['start']:.2f})")
-            eps = f"{r['epsilon']:.3f}" if "epsilon" in r else "-"
-            lines.append(f"| {r['method']} | {r['optimizer']} | {r['lr']:g} | {result} | {eps} |")
+        runs = {(r["optimizer"], r["lr"], r["method"]): r for r in data["training"]}
+        starts = {f"{r['start']:.2f}" for r in data["training"] if "start" in r}
+        lines += ["", f"Centralized, 30 epochs, epsilon 0.8, seed 1; PCKh@0.5 after training (the start: "
+                      f"{', '.join(sorted(starts))}).", "", "| optimizer | learning rate | dpsgd | proj |", "|---|---|---|---|"]
+        for optimizer, lr in sorted({(o, lr) for o, lr, _ in runs}, key=lambda t: (t[0], -t[1])):
+            cells = []
+            for method in ("dpsgd", "proj"):
+                r = runs.get((optimizer, lr, method))
+                cells.append("-" if r is None else f"broke down ({r['failed'].split(' (')[0]})" if "failed" in r
+                             else f"{r['pckh']:.2f}")
+            lines.append(f"| {'Adam' if optimizer == 'adam' else 'SGD, momentum 0.9'} | {lr:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", _provenance(data)])
 
 
