@@ -174,12 +174,14 @@ def _pckh(records: list[dict[str, Any]], **point: Any) -> list[float]:
 
 
 def _study_provenance(records: list[dict[str, Any]]) -> str:
-    provs = [r["metrics"].get("provenance") or {} for r in records]
+    provs = [r["metrics"]["provenance"] for r in records if r["metrics"].get("provenance")]
     if not provs:
         return "_No cell has finished yet._"
     dates = sorted(str(p["date"])[:10] for p in provs if p.get("date"))
     commits = sorted({(p.get("commit") or "unknown")[:10] for p in provs})
-    return (_provenance({**provs[0], "command": STUDY30, "commit": ", ".join(commits)})[:-2]
+    text = _provenance({**provs[0], "command": STUDY30, "dirty": any(p.get("dirty") for p in provs)})
+    first = (provs[0].get("commit") or "unknown")[:10]
+    return (text.replace(f"commit {first}", f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}")[:-2]
             + f"; {len(records)} cells finished, {dates[0]} to {dates[-1]}._")
 
 
@@ -195,7 +197,15 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     for method, variant in [(m, "") for m in PRIVATE] + variants:
         cells = [_stat(_pckh(records, method=method, setting=s, epsilon=0.8, variant=variant)) for s in settings]
         lines.append(f"| {method}{f' ({variant})' if variant else ''} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", "PCKh@0.5 mean ± std (seeds).", "", _study_provenance(records)])
+    notes = ["PCKh@0.5 mean ± std (seeds)."]
+    nonprivate = _pckh(records, method="nonprivate")
+    for setting in settings:
+        dpsgd, fpdp = (_pckh(records, method=m, setting=setting, epsilon=0.8, variant="") for m in ("dpsgd", "fpdp"))
+        if nonprivate and dpsgd and fpdp:
+            gap = (statistics.mean(fpdp) - statistics.mean(dpsgd)) / (statistics.mean(nonprivate) - statistics.mean(dpsgd))
+            notes.append(f"{setting.capitalize()}: fpdp recovers {gap:.2f} of the gap from dpsgd to the centralized "
+                         "non-private run ((fpdp - dpsgd) / (nonprivate - dpsgd)).")
+    return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records)])
 
 
 def render_study30_sweep(records: list[dict[str, Any]]) -> str:
