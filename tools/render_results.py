@@ -218,7 +218,18 @@ def render_study30_sweep(records: list[dict[str, Any]]) -> str:
             cells = [_stat(_pckh(records, method=method, setting=setting, epsilon=e, variant="")) for e in eps_values]
             if any(c != "-" for c in cells):
                 lines.append(f"| {setting} | {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", _study_provenance(records)])
+    found = []
+    for setting in ("centralized", "federated"):
+        for e in eps_values:
+            means = {m: _pckh(records, method=m, setting=setting, epsilon=e, variant="") for m in PRIVATE}
+            if all(means.values()):
+                mean = {m: statistics.mean(v) for m, v in means.items()}
+                broken = [f"{a} < {b}" for a, b in (("fpdp", "fdp"), ("fdp", "dpsgd"), ("fpdp", "proj"),
+                                                    ("proj", "dpsgd")) if mean[a] <= mean[b]]
+                found.append(f"{setting} eps {e:g}: " + ("holds" if not broken else f"fails ({', '.join(broken)})"))
+    ordering = ["", "The paper's ordering fpdp > fdp, proj > dpsgd (means, at the shared learning rate): "
+                + "; ".join(found) + "."] if found else []
+    return "\n".join(lines + ordering + ["", _study_provenance(records)])
 
 
 def render_study30_reference(records: list[dict[str, Any]]) -> str:
