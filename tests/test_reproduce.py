@@ -36,9 +36,12 @@ def test_every_rendered_table_comes_from_a_file_an_entry_writes_and_no_table_is_
     (but the archive's and the benchmark list's) lies inside a rendered block."""
     render, reproduce = _render(), _reproduce()
     written = {name for e in reproduce.ENTRIES for name in (*e.results, *e.records)}
-    for name, (source, _) in render.RENDERERS.items():
+    for name, (source, _) in [*render.RENDERERS.items(), *render.FIGURES.items()]:
         assert source in written, f"rendered block {name!r} reads {source}, which no reproduce.py entry writes"
         assert (REPO / "benchmarks" / "results" / source).exists(), source
+    for figure in render.FIGURES:  # drawn from their artefact by the same tool, and shown on a page
+        assert (REPO / figure).is_file(), figure
+        assert any(Path(figure).name in page.read_text() for page in render.pages()), figure
     used = set()
     for page in render.pages():
         text = page.read_text()

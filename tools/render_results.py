@@ -11,7 +11,8 @@ A page holds a rendered block as
 
 and NAME is one of ``RENDERERS`` below, each a function of one artefact under ``benchmarks/results/``. Nothing
 between the markers is written by hand: a number on a results page is either rendered here from the file a
-measurement wrote, or it is in the archive with the reason it is there.
+measurement wrote, or it is in the archive with the reason it is there. ``FIGURES`` are drawn the same way, from
+an artefact, into docs/img/ (``--check`` only checks that they exist: PNG bytes differ between matplotlib builds).
 """
 
 from __future__ import annotations
@@ -416,6 +417,44 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "deploy-round": ("deploy_round.json", render_deploy_round),
 }
 
+def figure_study30(records: list[dict[str, Any]], path: Path) -> None:
+    """PCKh@0.5 against epsilon, centralized and federated side by side (the paper's Fig. 2 on the ward)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"dpsgd": "tab:red", "proj": "tab:orange", "fdp": "tab:purple", "fpdp": "tab:blue"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, setting in zip(axes, ("centralized", "federated")):
+        for method, colour in colours.items():
+            eps = sorted({r["cell"]["epsilon"] for r in _records(records, method=method, setting=setting, variant="")})
+            values = [_pckh(records, method=method, setting=setting, epsilon=e, variant="") for e in eps]
+            if eps:
+                ax.errorbar(eps, [statistics.mean(v) for v in values],
+                            yerr=[statistics.stdev(v) if len(v) > 1 else 0.0 for v in values], marker="o",
+                            capsize=3, color=colour, label=method)
+        for method, style, label in (("nonprivate", "--", "nonprivate (centralized)"),
+                                     ("pretrained", "-.", "pretrained start")):
+            if _pckh(records, method=method):
+                ax.axhline(statistics.mean(_pckh(records, method=method)), color="gray", linestyle=style, label=label)
+        ax.set_title(f"{setting}: full, C = 1, 30 epochs per record")
+        ax.set_xlabel("epsilon (delta 1e-5)")
+        ax.set_xlim(0.1, 0.9)
+        ax.set_xticks([0.2, 0.4, 0.6, 0.8])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("PCKh@0.5 mean (seeds: mean ± std)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+# Figure under docs/ -> (the artefact it is drawn from, the function drawing it); --check only checks they exist.
+FIGURES: dict[str, tuple[str, Callable[[Any, Path], None]]] = {
+    "docs/img/study-30-pckh-vs-eps.png": ("study-30", figure_study30),
+}
+
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
 
 
@@ -450,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 page.write_text(new)
                 print(f"rendered {page.relative_to(REPO)}")
+    for name, (artefact, draw) in FIGURES.items():
+        if not args.check:
+            draw(load_artefact(artefact), REPO / name)
+        elif not (REPO / name).is_file():
+            stale.append(Path(name))
     if args.check and stale:
         print("not current (run python tools/render_results.py): " + ", ".join(map(str, stale)), file=sys.stderr)
         return 1
