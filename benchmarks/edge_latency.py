@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['frames']} frames, {len(p['fps_runs'])} rounds): {p['fps']:.1f} FPS end to end, infer path p50 "
               f"{p['infer_p50_ms']:.2f} ms ({'meets' if p['fps'] >= 60 else 'MISSES'} the 60 FPS target); "
               f"{p['share_of_bound']:.2f} of onnxruntime alone ({p['ort_bound_fps']:.0f} FPS; rounds "
-              f"{', '.join(f'{r:.2f}' for r in p['share_runs'])}) ({'meets' if p['share_of_bound'] >= 0.8 else 'MISSES'}"
-              " the 0.8 target)")
+              f"{', '.join(f'{r:.2f}' for r in p['share_runs'])}) "
+              f"({'meets' if p['share_of_bound'] >= 0.8 else 'MISSES'} the 0.8 target)")
     for v in verdicts:
         print(v)
     if args.out is not None:

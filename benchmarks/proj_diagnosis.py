@@ -143,7 +143,8 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
                                 - before
                                 for lr in LEARNING_RATES[name.split("/")[1]]}
     return {
-        "weights": str(weights), "loss": before, "sigma": sigma, "q": q, "p": int(g_star.numel()), "k": int(basis.shape[1]),
+        "weights": str(weights), "loss": before, "sigma": sigma, "q": q, "p": int(g_star.numel()),
+        "k": int(basis.shape[1]),
         "signal_norm": float(g_star.norm()), "signal_kept": float(kept.norm() ** 2 / g_star.norm() ** 2),
         "noise_kept": float(basis.shape[1] / g_star.numel()),
         "snr_step": {m: statistics.mean(v) for m, v in snr.items()},
@@ -213,8 +214,9 @@ def main() -> None:
 
     if args.train:  # first: the diagnosis then also looks at the weights dpsgd and proj end with under Adam 1e-3
         train_runs(cfg, Path(args.runs), seed=1, threads=args.threads, on_run=lambda rows: write(training=rows))
+    ends = [Path(args.runs) / f"{m}-adam-0.001-1" / "model.pt" for m in ("dpsgd", "proj")] if args.train else []
     weights = [Path(w) for w in args.weights] or [Path(ensure_pretrained(cfg, progress=True))] + [
-        p for m in ("dpsgd", "proj") if args.train and (p := Path(args.runs) / f"{m}-adam-0.001-1" / "model.pt").is_file()]
+        p for p in ends if p.is_file()]
     for w in weights:
         point = diagnose(cfg, w, steps=args.steps, signal_batch=args.signal_batch, seed=args.seed)
         write(points=[*result["points"], point])

@@ -203,7 +203,8 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     for setting in settings:
         dpsgd, fpdp = (_pckh(records, method=m, setting=setting, epsilon=0.8, variant="") for m in ("dpsgd", "fpdp"))
         if nonprivate and dpsgd and fpdp:
-            gap = (statistics.mean(fpdp) - statistics.mean(dpsgd)) / (statistics.mean(nonprivate) - statistics.mean(dpsgd))
+            low = statistics.mean(dpsgd)
+            gap = (statistics.mean(fpdp) - low) / (statistics.mean(nonprivate) - low)
             notes.append(f"{setting.capitalize()}: fpdp recovers {gap:.2f} of the gap from dpsgd to the centralized "
                          "non-private run ((fpdp - dpsgd) / (nonprivate - dpsgd)).")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records)])
@@ -292,14 +293,16 @@ def render_proj(data: dict[str, Any]) -> str:
         runs = {(r["optimizer"], r["lr"], r["method"]): r for r in data["training"]}
         starts = {f"{r['start']:.2f}" for r in data["training"] if "start" in r}
         lines += ["", f"Centralized, 30 epochs, epsilon 0.8, seed 1; PCKh@0.5 after training (the start: "
-                      f"{', '.join(sorted(starts))}).", "", "| optimizer | learning rate | dpsgd | proj |", "|---|---|---|---|"]
+                      f"{', '.join(sorted(starts))}).", "", "| optimizer | learning rate | dpsgd | proj |",
+                  "|---|---|---|---|"]
         for optimizer, lr in sorted({(o, lr) for o, lr, _ in runs}, key=lambda t: (t[0], -t[1])):
             cells = []
             for method in ("dpsgd", "proj"):
                 r = runs.get((optimizer, lr, method))
                 cells.append("-" if r is None else f"broke down ({r['failed'].split(' (')[0]})" if "failed" in r
                              else f"{r['pckh']:.2f}")
-            lines.append(f"| {'Adam' if optimizer == 'adam' else 'SGD, momentum 0.9'} | {lr:g} | " + " | ".join(cells) + " |")
+            name = "Adam" if optimizer == "adam" else "SGD, momentum 0.9"
+            lines.append(f"| {name} | {lr:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", _provenance(data)])
 
 

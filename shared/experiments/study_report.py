@@ -267,7 +267,7 @@ def eps_figures(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
         for ax, setting in zip(axes[0], settings):
             for method in PRIVATE_ORDER:
                 pts = sorted((p[3], g) for p, g in groups.items()
-                             if p[0] == setting and p[1] == method and p[2] == strategy and p[4] == clip)
+                             if p[0] == setting and p[1] == method and p[2] == strategy and p[4] == clip and not p[6])
                 if not pts:
                     continue
                 xs = [e for e, _ in pts]
