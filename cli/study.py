@@ -57,9 +57,9 @@ def write_cell(out: Path, cell: Any) -> Path:
     return path
 
 
-# Relative seconds per image (nonprivate = 1), from benchmarks/dp_step.py's step ratios with book-keeping clipping
-# (the public batch and the basis make fdp and fpdp about twice a non-private step): only for the progress bar.
-METHOD_COST = {"nonprivate": 1.0, "psi-only": 1.0, "dpsgd": 1.2, "proj": 1.4, "fdp": 1.9, "fpdp": 2.1}
+# Relative seconds per image (nonprivate = 1), as the study-30 cells took them (full strategy, one thread, the
+# machine shared by two cells): only for the progress bar's time left.
+METHOD_COST = {"nonprivate": 1.0, "psi-only": 1.1, "dpsgd": 2.7, "proj": 3.0, "fdp": 2.6, "fpdp": 3.0}
 FEDERATION_OVERHEAD = 20000.0  # Flower / Ray start-up and per-round evaluation, in nonprivate images
 
 
