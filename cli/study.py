@@ -27,6 +27,7 @@ from typing import Any
 log = logging.getLogger("fedpose")
 
 REPO = Path(__file__).resolve().parents[1]
+CELL_CONFIG = "cell-config.yaml"  # the cell's run config, as the study resolved it
 
 
 def prepare(cells: list[Any], *, progress: bool) -> None:
@@ -46,14 +47,15 @@ def prepare(cells: list[Any], *, progress: bool) -> None:
 
 
 def write_cell(out: Path, cell: Any) -> Path:
-    """The cell's folder with what its process needs: cell.json and config.yaml."""
+    """The cell's folder with what its process needs: cell.json and cell-config.yaml (not config.yaml: a
+    federated cell's folder is its federation's --out, where the server saves the config.yaml it resumes with)."""
     from shared.config import dump_config
     from shared.experiments.study import cell_dir
 
     path = cell_dir(out, cell)
     path.mkdir(parents=True, exist_ok=True)
     (path / "cell.json").write_text(json.dumps(cell.describe(), indent=1))
-    dump_config(cell.config, path / "config.yaml")
+    dump_config(cell.config, path / CELL_CONFIG)
     return path
 
 
@@ -76,11 +78,22 @@ def cost(cell: Any) -> float:
     return cfg.train.epochs * n * factor
 
 
+def portable_metrics(metrics: dict[str, Any], cell: Any) -> dict[str, Any]:
+    """``metrics`` with this machine's absolute paths put back as the cell's config names them (a record is
+    committed and read on other machines)."""
+    metrics = json.loads(json.dumps(metrics))
+    if isinstance(metrics.get("data"), dict) and "root" in metrics["data"]:
+        metrics["data"]["root"] = cell.config.data.root
+    if "checkpoint" in metrics:  # the pretrained baseline's weights
+        metrics["checkpoint"] = str(Path(cell.config.pretrain.out) / Path(metrics["checkpoint"]).name)
+    return metrics
+
+
 def record_cell(out: Path, record: Path, cell: Any) -> None:
     """Keep a finished cell's description and metrics in ``record/<id>.json`` (small: meant to be committed)."""
     from shared.experiments.study import cell_dir
 
-    metrics = json.loads((cell_dir(out, cell) / "metrics.json").read_text())
+    metrics = portable_metrics(json.loads((cell_dir(out, cell) / "metrics.json").read_text()), cell)
     record.mkdir(parents=True, exist_ok=True)
     (record / f"{cell.id}.json").write_text(json.dumps({"cell": cell.describe(), "metrics": metrics}, indent=1) + "\n")
 
@@ -112,7 +125,7 @@ def run_cell(path: Path) -> None:
     spec = json.loads((path / "cell.json").read_text())
     # The thread count ``fedpose study`` gave this cell (cores / jobs, or --threads) is the run's own count: the
     # runtime section is never part of a cell's id, so the cell stays the same point of the grid.
-    cfg = load_config(path / "config.yaml", {"runtime.threads": int(os.environ.get("OMP_NUM_THREADS", "1"))})
+    cfg = load_config(path / CELL_CONFIG, {"runtime.threads": int(os.environ.get("OMP_NUM_THREADS", "1"))})
     if spec["kind"] == "train":
         from shared.runs import run_train
 
@@ -132,7 +145,7 @@ def run_cell(path: Path) -> None:
     elif spec["kind"] == "federated":
         from cli.main import main
 
-        args = ["simulate", "--config", str(path / "config.yaml"), "--out", str(path), "--quiet", "--set",
+        args = ["simulate", "--config", str(path / CELL_CONFIG), "--out", str(path), "--quiet", "--set",
                 f"runtime.threads={cfg.runtime.threads}"]
         if (path / "checkpoint.pt").exists() or (path / "ledger.sqlite").exists():
             args.append("--resume")  # an interrupted federation continues from its checkpoint

@@ -298,12 +298,14 @@ def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, c
     cell_dir(first, cell).mkdir(parents=True)
     pckh = {**{g: 40.0 for g in GROUPS}, "mean": 41.5}
     (cell_dir(first, cell) / "metrics.json").write_text(json.dumps(
-        {"pckh": pckh, "pckh@0.1": {"mean": 12.0}, "epsilon": 0.79, "seconds": 3.0}))
+        {"pckh": pckh, "pckh@0.1": {"mean": 12.0}, "epsilon": 0.79, "seconds": 3.0,
+         "data": {"root": str((tmp_path / "machine" / "ward").resolve())}}))
     record = tmp_path / "record"
     assert main(["study", "--config", str(config), "--out", str(first), "--record", str(record), "--report-only",
                  "--quiet"]) == 0
     kept = json.loads((record / f"{cell.id}.json").read_text())
     assert kept["cell"]["method"] == "dpsgd" and kept["metrics"]["pckh"]["mean"] == 41.5
+    assert kept["metrics"]["data"]["root"] == cell.config.data.root  # as configured: no path of this machine
     second = tmp_path / "second"  # a clean clone: nothing ran there, the record has the cell
     assert main(["study", "--config", str(config), "--out", str(second), "--record", str(record), "--report-only",
                  "--quiet"]) == 0
@@ -317,3 +319,21 @@ def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, c
                  "--report-only", "--quiet"]) != 0
     assert "records another cell than" in capsys.readouterr().err
     assert not (tmp_path / "third" / "cells").exists()
+
+
+def test_relaunching_a_federated_cell_keeps_the_config_its_federation_saved(tmp_path):
+    """A federated cell's folder is also its federation's --out, where the server saves the config it resumes
+    with (config.yaml, absolute paths): launching the cell again must not overwrite that file."""
+    from cli.study import write_cell
+    from shared.experiments.study import cell_dir, expand, load_study
+
+    config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
+                                              settings="[federated]"))
+    cell = expand(load_study(config))[0]
+    out = tmp_path / "out"
+    saved = cell_dir(out, cell) / "config.yaml"
+    saved.parent.mkdir(parents=True)
+    saved.write_text("# the federation's own config, saved by its server\n")
+    path = write_cell(out, cell)
+    assert saved.read_text() == "# the federation's own config, saved by its server\n"
+    assert (path / "cell.json").is_file() and any(p.suffix == ".yaml" and p != saved for p in path.iterdir())
