@@ -193,13 +193,13 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     start = _pckh(records, method="pretrained")
     lines.append(f"| pretrained start (public data only) | {start[0]:.2f} | | |" if start else "| pretrained | - | | |")
     for method in ("psi-only", "nonprivate"):
-        lines.append(f"| {method} (no DP) | {_stat(_pckh(records, method=method))} | | |")
+        lines.append(f"| {method} (no DP) | {_stat(_pckh(records, method=method, variant=''))} | | |")
     variants = sorted({(r["cell"]["method"], r["cell"]["variant"]) for r in records if r["cell"]["variant"]})
     for method, variant in [(m, "") for m in PRIVATE] + variants:
         cells = [_stat(_pckh(records, method=method, setting=s, epsilon=0.8, variant=variant)) for s in settings]
         lines.append(f"| {method}{f' ({variant})' if variant else ''} | " + " | ".join(cells) + " |")
     notes = ["PCKh@0.5 mean ± std (seeds)."]
-    nonprivate = _pckh(records, method="nonprivate")
+    nonprivate = _pckh(records, method="nonprivate", variant="")
     for setting in settings:
         dpsgd, fpdp = (_pckh(records, method=m, setting=setting, epsilon=0.8, variant="") for m in ("dpsgd", "fpdp"))
         if nonprivate and dpsgd and fpdp:
