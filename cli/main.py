@@ -152,6 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from shared.data.face import FACES_FILE
     from shared.data.mpii import load_mpii, prediction_rows
     from shared.metrics import pckh_table
     from shared.model.posenet import load_checkpoint
@@ -162,7 +163,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not ann.is_file():
         raise FileNotFoundError(f"{ann} not found: --data must be a split directory in the MPII json layout")
     heads = args.headboxes or (data / "headboxes.json")
-    records = load_mpii(ann, data / "images", headboxes=heads if Path(heads).exists() else None)
+    faces = data / FACES_FILE
+    records = load_mpii(ann, data / "images", headboxes=heads if Path(heads).exists() else None,
+                        faces=faces if faces.is_file() else None)
     model, _ = load_checkpoint(args.checkpoint)
     report, keypoints, scores = evaluate(model, records, progress=not args.quiet and not args.json)
     if args.predictions:
@@ -172,6 +175,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         print(pckh_table({Path(args.checkpoint).parent.name or "model": report["pckh"]}))
         print(f"PCKh@0.1 mean: {report['pckh@0.1']['mean']:.2f}  ({len(records)} people)")
+        if "face" in report:
+            from shared.face_metrics import face_lines
+
+            print("\n".join(face_lines(report["face"])))
         if args.predictions:
             print(f"predictions: {args.predictions}")
     return 0

@@ -132,6 +132,9 @@ class SitePolicy:
     max_parameters: int = 20_000_000
     max_input_size: tuple[int, int] = (256, 256)
     round_seconds: float | None = None
+    # Face tasks (model.face_tasks) this site trains on its face labels. Under fdp / fpdp those labels are used
+    # without noise like the pose labels, so they are public by the claim; none unless the operator lists them.
+    face_tasks: tuple[str, ...] = ()
     policy_version: int = POLICY_VERSION
 
     def __post_init__(self) -> None:
@@ -192,6 +195,11 @@ class SitePolicy:
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
         if self.round_seconds is not None:
             _positive("round_seconds", self.round_seconds)
+        from shared.data.face import FACE_TASKS
+
+        if any(t not in FACE_TASKS for t in self.face_tasks) or len(set(self.face_tasks)) != len(self.face_tasks):
+            raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
+                             f"{list(FACE_TASKS)}")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -223,6 +231,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_parameters": (int,),
     "max_input_size": (list, tuple),
     "round_seconds": (int, float, type(None)),
+    "face_tasks": (list, tuple),
 }
 _FLOATS = ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm", "psi_min", "min_sigma", "round_seconds")
 
@@ -265,6 +274,10 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
         if not all(isinstance(m, str) for m in values["methods"]):
             raise ValueError(f"site policy: methods={values['methods']!r} must be a list of method names")
         values["methods"] = tuple(values["methods"])
+    if "face_tasks" in values:
+        if not all(isinstance(t, str) for t in values["face_tasks"]):
+            raise ValueError(f"site policy: face_tasks={values['face_tasks']!r} must be a list of task names")
+        values["face_tasks"] = tuple(values["face_tasks"])
     if "max_input_size" in values:
         values["max_input_size"] = tuple(values["max_input_size"])
     for key in _FLOATS:

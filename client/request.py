@@ -36,6 +36,10 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if method not in policy.methods:
         raise Refusal(RefusalCode.POLICY,
                       f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
+    extra = [t for t in cfg.model.face_tasks if t not in policy.face_tasks]
+    if extra:  # their labels would be used (and, under Feature-DP, treated as public) without the operator's say
+        raise Refusal(RefusalCode.POLICY, f"face tasks {extra} are not allowed by this site (allows "
+                                          f"{list(policy.face_tasks)})")
     if cfg.privacy.unit != policy.unit:  # its q, clipping and claim are per unit (issue #11)
         raise Refusal(RefusalCode.POLICY, f"privacy unit {cfg.privacy.unit!r} is not this site's {policy.unit!r}")
     if request.sample_rate != policy.sample_rate:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.federation_messages import RefusalCode
+from shared.privacy.claims import public_labels
 
 RECENT = 25  # rows and refusals shown
 
@@ -39,7 +40,8 @@ def plain_policy(policy: Any) -> list[str]:
     if methods & {"fdp", "fpdp"}:
         kind = "a Gaussian blur" if policy.psi == "blur" else "a pixelation"
         lines.append(f"With fdp or fpdp it is Feature-DP, not record-level DP: {kind} of each image (strength at "
-                     f"least {policy.psi_min:g} of its shorter side) and the pose labels are treated as public and "
+                     f"least {policy.psi_min:g} of its shorter side) and {public_labels(policy.face_tasks)} are "
+                     "treated as public and "
                      "may be revealed by the model; only what the blur removes is protected.")
     lines.append(f"The server sees what this policy declares: the sample rate q = {policy.sample_rate:g} and the "
                  f"expected batch B = {policy.expected_batch:g} (together about B / q = "

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.runtime_base import Runtime
+from shared.model.face_decode import FACE_OUTPUTS
 
 
 # What ``fedpose edge run --device`` asks onnxruntime for, in order of preference (onnxruntime falls back along
@@ -80,11 +81,11 @@ class OnnxRuntime(Runtime):
         self._batch = int(shape[0]) if isinstance(shape[0], int) else None
         self._half = "float16" in inputs[0].type
         self.providers = self._session.get_providers()
+        self.face_outputs = tuple(n for n in FACE_OUTPUTS.values() if n in names)
 
-    def _run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, x: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         feed = x.astype(np.float16) if self._half else x
-        sx, sy = self._session.run(["simcc_x", "simcc_y"], {self._input_name: feed})
-        return sx, sy
+        return dict(zip(names, self._session.run(list(names), {self._input_name: feed})))
 
     def close(self) -> None:
         self._session = None

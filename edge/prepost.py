@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import cv2
 import numpy as np
@@ -125,6 +126,39 @@ def postprocess(
         inv = invert_affine(m)
         out[i] = kp_input[i] @ inv[:, :2].T + inv[:, 2]
     return out.astype(np.float32), scores
+
+
+def face_to_frame(face: dict[str, np.ndarray], matrices: np.ndarray) -> list[dict[str, Any]]:
+    """Decoded face outputs (``shared.model.face_decode.decode_face``, input px) -> one JSON-ready dict per crop
+    in frame pixels.
+
+    Keys, as the model has the tasks: presence (probability), box [x1, y1, x2, y2] (the hull of the mapped
+    box), landmarks 5 x [x, y, visibility probability] (right eye, left eye, nose, right and left mouth
+    corner), head_pose [yaw, pitch, roll] degrees (the crop is not rotated, so the angles hold in the frame),
+    attribute (class index) and attribute_probability.
+    """
+    mats = np.asarray(matrices, dtype=np.float64).reshape(-1, 2, 3)
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(mats):
+        inv = invert_affine(m)
+        to_frame = lambda pts: np.asarray(pts, np.float64) @ inv[:, :2].T + inv[:, 2]  # noqa: E731
+        rec: dict[str, Any] = {}
+        if "presence" in face:
+            x1, y1, x2, y2 = face["box"][i]
+            corners = to_frame([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+            rec["presence"] = round(float(face["presence"][i]), 4)
+            rec["box"] = [round(float(v), 2) for v in (*corners.min(axis=0), *corners.max(axis=0))]
+        if "landmarks" in face:
+            pts = to_frame(face["landmarks"][i])
+            rec["landmarks"] = [[round(float(x), 2), round(float(y), 2), round(float(v), 4)]
+                                for (x, y), v in zip(pts, face["landmark_visibility"][i])]
+        if "head_pose" in face:
+            rec["head_pose"] = [round(float(v), 2) for v in face["head_pose"][i]]
+        if "attribute" in face:
+            rec["attribute"] = int(face["attribute"][i])
+            rec["attribute_probability"] = [round(float(v), 4) for v in face["attribute_probability"][i]]
+        out.append(rec)
+    return out
 
 
 def box_from_keypoints(

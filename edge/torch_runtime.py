@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.runtime_base import Runtime
+from shared.model.face_decode import FACE_OUTPUTS, ordered, split_face
 
 
 class TorchRuntime(Runtime):
@@ -30,13 +31,21 @@ class TorchRuntime(Runtime):
         self._device = torch.device(device)
         self._input_size = tuple(int(v) for v in model.input_size)
         self.split_ratio = float(model.cfg.split_ratio)
+        self.face_outputs = tuple(FACE_OUTPUTS[t] for t in ordered(model.cfg.face_tasks))
 
-    def _run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, x: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         import torch
 
+        cfg = self._model.cfg
         with torch.inference_mode():
-            sx, sy, _ = self._model(torch.from_numpy(x).to(self._device))
-        return sx.cpu().numpy(), sy.cpu().numpy()
+            images = torch.from_numpy(x).to(self._device)
+            if any(n in self.face_outputs for n in names):
+                sx, sy, _, face = self._model.forward_with_face(images)
+                out = split_face(face.cpu().numpy(), cfg.face_tasks, cfg.face_attributes)
+            else:
+                (sx, sy, _), out = self._model(images), {}
+        out.update(simcc_x=sx.cpu().numpy(), simcc_y=sy.cpu().numpy())
+        return {n: out[n] for n in names}
 
     def close(self) -> None:
         self._model = None

@@ -26,6 +26,7 @@ import numpy as np
 
 from edge.runtime_base import Runtime
 from edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
+from shared.model.face_decode import FACE_OUTPUTS
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +143,14 @@ class TensorRTRuntime(Runtime):
         except TypeError as err:  # e.g. BF16, which numpy has no type for
             raise ValueError(f"{self.model_path}: an I/O tensor type numpy cannot hold ({err}); export FP32 or FP16 "
                              "I/O") from err
+        self.face_outputs = tuple(n for n in FACE_OUTPUTS.values() if n in self._outputs)
         self._stream = _check(cudart, cudart.cudaStreamCreate(), "stream creation")
         self._buffers = DeviceBuffers(cudart)
 
-    def _run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, x: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         if self._batch is None and x.shape[0] > self._max_batch:  # beyond the profile: chunk
-            parts = [self._run(x[i : i + self._max_batch]) for i in range(0, x.shape[0], self._max_batch)]
-            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+            parts = [self._run(x[i : i + self._max_batch], names) for i in range(0, x.shape[0], self._max_batch)]
+            return {n: np.concatenate([p[n] for p in parts]) for n in names}
         cudart, ctx, stream = self._cudart, self._context, self._stream
         in_shape = (x.shape[0], 3, *self._input_size)
         if not ctx.set_input_shape(self._input, in_shape):
@@ -164,13 +166,13 @@ class TensorRTRuntime(Runtime):
             ctx.set_tensor_address(name, self._buffers.get(name, host_out[name].nbytes))
         if not ctx.execute_async_v3(int(stream)):
             raise RuntimeError(f"TensorRT failed to enqueue {self.model_path}")
-        for name in ("simcc_x", "simcc_y"):
+        for name in names:
             out = host_out[name]
             _check(cudart, cudart.cudaMemcpyAsync(out.ctypes.data, self._buffers.get(name, out.nbytes), out.nbytes,
                                                   cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream),
                    f"copy of {name} to the host")
         _check(cudart, cudart.cudaStreamSynchronize(stream), "stream synchronisation")
-        return host_out["simcc_x"].astype(np.float32), host_out["simcc_y"].astype(np.float32)
+        return {name: host_out[name].astype(np.float32) for name in names}
 
     def close(self) -> None:
         buffers = getattr(self, "_buffers", None)

@@ -350,7 +350,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     claim = privacy_claim(method=cfg.train.method, epsilon=epsilon, delta=delta, psi=psi, seeded=seeded,
                           accountant=cfg.privacy.accountant, released=federation_release(cfg), unit=cfg.privacy.unit,
                           records_per_patient=patient_records,
-                          records_source="the largest cap the sites' policies state")
+                          records_source="the largest cap the sites' policies state", face_tasks=cfg.model.face_tasks)
     initial = ledger.get_meta("initial_pckh_mean")
     metrics = {
         "federation": federation,

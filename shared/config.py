@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 from shared.config_build import build_dataclass
 from shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from shared.data.face import FACE_TASKS
 from shared.data.synth import WardSpec
 from shared.errors import ConfigError
 from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
@@ -31,6 +32,7 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MAX_INPUT_SIDE = 2048  # px per side of the model input (the paper uses 256 x 192)
 MAX_HIDDEN = 4096  # width of the SimCC head's hidden layer
 MAX_JOINT_CHANNELS = 1024
+MAX_FACE_ATTRIBUTES = 64
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,18 @@ class ModelConfig:
     hidden: int = 128
     task_uncertainty: bool = True
     vis_weight: float = 0.1  # used only when task_uncertainty is off
+    # DPLH's face tasks as extra heads on the same trunk (docs/explanation/face-tasks.md); empty: body pose only.
+    face_tasks: tuple[str, ...] = ()
+    face_attributes: int = 4  # classes of the attribute head (the ward's face cue: plain, glasses, beard, mask)
 
     def __post_init__(self) -> None:
+        unknown = [t for t in self.face_tasks if t not in FACE_TASKS]
+        if unknown or len(set(self.face_tasks)) != len(self.face_tasks):
+            raise ConfigError(f"model.face_tasks: choose distinct tasks from {list(FACE_TASKS)}, got "
+                              f"{list(self.face_tasks)}")
+        if not 2 <= self.face_attributes <= MAX_FACE_ATTRIBUTES:
+            raise ConfigError(f"model.face_attributes: must be in [2, {MAX_FACE_ATTRIBUTES}], got "
+                              f"{self.face_attributes}")
         if self.split_ratio <= 0:
             raise ConfigError(f"model.split_ratio: must be > 0, got {self.split_ratio}")
         if len(self.sigma) != 2 or min(self.sigma) <= 0:

@@ -16,8 +16,12 @@ from shared.model.simcc import decode_simcc
 
 
 @torch.no_grad()
-def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order."""
+def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False,
+            face_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order.
+
+    ``face_out``: a list the face head's (B, D) outputs are appended to, batch by batch (models with face tasks).
+    """
     device = next(model.parameters()).device
     model.eval()
     pts, scores = [], []
@@ -25,7 +29,11 @@ def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progr
     for start in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
         idx = list(range(start, min(start + batch_size, n)))
         batch = dataset.batch(idx)
-        x_logits, y_logits, _ = model(batch["image"].to(device))
+        if face_out is not None:
+            x_logits, y_logits, _, face = model.forward_with_face(batch["image"].to(device))
+            face_out.append(face.cpu().numpy())
+        else:
+            x_logits, y_logits, _ = model(batch["image"].to(device))
         kp, sc = decode_simcc(x_logits.cpu().numpy(), y_logits.cpu().numpy(), split_ratio=model.cfg.split_ratio)
         pts.append(kp)
         scores.append(sc)
@@ -38,17 +46,39 @@ def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progr
 def evaluate(
     model: PoseNet, records: list[PoseRecord], *, batch_size: int = 64, progress: bool = False
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores)."""
+    """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores).
+
+    A model with face tasks also gets ``report["face"]`` (``shared.face_metrics.face_report``, in the input
+    crop's pixels) over the records that carry face labels.
+    """
     from shared.data.transforms import inverse_transform, record_boxes
 
     if not records:
         raise ValueError("nothing to evaluate: the split has no records")
     if any(r.headbox is None for r in records):
         raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
-    dataset = PoseDataset(records, input_size=model.input_size, augment=None)
-    kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress)
+    faces = model.face_head is not None
+    dataset = PoseDataset(records, input_size=model.input_size, augment=None, face_tasks=faces)
+    face_out: list[np.ndarray] | None = [] if faces else None
+    kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress, face_out=face_out)
     kp_image = inverse_transform(kp_input, *record_boxes(records), model.input_size)
     gt = np.stack([r.joints for r in records])
     vis = np.stack([r.visible for r in records])
     heads = np.stack([r.headbox for r in records])
-    return pckh_report(kp_image, gt, vis, heads), kp_image, scores
+    report: dict[str, Any] = pckh_report(kp_image, gt, vis, heads)
+    if face_out is not None:
+        report["face"] = _face_report(model, dataset, np.concatenate(face_out))
+    return report, kp_image, scores
+
+
+def _face_report(model: PoseNet, dataset: PoseDataset, out: np.ndarray) -> dict[str, Any]:
+    from shared.face_metrics import face_report
+    from shared.model.face_decode import decode_face, split_face
+
+    labels = dataset.batch(range(len(dataset)))  # the canonical crops' face labels (no augmentation)
+    truth = {"labelled": labels["face_labelled"].numpy() > 0, "present": labels["face_present"].numpy() > 0,
+             "box": labels["face_box"].numpy(), "landmarks": labels["face_landmarks"].numpy(),
+             "visible": labels["face_visible"].numpy() > 0, "head_pose": labels["head_pose"].numpy(),
+             "attribute": labels["face_attribute"].numpy()}
+    pred = decode_face(split_face(out, model.cfg.face_tasks, model.cfg.face_attributes), input_size=model.input_size)
+    return face_report(pred, truth, input_size=model.input_size)

@@ -23,7 +23,7 @@ from shared.data.records import PoseRecord
 from shared.data.split import check_disjoint, check_no_duplicates
 from shared.data.dataset import PoseDataset
 from shared.data.digest import data_identity
-from shared.data.synth import ensure_ward
+from shared.data.synth import ensure_faces, ensure_ward
 from shared.data.transforms import Augment
 from shared.model.posenet import (
     PoseNet,
@@ -73,7 +73,11 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
             raise FileNotFoundError(f"{root} has no split {', '.join(missing)} (each needs annotations.json and "
                                     f"images/).{hint}")
         return root
-    return ensure_ward(root, cfg.data.synth, progress=progress)
+    ward = ensure_ward(root, cfg.data.synth, progress=progress)
+    if cfg.model.face_tasks:  # the face labels are a sidecar, written on first use
+        for split in dict.fromkeys([*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split]):
+            ensure_faces(ward, cfg.data.synth, split)
+    return ward
 
 
 def begin(cfg: Config) -> None:
@@ -154,7 +158,8 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
         load_tinyvit_weights(model, init)
     model = model.to(device)
     augment = Augment(photometric=cfg.pretrain.photometric) if cfg.data.augment else None
-    dataset = PoseDataset(public, input_size=cfg.data.input_size, augment=augment, seed=cfg.pretrain.seed)
+    dataset = PoseDataset(public, input_size=cfg.data.input_size, augment=augment, seed=cfg.pretrain.seed,
+                          face_tasks=bool(cfg.model.face_tasks))
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
     final_loss = pretrain_loop(
         model, dataset, steps=steps, batch_size=cfg.pretrain.batch_size, lr=cfg.pretrain.lr,
@@ -302,6 +307,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         records_per_patient=cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
         records_source=group_source,
         psi_dp=(cfg.privacy.psi_eps, cfg.privacy.psi_m) if cfg.privacy.psi == "dp-pixelize" else None,
+        face_tasks=cfg.model.face_tasks,
     )
     report, _, _ = evaluate(model, val, progress=progress)
     metrics = {

@@ -343,7 +343,8 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 
 def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:
     augment = Augment() if (train and cfg.data.augment) else None
-    return PoseDataset(records, input_size=cfg.data.input_size, augment=augment, seed=seed)
+    return PoseDataset(records, input_size=cfg.data.input_size, augment=augment, seed=seed,
+                       face_tasks=bool(cfg.model.face_tasks))
 
 
 def config_fingerprint(cfg: Config, *sections: str) -> dict[str, Any]:

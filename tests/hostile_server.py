@@ -162,6 +162,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
         send("unknown-field", train(round=2, extra={"seed": 7}))
         send("other-site", train(round=2, site="hospital-z"))
         send("input-oversized", train(round=2, config=with_cfg(**{"data.input_size": [512, 512]})))
+        # Face tasks the site's policy does not list: their labels would be used (public under fpdp) unasked.
+        send("face-tasks", train(round=2, config=with_cfg(**{"model.face_tasks": ["attribute"]})))
         send("replay-1", train(round=1))
         # The server asks for every per-sample gradient at once; the site keeps its own chunk size (P13).
         send("honest-2", train(round=2, config=with_cfg(**{"privacy.chunk_size": 100000})))

@@ -42,6 +42,7 @@ EXPECTED = {
     "other-site": RefusalCode.BAD_REQUEST,
     "round-beyond-policy": RefusalCode.BUDGET,
     "input-oversized": RefusalCode.POLICY,
+    "face-tasks": RefusalCode.POLICY,
 }
 
 

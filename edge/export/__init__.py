@@ -40,6 +40,7 @@ from edge.export.spec import (
     Batch,
     ExportError,
     ExportReport,
+    export_outputs,
     parse_batch,
     parse_input_size,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "TRT10_ONNX_OPS",
     "check_qdq_zero_points",
     "export_onnx",
+    "export_outputs",
     "fold_constants",
     "nonconstant_restricted_inputs",
     "parse_batch",

@@ -14,8 +14,9 @@ import torch
 
 from edge.export.fold import fold_constants
 from edge.export.parity import verify_onnx
-from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OPSET, OUTPUT_NAMES, Batch, ExportError, ExportReport
+from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OPSET, Batch, ExportError, ExportReport, export_outputs
 from edge.export.trt_ops import nonconstant_restricted_inputs, unsupported_ops
+from shared.model.face_decode import face_slices, ordered
 from shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def export_onnx(
     dtype = torch.float16 if fp16 else torch.float32
     export_model = _copy_to(model, dtype)
     example = torch.rand(1 if batch == "dynamic" else batch, 3, h, w, dtype=dtype)
-    dynamic_axes = {name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)} if batch == "dynamic" else None
+    outputs = export_outputs(model)
+    dynamic_axes = {name: {0: "batch"} for name in (INPUT_NAME, *outputs)} if batch == "dynamic" else None
     tmp = out.with_suffix(".tmp.onnx")
     try:
         with warnings.catch_warnings():
@@ -82,11 +84,11 @@ def export_onnx(
             warnings.simplefilter("ignore")
             with torch.no_grad():
                 torch.onnx.export(
-                    export_model,
+                    exported_module(export_model),
                     (example,),
                     str(tmp),
                     input_names=[INPUT_NAME],
-                    output_names=list(OUTPUT_NAMES),
+                    output_names=list(outputs),
                     opset_version=opset,
                     dynamic_axes=dynamic_axes,
                     do_constant_folding=True,
@@ -99,6 +101,9 @@ def export_onnx(
             "fedpose.split_ratio": repr(float(model.cfg.split_ratio)),
             "fedpose.variant": model.cfg.variant,
         }
+        if model.face_head is not None:
+            meta["fedpose.face_tasks"] = ",".join(ordered(model.cfg.face_tasks))
+            meta["fedpose.face_attributes"] = str(model.cfg.face_attributes)
         for key, value in meta.items():
             entry = proto.metadata_props.add()
             entry.key, entry.value = key, value
@@ -145,6 +150,27 @@ def export_onnx(
         nonconstant_inputs=tuple(nonconst),
         fp16=fp16,
     )
+
+
+class ExportedOutputs(torch.nn.Module):
+    """What the exported graph computes: the pose outputs, then each face task's block as its own output."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        cfg = model.cfg
+        self.slices = list(face_slices(cfg.face_tasks, cfg.face_attributes).values()) if cfg.face_tasks else []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.slices:
+            return self.model(x)
+        sx, sy, vis, face = self.model.forward_with_face(x)
+        return (sx, sy, vis, *[face[:, sl] for sl in self.slices])
+
+
+def exported_module(model: PoseNet) -> torch.nn.Module:
+    """The module the graph is traced from: the model itself when it has no face tasks (its graph as always)."""
+    return ExportedOutputs(model) if model.face_head is not None else model
 
 
 def _copy_to(model: PoseNet, dtype: torch.dtype) -> torch.nn.Module:

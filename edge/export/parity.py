@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OUTPUT_NAMES, ExportError
+from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, ExportError, export_outputs
 from shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
@@ -24,11 +24,14 @@ def verify_onnx(
     seed: int = 0,
     relative: bool = False,
 ) -> float:
-    """Max |onnxruntime - PyTorch| over all three outputs on random images; raises above ``tolerance``.
+    """Max |onnxruntime - PyTorch| over every output (pose, and face when the model has face tasks) on random
+    images; raises above ``tolerance``.
 
     ``relative``: divide by the largest |logit| (used for fp16 files).
     """
     import onnxruntime as ort
+
+    from edge.export.exporter import exported_module
 
     rng = np.random.default_rng(seed)
     h, w = model.input_size
@@ -41,10 +44,11 @@ def verify_onnx(
     for n in batch_sizes:
         x = rng.random((n, 3, h, w), dtype=np.float32)
         with torch.no_grad():
-            ref = [t.numpy() for t in model.eval()(torch.from_numpy(x))]
+            ref = [t.numpy() for t in exported_module(model.eval())(torch.from_numpy(x))]
         feed = x.astype(np.float16) if "float16" in input_type else x
-        got = session.run(list(OUTPUT_NAMES), {INPUT_NAME: feed})
-        for name, r, g in zip(OUTPUT_NAMES, ref, got):
+        names = export_outputs(model)
+        got = session.run(list(names), {INPUT_NAME: feed})
+        for name, r, g in zip(names, ref, got, strict=True):
             if r.shape != g.shape:
                 raise ExportError(f"{onnx_path}: output {name} has shape {g.shape}, PyTorch gives {r.shape}")
             d = float(np.abs(r - g.astype(np.float32)).max())

@@ -10,7 +10,7 @@ from typing import Literal
 
 OPSET = 17
 INPUT_NAME = "image"
-OUTPUT_NAMES = ("simcc_x", "simcc_y", "visibility")
+OUTPUT_NAMES = ("simcc_x", "simcc_y", "visibility")  # then a model's face outputs (``export_outputs``)
 DEFAULT_TOLERANCE = 1e-4
 
 Batch = int | Literal["dynamic"]
@@ -57,3 +57,11 @@ def parse_input_size(value: str) -> tuple[int, int]:
     if h < 32 or w < 32:
         raise ValueError(f"--input must be at least 32x32, got {value!r}")
     return h, w
+
+
+def export_outputs(model: object) -> tuple[str, ...]:
+    """The output names of ``model``'s export: the pose outputs, then one per face task it has."""
+    from shared.model.face_decode import FACE_OUTPUTS, ordered
+
+    cfg = getattr(model, "cfg", None)
+    return OUTPUT_NAMES + tuple(FACE_OUTPUTS[t] for t in ordered(getattr(cfg, "face_tasks", ())))

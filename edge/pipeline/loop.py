@@ -28,7 +28,8 @@ from edge.pipeline.outputs import (
 )
 from edge.pipeline.source import FrameSource
 from edge.pipeline.tracking import BoxTracker, _external_box
-from edge.prepost import postprocess, preprocess
+from edge.prepost import face_to_frame, postprocess, preprocess
+from shared.model.face_decode import decode_face
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
 
     Writes ``keypoints.jsonl`` (one JSON object per frame: frame, timestamp
     (Unix s), pos_ms (source position), box [x, y, w, h], box_source,
-    keypoints 16 x [x, y, score], latency_ms), optionally the annotated
+    keypoints 16 x [x, y, score], latency_ms, and face when the model has face tasks:
+    ``edge.prepost.face_to_frame``), optionally the annotated
     video and the pixelized frames (until ``max_eps`` is reached), and
     ``summary.json``. Returns the run's report.
     """
@@ -102,12 +104,18 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                 t0 = time.perf_counter()
                 box, box_source = _external_box(options.boxes, index, size) or tracker.box(size)
                 batch, mats = preprocess(frame, box[None], runtime.input_size)
-                sx, sy = runtime.infer(batch)
+                face = None
+                if runtime.face_outputs:
+                    outs = runtime.infer_all(batch)
+                    sx, sy = outs["simcc_x"], outs["simcc_y"]
+                    face = face_to_frame(decode_face(outs, input_size=runtime.input_size), mats)[0]
+                else:
+                    sx, sy = runtime.infer(batch)
                 kps, scores = postprocess(sx, sy, mats, runtime.input_size)
                 latency = (time.perf_counter() - t0) * 1000.0
                 tracker.update(kps[0], scores[0], size)
                 report.latencies_ms.append(latency)
-                record = _frame_record(index, pos_ms, box, box_source, kps[0], scores[0], latency)
+                record = _frame_record(index, pos_ms, box, box_source, kps[0], scores[0], latency, face)
                 jsonl.write(json.dumps(record) + "\n")
 
                 published = frame
@@ -165,6 +173,7 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
             shown=options.show,
             overlay=options.overlay,
             store=options.store,
+            face_outputs=tuple(runtime.face_outputs),
         )
     if out_dir.is_dir():
         (out_dir / SUMMARY_FILE).write_text(json.dumps(report.to_dict(), indent=1) + "\n")

@@ -53,6 +53,7 @@ def release_claim(
     shown: bool = False,
     overlay: bool = False,
     store: str = "npz",
+    face_outputs: tuple[str, ...] = (),
 ) -> str:
     """The printed edge claim of a pixelized run: the DP statement, then every output the run released.
 
@@ -74,7 +75,9 @@ def release_claim(
     if keypoints_file:
         lines.append(
             f"- {keypoints_file}: per frame the 16 keypoints (x, y, score), the person box and its source, "
-            "timestamps and latency, computed from the raw frames: NOT protected by the pixelization guarantee "
+            + (f"the face outputs ({', '.join(face_outputs)}: face box, landmarks, head pose or attribute as the "
+               "model has them), " if face_outputs else "")
+            + "timestamps and latency, computed from the raw frames: NOT protected by the pixelization guarantee "
             "(no DP at all)."
         )
     for what, name in (("video", video_file), ("display (--show)", "window" if shown else None)):
@@ -92,10 +95,11 @@ def release_claim(
 
 
 def _frame_record(
-    index: int, pos_ms: float, box: np.ndarray, box_source: str, kps: np.ndarray, scores: np.ndarray, latency: float
+    index: int, pos_ms: float, box: np.ndarray, box_source: str, kps: np.ndarray, scores: np.ndarray, latency: float,
+    face: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     joints = [[round(float(x), 2), round(float(y), 2), round(float(s), 4)] for (x, y), s in zip(kps, scores)]
-    return {
+    record = {
         "frame": index,
         "timestamp": round(time.time(), 4),
         "pos_ms": round(pos_ms, 2),
@@ -104,6 +108,9 @@ def _frame_record(
         "keypoints": joints,
         "latency_ms": round(latency, 3),
     }
+    if face is not None:
+        record["face"] = face
+    return record
 
 
 def _pixelize_frame(

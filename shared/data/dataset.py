@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from shared.data.face import NUM_LANDMARKS
 from shared.data.joints import NUM_JOINTS
 from shared.data.records import PoseRecord, inside
 from shared.data.transforms import (
@@ -26,6 +27,7 @@ from shared.data.transforms import (
     flip_horizontal,
     photometric_jitter,
     sample_augment,
+    transform_face,
     warp_image,
     warp_points,
 )
@@ -33,6 +35,9 @@ from shared.data.transforms import (
 log = logging.getLogger(__name__)
 
 KEYS = ("image", "joints", "visible", "index")
+# With face_tasks: whether the record has face labels at all, then the labels in input pixels / degrees.
+FACE_KEYS = ("face_labelled", "face_present", "face_box", "face_landmarks", "face_visible", "head_pose",
+             "face_attribute")
 
 
 def read_image(path: str) -> np.ndarray:
@@ -49,7 +54,17 @@ def collate(items: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Stack a non-empty list of dataset items into a batch (use ``PoseDataset.batch`` for empty ones)."""
     if not items:
         raise ValueError("collate needs at least one item; PoseDataset.batch([]) returns an empty batch")
-    return {key: torch.stack([item[key] for item in items]) for key in KEYS}
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def _empty_face(n: int, *, squeeze: bool = False) -> dict[str, Tensor]:
+    """Face items of ``n`` records without face labels (``squeeze``: one item, no batch axis)."""
+    shapes = {"face_labelled": (), "face_present": (), "face_box": (4,), "face_landmarks": (NUM_LANDMARKS, 2),
+              "face_visible": (NUM_LANDMARKS,), "head_pose": (3,)}
+    lead = () if squeeze else (n,)
+    out = {key: torch.zeros(lead + shape) for key, shape in shapes.items()}
+    out["face_attribute"] = torch.full(lead, -1, dtype=torch.int64)
+    return out
 
 
 class PoseDataset(Dataset):
@@ -61,6 +76,9 @@ class PoseDataset(Dataset):
     Generator owned by the dataset (``seed``; OS entropy when None), not from
     global state. With DataLoader workers pass ``worker_init_fn=
     PoseDataset.worker_init`` so that workers do not repeat one stream.
+
+    face_tasks adds the face labels (``FACE_KEYS``, ``shared.data.face``) moved with the crop; a record
+    without face labels gets ``face_labelled`` 0 and no face loss.
 
     cache_images keeps decoded images in memory (fine for the 128 px ward; for
     full-size MPII/COCO it costs ~2.7 MB per image).
@@ -74,6 +92,7 @@ class PoseDataset(Dataset):
         augment: Augment | None,
         seed: int | None = None,
         cache_images: bool = True,
+        face_tasks: bool = False,
     ) -> None:
         if len(input_size) != 2 or min(input_size) < 1:
             raise ValueError(f"input_size must be (H, W) with positive entries, got {input_size}")
@@ -84,6 +103,7 @@ class PoseDataset(Dataset):
         self.augment = augment
         self.rng = np.random.default_rng(seed)
         self.cache_images = cache_images
+        self.face_tasks = bool(face_tasks)
         self._cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -99,6 +119,10 @@ class PoseDataset(Dataset):
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Numpy view of one item: (crop (H, W, 3) uint8 BGR, joints (16, 2) float32, visible (16,) bool)."""
+        return self._sample(index)[:3]
+
+    def _sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool]:
+        """``sample`` plus the augmentation drawn: the (2, 3) matrix, the rotation (degrees) and the flip."""
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)} records")
         record = self.records[index]
@@ -116,22 +140,42 @@ class PoseDataset(Dataset):
             crop = photometric_jitter(crop, self.rng, self.augment.photometric)
         visible &= inside(joints, self.input_size)
         joints[~visible] = 0.0
-        return crop, joints, visible
+        return crop, joints, visible, matrix, float(rotation), bool(flip)
+
+    def _face_items(self, index: int, matrix: np.ndarray, rotation: float, flip: bool) -> dict[str, Tensor]:
+        face = self.records[index].face
+        if face is None:
+            return _empty_face(1, squeeze=True)
+        present, box, points, visible, pose = transform_face(
+            face, matrix, rotation=rotation, flip_width=self.input_size[1] if flip else None, size_hw=self.input_size)
+        return {
+            "face_labelled": torch.tensor(1.0),
+            "face_present": torch.tensor(float(present)),
+            "face_box": torch.from_numpy(box),
+            "face_landmarks": torch.from_numpy(points),
+            "face_visible": torch.from_numpy(visible.astype(np.float32)),
+            "head_pose": torch.from_numpy(pose),
+            "face_attribute": torch.tensor(face.attribute, dtype=torch.int64),
+        }
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        crop, joints, visible = self.sample(int(index))
+        crop, joints, visible, matrix, rotation, flip = self._sample(int(index))
         rgb = cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
         image = torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0)  # (3, H, W)
-        return {
+        item = {
             "image": image,
             "joints": torch.from_numpy(joints),
             "visible": torch.from_numpy(visible.astype(np.float32)),
             "index": torch.tensor(int(index), dtype=torch.int64),
         }
+        if self.face_tasks:
+            item.update(self._face_items(int(index), matrix, rotation, flip))
+        return item
 
     def canonical(self) -> PoseDataset:
         """The same records without augmentation (sharing the decoded-image cache): each record's canonical crop."""
-        view = PoseDataset(self.records, input_size=self.input_size, augment=None, cache_images=self.cache_images)
+        view = PoseDataset(self.records, input_size=self.input_size, augment=None, cache_images=self.cache_images,
+                           face_tasks=self.face_tasks)
         view._cache = self._cache
         return view
 
@@ -139,12 +183,13 @@ class PoseDataset(Dataset):
         """Items at ``indices`` stacked; an empty list gives correctly shaped empty tensors."""
         if len(indices) == 0:
             height, width = self.input_size
-            return {
+            empty = {
                 "image": torch.empty((0, 3, height, width), dtype=torch.float32),
                 "joints": torch.empty((0, NUM_JOINTS, 2), dtype=torch.float32),
                 "visible": torch.empty((0, NUM_JOINTS), dtype=torch.float32),
                 "index": torch.empty((0,), dtype=torch.int64),
             }
+            return {**empty, **_empty_face(0)} if self.face_tasks else empty
         return collate([self[int(i)] for i in indices])
 
     @staticmethod

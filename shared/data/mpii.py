@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
+from shared.data.face import FACES_FILE, read_faces
 from shared.data.joints import NUM_JOINTS
 from shared.data.patients import patient_sidecar, read_patient_ids
 from shared.data.records import PoseRecord, open_image, sanitize_joints
@@ -149,6 +150,7 @@ def load_mpii(
     *,
     headboxes: str | Path | None = None,
     patients: str | Path | None = None,
+    faces: str | Path | None = None,
 ) -> list[PoseRecord]:
     """Read an MPII-layout annotation json into records (0-based pixels).
 
@@ -160,6 +162,7 @@ def load_mpii(
             with the val json order). The count must match the annotations.
         patients: None, or a sidecar json list with one patient id per annotation
             (``shared.data.patients``); the count must match the annotations.
+        faces: None, or a ``faces.json`` sidecar (``shared.data.face``) aligned with the annotations.
 
     Every image must exist (checked here, so a training run does not die
     hours later); its header is read to drop joints outside the image.
@@ -176,6 +179,7 @@ def load_mpii(
         raise ValueError(f"{ann_path}: expected a json list of annotations, got {type(entries).__name__}")
     boxes = _load_headboxes(headboxes, len(entries)) if headboxes is not None else [None] * len(entries)
     ids = read_patient_ids(patients, len(entries)) if patients is not None else [None] * len(entries)
+    face_labels = read_faces(faces, len(entries))[0] if faces is not None else [None] * len(entries)
 
     records: list[PoseRecord] = []
     sizes: dict[Path, tuple[int, int]] = {}
@@ -204,7 +208,8 @@ def load_mpii(
         clean, visible = sanitize_joints(joints, vis > 0, sizes[path])
         dropped += int((vis > 0).sum() - visible.sum())
         try:
-            records.append(PoseRecord(path, center, scale, clean, visible, boxes[i], patient=ids[i]))
+            records.append(PoseRecord(path, center, scale, clean, visible, boxes[i], patient=ids[i],
+                                       face=face_labels[i]))
         except ValueError as err:
             raise ValueError(f"{ann_path}: entry {i} ({name}): {err}") from err
     if dropped:
@@ -249,5 +254,6 @@ def load_split(root: str | Path, split: str) -> list[PoseRecord]:
             if Path(root).is_dir() else []
         raise FileNotFoundError(f"no split {split!r} under {root} (missing {ann}); available: {available}")
     heads = split_dir / "headboxes.json"
+    faces = split_dir / FACES_FILE
     return load_mpii(ann, split_dir / "images", headboxes=heads if heads.is_file() else None,
-                     patients=patient_sidecar(split_dir))
+                     patients=patient_sidecar(split_dir), faces=faces if faces.is_file() else None)

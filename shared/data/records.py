@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.data.face import FaceLabels
 from shared.data.joints import NUM_JOINTS
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class PoseRecord:
         patient: optional id of the person shown (the privacy unit of patient-level
             DP, ``shared.data.patients``); None when the data carries no patient ids
             (MPII, COCO).
+        face: optional face labels (``shared.data.face``) for the face tasks; None when the
+            data has no face annotation for this person.
 
     Arrays are copied and made read-only so a record really is immutable.
     Non-finite joints are rejected: readers must pass them through
@@ -68,6 +71,7 @@ class PoseRecord:
     visible: np.ndarray
     headbox: np.ndarray | None = None
     patient: str | None = None
+    face: FaceLabels | None = None
 
     def __post_init__(self) -> None:
         image = Path(self.image)
@@ -117,6 +121,8 @@ class PoseRecord:
                                          or len(self.patient) > MAX_PATIENT_ID):
             raise ValueError(f"PoseRecord.patient must be a non-empty string of at most {MAX_PATIENT_ID} "
                              f"characters or None, got {self.patient!r} for {image}")
+        if self.face is not None and not isinstance(self.face, FaceLabels):
+            raise ValueError(f"PoseRecord.face must be FaceLabels or None, got {type(self.face).__name__} for {image}")
 
     @property
     def box_side(self) -> float:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from shared.data.face import LANDMARK_FLIP, NUM_LANDMARKS, FaceLabels, wrap_degrees
 from shared.data.joints import NUM_JOINTS, flip_permutation
-from shared.data.records import PIXEL_STD, PoseRecord
+from shared.data.records import PIXEL_STD, PoseRecord, inside
 
 
 def _check_size(output_size: Sequence[int]) -> tuple[int, int]:
@@ -113,6 +114,45 @@ def flip_horizontal(
     pts, vis = pts[perm], vis[perm]
     pts[~vis] = 0.0
     return flipped, pts, vis
+
+
+def transform_face(
+    face: FaceLabels, matrix: np.ndarray, *, rotation: float, flip_width: int | None, size_hw: tuple[int, int]
+) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A face through the crop's affine map (and the horizontal flip), in input pixels.
+
+    Args:
+        matrix: (2, 3) image -> input map (``shared.data.transforms.affine_matrix``), rotating the content
+            ``rotation`` degrees counter-clockwise.
+        flip_width: the input width when the crop is mirrored afterwards, else None.
+        size_hw: (H, W) of the input; a face whose box centre leaves it is no longer present.
+
+    Returns:
+        present, box (4,) float32 (x1, y1, x2, y2), landmarks (5, 2) float32, visible (5,) bool,
+        head_pose (3,) float32 degrees. The box is the axis-aligned hull of the turned box; the roll turns
+        with the content; a mirror negates yaw and roll and swaps the left and right landmarks.
+    """
+    if not face.present:
+        return False, np.zeros(4, np.float32), np.zeros((NUM_LANDMARKS, 2), np.float32), \
+            np.zeros(NUM_LANDMARKS, bool), np.zeros(3, np.float32)
+    (x1, y1), (x2, y2) = face.box
+    corners = warp_points(np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]]), matrix)  # (4, 2)
+    points = warp_points(face.landmarks, matrix)  # (5, 2)
+    visible = face.visible.copy()
+    yaw, pitch, roll = (float(v) for v in face.head_pose)
+    roll = float(wrap_degrees(roll - rotation))  # content turned counter-clockwise: the crown tips left
+    if flip_width is not None:
+        corners[:, 0] = (flip_width - 1) - corners[:, 0]
+        points[:, 0] = (flip_width - 1) - points[:, 0]
+        points, visible = points[list(LANDMARK_FLIP)], visible[list(LANDMARK_FLIP)]
+        yaw, roll = -yaw, -roll
+    box = np.concatenate([corners.min(axis=0), corners.max(axis=0)]).astype(np.float32)
+    present = bool(inside((box[:2] + box[2:]) / 2.0, size_hw))
+    visible &= inside(points, size_hw) & present
+    points[~visible] = 0.0
+    if not present:
+        box[:] = 0.0
+    return present, box, points.astype(np.float32), visible, np.array([yaw, pitch, roll], np.float32)
 
 
 @dataclass(frozen=True)

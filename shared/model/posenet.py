@@ -14,6 +14,7 @@ from torch.func import functional_call
 
 from shared.config import ConfigError, ModelConfig, Strategy
 from shared.data.joints import NUM_JOINTS
+from shared.model.face_head import FaceHead, face_losses, loss_terms
 from shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
 from shared.model.tinyvit import ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, init_fused_convs, is_fused
 
@@ -47,7 +48,11 @@ class PoseNet(TinyVit):
             joint_channels=cfg.joint_channels,
             hidden=cfg.hidden,
             task_uncertainty=cfg.task_uncertainty,
+            num_tasks=3 + len(loss_terms(cfg.face_tasks)),
         )
+        # DPLH's face tasks (shared.model.face_head): None unless the config asks for them.
+        self.face_head = (FaceHead(self.num_features, feature_size, tasks=cfg.face_tasks,
+                                   attributes=cfg.face_attributes) if cfg.face_tasks else None)
         self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
@@ -55,10 +60,24 @@ class PoseNet(TinyVit):
         x = (images - self.pixel_mean) / self.pixel_std
         return self.head(self.forward_features(x))
 
+    def forward_with_face(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` plus the face head's (B, D) outputs (``shared.model.face_head``); needs face tasks."""
+        if self.face_head is None:
+            raise ValueError("this model has no face tasks (model.face_tasks is empty)")
+        feats = self.forward_features((images - self.pixel_mean) / self.pixel_std)
+        return (*self.head(feats), self.face_head(feats))
+
     def task_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample task losses (B, 3) on ``batch`` ("image", "joints", "visible"): x, y, visibility."""
-        x_logits, y_logits, vis_logits = self(batch["image"])
-        return simcc_losses(
+        """Per-sample task losses (B, T) on ``batch``: SimCC x, y, visibility ("image", "joints", "visible"),
+        then the face terms (``face_head.loss_terms``) from the face keys when the model has face tasks."""
+        if self.face_head is not None:
+            x_logits, y_logits, vis_logits, face = self.forward_with_face(batch["image"])
+            face_cols = face_losses(face, batch, tasks=self.cfg.face_tasks, attributes=self.cfg.face_attributes,
+                                    input_size=self.input_size)
+        else:
+            x_logits, y_logits, vis_logits = self(batch["image"])
+            face_cols = None
+        pose = simcc_losses(
             x_logits,
             y_logits,
             vis_logits,
@@ -67,9 +86,10 @@ class PoseNet(TinyVit):
             split_ratio=self.cfg.split_ratio,
             sigma=self.cfg.sigma,
         )
+        return pose if face_cols is None else torch.cat([pose, face_cols], dim=1)
 
     def losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample total loss (B,) on ``batch`` ("image", "joints", "visible")."""
+        """Per-sample total loss (B,) on ``batch`` (see ``task_losses``)."""
         return combine_task_losses(self.task_losses(batch), self.head.log_task_scale, vis_weight=self.cfg.vis_weight)
 
 
@@ -96,7 +116,7 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     """Names of the parameters a strategy trains.
 
     finetune: stages 1-3 (``stages.0-2``) and the patch embedding frozen except
-    every LayerNorm; stage 4 (``stages.3``), all LayerNorms and the head train.
+    every LayerNorm; stage 4 (``stages.3``), all LayerNorms and the heads (pose and face) train.
     full / scratch: everything (scratch differs only in not loading weights).
     """
     names = [n for n, _ in model.named_parameters()]
@@ -110,7 +130,7 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
         if isinstance(mod, nn.LayerNorm)
         for p_name, _ in mod.named_parameters(recurse=False)
     }
-    return [n for n in names if n.startswith(("stages.3.", "head.")) or n in norm_params]
+    return [n for n in names if n.startswith(("stages.3.", "head.", "face_head.")) or n in norm_params]
 
 
 def apply_strategy(model: nn.Module, strategy: Strategy) -> list[str]:
@@ -146,14 +166,14 @@ class PoseLoss:
         self._buffers = {f"m.{n}": b for n, b in model.named_buffers()}
 
     def parts(self, params: dict[str, torch.Tensor] | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample task losses (B, 3) with the trainable tensors taken from ``params`` (None: the model's own)."""
+        """Per-sample task losses (B, T) with the trainable tensors taken from ``params`` (None: the model's own)."""
         if params is None:
             return self._wrapper(batch)
         tensors = {**self._frozen, **self._buffers, **{f"m.{n}": p for n, p in params.items()}}
         return functional_call(self._wrapper, tensors, (batch,))
 
     def combine(self, parts: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, 3) task losses -> (B,) total, with the task weights from ``params`` when they train."""
+        """(B, T) task losses -> (B,) total, with the task weights from ``params`` when they train."""
         scale = params.get(TASK_SCALE, self._frozen.get(f"m.{TASK_SCALE}"))
         return combine_task_losses(parts, scale, vis_weight=self.model.cfg.vis_weight)
 
@@ -255,7 +275,7 @@ def load_tinyvit_weights(model: PoseNet, path: str | Path) -> list[str]:
 
     The model must not be fused yet (BatchNorm statistics are loaded, then
     folded by the caller). Returns the names of parameters left at their
-    initial values (the pose head).
+    initial values (the pose and face heads).
     """
     if is_fused(model):
         raise ConfigError("load TinyViT weights into an unfused PoseNet, then call fuse_batchnorm")
@@ -267,7 +287,7 @@ def load_tinyvit_weights(model: PoseNet, path: str | Path) -> list[str]:
     result = model.load_state_dict(filtered, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"TinyViT checkpoint {path} has keys this model lacks: {result.unexpected_keys[:5]}")
-    missing_trunk = [k for k in result.missing_keys if not k.startswith("head.")]
+    missing_trunk = [k for k in result.missing_keys if not k.startswith(("head.", "face_head."))]
     if missing_trunk:
         raise ValueError(f"TinyViT checkpoint {path} lacks trunk keys: {missing_trunk[:5]}")
     log.info("loaded TinyViT trunk from %s (%d tensors)", path, len(filtered))

@@ -38,6 +38,7 @@ class SimCCHead(nn.Module):
         joint_channels: int,
         hidden: int,
         task_uncertainty: bool,
+        num_tasks: int = 3,
     ) -> None:
         super().__init__()
         fh, fw = feature_size
@@ -50,8 +51,9 @@ class SimCCHead(nn.Module):
         self.x_head = nn.Linear(hidden, int(round(w * split_ratio)))
         self.y_head = nn.Linear(hidden, int(round(h * split_ratio)))
         self.vis_head = nn.Linear(hidden, 1)
-        # log s_i for (x, y, visibility); trained like any other parameter (also under DP).
-        self.log_task_scale = nn.Parameter(torch.zeros(3)) if task_uncertainty else None
+        # log s_i for (x, y, visibility) and any face task after them (shared.model.face_head); trained like any
+        # other parameter (also under DP).
+        self.log_task_scale = nn.Parameter(torch.zeros(num_tasks)) if task_uncertainty else None
 
     def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = feats.shape[0]
@@ -105,13 +107,14 @@ def simcc_losses(
 def combine_task_losses(
     task_losses: torch.Tensor, log_task_scale: torch.Tensor | None, *, vis_weight: float
 ) -> torch.Tensor:
-    """(B, 3) task losses -> (B,) total.
+    """(B, T) task losses (SimCC x, y, visibility, then any face terms) -> (B,) total.
 
     With uncertainty weighting: sum_i L_i / (2 s_i^2) + log s_i (s_i = exp(log s_i)).
-    Without: L_x + L_y + vis_weight * L_vis.
+    Without: L_x + L_y + vis_weight * L_vis + the face terms at weight 1.
     """
     if log_task_scale is None:
-        weights = torch.tensor([1.0, 1.0, vis_weight], dtype=task_losses.dtype, device=task_losses.device)
+        weights = torch.ones(task_losses.shape[-1], dtype=task_losses.dtype, device=task_losses.device)
+        weights[2] = vis_weight
         return (task_losses * weights).sum(-1)
     inv_var = torch.exp(-2.0 * log_task_scale)  # 1 / s^2
     return (task_losses * 0.5 * inv_var).sum(-1) + log_task_scale.sum()

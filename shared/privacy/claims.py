@@ -24,6 +24,18 @@ from shared.privacy.group import group_privacy
 log = logging.getLogger(__name__)
 
 
+# What each face task's labels are (model.face_tasks): under Feature-DP they are public like the pose labels.
+FACE_LABELS = {"detect": "face presence and box", "landmarks": "facial landmarks", "head_pose": "head pose",
+               "attribute": "face attribute"}
+
+
+def public_labels(face_tasks: tuple[str, ...] = ()) -> str:
+    """The labels a Feature-DP run uses without noise: the pose labels, and those of any face task."""
+    if not face_tasks:
+        return "the pose labels"
+    return "the labels (pose, " + ", ".join(FACE_LABELS[t] for t in face_tasks) + ")"
+
+
 def privacy_claim(
     *,
     method: str,
@@ -37,6 +49,7 @@ def privacy_claim(
     records_per_patient: int | None = None,
     records_source: str | None = None,
     psi_dp: tuple[float, int] | None = None,
+    face_tasks: tuple[str, ...] = (),
 ) -> str:
     """One honest sentence (or a few) describing the guarantee of a finished run.
 
@@ -55,6 +68,8 @@ def privacy_claim(
     ``psi_dp`` = (eps_pix, m) when psi is itself a DP mechanism (dp-pixelize, released once per
     record): the claim adds what holds for a change of up to m pixels of one record, by basic
     composition of the psi release with the Feature-DP guarantee.
+
+    ``face_tasks``: the face tasks that trained; under Feature-DP their labels are named as public too.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
@@ -83,7 +98,7 @@ def privacy_claim(
             if method in FEATURE_METHODS:
                 text = (
                     f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
-                    "patient and the pose labels are treated as public and may be revealed by the model; "
+                    f"patient and {public_labels(face_tasks)} are treated as public and may be revealed by the model; "
                     "this is not patient-level DP of the images"
                 )
             else:
@@ -95,8 +110,8 @@ def privacy_claim(
             )
             if method in FEATURE_METHODS:
                 text = (
-                    f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and the pose "
-                    "labels are treated as public and may be revealed by the model; this is not "
+                    f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and "
+                    f"{public_labels(face_tasks)} are treated as public and may be revealed by the model; this is not "
                     "record-level DP"
                 )
             else:

@@ -35,7 +35,8 @@ of the reader's conversion so a round trip returns the same numbers.
 The package, one module per concept (each imports only those before it):
 body (pose kinds, joint indices, proportions), rng (hashed per-image generators), styles
 (``SiteStyle``, presets, ``PUBLIC_STYLE``), identity, pose (kinematic model, placement), draw
-(primitives), background, person, render (a whole frame), ward (spec, samples, files on disk).
+(primitives), background, person, face (the face labels of what person draws), render (a whole frame), ward
+(spec, samples, files on disk).
 """
 
 from shared.data.synth.background import render_background
@@ -71,7 +72,9 @@ from shared.data.synth.ward import (
     FORMAT_VERSION,
     RENDER_VERSION,
     WardSpec,
+    ensure_faces,
     ensure_ward,
+    face_sample,
     generate_ward,
     identity_of,
     load_identities,
@@ -128,5 +131,7 @@ __all__ = [
     "manifest_for",
     "generate_ward",
     "ensure_ward",
+    "ensure_faces",
+    "face_sample",
     "load_identities",
 ]

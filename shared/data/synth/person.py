@@ -196,12 +196,54 @@ def _draw_primitives(img: np.ndarray, prims: list[tuple], j: np.ndarray, ident: 
             _line(img, ankle + shin * 0.01 * unit, toe, ident.shoes, max(1, round(0.025 * unit)))
 
 
-def _draw_head(img: np.ndarray, j: np.ndarray, ident: Identity, unit: float, facing: np.ndarray) -> None:
+@dataclasses.dataclass(frozen=True)
+class FaceLayout:
+    """Where ``_draw_head`` puts the face (pixels): the labels of the face tasks come from the same numbers.
+
+    centre, (a, b), angle: the head ellipse (``head_geometry``); axis: unit vector towards the crown; across:
+    axis turned a quarter (image right for an upright head); side = facing . across (> 0: turned towards
+    +across); front = facing's z (> 0: towards the camera). eyes: the drawn eyes, (+across eye, -across eye)
+    when both show, else the one near the camera; mouth: the mouth line's centre.
+    """
+
+    centre: np.ndarray
+    a: float
+    b: float
+    angle: float
+    axis: np.ndarray
+    across: np.ndarray
+    side: float
+    front: float
+    eyes: tuple[np.ndarray, ...]
+    mouth: np.ndarray
+
+    @property
+    def face_shown(self) -> bool:
+        return self.front > -0.35
+
+    def skin_ellipse(self) -> tuple[np.ndarray, tuple[float, float]]:
+        """The face's skin ellipse: centre and (half axis along the head, half width)."""
+        centre = self.centre - self.axis * 0.2 * self.a + self.across * self.side * 0.22 * self.b
+        return centre, (self.a * 0.78, self.b * (0.86 - 0.2 * abs(self.side)))
+
+
+def face_layout(j: np.ndarray, facing: np.ndarray) -> FaceLayout:
+    """The head and face geometry of joints ``j`` (16, 2) facing ``facing`` (3,), as ``_draw_head`` draws it."""
     centre, (a, b), angle = head_geometry(j)
     axis = np.array([math.cos(math.radians(angle)), math.sin(math.radians(angle))])  # towards the crown
     across = np.array([-axis[1], axis[0]])
     side = float(facing[:2] @ across)  # > 0: face turned towards +across
     front = float(facing[2])
+    eye_up = centre + axis * 0.05 * a + across * side * 0.35 * b
+    spread = 0.38 * b * max(front, 0.15)
+    eyes = (eye_up + across * spread, eye_up - across * spread) if front > 0.35 else (eye_up + across * side * 0.3 * b,)
+    mouth = centre - axis * 0.5 * a + across * side * 0.4 * b
+    return FaceLayout(centre, a, b, angle, axis, across, side, front, eyes, mouth)
+
+
+def _draw_head(img: np.ndarray, j: np.ndarray, ident: Identity, unit: float, facing: np.ndarray) -> None:
+    f = face_layout(j, facing)
+    centre, a, b, angle, axis, across, side = f.centre, f.a, f.b, f.angle, f.axis, f.across, f.side
     hair = (210, 170, 120) if ident.hair_style == "cap" else ident.hair
     neck_top = j[THORAX] + (CHIN_FRACTION + 0.1) * (j[HEAD_TOP] - j[THORAX])
     _line(img, j[THORAX], neck_top, _shade(ident.skin, 0.92), max(1, round(0.035 * unit * ident.build)))
@@ -211,20 +253,18 @@ def _draw_head(img: np.ndarray, j: np.ndarray, ident: Identity, unit: float, fac
         _ellipse(img, centre, (a, b), angle, ident.skin)
     else:
         _ellipse(img, centre, (a, b), angle, hair)
-        if front > -0.35:  # face visible: skin ellipse shifted to the chin and the facing side
-            face_c = centre - axis * 0.2 * a + across * side * 0.22 * b
-            _ellipse(img, face_c, (a * 0.78, b * (0.86 - 0.2 * abs(side))), angle, ident.skin)
+        if f.face_shown:  # face visible: skin ellipse shifted to the chin and the facing side
+            face_c, axes = f.skin_ellipse()
+            _ellipse(img, face_c, axes, angle, ident.skin)
     if ident.hair_style == "bun":
         _disc(img, centre + axis * 0.95 * a - across * side * 0.5 * b, 0.35 * b, hair)
-    if front <= -0.35:
+    if not f.face_shown:
         return
-    eye_up = centre + axis * 0.05 * a + across * side * 0.35 * b
-    spread = 0.38 * b * max(front, 0.15)
-    eyes = [eye_up + across * spread, eye_up - across * spread] if front > 0.35 else [eye_up + across * side * 0.3 * b]
+    eyes = f.eyes
     dot = max(0.45, 0.08 * b)
     for eye in eyes:
         _disc(img, eye, dot, (25, 25, 25))
-    mouth = centre - axis * 0.5 * a + across * side * 0.4 * b
+    mouth = f.mouth
     if ident.face == "mask":
         _ellipse(img, centre - axis * 0.45 * a + across * side * 0.25 * b, (0.45 * a, 0.75 * b), angle, ident.accessory)
     else:

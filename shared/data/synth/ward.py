@@ -19,6 +19,8 @@ import numpy as np
 from shared.config_flat import without_as_before
 from shared.data.mpii import box_to_json
 from shared.data.records import PoseRecord, inside
+from shared.data.face import FACES_FILE, FaceLabels, write_faces
+from shared.data.synth.face import FACE_ATTRIBUTES, face_labels
 from shared.data.synth.identity import Identity, make_identity
 from shared.data.synth.person import head_box
 from shared.data.synth.pose import place_pose, sample_pose_3d
@@ -93,12 +95,9 @@ def identity_of(spec: WardSpec, identity_id: str) -> Identity:
     return make_identity(_derive_rng(spec.seed, "identity", identity_id))
 
 
-def render_sample(spec: WardSpec, split: str, index: int) -> tuple[np.ndarray, PoseRecord, str, str]:
-    """Image ``index`` of ``split``: (BGR image, record with a placeholder path, identity id, pose kind).
-
-    Depends only on (spec.seed, spec.image_size, spec.images_per_identity,
-    spec.sites for val, split, index), never on other images.
-    """
+def _posed(spec: WardSpec, split: str, index: int) -> tuple:
+    """The person of image ``index`` before any pixel: (style, identity id, identity, the image's generator at
+    the point where rendering starts, pose kind, 3-d pose (16, 3), pixel joints (16, 2))."""
     style, identity_id = _style_for(spec, split, index)
     identity = identity_of(spec, identity_id)
     rng = _derive_rng(spec.seed, split, index)
@@ -106,8 +105,43 @@ def render_sample(spec: WardSpec, split: str, index: int) -> tuple[np.ndarray, P
     weights = np.array([w for _, w in style.pose_mix])
     kind = str(kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))])
     pose = sample_pose_3d(kind, rng)
+    joints = place_pose(pose, kind=kind, style=style, size=spec.image_size, rng=rng)
+    return style, identity_id, identity, rng, kind, pose, joints
+
+
+def face_sample(spec: WardSpec, split: str, index: int) -> FaceLabels | None:
+    """The face labels of image ``index`` of ``split`` (what ``render_sample`` draws), without rendering it."""
+    _, _, identity, _, _, pose, joints = _posed(spec, split, index)
+    return face_labels(joints, pose, identity, spec.image_size)
+
+
+def ensure_faces(root: str | Path, spec: WardSpec, split: str) -> Path:
+    """``<root>/<split>/faces.json`` of the ward, written on first use (from the spec, no image is rendered).
+
+    Face labels are a sidecar, so wards generated before the face tasks existed stay valid.
+    """
+    split_dir = Path(root) / split
+    path = split_dir / FACES_FILE
+    if path.is_file():
+        return path
+    count = spec.splits().get(split)
+    if count is None:
+        raise ValueError(f"the ward has no split {split!r}; it has {sorted(spec.splits())}")
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"ward split not found: {split_dir}")
+    write_faces(path, [face_sample(spec, split, i) for i in range(count)], FACE_ATTRIBUTES)
+    log.info("wrote face labels of %d images to %s", count, path)
+    return path
+
+
+def render_sample(spec: WardSpec, split: str, index: int) -> tuple[np.ndarray, PoseRecord, str, str]:
+    """Image ``index`` of ``split``: (BGR image, record with a placeholder path, identity id, pose kind).
+
+    Depends only on (spec.seed, spec.image_size, spec.images_per_identity,
+    spec.sites for val, split, index), never on other images.
+    """
+    style, identity_id, identity, rng, kind, pose, joints = _posed(spec, split, index)
     size = spec.image_size
-    joints = place_pose(pose, kind=kind, style=style, size=size, rng=rng)
     image = render_frame(joints, style=style, identity=identity, size=size, rng=rng, kind=kind, depth=pose[:, 2])
     visible = inside(joints, (size, size))
     center, scale = person_box(joints)

@@ -1,0 +1,345 @@
+"""The face tasks (DPLH): labels on the ward, their annotation file, the crop's transforms, the head's losses
+under per-sample clipping, training under every method, and the metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from shared.config import ModelConfig
+from shared.data import synth
+from shared.data.face import LANDMARK_NAMES, FaceLabels, read_faces, write_faces
+from shared.data.transforms import Augment
+
+SPEC = synth.WardSpec(sites=1, per_site=60, public=40, val=20, seed=3, image_size=128, images_per_identity=4)
+INPUT = (64, 48)
+ALL_TASKS = ("detect", "landmarks", "head_pose", "attribute")
+
+
+def _faces(split: str = "site-0", n: int = 60) -> list[tuple[int, FaceLabels]]:
+    return [(i, f) for i in range(n) if (f := synth.face_sample(SPEC, split, i)) is not None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# labels and their file
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_ward_face_labels_sit_on_the_drawn_face():
+    dark = total = 0
+    present = 0
+    for i, face in _faces():
+        if not face.present:
+            assert not face.visible.any() and not face.box.any()
+            continue
+        present += 1
+        image, _, _, _ = synth.render_sample(SPEC, "site-0", i)
+        gray = cv2.cvtColor(image, cv2.COLOR_BGR2GRAY).astype(float)
+        (x1, y1), (x2, y2) = face.box
+        box = gray[max(0, int(y1)):int(y2) + 1, max(0, int(x1)):int(x2) + 1]
+        seen = face.landmarks[face.visible]
+        assert np.all(seen >= face.box[0] - 0.5) and np.all(seen <= face.box[1] + 0.5), "landmarks outside the box"
+        for k in (0, 1):  # the eyes are drawn as dark dots on the skin
+            if face.visible[k]:
+                x, y = face.landmarks[k]
+                total += 1
+                dark += gray[int(round(y)), int(round(x))] < np.median(box)
+        if face.visible[0] and face.visible[1]:  # frontal: the eye line runs across the head, so it gives the roll
+            d = face.landmarks[1] - face.landmarks[0]
+            assert math.degrees(math.atan2(d[1], d[0])) == pytest.approx(float(face.head_pose[2]), abs=1e-3)
+    assert present >= 30
+    assert dark / total > 0.7, f"only {dark} of {total} eye labels fall on a dark pixel"
+
+
+def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(tmp_path):
+    root = synth.generate_ward(tmp_path / "w", SPEC, progress=False)
+    path = synth.ensure_faces(root, SPEC, "val")
+    assert path == root / "val" / "faces.json"
+    faces, names = read_faces(path, SPEC.val)
+    assert names == synth.FACES
+    for i, face in enumerate(faces):
+        want = synth.face_sample(SPEC, "val", i)
+        assert (face is None) == (want is None)
+        if face is not None:
+            assert face.present == want.present and face.attribute == want.attribute
+            np.testing.assert_allclose(face.landmarks, want.landmarks, atol=1e-3)
+            np.testing.assert_allclose(face.head_pose, want.head_pose, atol=1e-3)
+            assert np.array_equal(face.visible, want.visible)
+    # the pose reader attaches them to the records
+    from shared.data.mpii import load_split
+
+    records = load_split(root, "val")
+    assert [r.face is not None for r in records] == [f is not None for f in faces]
+    # and the ward's manifest does not change: wards generated before the face tasks stay valid
+    assert json.loads((root / "manifest.json").read_text()) == synth.manifest_for(SPEC)
+
+
+def test_face_file_errors_name_the_problem(tmp_path):
+    face = FaceLabels(True, [[1, 2], [9, 12]], np.ones((5, 2)), [1, 1, 0, 1, 1], (10.0, -5.0, 3.0), 1)
+    path = tmp_path / "faces.json"
+    write_faces(path, [face, None, FaceLabels.absent(0)], ("a", "b"))
+    faces, names = read_faces(path, 3)
+    assert names == ("a", "b") and faces[1] is None and not faces[2].present
+    assert faces[0].landmarks[2].tolist() == [0.0, 0.0] and not faces[0].visible[2]
+    with pytest.raises(ValueError, match="2 faces for 3 records"):
+        write_faces(path, [face, None], ("a", "b")) or read_faces(path, 3)
+    payload = json.loads(path.read_text())
+    payload["faces"][0]["attribute"] = 5
+    path.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=r"faces\[0\]: attribute"):
+        read_faces(path, 2)
+    payload["landmarks"] = list(reversed(LANDMARK_NAMES))
+    path.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="landmarks must be"):
+        read_faces(path, 2)
+    with pytest.raises(ValueError, match="x2 > x1"):
+        FaceLabels(True, [[5, 5], [1, 9]], np.zeros((5, 2)), [0] * 5, (0, 0, 0))
+    with pytest.raises(ValueError, match="no visible landmarks"):
+        FaceLabels(False, np.zeros((2, 2)), np.zeros((5, 2)), [1, 0, 0, 0, 0], (0, 0, 0))
+    with pytest.raises(ValueError, match="head_pose"):
+        FaceLabels(True, [[1, 2], [9, 12]], np.zeros((5, 2)), [0] * 5, (0, 200, 0))
+
+
+def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(tmp_path):
+    from shared.data.dataset import PoseDataset
+    from shared.data.mpii import load_split
+
+    root = synth.generate_ward(tmp_path / "w", SPEC, progress=False)
+    synth.ensure_faces(root, SPEC, "site-0")
+    records = load_split(root, "site-0")
+    augment = Augment(rotation=40.0, rotation_prob=1.0, flip_prob=0.5)
+    ds = PoseDataset(records, input_size=INPUT, augment=augment, seed=0, face_tasks=True)
+    checked = flips = 0
+    for i in range(len(records)):
+        for _ in range(3):
+            item = ds[i]
+            if item["face_present"] < 1 or item["face_visible"][:2].sum() < 2:
+                continue
+            right, left = item["face_landmarks"][0], item["face_landmarks"][1]
+            d = left - right
+            roll = float(item["head_pose"][2])
+            assert math.degrees(math.atan2(d[1], d[0])) == pytest.approx(roll, abs=0.05), "roll does not turn"
+            box, seen = item["face_box"], item["face_landmarks"][item["face_visible"].bool()]
+            assert bool(((seen >= box[:2] - 0.5) & (seen <= box[2:] + 0.5)).all()), "landmarks leave the box"
+            checked += 1
+    assert checked > 20
+    # a mirrored crop swaps the eyes and negates yaw and roll
+    plain = PoseDataset(records, input_size=INPUT, augment=None, face_tasks=True)
+    for i in range(len(records)):
+        a = plain[i]
+        if a["face_present"] < 1:
+            continue
+        from shared.data.transforms import affine_matrix, transform_face
+
+        rec = records[i]
+        m = affine_matrix(rec.center, rec.scale, INPUT)
+        present, _, pts, vis, pose = transform_face(rec.face, m, rotation=0.0, flip_width=INPUT[1], size_hw=INPUT)
+        assert present
+        assert pose[0] == pytest.approx(-float(a["head_pose"][0])) and pose[2] == pytest.approx(-float(a["head_pose"][2]))
+        assert vis.tolist() == a["face_visible"].bool()[[1, 0, 2, 4, 3]].tolist()
+        np.testing.assert_allclose(pts[vis, 0], INPUT[1] - 1 - a["face_landmarks"][[1, 0, 2, 4, 3]][vis, 0].numpy(),
+                                   atol=1e-4)
+        flips += 1
+    assert flips > 10
+    # an empty Poisson batch keeps every face key, correctly shaped
+    empty = ds.batch([])
+    assert empty["face_landmarks"].shape == (0, 5, 2) and empty["face_attribute"].dtype == torch.int64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the head under per-sample clipping
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _face_batch(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h, w = INPUT
+    lo = torch.rand(n, 2, generator=gen) * torch.tensor([w / 2, h / 2])
+    return {
+        "image": torch.rand(n, 3, h, w, generator=gen),
+        "joints": torch.rand(n, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
+        "visible": (torch.rand(n, 16, generator=gen) > 0.2).float(),
+        "face_labelled": (torch.rand(n, generator=gen) > 0.2).float(),
+        "face_present": (torch.rand(n, generator=gen) > 0.3).float(),
+        "face_box": torch.cat([lo, lo + 4 + torch.rand(n, 2, generator=gen) * 6], dim=1),
+        "face_landmarks": lo[:, None] + torch.rand(n, 5, 2, generator=gen) * 4,
+        "face_visible": (torch.rand(n, 5, generator=gen) > 0.3).float(),
+        "head_pose": (torch.rand(n, 3, generator=gen) - 0.5) * 300,
+        "face_attribute": torch.randint(-1, 4, (n,), generator=gen),
+    }
+
+
+@pytest.mark.parametrize("strategy,uncertainty", [("finetune", True), ("full", False)])
+def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertainty):
+    from shared.model.face_head import loss_terms
+    from shared.model.posenet import apply_strategy, build_model, make_loss_fn
+    from shared.privacy import bookkeeping
+    from shared.privacy.clipping import clipped_grad_sum
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(face_tasks=ALL_TASKS, task_uncertainty=uncertainty), INPUT)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainable = apply_strategy(model, strategy)
+    assert any(n.startswith("face_head.") for n in trainable), "the face head must train under every strategy"
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in trainable}
+    batch = _face_batch(5, torch.Generator().manual_seed(1))
+    loss_fn = make_loss_fn(model, trainable)
+    parts = loss_fn.parts(params, batch)
+    assert parts.shape == (5, 3 + len(loss_terms(ALL_TASKS))) and bool(torch.isfinite(parts).all())
+    unlabelled = batch["face_labelled"] == 0
+    assert bool((parts[unlabelled, 3:] == 0).all()), "a record without face labels has no face loss"
+    assert bookkeeping.supports(loss_fn, params)
+    fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=2)
+    slow = clipped_grad_sum(lambda p, b: loss_fn(p, b), params, batch, clip_norm=0.05, chunk_size=2)
+    assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
+    for name in slow.summed:
+        scale = float(slow.summed[name].abs().max()) + 1e-12
+        assert torch.allclose(fast.summed[name], slow.summed[name], rtol=2e-4, atol=2e-6 * max(scale, 1.0)), name
+    # each sample's loss depends on that sample only
+    single = loss_fn(params, {k: v[2:3] for k, v in batch.items()})
+    assert torch.allclose(single, loss_fn(params, batch)[2:3], rtol=1e-5, atol=1e-6)
+
+
+def test_head_pose_loss_wraps_around_180_degrees():
+    from shared.model.face_head import face_losses
+
+    out = torch.zeros(2, 3)
+    out[:, :] = 179.0 / 90.0
+    batch = {"face_labelled": torch.ones(2), "face_present": torch.ones(2),
+             "head_pose": torch.tensor([[-179.0, -179.0, -179.0], [179.0, 179.0, 179.0]])}
+    loss = face_losses(out, batch, tasks=("head_pose",), attributes=4, input_size=INPUT)
+    assert float(loss[0, 0]) == pytest.approx((2 / 90) ** 2, rel=1e-3) and float(loss[1, 0]) == pytest.approx(0.0)
+
+
+def test_checkpoint_keeps_the_face_head(tmp_path):
+    from shared.model.posenet import build_model, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(face_tasks=("landmarks", "detect")), INPUT).eval()
+    save_checkpoint(tmp_path / "m.pt", model)
+    again, _ = load_checkpoint(tmp_path / "m.pt")
+    x = torch.rand(2, 3, *INPUT)
+    with torch.no_grad():
+        for a, b in zip(model.forward_with_face(x), again.forward_with_face(x)):
+            assert torch.equal(a, b)
+    assert again.cfg.face_tasks == ("landmarks", "detect")
+    with pytest.raises(ValueError, match="no face tasks"):
+        build_model(ModelConfig(), INPUT).forward_with_face(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training under the five methods, evaluation, the claim
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def face_world(tmp_path_factory):
+    from federation_support import prepare_world
+
+    return prepare_world(tmp_path_factory.getbasetemp() / "fedpose-face-world",
+                         model={"face_tasks": list(ALL_TASKS)}, train={"epochs": 1})
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
+def test_face_heads_train_under_every_method(face_world, method):
+    from shared.runs import initial_model, load_records
+    from shared.train import local_train, make_dataset, public_basis_at, select_device
+
+    cfg = face_world
+    model = initial_model(cfg, progress=False)
+    from shared.model.posenet import apply_strategy
+
+    trainable = apply_strategy(model, cfg.train.strategy)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("face_head.")}
+    assert before and all(n in trainable for n in before)
+    records = load_records(cfg.data.root, "site-0")
+    assert all(r.face is not None for r in records), "the ward's face file was not read"
+    private = make_dataset(records, cfg, train=True, seed=0)
+    public = make_dataset(load_records(cfg.data.root, cfg.data.public_split), cfg, train=False)
+    basis = None
+    if method in ("proj", "fpdp"):
+        from shared.model.posenet import make_loss_fn
+
+        basis = public_basis_at(model, make_loss_fn(model, trainable), trainable, public, cfg.privacy,
+                                select_device("cpu"))
+    result = local_train(model, private, method=method, train=cfg.train, privacy=cfg.privacy,
+                         sigma=0.0 if method == "nonprivate" else 1.0, steps=2,
+                         generator=torch.Generator().manual_seed(0), public_basis=public, basis=basis, progress=False)
+    assert result.steps == 2
+    moved = [n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert moved, f"{method}: no face-head weight moved"
+    scale = dict(model.named_parameters())["head.log_task_scale"]
+    assert scale.shape == (3 + 6,) and bool(torch.isfinite(scale).all())
+
+
+def test_a_face_run_reports_the_face_metrics_and_names_its_labels_in_the_claim(face_world, tmp_path):
+    from shared.runs import run_train
+
+    run_train(face_world, tmp_path / "run", progress=False)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    face = metrics["face"]
+    assert face["faces_present"] > 0 and face["nme_faces"] > 0
+    for key in ("detection_accuracy", "box_iou", "landmark_mse", "visibility_mse", "nme_interocular", "pose_mse",
+                "attribute_accuracy"):
+        assert isinstance(face[key], float) and math.isfinite(face[key]), key
+    assert set(face["pose_mae_degrees"]) == {"yaw", "pitch", "roll"}
+    assert "face presence and box" in metrics["claim"] and "face attribute" in metrics["claim"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export and the camera
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
+    import onnx
+
+    from edge.demo_video import DemoSpec, load_truth, write_demo_video
+    from edge.export import export_onnx, export_outputs
+    from edge.onnx_runtime import OnnxRuntime
+    from edge.pipeline import FrameSource, PipelineOptions, run_pipeline
+    from edge.pipeline.outputs import release_claim
+    from edge.pixelize import PixelizeSpec
+    from edge.torch_runtime import TorchRuntime
+    from shared.model.posenet import build_model, save_checkpoint
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(face_tasks=ALL_TASKS), INPUT).eval()
+    save_checkpoint(tmp_path / "m.pt", model)
+    report = export_onnx(model, tmp_path / "m.onnx", batch="dynamic")  # parity of every output is checked
+    assert report.max_abs_diff < 1e-4
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    names = ("simcc_x", "simcc_y", "visibility", "face_detect", "face_landmarks", "head_pose", "face_attribute")
+    assert [o.name for o in proto.graph.output] == list(export_outputs(model)) == list(names)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["fedpose.face_tasks"] == "detect,landmarks,head_pose,attribute" and meta["fedpose.face_attributes"] == "4"
+
+    x = np.random.default_rng(0).random((3, 3, *INPUT), dtype=np.float32)
+    with OnnxRuntime(tmp_path / "m.onnx") as ort_rt, TorchRuntime(tmp_path / "m.pt") as torch_rt:
+        assert ort_rt.face_outputs == torch_rt.face_outputs == names[3:]
+        a, b = ort_rt.infer_all(x), torch_rt.infer_all(x)
+        assert a.keys() == b.keys() == set(names) - {"visibility"}
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], atol=1e-4)
+        clip = tmp_path / "clip.mp4"
+        write_demo_video(clip, DemoSpec(frames=6, size=(160, 120), seed=1))
+        roi = tuple(load_truth(clip)["roi"])
+        run_pipeline(ort_rt, FrameSource(str(clip)), PipelineOptions(out_dir=tmp_path / "run", roi=roi))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "keypoints.jsonl").read_text().splitlines()]
+    assert len(lines) == 6
+    for rec in lines:
+        face = rec["face"]
+        assert set(face) == {"presence", "box", "landmarks", "head_pose", "attribute", "attribute_probability"}
+        assert len(face["landmarks"]) == 5 and all(len(p) == 3 for p in face["landmarks"])
+        assert face["box"][0] <= face["box"][2] and face["box"][1] <= face["box"][3]
+        assert all(-180 <= v < 180 for v in face["head_pose"]) and 0 <= face["attribute"] < 4
+    claim = release_claim(PixelizeSpec(eps=1.0, b=8, m=16), frames=6, keypoints_file="keypoints.jsonl", video_file=None,
+                          face_outputs=names[3:])
+    assert "face_detect" in claim and "NOT protected" in claim
