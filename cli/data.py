@@ -62,11 +62,11 @@ def register(sub: Any) -> None:
     _add_common(synth, config=False)
     synth.set_defaults(func=cmd_data_synth)
 
-    conv = data.add_parser("convert", help="a real dataset (MPII as mmpose's json, COCO keypoints) to one split "
-                                           "folder in the MPII json layout")
+    conv = data.add_parser("convert", help="a real dataset (MPII as mmpose's json, COCO keypoints, AFLW's face "
+                                           "database) to one split folder in the MPII json layout")
     conv.add_argument("--format", required=True, choices=FORMATS, help="the input's format")
-    conv.add_argument("--annotations", required=True, help="mmpose's train.json / valid.json, or COCO's "
-                                                          "person_keypoints_*.json")
+    conv.add_argument("--annotations", required=True, help="mmpose's train.json / valid.json, COCO's "
+                                                          "person_keypoints_*.json, or AFLW's aflw.sqlite")
     conv.add_argument("--images", required=True, help="the folder the annotations' image names are relative to")
     conv.add_argument("--out", required=True, help="the split folder to write (e.g. data/mpii/val)")
     conv.add_argument("--headboxes", default=None, help="MPII: head boxes for PCKh (the official mpii_gt_val.mat, "

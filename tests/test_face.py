@@ -343,3 +343,108 @@ def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     claim = release_claim(PixelizeSpec(eps=1.0, b=8, m=16), frames=6, keypoints_file="keypoints.jsonl", video_file=None,
                           face_outputs=names[3:])
     assert "face_detect" in claim and "NOT protected" in claim
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AFLW: real face data through the same layout
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _aflw(tmp_path, *, mirror_names: bool = False, flip_roll: bool = False):
+    """A hand-written AFLW database of four faces (one whose image is missing) and their images."""
+    import sqlite3
+
+    images = tmp_path / "aflw" / "flickr"
+    (images / "0").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        cv2.imwrite(str(images / "0" / f"image{i:05d}.jpg"), rng.integers(0, 255, (120, 160, 3), dtype=np.uint8))
+    # (roll deg, yaw deg, pitch deg, eye centre, which points are seen)
+    faces = [(12.0, 25.0, -5.0, (60.0, 50.0), "all"), (-20.0, -35.0, 8.0, (100.0, 60.0), "all"),
+             (3.0, 70.0, 0.0, (80.0, 40.0), "profile"), (0.0, 0.0, 0.0, (50.0, 50.0), "all")]
+    db = sqlite3.connect(tmp_path / "aflw.sqlite")
+    db.executescript("""
+        CREATE TABLE FaceImages (image_id INTEGER, db_id TEXT, file_id TEXT, filepath TEXT, bw INTEGER,
+                                 width INTEGER, height INTEGER);
+        CREATE TABLE Faces (face_id INTEGER, file_id TEXT, db_id TEXT);
+        CREATE TABLE FaceRect (face_id INTEGER, x INTEGER, y INTEGER, w INTEGER, h INTEGER, annot_type_id INTEGER);
+        CREATE TABLE FacePose (face_id INTEGER, roll REAL, pitch REAL, yaw REAL, annot_type_id INTEGER);
+        CREATE TABLE FeatureCoords (face_id INTEGER, feature_id INTEGER, x REAL, y REAL, annot_type_id INTEGER);
+        CREATE TABLE FeatureCoordTypes (feature_id INTEGER, descr TEXT, code TEXT, x REAL, y REAL, z REAL);
+        CREATE TABLE FaceMetaData (face_id INTEGER, sex TEXT, occluded INTEGER, glasses INTEGER, bw INTEGER,
+                                   annot_type_id INTEGER);
+    """)
+    names = {8: "LeftEyeCenter", 11: "RightEyeCenter", 15: "NoseCenter", 18: "MouthLeftCorner", 20: "MouthRightCorner",
+             1: "LeftBrowLeftCorner"}
+    db.executemany("INSERT INTO FeatureCoordTypes VALUES (?, ?, '', 0, 0, 0)", list(names.items()))
+    truth = []
+    for face_id, (roll, yaw, pitch, (cx, cy), seen) in enumerate(faces, start=1):
+        file_id = f"image{min(face_id - 1, 3):05d}.jpg"
+        db.execute("INSERT INTO FaceImages VALUES (?, 'flickr', ?, ?, 0, 160, 120)", (face_id, file_id, f"0/{file_id}"))
+        db.execute("INSERT INTO Faces VALUES (?, ?, 'flickr')", (face_id, file_id))
+        db.execute("INSERT INTO FaceRect VALUES (?, ?, ?, 30, 36, 1)", (face_id, int(cx - 15), int(cy - 12)))
+        stored_roll = -roll if flip_roll else roll
+        db.execute("INSERT INTO FacePose VALUES (?, ?, ?, ?, 1)",
+                   (face_id, math.radians(stored_roll), math.radians(pitch), math.radians(yaw)))
+        db.execute("INSERT INTO FaceMetaData VALUES (?, ?, 0, 0, 0, 1)", (face_id, "f" if face_id % 2 else "m"))
+        across = np.array([math.cos(math.radians(roll)), math.sin(math.radians(roll))])  # right eye -> left eye
+        down = np.array([-across[1], across[0]])
+        c = np.array([cx, cy])
+        points = {"right_eye": c - 8 * across, "left_eye": c + 8 * across,
+                  "nose": c + 10 * down + np.sign(yaw) * 3 * across,
+                  "mouth_right": c + 18 * down - 6 * across, "mouth_left": c + 18 * down + 6 * across}
+        if seen == "profile":
+            points = {k: v for k, v in points.items() if k in ("right_eye", "nose", "mouth_right")}
+        truth.append(points)
+        by_name = {"right_eye": 11, "left_eye": 8, "nose": 15, "mouth_right": 20, "mouth_left": 18}
+        if mirror_names:
+            by_name = {"right_eye": 8, "left_eye": 11, "nose": 15, "mouth_right": 18, "mouth_left": 20}
+        for key, (x, y) in points.items():
+            db.execute("INSERT INTO FeatureCoords VALUES (?, ?, ?, ?, 1)", (face_id, by_name[key], float(x), float(y)))
+        db.execute("INSERT INTO FeatureCoords VALUES (?, 1, 1.0, 1.0, 1)", (face_id,))  # a landmark fedpose does not use
+    db.commit()
+    db.close()
+    return tmp_path / "aflw.sqlite", images, truth
+
+
+@pytest.mark.parametrize("mirror_names,flip_roll", [(False, False), (True, False), (False, True)])
+def test_aflw_converts_to_the_layout_with_its_conventions_checked(tmp_path, mirror_names, flip_roll):
+    from shared.data.aflw import ATTRIBUTES, load_aflw
+    from shared.data.convert import convert
+    from shared.data.mpii import load_split
+
+    database, images, truth = _aflw(tmp_path, mirror_names=mirror_names, flip_roll=flip_roll)
+    records, report = load_aflw(database, images)
+    assert report.faces == 3 and report.skipped == 1  # the fourth face's image is not there
+    assert report.sides_swapped == mirror_names and report.roll_flipped == flip_roll and not report.yaw_flipped
+    order = ("right_eye", "left_eye", "nose", "mouth_right", "mouth_left")
+    for record, want, (roll, yaw, pitch) in zip(records, truth, [(12.0, 25.0, -5.0), (-20.0, -35.0, 8.0),
+                                                                  (3.0, 70.0, 0.0)]):
+        face = record.face
+        assert face.present and not record.visible.any()
+        assert face.visible.tolist() == [k in want for k in order]
+        for i, key in enumerate(order):
+            if key in want:
+                np.testing.assert_allclose(face.landmarks[i], want[key], atol=1e-4)
+        np.testing.assert_allclose(face.head_pose, [yaw, pitch, roll], atol=1e-3)
+        assert np.all(record.center == (face.box[0] + face.box[1]) / 2)
+    assert [r.face.attribute for r in records] == [1, 0, 1]  # f, m, f
+    out = convert("aflw", database, images, tmp_path / "faces" / "train")
+    again = load_split(out.parent, "train")
+    assert read_faces(out / "faces.json", 3)[1] == ATTRIBUTES
+    for a, b in zip(records, again):
+        np.testing.assert_allclose(a.face.landmarks, b.face.landmarks, atol=1e-3)
+        assert a.face.visible.tolist() == b.face.visible.tolist()
+
+
+def test_aflw_refuses_what_is_not_an_aflw_database(tmp_path):
+    import sqlite3
+
+    from shared.data.aflw import load_aflw
+
+    (tmp_path / "img").mkdir()
+    sqlite3.connect(tmp_path / "other.sqlite").execute("CREATE TABLE t (x)").connection.close()
+    with pytest.raises(ValueError, match="not an AFLW database"):
+        load_aflw(tmp_path / "other.sqlite", tmp_path / "img")
+    with pytest.raises(FileNotFoundError, match="AFLW database not found"):
+        load_aflw(tmp_path / "missing.sqlite", tmp_path / "img")

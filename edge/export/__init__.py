@@ -24,7 +24,8 @@ Right after writing, the file is run by onnxruntime on random images and
 compared with PyTorch; a difference above ``tolerance`` (1e-4) fails the
 export (``ExportError``) and the file is removed.
 
-The package: spec (names, parsing, report, error), trt_ops (TensorRT 10 operator check), fold
+The package: spec (names, parsing, report, error), outputs (the traced module: pose outputs, then face ones),
+trt_ops (TensorRT 10 operator check), fold
 (constant folding of shape arithmetic), parity (onnxruntime vs PyTorch), exporter (``export_onnx``).
 """
 

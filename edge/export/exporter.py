@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from edge.export.fold import fold_constants
+from edge.export.outputs import exported_module
 from edge.export.parity import verify_onnx
 from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OPSET, Batch, ExportError, ExportReport, export_outputs
 from edge.export.trt_ops import nonconstant_restricted_inputs, unsupported_ops
-from shared.model.face_decode import face_slices, ordered
+from shared.model.face_decode import ordered
 from shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
@@ -150,27 +151,6 @@ def export_onnx(
         nonconstant_inputs=tuple(nonconst),
         fp16=fp16,
     )
-
-
-class ExportedOutputs(torch.nn.Module):
-    """What the exported graph computes: the pose outputs, then each face task's block as its own output."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        cfg = model.cfg
-        self.slices = list(face_slices(cfg.face_tasks, cfg.face_attributes).values()) if cfg.face_tasks else []
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not self.slices:
-            return self.model(x)
-        sx, sy, vis, face = self.model.forward_with_face(x)
-        return (sx, sy, vis, *[face[:, sl] for sl in self.slices])
-
-
-def exported_module(model: PoseNet) -> torch.nn.Module:
-    """The module the graph is traced from: the model itself when it has no face tasks (its graph as always)."""
-    return ExportedOutputs(model) if model.face_head is not None else model
 
 
 def _copy_to(model: PoseNet, dtype: torch.dtype) -> torch.nn.Module:

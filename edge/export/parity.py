@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge.export.outputs import exported_module
 from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, ExportError, export_outputs
 from shared.model.posenet import PoseNet
 
@@ -31,7 +32,6 @@ def verify_onnx(
     """
     import onnxruntime as ort
 
-    from edge.export.exporter import exported_module
 
     rng = np.random.default_rng(seed)
     h, w = model.input_size

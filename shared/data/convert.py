@@ -1,8 +1,8 @@
 """From a real dataset to fedpose's layout: ``fedpose data convert`` and ``fedpose data split``.
 
 ``convert`` reads MPII as mmpose / HRNet distribute it (``train.json`` / ``valid.json``, with the official
-``mpii_gt_val.mat`` for the validation head boxes) or COCO keypoints (mapped to the 16 MPII joints, see
-``shared.data.coco``) and writes one split folder in the MPII json layout every fedpose command reads.
+``mpii_gt_val.mat`` for the validation head boxes), COCO keypoints (mapped to the 16 MPII joints, see
+``shared.data.coco``) or AFLW's face database (face labels, ``shared.data.aflw``) and writes one split folder in the MPII json layout every fedpose command reads.
 ``split`` cuts one such folder into sites, a public split and a validation split: by patient when the
 data carries patient ids (``patients.json``), else by image, so that a person or an image is never on two
 sides (every record of one image goes to the same split).
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.data.face import FACES_FILE, read_faces, write_faces
 from shared.data.mpii import box_to_json, load_mpii, load_split
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("mpii-json", "coco")
+FORMATS = ("mpii-json", "coco", "aflw")
 
 
 def _place_image(src: Path, dst: Path, *, copy: bool) -> None:
@@ -42,9 +43,10 @@ def _place_image(src: Path, dst: Path, *, copy: bool) -> None:
     shutil.copy2(src, dst)
 
 
-def write_split(records: Sequence, out: str | Path, *, copy: bool = False) -> Path:
+def write_split(records: Sequence, out: str | Path, *, copy: bool = False, attributes: Sequence[str] = ()) -> Path:
     """Write ``records`` as a split folder (annotations.json, images/, headboxes.json and patients.json when
-    every record has one); refuses a folder that already holds annotations."""
+    every record has one, faces.json when any has face labels, with the attribute names ``attributes``);
+    refuses a folder that already holds annotations."""
     out = Path(out)
     if (out / "annotations.json").exists():
         raise FileExistsError(f"{out} already holds a split (annotations.json): choose a new folder")
@@ -76,6 +78,8 @@ def write_split(records: Sequence, out: str | Path, *, copy: bool = False) -> Pa
         (out / "headboxes.json").write_text(json.dumps(headboxes))
     if all(p is not None for p in patients):
         (out / "patients.json").write_text(json.dumps(patients))
+    if any(r.face is not None for r in records):
+        write_faces(out / FACES_FILE, [r.face for r in records], attributes)
     log.info("wrote %d records of %d images to %s", len(annotations), len(names), out)
     return out
 
@@ -85,6 +89,13 @@ def convert(fmt: str, annotations: str | Path, images: str | Path, out: str | Pa
     """Read a dataset in ``fmt`` and write it as one split folder at ``out``."""
     if fmt == "mpii-json":
         records = load_mpii(annotations, images, headboxes=headboxes)
+    elif fmt == "aflw":
+        if headboxes is not None:
+            raise ValueError("--headboxes is for MPII: AFLW's face boxes are its records' head boxes")
+        from shared.data.aflw import ATTRIBUTES, load_aflw
+
+        records, _ = load_aflw(annotations, images)
+        return write_split(records, out, copy=copy, attributes=ATTRIBUTES)
     elif fmt == "coco":
         if headboxes is not None:
             raise ValueError("--headboxes is for MPII: COCO has no head boxes (do not evaluate PCKh on COCO)")
@@ -110,6 +121,7 @@ def split_dataset(source: str | Path, out: str | Path, *, sites: int, public: fl
         raise ValueError(f"--public {public} and --val {val} must be fractions with public + val < 1")
     source = Path(source)
     records = load_split(source.parent, source.name)
+    attributes = read_faces(source / FACES_FILE, len(records))[1] if (source / FACES_FILE).is_file() else ()
     by_patient = all(r.patient is not None for r in records)
     key = (lambda r: r.patient) if by_patient else (lambda r: str(r.image))
     groups: dict[str, list] = {}
@@ -130,7 +142,7 @@ def split_dataset(source: str | Path, out: str | Path, *, sites: int, public: fl
         if not keys:
             continue
         chosen = [r for k in keys for r in groups[k]]
-        write_split(chosen, Path(out) / name, copy=copy)
+        write_split(chosen, Path(out) / name, copy=copy, attributes=attributes)
         counts[name] = len(chosen)
     log.info("split %s by %s into %s", source, "patient" if by_patient else "image", counts)
     return counts
