@@ -132,8 +132,13 @@ class PretrainConfig:
     # with the seed and the CPU's kernels by several PCKh points (29.7 to 43.5 over three seeds here); at 0.5 by
     # about half a point (docs/results: how reproducible a start is).
     photometric: float = 0.5
+    # CPU threads of public pretraining, whatever runtime.threads says: a CPU sums a matmul's blocks in another
+    # order with another count, so the weights depend on it, and every run of a folder must find one start.
+    threads: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 1 <= self.threads <= 256:
+            raise ConfigError(f"pretrain.threads: must be an int in [1, 256], got {self.threads!r}")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ConfigError("pretrain.epochs and pretrain.batch_size must be >= 1 and pretrain.lr > 0")
         if not 0 <= self.photometric < 1:

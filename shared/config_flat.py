@@ -58,7 +58,8 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.psi_eps": 1.0, "privacy.psi_m": 1,
                                  "federation.update_bound": "none", "data.source": None,
                                  "pretrain.photometric": 0.0, "pretrain.init": None, "data.help": "",
-                                 "privacy.noise_factor": 1.0, "model.face_tasks": [], "model.face_attributes": 4}
+                                 "privacy.noise_factor": 1.0, "model.face_tasks": [], "model.face_attributes": 4,
+                                 "pretrain.threads": 2}
 # Sections that say how a run uses the machine, not what it computes: never part of an identity view.
 RUNTIME_SECTIONS = ("runtime.",)
 

@@ -143,6 +143,15 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     out = Path(out or cfg.pretrain.out)
     t0 = time.perf_counter()
     begin(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.pretrain.threads)  # the weights depend on it (pretrain.threads); restored below
+    try:
+        return _pretrain(cfg, out, t0, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(cfg: Config, out: Path, t0: float, *, progress: bool) -> dict[str, Any]:
     device = select_device(cfg.train.device)
     torch.manual_seed(cfg.pretrain.seed)
     root = ensure_data(cfg, progress=progress)
@@ -184,6 +193,18 @@ def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool =
     return metrics
 
 
+def _what_not_where(fingerprint: Any) -> Any:
+    """A weights fingerprint without the places it names (data.root, pretrain.out, data.help): the same ward and
+    weights reached through another path (relative, absolute, a link) are the same start."""
+    if not isinstance(fingerprint, dict):
+        return fingerprint
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in fingerprint.items()}
+    for section, key in (("data", "root"), ("data", "help"), ("pretrain", "out")):
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
 def pretrained_problem(cfg: Config) -> str | None:
     """Why the public pretrained weights of this config cannot be used as they are (None: they can)."""
     path = (Path(cfg.pretrain.out) / "model.pt").expanduser().resolve()
@@ -191,7 +212,7 @@ def pretrained_problem(cfg: Config) -> str | None:
         return f"no pretrained weights at {path}"
     want = json.loads(json.dumps(config_fingerprint(cfg, "data", "model", "pretrain")))
     _, meta = load_checkpoint(path)
-    if meta.get("fingerprint") != want:
+    if _what_not_where(meta.get("fingerprint")) != _what_not_where(want):
         return f"the pretrained weights at {path} were made with another data/model/pretrain config"
     return None
 

@@ -41,3 +41,42 @@ def test_pretraining_gives_the_same_weights_with_one_or_two_threads_in_the_envir
     assert one["threads"] == two["threads"] == 2  # the run's own count, whatever the environment said
     assert one["digest"] == two["digest"] and one["pckh"] == two["pckh"]
     assert hashlib.sha256(one["digest"].encode()).hexdigest()  # a real digest, not an empty one
+
+
+def test_pretraining_gives_the_same_weights_whatever_thread_count_the_run_uses(tmp_path: Path) -> None:
+    """A study's cells run with one thread each, the command line with two: both must reuse one start (the cached
+    weights' identity leaves the thread count out, so weights that depended on it would mix two starts)."""
+    results = []
+    for threads in (1, 2):
+        data = tiny_dict(tmp_path / "w")
+        data["pretrain"] = {**data["pretrain"], "out": str(tmp_path / f"pre-{threads}"), "epochs": 2}
+        data["runtime"] = {"threads": threads}
+        done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(data)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    one, two = results
+    assert one["digest"] == two["digest"] and one["pckh"] == two["pckh"]
+
+
+def test_cached_pretrained_weights_are_found_wherever_the_data_and_weights_are_named(tmp_path: Path) -> None:
+    """The same ward and weights reached through another path (relative or absolute, a link) are the same start:
+    re-pretraining would overwrite the weights every other run of that folder uses."""
+    from shared.config import config_from_dict
+    from shared.runs import ensure_data, ensure_pretrained, pretrained_problem
+
+    data = tiny_dict(tmp_path / "w")
+    data["pretrain"] = {**data["pretrain"], "epochs": 1}
+    cfg = config_from_dict(data)
+    ensure_data(cfg, progress=False)
+    ensure_pretrained(cfg, progress=False)
+    (tmp_path / "link").symlink_to(tmp_path / "w")
+    elsewhere = json.loads(json.dumps(data).replace(str(tmp_path / "w"), str(tmp_path / "link")))
+    assert pretrained_problem(config_from_dict(elsewhere)) is None
+    relative = json.loads(json.dumps(data).replace(str(tmp_path) + "/", ""))
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert pretrained_problem(config_from_dict(relative)) is None
+    finally:
+        os.chdir(cwd)

@@ -174,6 +174,22 @@ def _pckh(records: list[dict[str, Any]], **point: Any) -> list[float]:
     return [float(r["metrics"]["pckh"]["mean"]) for r in _records(records, **point)]
 
 
+def _one_start(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records, if every cell started from the same pretrained weights (its initial PCKh, or the pretrained
+    cell's own); cells from two starts in one table would compare more than their methods."""
+    starts: dict[float, list[str]] = {}
+    for r in records:
+        m = r["metrics"]
+        value = m["pckh"]["mean"] if r["cell"]["method"] == "pretrained" else m.get("initial_pckh_mean")
+        if value is not None:
+            starts.setdefault(round(float(value), 6), []).append(r["cell"]["id"])
+    if len(starts) > 1:
+        found = "; ".join(f"start {v:.2f}: {len(ids)} cells (e.g. {ids[0]})" for v, ids in sorted(starts.items()))
+        raise ValueError(f"the study's cells started from different pretrained weights ({found}): rerun the cells of "
+                         "the start that is not the study's")
+    return records
+
+
 def _study_provenance(records: list[dict[str, Any]]) -> str:
     provs = [r["metrics"]["provenance"] for r in records if r["metrics"].get("provenance")]
     if not provs:
@@ -188,6 +204,7 @@ def _study_provenance(records: list[dict[str, Any]]) -> str:
 
 def render_study30_methods(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-30/ (fedpose study --record): the five methods at eps 0.8, 30 epochs per record."""
+    records = _one_start(records)
     settings = ("centralized", "federated", "reference")
     lines = ["| method | centralized | federated | reference (pooled, the federation's noise) |", "|---|---|---|---|"]
     start = _pckh(records, method="pretrained")
@@ -212,6 +229,7 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
 
 def render_study30_sweep(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-30/: PCKh@0.5 against epsilon, centralized and federated."""
+    records = _one_start(records)
     eps_values = sorted({r["cell"]["epsilon"] for r in records if r["cell"]["epsilon"] is not None})
     lines = ["| setting | method | " + " | ".join(f"eps {e:g}" for e in eps_values) + " |",
              "|---|---|" + "---|" * len(eps_values)]
@@ -236,6 +254,7 @@ def render_study30_sweep(records: list[dict[str, Any]]) -> str:
 
 def render_study30_reference(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-30/: the federation against its reachable reference and the pooled run."""
+    records = _one_start(records)
     lines = ["| method | run | PCKh@0.5 | sigma | q | batch | noise per coordinate and step (sigma C / B) |"
              " epsilon spent |", "|---|---|---|---|---|---|---|---|"]
     gaps = []
