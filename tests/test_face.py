@@ -448,3 +448,29 @@ def test_aflw_refuses_what_is_not_an_aflw_database(tmp_path):
         load_aflw(tmp_path / "other.sqlite", tmp_path / "img")
     with pytest.raises(FileNotFoundError, match="AFLW database not found"):
         load_aflw(tmp_path / "missing.sqlite", tmp_path / "img")
+
+
+def test_face_metrics_on_hand_made_predictions():
+    from shared.face_metrics import face_lines, face_report
+
+    eyes = np.array([[10.0, 20.0], [20.0, 20.0], [15.0, 25.0], [12.0, 30.0], [18.0, 30.0]])
+    truth = {"labelled": np.array([1, 1, 1, 0], bool), "present": np.array([1, 1, 0, 1], bool),
+             "box": np.tile([8.0, 15.0, 22.0, 35.0], (4, 1)), "landmarks": np.stack([eyes] * 4),
+             "visible": np.ones((4, 5), bool), "head_pose": np.tile([170.0, 10.0, -5.0], (4, 1)),
+             "attribute": np.array([2, -1, 1, 0])}
+    moved = eyes + np.array([1.0, 0.0])  # every point 1 px off: NME = 1 / 10 (inter-ocular distance 10)
+    pred = {"presence": np.array([0.9, 0.2, 0.1, 0.9]), "box": np.tile([8.0, 15.0, 22.0, 35.0], (4, 1)),
+            "landmarks": np.stack([moved] * 4), "landmark_visibility": np.full((4, 5), 0.8),
+            "head_pose": np.tile([-170.0, 10.0, -5.0], (4, 1)),  # yaw 20 degrees off across the wrap
+            "attribute": np.array([2, 0, 0, 0]), "attribute_probability": np.full((4, 4), 0.25)}
+    r = face_report(pred, truth, input_size=(64, 48))
+    assert r["faces_labelled"] == 3 and r["faces_present"] == 2  # the unlabelled fourth counts nowhere
+    assert r["detection_accuracy"] == pytest.approx(2 / 3)  # 0.9 present yes, 0.2 present no, 0.1 absent yes
+    assert r["box_iou"] == pytest.approx(1.0)
+    assert r["nme_interocular"] == pytest.approx(0.1) and r["nme_faces"] == 2
+    assert r["landmark_mse"] == pytest.approx((1 / 48) ** 2)
+    assert r["visibility_mse"] == pytest.approx(0.04) and r["visibility_accuracy"] == 1.0
+    assert r["pose_mae_degrees"] == pytest.approx({"yaw": 20.0, "pitch": 0.0, "roll": 0.0})
+    assert r["attribute_accuracy"] == pytest.approx(0.5) and r["attribute_count"] == 2  # -1 is unknown
+    text = "\n".join(face_lines(r))
+    assert "NME (inter-ocular) 0.100" in text and "yaw 20.0" in text
