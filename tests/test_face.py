@@ -321,6 +321,17 @@ def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     meta = {p.key: p.value for p in proto.metadata_props}
     assert meta["fedpose.face_tasks"] == "detect,landmarks,head_pose,attribute" and meta["fedpose.face_attributes"] == "4"
 
+    # the contract's second consumer (an integrator's OpenCV DNN / C++ pipeline) reads the face outputs too
+    one = np.random.default_rng(1).random((1, 3, *INPUT), dtype=np.float32)
+    fixed = export_onnx(model, tmp_path / "m1.onnx", batch=1).path
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(fixed), providers=["CPUExecutionProvider"]).run(list(names), {"image": one})
+    net = cv2.dnn.readNetFromONNX(str(fixed))
+    net.setInput(one, "image")
+    for name, r, g in zip(names, ref, net.forward(list(names))):
+        assert g.shape == r.shape and float(np.abs(g - r).max()) <= 1e-4, name
+
     x = np.random.default_rng(0).random((3, 3, *INPUT), dtype=np.float32)
     with OnnxRuntime(tmp_path / "m.onnx") as ort_rt, TorchRuntime(tmp_path / "m.pt") as torch_rt:
         assert ort_rt.face_outputs == torch_rt.face_outputs == names[3:]
