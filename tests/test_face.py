@@ -485,3 +485,27 @@ def test_face_metrics_on_hand_made_predictions():
     assert r["attribute_accuracy"] == pytest.approx(0.5) and r["attribute_count"] == 2  # -1 is unknown
     text = "\n".join(face_lines(r))
     assert "NME (inter-ocular) 0.100" in text and "yaw 20.0" in text
+
+
+def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_world, tmp_path):
+    from client.policy import min_sigma_for
+    from shared.federation_messages import ARRAYS, Refusal, RefusalCode
+    from shared.runs import initial_model
+    from test_federation_site import _policy, _request, _rows
+
+    cfg = face_world
+    state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
+    allowed = _policy(cfg, tmp_path / "a", face_tasks=list(ALL_TASKS), methods=["dpsgd"])
+    from client.site import handle_train
+
+    reply = handle_train(_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
+    weights = {k: torch.from_numpy(v.numpy()) for k, v in reply[ARRAYS].items()}
+    moved = [k for k in weights if k.startswith("face_head.") and not torch.equal(weights[k], state[k])]
+    assert moved, "the site's round did not train the face head"
+    assert len(_rows(allowed)) == 1
+    # a site whose policy lists only some of the tasks refuses, with nothing trained and nothing spent
+    partial = _policy(cfg, tmp_path / "b", face_tasks=["detect"], methods=["dpsgd"])
+    with pytest.raises(Refusal) as info:
+        handle_train(_request(cfg, state, sigma=min_sigma_for(partial)), partial)
+    assert info.value.code == RefusalCode.POLICY and "face tasks" in str(info.value)
+    assert _rows(partial) == []
