@@ -90,6 +90,12 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-30.yaml", "--out", "{out}/study-30", "--record",
          "benchmarks/results/study-30", "--threads", "1", "--jobs", "2"),
     ), records=("study-30",)),
+    Entry("study-face", "the face tasks beside body pose: nonprivate, dpsgd and fpdp at eps 5 and 0.8, uncertainty "
+                        "weighting on and off, and without face heads (about an hour; cells kept in "
+                        "benchmarks/results/study-face)", (
+        (*FEDPOSE, "study", "--config", "configs/study-face.yaml", "--out", "{out}/study-face", "--record",
+         "benchmarks/results/study-face", "--threads", "1", "--jobs", "2"),
+    ), records=("study-face",)),
     Entry("proj", "why proj ends below dpsgd: signal and noise of a step under Adam and SGD, and 30-epoch runs", (
         ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs", "--out", "{out}/proj_diagnosis.json"),
     ), results=("proj_diagnosis.json",)),

@@ -147,7 +147,11 @@ def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(tmp_path):
         flips += 1
     assert flips > 10
     # an empty Poisson batch keeps every face key, correctly shaped
+    from shared.data.dataset import FACE_KEYS, KEYS
+
+    assert set(ds[0]) == set(KEYS) | set(FACE_KEYS) == set(ds.batch([0, 1]))
     empty = ds.batch([])
+    assert set(empty) == set(KEYS) | set(FACE_KEYS)
     assert empty["face_landmarks"].shape == (0, 5, 2) and empty["face_attribute"].dtype == torch.int64
 
 

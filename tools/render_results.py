@@ -190,13 +190,13 @@ def _one_start(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records
 
 
-def _study_provenance(records: list[dict[str, Any]]) -> str:
+def _study_provenance(records: list[dict[str, Any]], command: str | None = None) -> str:
     provs = [r["metrics"]["provenance"] for r in records if r["metrics"].get("provenance")]
     if not provs:
         return "_No cell has finished yet._"
     dates = sorted(str(p["date"])[:10] for p in provs if p.get("date"))
     commits = sorted({(p.get("commit") or "unknown")[:10] for p in provs})
-    text = _provenance({**provs[0], "command": STUDY30, "dirty": any(p.get("dirty") for p in provs)})
+    text = _provenance({**provs[0], "command": command or STUDY30, "dirty": any(p.get("dirty") for p in provs)})
     first = (provs[0].get("commit") or "unknown")[:10]
     return (text.replace(f"commit {first}", f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}")[:-2]
             + f"; {len(records)} cells finished, {dates[0]} to {dates[-1]}._")
@@ -283,6 +283,88 @@ def render_study30_reference(records: list[dict[str, Any]]) -> str:
                         f"{means['federated'] - means['reference']:+.2f}; the price of not trusting the server "
                         f"(reference - pooled) {means['reference'] - means['centralized']:+.2f}")
     return "\n".join(lines + [""] + [f"- {g}" for g in gaps] + ["", _study_provenance(records)])
+
+
+STUDY_FACE = ("fedpose study --config configs/study-face.yaml --out runs/study-face --record "
+              "benchmarks/results/study-face")
+FACE_OFF, POSE_ONLY = "model.task_uncertainty=False", "model.face_tasks=[]"
+# (label, metrics key, higher is better, as percentage points) of the face table; DPLH's reported pair
+# (non-private, DP-SGD at eps 5, delta 1e-5) where the paper has one.
+FACE_ROWS = (("detection accuracy", "detection_accuracy", True, (0.99, 0.90)),
+             ("attribute accuracy", "attribute_accuracy", True, (0.90, 0.86)),
+             ("landmark MSE", "landmark_mse", False, (0.245, 0.255)),
+             ("visibility MSE", "visibility_mse", False, (0.20, 0.25)),
+             ("pose MSE", "pose_mse", False, (0.24, 0.27)),
+             ("landmark NME (inter-ocular)", "nme_interocular", False, None),
+             ("face box IoU", "box_iou", True, None))
+FACE_RUNS = (("nonprivate", None), ("dpsgd", 5.0), ("fpdp", 5.0), ("dpsgd", 0.8), ("fpdp", 0.8))
+
+
+def _face_value(records: list[dict[str, Any]], method: str, epsilon: float | None, variant: str, key: str) -> Any:
+    runs = _records(records, method=method, epsilon=epsilon, variant=variant)
+    if not runs:
+        return None
+    if key == "pckh":
+        return float(runs[0]["metrics"]["pckh"]["mean"])
+    face = runs[0]["metrics"].get("face", {})
+    if key.startswith("mae_"):
+        return (face.get("pose_mae_degrees") or {}).get(key[4:])
+    return face.get(key)
+
+
+def _change(value: float | None, base: float | None, higher: bool) -> str:
+    """A task's change from the non-private run: points for accuracies, percent for errors."""
+    if value is None or base is None:
+        return "-"
+    if higher:
+        return f"{100 * (value - base):+.1f} points"
+    return f"{100 * (value - base) / base:+.0f} %" if base else "-"
+
+
+def render_study_face(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-face/ (fedpose study --record): DPLH's face tasks beside body pose on the ward."""
+    for variant in ("", FACE_OFF, POSE_ONLY):  # each variant pretrains its own start
+        _one_start(_records(records, variant=variant))
+    heads = ["non-private"] + [f"{m} eps {e:g}" for m, e in FACE_RUNS[1:]]
+    out = []
+    for variant, title in (("", "Task-uncertainty weighting on (the default)"), (FACE_OFF, "Weighting off")):
+        lines = [f"{title}:", "", "| task | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+        rows = [(label, key) for label, key, _, _ in FACE_ROWS] + [
+            (f"head pose MAE, {a} (degrees)", f"mae_{a}") for a in ("yaw", "pitch", "roll")] + [
+            ("body PCKh@0.5", "pckh")]
+        for label, key in rows:
+            values = [_face_value(records, m, e, variant, key) for m, e in FACE_RUNS]
+            fmt = ".1f" if key.startswith("mae_") or key == "pckh" else (".4f" if "mse" in key else ".3f")
+            lines.append(f"| {label} | " + " | ".join("-" if v is None else format(v, fmt) for v in values) + " |")
+        out += lines + [""]
+    lines = ["Change from the non-private run at eps 5 (accuracy in points, errors in percent), beside DPLH's "
+             "DP-SGD on AFLW:", "", "| task | DPLH (DP-SGD) | dpsgd | fpdp |", "|---|---|---|---|"]
+    smaller, larger = [], []
+    for label, key, higher, dplh in FACE_ROWS:
+        base = _face_value(records, "nonprivate", None, "", key)
+        ours = [_face_value(records, m, 5.0, "", key) for m in ("dpsgd", "fpdp")]
+        theirs = _change(dplh[1], dplh[0], higher) if dplh else "-"
+        lines.append(f"| {label} | {theirs} | " + " | ".join(_change(v, base, higher) for v in ours) + " |")
+        if dplh and base is not None and ours[1] is not None:
+            ours_drop = (base - ours[1]) if higher else (ours[1] - base) / base
+            their_drop = (dplh[0] - dplh[1]) if higher else (dplh[1] - dplh[0]) / dplh[0]
+            (smaller if ours_drop < their_drop else larger).append(label)
+    verdict = []
+    if smaller or larger:
+        verdict = ["", f"fpdp at eps 5 loses less than DPLH's DP-SGD on {len(smaller)} of {len(smaller) + len(larger)} "
+                       "tasks" + (f"; more on {', '.join(larger)}" if larger else "") + ". The data differ (the ward's "
+                       "faces are a few pixels wide; DPLH's are AFLW photographs), so compare the changes, not the "
+                       "values."]
+    out += lines + verdict + [""]
+    lines = ["Body PCKh@0.5 with and without the face heads (weighting on):", "",
+             "| run | with face heads | without |", "|---|---|---|"]
+    for m, e in FACE_RUNS:
+        both = [_face_value(records, m, e, v, "pckh") for v in ("", POSE_ONLY)]
+        label = "non-private" if e is None else f"{m} eps {e:g}"
+        lines.append(f"| {label} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in both) + " |")
+    out += lines + ["", "One seed each; centralized, 30 epochs per record.", "",
+                    _study_provenance(records, STUDY_FACE)]
+    return "\n".join(out)
 
 
 def _weights_label(path: str) -> str:
@@ -433,6 +515,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "study30-methods": ("study-30", render_study30_methods),
     "study30-sweep": ("study-30", render_study30_sweep),
     "study30-reference": ("study-30", render_study30_reference),
+    "study-face": ("study-face", render_study_face),
     "proj": ("proj_diagnosis.json", render_proj),
     "dp-step": ("dp_step.json", render_dp_step),
     "edge-latency": ("edge_latency.json", render_edge_latency),
