@@ -362,6 +362,15 @@ def render_study_face(records: list[dict[str, Any]]) -> str:
         both = [_face_value(records, m, e, v, "pckh") for v in ("", POSE_ONLY)]
         label = "non-private" if e is None else f"{m} eps {e:g}"
         lines.append(f"| {label} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in both) + " |")
+    starts = []
+    for variant, label in (("", "with face heads"), (FACE_OFF, "with face heads, weighting off"),
+                           (POSE_ONLY, "without face heads")):
+        values = [r["metrics"].get("initial_pckh_mean") for r in _records(records, variant=variant)]
+        values = [v for v in values if v is not None]
+        if values:
+            starts.append(f"{label} {values[0]:.2f}")
+    if starts:
+        lines += ["", "Body PCKh@0.5 of the public pretrained start each run began from: " + ", ".join(starts) + "."]
     out += lines + ["", "One seed each; centralized, 30 epochs per record.", "",
                     _study_provenance(records, STUDY_FACE)]
     return "\n".join(out)
