@@ -42,6 +42,7 @@ eval_path: null               # optional: a held-out split; each global model is
 accountant: {accountant}
 chunk_size: 16                # per-record gradients held in memory at a time (the site's, whatever is asked)
 round_seconds: null           # a reply leaves this long after its request (null: when done; then the time shows)
+face_tasks: []                # face tasks this site trains on its face labels (none unless listed)
 """
 
 START_SCRIPT = """\

@@ -35,6 +35,7 @@ server can only ask for it, never choose it (docs/design.md section 4b)::
     max_parameters: 20000000      # the largest model (all its tensors) a request may send
     max_input_size: [256, 256]    # the largest model input (H, W) a request may ask for
     round_seconds: null           # a reply leaves this many seconds after its request arrived (null: when done)
+    face_tasks: []                # face tasks trained on the site's face labels (public under fdp/fpdp)
 
 Relative paths are relative to the policy file's directory. A request that
 asks for anything weaker than this is refused with nothing trained and
