@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 
 from shared.data.records import PIXEL_STD
-from shared.data.transforms import affine_matrix, invert_affine
+from shared.data.transforms import affine_matrix, box_corners, invert_affine
 from shared.model.simcc_decode import decode_simcc
 
 # Person box = this factor x the extent of the keypoints (the training crops' convention).
@@ -144,8 +144,7 @@ def face_to_frame(face: dict[str, np.ndarray], matrices: np.ndarray) -> list[dic
         to_frame = lambda pts: np.asarray(pts, np.float64) @ inv[:, :2].T + inv[:, 2]  # noqa: E731
         rec: dict[str, Any] = {}
         if "presence" in face:
-            x1, y1, x2, y2 = face["box"][i]
-            corners = to_frame([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+            corners = to_frame(box_corners(face["box"][i]))
             rec["presence"] = round(float(face["presence"][i]), 4)
             rec["box"] = [round(float(v), 2) for v in (*corners.min(axis=0), *corners.max(axis=0))]
         if "landmarks" in face:

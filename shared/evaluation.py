@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.data.dataset import PoseDataset
+from shared.data.dataset import FACE_KEYS, PoseDataset
 from shared.data.records import PoseRecord
 from shared.metrics import pckh_report
 from shared.model.posenet import PoseNet
@@ -17,10 +17,11 @@ from shared.model.simcc import decode_simcc
 
 @torch.no_grad()
 def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progress: bool = False,
-            face_out: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+            face_out: list[tuple[np.ndarray, dict[str, np.ndarray]]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Keypoints (N, 16, 2) in input-crop pixels and scores (N, 16) for every record, in order.
 
-    ``face_out``: a list the face head's (B, D) outputs are appended to, batch by batch (models with face tasks).
+    ``face_out``: a list that gets, batch by batch, the face head's (B, D) outputs and the batch's face labels
+    (models with face tasks; the labels come with the crops, so nothing is cropped twice).
     """
     device = next(model.parameters()).device
     model.eval()
@@ -31,7 +32,7 @@ def predict(model: PoseNet, dataset: PoseDataset, *, batch_size: int = 64, progr
         batch = dataset.batch(idx)
         if face_out is not None:
             x_logits, y_logits, _, face = model.forward_with_face(batch["image"].to(device))
-            face_out.append(face.cpu().numpy())
+            face_out.append((face.cpu().numpy(), {k: v.numpy() for k, v in batch.items() if k in FACE_KEYS}))
         else:
             x_logits, y_logits, _ = model(batch["image"].to(device))
         kp, sc = decode_simcc(x_logits.cpu().numpy(), y_logits.cpu().numpy(), split_ratio=model.cfg.split_ratio)
@@ -59,7 +60,7 @@ def evaluate(
         raise ValueError("PCKh needs head boxes for every record (headboxes.json or mpii_gt_val.mat)")
     faces = model.face_head is not None
     dataset = PoseDataset(records, input_size=model.input_size, augment=None, face_tasks=faces)
-    face_out: list[np.ndarray] | None = [] if faces else None
+    face_out: list[tuple[np.ndarray, dict[str, np.ndarray]]] | None = [] if faces else None
     kp_input, scores = predict(model, dataset, batch_size=batch_size, progress=progress, face_out=face_out)
     kp_image = inverse_transform(kp_input, *record_boxes(records), model.input_size)
     gt = np.stack([r.joints for r in records])
@@ -67,18 +68,18 @@ def evaluate(
     heads = np.stack([r.headbox for r in records])
     report: dict[str, Any] = pckh_report(kp_image, gt, vis, heads)
     if face_out is not None:
-        report["face"] = _face_report(model, dataset, np.concatenate(face_out))
+        report["face"] = _face_report(model, face_out)
     return report, kp_image, scores
 
 
-def _face_report(model: PoseNet, dataset: PoseDataset, out: np.ndarray) -> dict[str, Any]:
+def _face_report(model: PoseNet, face_out: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> dict[str, Any]:
     from shared.face_metrics import face_report
     from shared.model.face_decode import decode_face, split_face
 
-    labels = dataset.batch(range(len(dataset)))  # the canonical crops' face labels (no augmentation)
-    truth = {"labelled": labels["face_labelled"].numpy() > 0, "present": labels["face_present"].numpy() > 0,
-             "box": labels["face_box"].numpy(), "landmarks": labels["face_landmarks"].numpy(),
-             "visible": labels["face_visible"].numpy() > 0, "head_pose": labels["head_pose"].numpy(),
-             "attribute": labels["face_attribute"].numpy()}
+    out = np.concatenate([o for o, _ in face_out])
+    labels = {k: np.concatenate([lab[k] for _, lab in face_out]) for k in face_out[0][1]}  # canonical crops
+    truth = {"labelled": labels["face_labelled"] > 0, "present": labels["face_present"] > 0,
+             "box": labels["face_box"], "landmarks": labels["face_landmarks"], "visible": labels["face_visible"] > 0,
+             "head_pose": labels["head_pose"], "attribute": labels["face_attribute"]}
     pred = decode_face(split_face(out, model.cfg.face_tasks, model.cfg.face_attributes), input_size=model.input_size)
     return face_report(pred, truth, input_size=model.input_size)

@@ -116,6 +116,12 @@ def flip_horizontal(
     return flipped, pts, vis
 
 
+def box_corners(box: np.ndarray) -> np.ndarray:
+    """(4,) x1, y1, x2, y2 -> (4, 2) corners: a turned box's axis-aligned hull is the hull of these, mapped."""
+    x1, y1, x2, y2 = (float(v) for v in box)
+    return np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]])
+
+
 def transform_face(
     face: FaceLabels, matrix: np.ndarray, *, rotation: float, flip_width: int | None, size_hw: tuple[int, int]
 ) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -135,8 +141,7 @@ def transform_face(
     if not face.present:
         return False, np.zeros(4, np.float32), np.zeros((NUM_LANDMARKS, 2), np.float32), \
             np.zeros(NUM_LANDMARKS, bool), np.zeros(3, np.float32)
-    (x1, y1), (x2, y2) = face.box
-    corners = warp_points(np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]]), matrix)  # (4, 2)
+    corners = warp_points(box_corners(face.box.reshape(-1)), matrix)  # (4, 2)
     points = warp_points(face.landmarks, matrix)  # (5, 2)
     visible = face.visible.copy()
     yaw, pitch, roll = (float(v) for v in face.head_pose)
