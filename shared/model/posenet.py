@@ -56,15 +56,18 @@ class PoseNet(TinyVit):
         self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
+    def _trunk(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) RGB in [0, 1] -> stage-4 features, normalised inside the model."""
+        return self.forward_features((images - self.pixel_mean) / self.pixel_std)
+
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = (images - self.pixel_mean) / self.pixel_std
-        return self.head(self.forward_features(x))
+        return self.head(self._trunk(images))
 
     def forward_with_face(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``forward`` plus the face head's (B, D) outputs (``shared.model.face_head``); needs face tasks."""
         if self.face_head is None:
             raise ValueError("this model has no face tasks (model.face_tasks is empty)")
-        feats = self.forward_features((images - self.pixel_mean) / self.pixel_std)
+        feats = self._trunk(images)
         return (*self.head(feats), self.face_head(feats))
 
     def task_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
