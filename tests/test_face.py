@@ -21,6 +21,12 @@ INPUT = (64, 48)
 ALL_TASKS = ("detect", "landmarks", "head_pose", "attribute")
 
 
+@pytest.fixture(scope="module")
+def ward(tmp_path_factory):
+    """One ward of SPEC for the tests that read files (generated once)."""
+    return synth.generate_ward(tmp_path_factory.mktemp("face-ward") / "w", SPEC, progress=False)
+
+
 def _faces(split: str = "site-0", n: int = 60) -> list[tuple[int, FaceLabels]]:
     return [(i, f) for i in range(n) if (f := synth.face_sample(SPEC, split, i)) is not None]
 
@@ -56,8 +62,9 @@ def test_ward_face_labels_sit_on_the_drawn_face():
     assert dark / total > 0.7, f"only {dark} of {total} eye labels fall on a dark pixel"
 
 
-def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(tmp_path):
-    root = synth.generate_ward(tmp_path / "w", SPEC, progress=False)
+def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(ward):
+    root = ward
+    assert not (root / "val" / "faces.json").exists()
     path = synth.ensure_faces(root, SPEC, "val")
     assert path == root / "val" / "faces.json"
     faces, names = read_faces(path, SPEC.val)
@@ -105,11 +112,11 @@ def test_face_file_errors_name_the_problem(tmp_path):
         FaceLabels(True, [[1, 2], [9, 12]], np.zeros((5, 2)), [0] * 5, (0, 200, 0))
 
 
-def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(tmp_path):
+def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
     from shared.data.dataset import PoseDataset
     from shared.data.mpii import load_split
 
-    root = synth.generate_ward(tmp_path / "w", SPEC, progress=False)
+    root = ward
     synth.ensure_faces(root, SPEC, "site-0")
     records = load_split(root, "site-0")
     augment = Augment(rotation=40.0, rotation_prob=1.0, flip_prob=0.5)
