@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 
 from edge.runtime_base import Runtime
-from shared.model.face_decode import FACE_OUTPUTS, ordered, split_face
 
 
 class TorchRuntime(Runtime):
@@ -18,6 +17,8 @@ class TorchRuntime(Runtime):
     def __init__(self, model_path: str | Path, *, device: str = "cpu", threads: int | None = None) -> None:
         import torch
 
+        from edge.export.outputs import exported_module
+        from edge.export.spec import OUTPUT_NAMES, export_outputs
         from shared.model.posenet import load_checkpoint
 
         self.model_path = Path(model_path)
@@ -31,21 +32,17 @@ class TorchRuntime(Runtime):
         self._device = torch.device(device)
         self._input_size = tuple(int(v) for v in model.input_size)
         self.split_ratio = float(model.cfg.split_ratio)
-        self.face_outputs = tuple(FACE_OUTPUTS[t] for t in ordered(model.cfg.face_tasks))
+        # What an export of this checkpoint computes, by the export's output names (edge.export.outputs).
+        self._outputs = export_outputs(model)
+        self._exported = exported_module(self._model)
+        self.face_outputs = self._outputs[len(OUTPUT_NAMES):]
 
     def _run(self, x: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         import torch
 
-        cfg = self._model.cfg
         with torch.inference_mode():
-            images = torch.from_numpy(x).to(self._device)
-            if any(n in self.face_outputs for n in names):
-                sx, sy, _, face = self._model.forward_with_face(images)
-                out = split_face(face.cpu().numpy(), cfg.face_tasks, cfg.face_attributes)
-            else:
-                (sx, sy, _), out = self._model(images), {}
-        out.update(simcc_x=sx.cpu().numpy(), simcc_y=sy.cpu().numpy())
-        return {n: out[n] for n in names}
+            out = dict(zip(self._outputs, self._exported(torch.from_numpy(x).to(self._device)), strict=True))
+        return {n: out[n].cpu().numpy() for n in names}
 
     def close(self) -> None:
-        self._model = None
+        self._model = self._exported = None

@@ -2,7 +2,8 @@
 
 ``convert`` reads MPII as mmpose / HRNet distribute it (``train.json`` / ``valid.json``, with the official
 ``mpii_gt_val.mat`` for the validation head boxes), COCO keypoints (mapped to the 16 MPII joints, see
-``shared.data.coco``) or AFLW's face database (face labels, ``shared.data.aflw``) and writes one split folder in the MPII json layout every fedpose command reads.
+``shared.data.coco``) or AFLW's face database (face labels, ``shared.data.aflw``) and writes one split
+folder in the MPII json layout every fedpose command reads.
 ``split`` cuts one such folder into sites, a public split and a validation split: by patient when the
 data carries patient ids (``patients.json``), else by image, so that a person or an image is never on two
 sides (every record of one image goes to the same split).

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shared.data.face import FACE_TASKS, NUM_LANDMARKS
+from shared.data.face import FACE_TASKS, NUM_LANDMARKS, wrap_degrees
 
 ANGLE_UNIT = 90.0  # degrees per unit of the head-pose output
 FACE_OUTPUTS: dict[str, str] = {"detect": "face_detect", "landmarks": "face_landmarks", "head_pose": "head_pose",
@@ -67,7 +67,7 @@ def decode_face(outputs: Mapping[str, np.ndarray], *, input_size: tuple[int, int
         res["landmarks"] = block[:, : 2 * NUM_LANDMARKS].reshape(-1, NUM_LANDMARKS, 2) * scale
         res["landmark_visibility"] = _sigmoid(block[:, 2 * NUM_LANDMARKS:])
     if (block := outputs.get(FACE_OUTPUTS["head_pose"])) is not None:
-        res["head_pose"] = (np.asarray(block, np.float64) * ANGLE_UNIT + 180.0) % 360.0 - 180.0
+        res["head_pose"] = wrap_degrees(np.asarray(block, np.float64) * ANGLE_UNIT)
     if (block := outputs.get(FACE_OUTPUTS["attribute"])) is not None:
         z = np.asarray(block, np.float64)
         z = np.exp(z - z.max(axis=1, keepdims=True))

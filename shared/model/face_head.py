@@ -50,10 +50,7 @@ class FaceHead(nn.Module):
         super().__init__()
         if not tasks:
             raise ValueError("FaceHead needs at least one task")
-        self.tasks = ordered(tasks)
-        self.attributes = attributes
-        self.slices = face_slices(self.tasks, attributes)
-        width = max(s.stop for s in self.slices.values())
+        width = max(s.stop for s in face_slices(tasks, attributes).values())
         fh, fw = feature_size
         self.norm = LayerNorm2d(in_channels)
         self.reduce = nn.Conv2d(in_channels, channels, 1)

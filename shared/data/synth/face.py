@@ -19,20 +19,11 @@ import numpy as np
 
 from shared.data.face import NUM_LANDMARKS, FaceLabels, wrap_degrees
 from shared.data.records import inside
-from shared.data.synth.body import HEAD_TOP, L_HIP, L_SHOULDER, PELVIS, R_HIP, R_SHOULDER, THORAX
+from shared.data.synth.body import HEAD_TOP, THORAX
 from shared.data.synth.identity import FACES, Identity
-from shared.data.synth.person import face_layout
+from shared.data.synth.person import face_layout, torso_facing
 
 FACE_ATTRIBUTES: tuple[str, ...] = FACES
-
-
-def _facing_3d(points: np.ndarray) -> np.ndarray | None:
-    """Unit vector the torso faces, from (16, 3) points (x right, y down, z to the camera); None if degenerate."""
-    across = points[L_SHOULDER] - points[R_SHOULDER] + points[L_HIP] - points[R_HIP]
-    down = points[PELVIS] - points[THORAX]
-    f = np.cross(across, down)
-    norm = float(np.linalg.norm(f))
-    return f / norm if norm > 1e-9 else None
 
 
 def face_labels(joints: np.ndarray, pose: np.ndarray, identity: Identity, size: int) -> FaceLabels | None:
@@ -43,8 +34,8 @@ def face_labels(joints: np.ndarray, pose: np.ndarray, identity: Identity, size: 
     j = np.asarray(joints, dtype=np.float64)
     p = np.asarray(pose, dtype=np.float64)
     # The renderer's facing: pixel x, y with the pose's depth (render_frame passes depth=pose[:, 2]).
-    facing = _facing_3d(np.column_stack([j, p[:, 2]]))
-    facing_3d = _facing_3d(p)
+    facing = torso_facing(np.column_stack([j, p[:, 2]]))
+    facing_3d = torso_facing(p)
     if facing is None or facing_3d is None:
         return None
     attribute = FACE_ATTRIBUTES.index(identity.face)

@@ -72,16 +72,20 @@ def head_box(joints: np.ndarray) -> np.ndarray:
     return np.stack([centre - half, centre + half]).astype(np.float32)
 
 
+def torso_facing(points: np.ndarray) -> np.ndarray | None:
+    """Unit vector the torso faces, from (16, 3) points (x right, y down, z to the camera); None if degenerate."""
+    p = np.asarray(points, dtype=np.float64)
+    across = p[L_SHOULDER] - p[R_SHOULDER] + p[L_HIP] - p[R_HIP]
+    down = p[PELVIS] - p[THORAX]
+    f = np.cross(across, down)
+    norm = np.linalg.norm(f)
+    return f / norm if norm > 1e-9 else None
+
+
 def _facing(joints: np.ndarray, depth: np.ndarray | None, rng: np.random.Generator) -> np.ndarray:
     """Unit 3-d vector the person faces (x right, y down, z to camera)."""
-    if depth is not None:
-        p = np.column_stack([joints, depth]).astype(np.float64)
-        across = p[L_SHOULDER] - p[R_SHOULDER] + p[L_HIP] - p[R_HIP]
-        down = p[PELVIS] - p[THORAX]
-        f = np.cross(across, down)
-        norm = np.linalg.norm(f)
-        if norm > 1e-9:
-            return f / norm
+    if depth is not None and (f := torso_facing(np.column_stack([joints, depth]))) is not None:
+        return f
     # 2-d only: the shoulder order tells front from back; the profile side is a guess.
     across = joints[L_SHOULDER] - joints[R_SHOULDER]
     spine = joints[THORAX] - joints[PELVIS]

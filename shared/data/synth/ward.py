@@ -17,9 +17,9 @@ import cv2
 import numpy as np
 
 from shared.config_flat import without_as_before
+from shared.data.face import FACES_FILE, FaceLabels, write_faces
 from shared.data.mpii import box_to_json
 from shared.data.records import PoseRecord, inside
-from shared.data.face import FACES_FILE, FaceLabels, write_faces
 from shared.data.synth.face import FACE_ATTRIBUTES, face_labels
 from shared.data.synth.identity import Identity, make_identity
 from shared.data.synth.person import head_box
