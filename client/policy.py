@@ -196,9 +196,9 @@ class SitePolicy:
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
         if self.round_seconds is not None:
             _positive("round_seconds", self.round_seconds)
-        from shared.data.face import FACE_TASKS
+        from shared.data.face import FACE_TASKS, valid_face_tasks
 
-        if any(t not in FACE_TASKS for t in self.face_tasks) or len(set(self.face_tasks)) != len(self.face_tasks):
+        if not valid_face_tasks(self.face_tasks):
             raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
                              f"{list(FACE_TASKS)}")
 

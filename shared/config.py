@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 from shared.config_build import build_dataclass
 from shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
-from shared.data.face import FACE_TASKS
+from shared.data.face import FACE_TASKS, valid_face_tasks
 from shared.data.synth import WardSpec
 from shared.errors import ConfigError
 from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
@@ -93,8 +93,7 @@ class ModelConfig:
     face_attributes: int = 4  # classes of the attribute head (the ward's face cue: plain, glasses, beard, mask)
 
     def __post_init__(self) -> None:
-        unknown = [t for t in self.face_tasks if t not in FACE_TASKS]
-        if unknown or len(set(self.face_tasks)) != len(self.face_tasks):
+        if not valid_face_tasks(self.face_tasks):
             raise ConfigError(f"model.face_tasks: choose distinct tasks from {list(FACE_TASKS)}, got "
                               f"{list(self.face_tasks)}")
         if not 2 <= self.face_attributes <= MAX_FACE_ATTRIBUTES:

@@ -28,6 +28,13 @@ import numpy as np
 # detect: face presence and box; landmarks: 5 points and their visibility; head_pose: yaw, pitch, roll;
 # attribute: one classification of the face (off unless asked: docs/explanation/face-tasks.md says why).
 FACE_TASKS: tuple[str, ...] = ("detect", "landmarks", "head_pose", "attribute")
+
+
+def valid_face_tasks(tasks: Sequence[str]) -> bool:
+    """Whether ``tasks`` names distinct tasks of ``FACE_TASKS`` (a config's and a site policy's check)."""
+    return all(t in FACE_TASKS for t in tasks) and len(set(tasks)) == len(tasks)
+
+
 # Five facial landmarks (the usual 5-point set), named from the person's own side as MPII names joints.
 LANDMARK_NAMES: tuple[str, ...] = ("right_eye", "left_eye", "nose", "mouth_right", "mouth_left")
 NUM_LANDMARKS = len(LANDMARK_NAMES)
