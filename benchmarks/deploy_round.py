@@ -6,8 +6,9 @@ app gate, one SuperNode each) on 127.0.0.1, submits the app with ``flwr run`` an
 for the round's train messages (sent until the last reply came back) against what the slower site spent
 on the round itself (its log: local training and the basis), and per message what the site paid before
 it could start on it: the age of the ClientApp process Flower started for the message (Python, imports,
-the bundle's install) when the handler began, and the handler's own time. It runs the federation twice,
-side by side: with the sites' warm start (the default of ``fedpose site start``) and with ``--cold``.
+the bundle's install) when the handler began, and the handler's own time. It runs the federation three
+times, side by side: with ``fedpose site start`` as it is (ClientApps forked warm, the SuperNode looking
+for messages every 0.2 s), with Flower's own polling (``--poll 3``), and with neither (``--cold --poll 3``).
 
     python benchmarks/deploy_round.py [--rounds 4] [--out FILE]
 
@@ -43,7 +44,10 @@ def site_costs(log: str) -> tuple[dict[int, float], list[dict]]:
     return rounds, messages
 
 
-def run_pilot(rounds: int, *, cold: bool, keep: Path | None) -> tuple[list[dict], list, Any]:
+MODES = {"default": (), "poll-3": ("--poll", "3"), "cold": ("--cold", "--poll", "3")}
+
+
+def run_pilot(rounds: int, *, flags: tuple[str, ...], keep: Path | None) -> tuple[list[dict], list, Any]:
     """A federation of ``rounds`` rounds on a real SuperLink and two gated SuperNodes; its rounds and site logs."""
     from federation_support import Pilot, prepare_world
 
@@ -60,7 +64,7 @@ def run_pilot(rounds: int, *, cold: bool, keep: Path | None) -> tuple[list[dict]
             pilot.start_superlink()
             pilot.register(1, 2)
             for i in (0, 1):
-                pilot.start_site(i, None, *(["--cold"] if cold else []))
+                pilot.start_site(i, None, *flags)
             out = root / "out"
             run_id = pilot.submit(pilot.app, f"config='{config_path}' out='{out}'")
             status = pilot.wait_finished(run_id, 300 + 120 * rounds)
@@ -106,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.time()
     result: dict = {"sites": 2, "modes": {}}
-    for mode in ("warm", "cold"):  # fedpose site start as it is, and with --cold: side by side in one run
-        print(f"{mode}: {args.rounds} rounds on the deployment engine (2 sites on 127.0.0.1) ...", flush=True)
-        records, per_site, cfg = run_pilot(args.rounds, cold=mode == "cold", keep=args.keep and args.keep / mode)
-        result["modes"][mode] = summarise(records, per_site)
+    for mode, flags in MODES.items():  # side by side in one run
+        print(f"{mode} ({' '.join(flags) or 'fedpose site start as it is'}): {args.rounds} rounds on the deployment "
+              "engine (2 sites on 127.0.0.1) ...", flush=True)
+        records, per_site, cfg = run_pilot(args.rounds, flags=flags, keep=args.keep and args.keep / mode)
+        result["modes"][mode] = {"flags": " ".join(flags), **summarise(records, per_site)}
         result["input"], result["local_steps"] = list(cfg.data.input_size), cfg.federation.local_steps
         print(f"{'round':>5}{'server s':>10}{'site s':>8}{'beyond s':>10}")
         for r in result["modes"][mode]["rounds"]:

@@ -226,3 +226,41 @@ def test_warm_start_forks_the_gated_clientapp_and_the_shim_falls_back_cold(tmp_p
     approved.write_text(f"{A}\n")
     done = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--runtime-api-address" in done.stdout  # cold: the shim ran the gate itself
+
+
+def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flowers_loop(tmp_path, monkeypatch, capsys):
+    """Flower's SuperNode waits 3 s between two pulls that found nothing, and 0.5 s between two looks for a reply;
+    ``fedpose site start --poll`` caps those waits of the installed Flower's loop (and refuses what it cannot)."""
+    import importlib
+    import time
+
+    from cli.supernode_poll import LOOP_MODULE, cap_waits
+
+    loop = importlib.import_module(LOOP_MODULE)
+    source = inspect.getsource(loop.start_client_internal) + inspect.getsource(loop._push_messages)
+    assert "time.sleep(3)" in source and "time.sleep(0.5)" in source  # the waits this Flower has
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(loop, "time", time)  # restored after the test
+    assert cap_waits(loop, 0.2)
+    loop.time.sleep(3)
+    loop.time.sleep(0.5)
+    loop.time.sleep(0.1)
+    assert slept == [0.2, 0.2, 0.1]
+    assert loop.time.monotonic is time.monotonic  # everything else is the time module's
+    assert not cap_waits(SimpleNamespace(time=None), 0.2)  # a loop that does not wait through `time`: untouched
+
+    # The SuperNode behind the cap is Flower's own entry point, with the site's arguments and exit codes.
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
+    done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--poll", "0.2", "--", "--help"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and "--superlink" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--", "--no-such-flag"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stdout + done.stderr  # a usage error, which the supervisor never retries
+
+    approved = tmp_path / "approved.txt"
+    approved.write_text(f"{A}\n")
+    for bad in ("0", "5", "-1"):
+        assert cli_main(["site", "start", "--approved", str(approved), "--poll", bad, "--", "--insecure"]) == 3
+        assert "--poll" in capsys.readouterr().err

@@ -479,8 +479,10 @@ def render_deploy_round(data: dict[str, Any]) -> str:
     """benchmarks/results/deploy_round.json (benchmarks/deploy_round.py): a round beyond the sites' own work."""
     h, w = data["input"]
     modes = data["modes"]
-    rows = [f"{data['sites']} sites on 127.0.0.1, {h}x{w} inputs, {data['local_steps']} local steps a round, with "
-            "the sites' warm start and with `--cold`. Server: the time from sending the round's train messages to the "
+    runs = "; ".join(f"{name}: `fedpose site start {m['flags']}`" if m.get("flags")
+                     else f"{name}: `fedpose site start` as it is" for name, m in modes.items())
+    rows = [f"{data['sites']} sites on 127.0.0.1, {h}x{w} inputs, {data['local_steps']} local steps a round ({runs}). "
+            "Server: the time from sending the round's train messages to the "
             "last reply; site: what the slower site spent on the round itself (local training and the basis); the "
             "rest is the engine, the message processes and the transfer.", "",
             "| round | " + " | ".join(f"{m}: server s | site s | beyond s" for m in modes) + " |",
