@@ -241,7 +241,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 def supernode_command(supernode_args: list[str], *, poll: float) -> list[str]:
     """The SuperNode's command: Flower's ``flower-supernode``, through ``cli.supernode_poll`` when the site
     looks for messages more often than Flower's 3 s."""
-    from cli.supernode_poll import FLOWER_IDLE_WAIT, CappedTime
+    from shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
 
     CappedTime(poll)  # refuses a poll outside (0, 3] before anything starts
     exe = shutil.which("flower-supernode")

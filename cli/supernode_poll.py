@@ -7,7 +7,8 @@ to 0.5 s late. Flower has no setting for either wait, so ``fedpose site start`` 
 ``flower-supernode`` entry point through this module, which caps the waits of Flower's SuperNode loop
 (``flwr.supernode.start_client_internal``) at ``--poll`` seconds. Nothing else changes: the same arguments,
 the same code, the same messages; an idle site sends the SuperLink one small pull request per ``--poll``
-seconds instead of one per 3 s.
+seconds instead of one per 3 s. The SuperNode's pulls of a message's objects retry after 0.05 s instead of
+Flower's 1 s (``shared.flower_waits``).
 
 When the installed Flower no longer has that loop (another version), the SuperNode runs unchanged and says
 so on stderr: the site still works, with Flower's own waits.
@@ -19,41 +20,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any
+
+from shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime, cap_waits, quick_pulls
 
 LOOP_MODULE = "flwr.supernode.start_client_internal"
-FLOWER_IDLE_WAIT = 3.0  # seconds: Flower 1.41's wait between two pulls that found no message
-
-
-class CappedTime:
-    """The ``time`` module as one module sees it, with ``sleep(s)`` sleeping at most ``poll`` seconds.
-
-    Every ``sleep`` in Flower's SuperNode loop is a wait before looking at a condition again (a new message,
-    a reply, a stored object), so a shorter wait only looks more often.
-    """
-
-    def __init__(self, poll: float) -> None:
-        if not 0 < poll <= FLOWER_IDLE_WAIT:
-            raise ValueError(f"--poll: must be in (0, {FLOWER_IDLE_WAIT:g}] seconds, got {poll}")
-        self.poll = poll
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.poll))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
-def cap_waits(module: ModuleType, poll: float) -> bool:
-    """Make ``module``'s ``time.sleep`` waits at most ``poll`` s; False (and ``module`` untouched) when it
-    does not wait through the ``time`` module (a Flower whose loop changed)."""
-    if getattr(module, "time", None) is not time:
-        return False
-    module.time = CappedTime(poll)  # type: ignore[attr-defined]
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -73,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not cap_waits(loop, capped.poll):
         print(f"fedpose site start: this Flower's SuperNode loop ({LOOP_MODULE}) does not wait through the time "
               "module; its own polling intervals apply", file=sys.stderr, flush=True)
+    if not quick_pulls(loop, "pull_objects"):
+        print(f"fedpose site start: this Flower's SuperNode loop ({LOOP_MODULE}) has no pull_objects to shorten; "
+              "its own retry waits apply", file=sys.stderr, flush=True)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *rest]

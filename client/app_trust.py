@@ -212,10 +212,16 @@ def run_gate(argv: Sequence[str]) -> None:
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
     install_gate(runtime, approved)
+    # Flower starts this process while the SuperNode still fetches the message's objects: look again after
+    # 0.05 s, not after Flower's 1 s.
+    from shared.flower_waits import quick_pulls
+
+    quick_pulls(runtime, "pull_and_inflate_object_from_tree")
     private_flower_home()  # installed fresh from the checked bytes; nothing on disk is reused
     # The approved bundle must be loaded from its own directory, not from the site's installed package
-    # this gate was imported from: forget the site's ``client`` modules (the closure above keeps the check).
-    for name in [m for m in sys.modules if m == "client" or m.startswith("client.")]:
+    # this gate was imported from: forget the site's ``client`` and ``shared`` modules (the closures above
+    # keep what they use).
+    for name in [m for m in sys.modules if m.split(".")[0] in ("client", "shared")]:
         del sys.modules[name]
     sys.argv = [SHIM_NAME, *rest]
     flwr_clientapp()

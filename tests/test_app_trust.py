@@ -234,7 +234,8 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     import importlib
     import time
 
-    from cli.supernode_poll import LOOP_MODULE, cap_waits
+    from cli.supernode_poll import LOOP_MODULE
+    from shared.flower_waits import cap_waits
 
     loop = importlib.import_module(LOOP_MODULE)
     source = inspect.getsource(loop.start_client_internal) + inspect.getsource(loop._push_messages)
@@ -264,3 +265,29 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     for bad in ("0", "5", "-1"):
         assert cli_main(["site", "start", "--approved", str(approved), "--poll", bad, "--", "--insecure"]) == 3
         assert "--poll" in capsys.readouterr().err
+
+
+def test_processes_that_wait_for_a_messages_objects_look_again_soon_in_the_installed_flower(monkeypatch):
+    """A ClientApp starts while its SuperNode still fetches the message's objects, and the server lists a reply
+    before its objects arrive; Flower then waits 1 s, 2 s, ... before it looks again. The site's SuperNode, its
+    gated ClientApp and the ServerApp retry after 0.05 s (at most 0.5 s apart, within Flower's time limit)."""
+    import importlib
+
+    from shared.flower_waits import FIRST_RETRY, LONGEST_RETRY, quick_pulls
+    from flwr.supercore.constant import PULL_INITIAL_BACKOFF, PULL_MAX_TIME
+
+    assert PULL_INITIAL_BACKOFF >= 1  # what the site would wait otherwise
+    sites = {"flwr.supernode.start_client_internal": "pull_objects",  # the SuperNode (cli.supernode_poll)
+             "flwr.supernode.runtime.run_clientapp": "pull_and_inflate_object_from_tree",  # the ClientApp (gate)
+             "flwr.superlink.grid.http_grid": "pull_objects"}  # the ServerApp (server.server_app)
+    for module_name, name in sites.items():
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+        assert quick_pulls(module, name), module_name
+        assert quick_pulls(module, name)  # once is enough: wrapping again changes nothing
+        defaults = inspect.signature(getattr(module, name)).parameters
+        assert defaults["initial_backoff"].default == FIRST_RETRY < PULL_INITIAL_BACKOFF
+        assert defaults["backoff_cap"].default == LONGEST_RETRY
+        assert defaults["max_time"].default == PULL_MAX_TIME and defaults["max_tries_per_object"].default is None
+    assert not quick_pulls(SimpleNamespace(pull_objects=lambda object_ids: None), "pull_objects")
+    assert not quick_pulls(SimpleNamespace(), "pull_objects")
