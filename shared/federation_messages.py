@@ -52,6 +52,9 @@ INFO = "info"
 # Keys inside the basis ArrayRecord
 BASIS_MATRIX = "V"
 BASIS_VERSION = "version"
+# Keys inside the weights ArrayRecord: every tensor in one float32 vector, and the names and shapes (JSON)
+WEIGHTS_VALUES = "values"
+WEIGHTS_LAYOUT = "layout"
 
 BASIS_MODES = ("broadcast", "site")
 BASIS_DTYPES = ("float16", "float32")
@@ -288,15 +291,51 @@ class SiteInfo:
 
 
 def weights_record(tensors: Mapping[str, torch.Tensor]) -> Any:
-    """ArrayRecord of float32 CPU copies, keyed by parameter name."""
-    from flwr.app import ArrayRecord
+    """ArrayRecord of float32 tensors as one vector {"values": (n,) float32, "layout": JSON [[name, shape]...]}.
 
-    return ArrayRecord({k: v.detach().cpu() for k, v in tensors.items()})
+    One array, not one per tensor: Flower moves every array as objects of its own, each pulled with a request
+    of its own (signed, over TLS), so a model of 200 tensors took 200 round trips per message and direction.
+    """
+    from flwr.app import Array, ArrayRecord
+
+    layout, parts = [], []
+    for name, value in tensors.items():
+        if value.dtype != torch.float32:
+            raise ValueError(f"weights are float32; {name} is {value.dtype}")
+        layout.append([name, list(value.shape)])
+        parts.append(value.detach().reshape(-1).cpu())
+    values = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=np.float32)
+    encoded = np.frombuffer(json.dumps(layout).encode(), dtype=np.uint8)
+    return ArrayRecord({WEIGHTS_VALUES: Array(values), WEIGHTS_LAYOUT: Array(encoded.copy())})
 
 
 def record_tensors(rec: Any) -> dict[str, torch.Tensor]:
-    """ArrayRecord -> {name: tensor} (numpy deserialisation, never pickle)."""
-    return {k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in rec.items()}
+    """ArrayRecord from ``weights_record`` -> {name: tensor} (numpy deserialisation, never pickle); a record
+    that is not exactly that (other keys, a layout that is not names and shapes, sizes that do not add up)
+    raises ValueError."""
+    keys = set(rec.keys())
+    if keys != {WEIGHTS_VALUES, WEIGHTS_LAYOUT}:
+        raise ValueError(f"weights record must hold exactly {WEIGHTS_VALUES!r} and {WEIGHTS_LAYOUT!r}, "
+                         f"got {sorted(keys)[:4]}")
+    values, encoded = rec[WEIGHTS_VALUES].numpy(), rec[WEIGHTS_LAYOUT].numpy()
+    if values.dtype != np.float32 or values.ndim != 1 or encoded.dtype != np.uint8 or encoded.ndim != 1:
+        raise ValueError("weights record: values must be a float32 vector and the layout a uint8 vector")
+    try:
+        layout = json.loads(encoded.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"weights layout is not JSON: {err}") from err
+    if not isinstance(layout, list) or not all(
+            isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1]) for item in layout):
+        raise ValueError("weights layout must be a list of [name, shape] with non-negative integer sizes")
+    names = [name for name, _ in layout]
+    if len(set(names)) != len(names):
+        raise ValueError("weights layout names a tensor twice")
+    sizes = [math.prod(shape) for _, shape in layout]
+    if sum(sizes) != values.size:
+        raise ValueError(f"weights layout covers {sum(sizes)} values, the record holds {values.size}")
+    flat = torch.from_numpy(np.array(values, copy=True))
+    return {name: part.view(shape) for (name, shape), part in zip(layout, flat.split(sizes))}
 
 
 def basis_record(basis: torch.Tensor, *, version: int, dtype: str) -> Any:

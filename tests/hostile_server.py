@@ -155,10 +155,10 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
         big = {k: v.clone() for k, v in state.items()}
         big[first] = torch.zeros(4096, 4096)
         send("weights-oversized", train(round=2, weights=big))
-        extra = train(round=2)
-        extra[ARRAYS] = ArrayRecord({**{k: Array(v.numpy()) for k, v in state.items()},
-                                     "extra.weight": Array(np.zeros((1000, 1000), np.float32))})
-        send("weights-extra-tensor", extra)
+        send("weights-extra-tensor", train(round=2, weights={**state, "extra.weight": torch.zeros(1000, 1000)}))
+        per_tensor = train(round=2)  # one array per tensor: not the weights format, refused before anything runs
+        per_tensor[ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in state.items()})
+        send("weights-per-tensor", per_tensor)
         send("unknown-field", train(round=2, extra={"seed": 7}))
         send("other-site", train(round=2, site="hospital-z"))
         send("input-oversized", train(round=2, config=with_cfg(**{"data.input_size": [512, 512]})))

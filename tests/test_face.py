@@ -510,7 +510,9 @@ def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_w
     from client.site import handle_train
 
     reply = handle_train(_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
-    weights = {k: torch.from_numpy(v.numpy()) for k, v in reply[ARRAYS].items()}
+    from shared.federation_messages import record_tensors
+
+    weights = record_tensors(reply[ARRAYS])
     moved = [k for k in weights if k.startswith("face_head.") and not torch.equal(weights[k], state[k])]
     assert moved, "the site's round did not train the face head"
     assert len(_rows(allowed)) == 1

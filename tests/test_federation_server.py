@@ -264,6 +264,46 @@ def test_basis_is_resent_only_for_a_new_version_or_to_a_site_that_lost_it(tmp_pa
     assert site_mode.attach_for("s") is None  # sites compute V themselves
 
 
+def test_weights_travel_as_one_array_whatever_the_number_of_tensors_and_malformed_records_are_refused():
+    """Flower moves each array as objects of its own, each fetched with a signed request: the weights of a model of
+    any number of tensors are a handful of objects per message, and read back exactly."""
+    import numpy as np
+    from flwr.app import Array
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from shared.config import ModelConfig
+    from shared.federation_messages import record_tensors
+    from shared.model.posenet import build_model
+
+    state = build_model(ModelConfig(variant="tinyvit-5m"), (32, 32)).state_dict()
+    assert len(state) > 190
+    record = weights_record(state)
+    back = record_tensors(record)
+    assert list(back) == list(state) and all(torch.equal(back[k], state[k]) for k in state)
+    assert len(get_all_nested_objects(record)) < 12  # the objects Flower moves for 197 tensors (23 MB)
+
+    good = {k: v.numpy() for k, v in record.items()}
+    layout = good["layout"]
+    bad_records = {
+        "one array per tensor": ArrayRecord({k: Array(v.numpy()) for k, v in list(state.items())[:3]}),
+        "values of another dtype": {"values": good["values"].astype(np.float64), "layout": layout},
+        "layout not JSON": {"values": good["values"], "layout": np.frombuffer(b"[[", np.uint8).copy()},
+        "layout not names and shapes": {"values": good["values"],
+                                        "layout": np.frombuffer(b'[["a", [-1]]]', np.uint8).copy()},
+        "sizes that do not add up": {"values": good["values"][:-1], "layout": layout},
+        "a name twice": {"values": np.zeros(2, np.float32),
+                         "layout": np.frombuffer(b'[["a", [1]], ["a", [1]]]', np.uint8).copy()},
+    }
+    for what, rec in bad_records.items():
+        if not isinstance(rec, ArrayRecord):
+            rec = ArrayRecord({k: Array(v) for k, v in rec.items()})
+        with pytest.raises(ValueError):
+            record_tensors(rec)
+        assert what
+    with pytest.raises(ValueError, match="float32"):
+        weights_record({"a": torch.zeros(2, dtype=torch.int64)})
+
+
 def test_train_request_round_trips_and_rejects_missing_fields():
     cfg = config_from_dict({})
     request = TrainRequest(federation="f", round=2, site="s", sigma=1.5, sample_rate=0.1, steps=3, basis_version=1,

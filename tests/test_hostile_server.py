@@ -38,6 +38,7 @@ EXPECTED = {
     "weights-nan": RefusalCode.BAD_REQUEST,
     "weights-oversized": RefusalCode.BAD_REQUEST,
     "weights-extra-tensor": RefusalCode.BAD_REQUEST,
+    "weights-per-tensor": RefusalCode.BAD_REQUEST,
     "unknown-field": RefusalCode.BAD_REQUEST,
     "other-site": RefusalCode.BAD_REQUEST,
     "round-beyond-policy": RefusalCode.BUDGET,
