@@ -101,6 +101,42 @@ def test_attention_bias_resampling_preserves_constant_tables():
         resample_attention_biases(torch.zeros(2, 10), 3)
 
 
+def test_a_map_smaller_than_its_window_attends_as_the_zero_padded_window_does():
+    """A map that fits in one attention window (stages 2-4 at 128x96) is zero-padded to the window, as timm does.
+    With a frozen bias table the padding is folded into one key (its tokens are all equal) and its queries are not
+    computed: the block's output and the gradients of everything that trains through it (LayerNorms, inputs)
+    are those of the padded window. A trainable or tapped bias table keeps the padded window."""
+    import torch.nn.functional as F
+
+    from shared.model.tinyvit_blocks import TinyVitBlock
+
+    torch.manual_seed(0)
+    block = TinyVitBlock(dim=32, num_heads=2, window=7, mlp_ratio=2.0, local_conv_size=3)
+    with torch.no_grad():
+        block.attn.attention_biases.normal_()
+        block.attn.norm.bias.normal_()  # the padding's token is the norm's bias: make it count
+    block.attn.attention_biases.requires_grad_(False)
+    for h, w in ((4, 3), (7, 5), (1, 1)):
+        x = torch.randn(3, h, w, 32)
+        padded = F.pad(x, (0, 0, 0, 7 - w, 0, 7 - h)).reshape(3, 1, 49, 32)
+        reference = block.attn(padded).reshape(3, 7, 7, 32)[:, :h, :w]
+        folded = block.attn.forward_in_one_window(x)
+        assert torch.allclose(folded, reference, atol=1e-5, rtol=1e-5), (h, w)
+
+        x.requires_grad_(True)
+        grads_folded = torch.autograd.grad(block(x).square().sum(), [x, block.attn.norm.weight, block.attn.norm.bias])
+        block.attn.attention_biases.requires_grad_(True)  # a trainable table: the padded window itself
+        out = block(x)
+        grads_padded = torch.autograd.grad(out.square().sum(), [x, block.attn.norm.weight, block.attn.norm.bias])
+        block.attn.attention_biases.requires_grad_(False)
+        for a, b in zip(grads_folded, grads_padded):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (h, w)
+    assert block.attn.can_fold_padding()
+    handle = block.attn.logits.register_forward_hook(lambda *_: None)  # book-keeping taps the logits
+    assert not block.attn.can_fold_padding()
+    handle.remove()
+
+
 def test_forward_shapes_and_samples_are_independent():
     torch.manual_seed(0)
     model = build_model(ModelConfig(), (64, 48))

@@ -175,6 +175,7 @@ class Attention(nn.Module):
         self._bias_index = _offset_index(window)
         # The biased logits pass through this no-op so that book-keeping clipping can tap their gradient.
         self.logits = nn.Identity()
+        self._positions_of: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def bias_index(self) -> torch.Tensor:
@@ -186,6 +187,43 @@ class Attention(nn.Module):
         if idx.device != self.attention_biases.device:
             idx = self._bias_index = idx.to(self.attention_biases.device)
         return self.attention_biases[:, idx]  # (heads, N, N)
+
+    def can_fold_padding(self) -> bool:
+        """Whether ``forward_in_one_window`` may run: not when the bias table trains or its logits are tapped
+        (book-keeping clipping reads the bias gradient from the full (N, N) logits of ``forward``)."""
+        return not self.attention_biases.requires_grad and not self.logits._forward_hooks
+
+    def _positions(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row-major indices, in the padded window, of an (h, w) map's points and of the padding's points."""
+        key = (h, w, device)
+        if key not in self._positions_of:
+            inside = torch.zeros(self.window, self.window, dtype=torch.bool)
+            inside[:h, :w] = True
+            flat = inside.flatten()
+            self._positions_of[key] = (flat.nonzero().squeeze(1).to(device), (~flat).nonzero().squeeze(1).to(device))
+        return self._positions_of[key]
+
+    def forward_in_one_window(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of an (B, h, w, C) map smaller than one window, as ``TinyVitBlock`` zero-pads it to the
+        window, computed without the padding's queries (their outputs are cut off) and with the padding's keys
+        as one: they are all the same token, so their softmax weights add up to one key whose bias is the
+        log-sum-exp of theirs. Equal to ``forward`` on the padded window (to float rounding), at (h w + 1)
+        keys for h w queries instead of N keys for N queries. Returns (B, h, w, C)."""
+        b, h, w, c = x.shape
+        n = h * w
+        tokens = torch.cat([x.reshape(b, n, c), x.new_zeros(b, 1, c)], dim=1)  # the padding's zero token last
+        qkv = self.qkv(self.norm(tokens)).view(b, n + 1, self.num_heads, 3 * self.key_dim)
+        q, k, v = qkv.split(self.key_dim, dim=-1)  # each (B, n+1, h, d)
+        q = q[:, :n].transpose(1, 2)  # (B, h, n, d)
+        k = k.transpose(1, 2)  # (B, h, n+1, d)
+        v = v.transpose(1, 2)
+        table = self._bias()  # (heads, N, N)
+        inside, padding = self._positions(h, w, table.device)
+        rows = table[:, inside]  # (heads, n, N)
+        bias = torch.cat([rows[:, :, inside], torch.logsumexp(rows[:, :, padding], dim=-1, keepdim=True)],
+                         dim=-1)  # (heads, n, n+1)
+        attn = ((q * self.scale) @ k.transpose(-2, -1) + bias).softmax(dim=-1)  # (B, h, n, n+1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, h, w, c))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, nW, N, C) windows kept batch-first
@@ -219,6 +257,8 @@ class TinyVitBlock(nn.Module):
         # x: (B, H, W, C)
         b, h, w, c = x.shape
         ws = self.window
+        if h <= ws and w <= ws and h * w < ws * ws and self.attn.can_fold_padding():
+            return self._local_and_mlp(x + self.attn.forward_in_one_window(x))
         pad_b = (ws - h % ws) % ws
         pad_r = (ws - w % ws) % ws
         y = F.pad(x, (0, 0, 0, pad_r, 0, pad_b)) if (pad_b or pad_r) else x
@@ -230,7 +270,9 @@ class TinyVitBlock(nn.Module):
         y = y.view(b, nh, nw, ws, ws, c).transpose(2, 3).reshape(b, ph, pw, c)
         if pad_b or pad_r:
             y = y[:, :h, :w]
-        x = x + y
+        return self._local_and_mlp(x + y)
+
+    def _local_and_mlp(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local_conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C)
         return y + self.mlp(y)
 
