@@ -282,6 +282,24 @@ def test_projection_basis_spans_top_singular_subspace():
     torch.testing.assert_close(project(basis, once), once, rtol=0, atol=1e-5)
 
 
+def test_the_basis_of_g_as_it_comes_chunk_by_chunk_and_tensor_by_tensor_is_the_basis_of_g():
+    """compute_basis never copies the per-sample gradients into one m x p matrix: it builds V from G's row chunks
+    (chunks of public samples) and column groups (tensors) as they come, with the same V as from G itself."""
+    from shared.privacy.subspace import basis_from_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    grads = torch.randn(23, 300, generator=gen) * torch.linspace(3, 0.1, 300)
+    row_ends, col_ends = [0, 10, 18, 23], [0, 100, 250, 300]
+    rows = [[grads[r0:r1, c0:c1] for c0, c1 in zip(col_ends, col_ends[1:])] for r0, r1 in zip(row_ends, row_ends[1:])]
+    blocked, whole = basis_from_blocks(rows, 7), projection_basis(grads, 7)
+    check_orthonormal(blocked)
+    torch.testing.assert_close(projector(blocked), projector(whole), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="line up"):
+        basis_from_blocks([rows[0], rows[1][:2]], 3)
+    with pytest.raises(ValueError, match="line up"):
+        basis_from_blocks([rows[0], [grads[10:18, :90], *rows[1][1:]]], 3)
+
+
 def test_projection_basis_refuses_bad_k_and_rank_deficiency():
     gen = torch.Generator().manual_seed(4)
     grads = torch.randn(4, 30, generator=gen)

@@ -107,14 +107,35 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     """
     if grads.dim() != 2:
         raise ValueError(f"grads must be a 2-d (m, p) matrix, got shape {tuple(grads.shape)}")
-    m, p = grads.shape
+    return basis_from_blocks([[grads]], k, rtol=rtol)
+
+
+def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT_RTOL) -> Tensor:
+    """``projection_basis`` of the G whose row chunk ``a`` and column group ``j`` is ``rows[a][j]`` (b_a x p_j):
+    G as the per-sample gradients come, chunk by chunk and tensor by tensor, never copied into one m x p matrix."""
+    if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
+        raise ValueError("G's blocks do not line up: every row chunk needs the same column groups")
+    sizes = [row[0].shape[0] for row in rows]
+    widths = [block.shape[1] for block in rows[0]]
+    if any([block.shape[1] for block in row] != widths or any(block.shape[0] != size for block in row)
+           for row, size in zip(rows, sizes)):
+        raise ValueError("G's blocks do not line up: every row chunk needs the same column widths")
+    m, p = sum(sizes), sum(widths)
     _check_basis_request(k, m)
     if k > p:
         raise ValueError(f"k={k} exceeds the number of parameters p={p}; lower k")
-    gram = torch.zeros((m, m), dtype=torch.float64, device=grads.device)  # (m, m)
-    for start in range(0, p, _COLUMN_BLOCK):
-        block = grads[:, start : start + _COLUMN_BLOCK].to(torch.float32)  # (m, b)
-        gram += (block @ block.T).to(torch.float64)
+    device = rows[0][0].device
+    starts = [sum(sizes[:a]) for a in range(len(rows))]
+    gram = torch.zeros((m, m), dtype=torch.float64, device=device)  # (m, m)
+    for j in range(len(widths)):
+        for begin in range(0, widths[j], _COLUMN_BLOCK):
+            cols = [row[j][:, begin:begin + _COLUMN_BLOCK].to(torch.float32) for row in rows]  # (b_a, c) each
+            for a, left in enumerate(cols):
+                for b in range(a, len(cols)):
+                    part = (left @ cols[b].T).to(torch.float64)  # (b_a, b_b)
+                    gram[starts[a]:starts[a] + sizes[a], starts[b]:starts[b] + sizes[b]] += part
+                    if b != a:
+                        gram[starts[b]:starts[b] + sizes[b], starts[a]:starts[a] + sizes[a]] += part.T
     # A NaN/inf anywhere in row i makes the squared norm K_ii NaN/inf: checking the m x m Gram
     # matrix is exact for that and costs nothing, where isfinite over G (m x p) costs seconds.
     if not torch.isfinite(gram).all():
@@ -129,10 +150,18 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
             f"public gradients have numerical rank {kept} < k={k} (eigenvalues of G G^T below "
             f"{rtol:g} x max dropped); lower k to at most {kept} or use more diverse public samples"
         )
-    order = torch.arange(m - 1, m - 1 - k, -1, device=grads.device)  # top-k, descending
+    order = torch.arange(m - 1, m - 1 - k, -1, device=device)  # top-k, descending
     lam = eigvals[order]  # (k,)
-    coeffs = eigvecs[:, order] / lam.sqrt()  # (m, k) = U_k S_k^{-1}
-    return grads.to(torch.float32).T @ coeffs.to(torch.float32)  # (p, k)
+    coeffs = (eigvecs[:, order] / lam.sqrt()).to(torch.float32)  # (m, k) = U_k S_k^{-1}
+    basis = torch.empty((p, k), dtype=torch.float32, device=device)  # (p, k) = G^T U_k S_k^{-1}
+    offset = 0
+    for j, width in enumerate(widths):
+        out = basis[offset:offset + width]
+        torch.matmul(rows[0][j].to(torch.float32).T, coeffs[:sizes[0]], out=out)
+        for a in range(1, len(rows)):
+            out.addmm_(rows[a][j].to(torch.float32).T, coeffs[starts[a]:starts[a] + sizes[a]])
+        offset += width
+    return basis
 
 
 def check_orthonormal(basis: Tensor, tol: float = 1e-3) -> None:
@@ -183,28 +212,22 @@ def compute_basis(
 
     Invariant P2: the only data argument is the public batch (S_pub, never a
     site's records), so V is a function of S_pub and the current global
-    weights alone. Memory: m x p float32 for G plus the per-chunk gradients.
+    weights alone. Memory: m x p float32 for G (kept as the chunks' per-sample gradients) plus one chunk's tape.
     """
     check_params(params)
     size = batch_size_of(public_batch)
     _check_basis_request(k, size)
     total = sum(value.numel() for value in params.values())
-    first = next(iter(params.values()))
-    matrix = torch.empty((size, total), dtype=first.dtype, device=first.device)  # (m, p)
-    row = 0
     if bookkeeping.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
         chunks = (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, public_batch,
                                                                      chunk_size=chunk_size))
     else:
         chunks = iter_per_sample_grads(loss_fn, params, public_batch, chunk_size=chunk_size)
-    names = sorted(params)  # flatten's order, written column block by column block (no (b, p) temporary)
-    offsets = dict(zip(names, torch.tensor([0] + [params[n].numel() for n in names]).cumsum(0).tolist()))
+    names = sorted(params)  # flatten's order: one column group per tensor, one row chunk per chunk of samples
+    rows = []
     for grads in chunks:
         b = next(iter(grads.values())).shape[0]
-        for name in names:
-            start = offsets[name]
-            matrix[row : row + b, start : start + params[name].numel()] = grads[name].reshape(b, -1)
-        row += b
-    basis = projection_basis(matrix, k, rtol=rtol)
+        rows.append([grads[name].reshape(b, -1) for name in names])
+    basis = basis_from_blocks(rows, k, rtol=rtol)
     log.info("projection basis from %d public samples: p=%d, k=%d", size, total, k)
     return basis
