@@ -147,13 +147,47 @@ def run_cell(path: Path) -> None:
 
         args = ["simulate", "--config", str(path / CELL_CONFIG), "--out", str(path), "--quiet", "--set",
                 f"runtime.threads={cfg.runtime.threads}"]
-        if (path / "checkpoint.pt").exists() or (path / "ledger.sqlite").exists():
+        if may_resume(path, start_of(cfg)):
             args.append("--resume")  # an interrupted federation continues from its checkpoint
         code = main(args)
         if code != 0 or not (path / "metrics.json").is_file():
             raise RuntimeError(f"fedpose simulate failed in {path} (exit {code})")
     else:
         raise ValueError(f"{path}/cell.json: unknown kind {spec['kind']!r}")
+
+
+START = "start.txt"  # the weights a federated cell started from: an interrupted run resumes only from the same
+
+
+def start_of(cfg: Any) -> str:
+    """What a cell starts from: the SHA-256 of the pretrained weights it loads, or "scratch"."""
+    import hashlib
+
+    from shared.runs import ensure_pretrained
+
+    if cfg.train.strategy == "scratch":
+        return "scratch"
+    return "sha256:" + hashlib.sha256(ensure_pretrained(cfg, progress=False).read_bytes()).hexdigest()
+
+
+def may_resume(path: Path, start: str) -> bool:
+    """Whether the interrupted federation in ``path`` may continue: only from the start it began with. A run
+    begun from other weights (the pretraining was redone, or a run from before starts were kept) is removed,
+    all but the cell's own two files, and the cell starts over; ``start`` is then kept for its next resume."""
+    import shutil
+
+    begun = (path / "checkpoint.pt").exists() or (path / "ledger.sqlite").exists()
+    kept = (path / START).read_text().strip() if (path / START).is_file() else None
+    if begun and kept == start:
+        return True
+    if begun:
+        log.warning("%s: its interrupted run began from %s, the study starts from %s: starting it over", path,
+                    kept or "unrecorded weights", start)
+        for item in path.iterdir():
+            if item.name not in ("cell.json", CELL_CONFIG, "log.txt"):
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    (path / START).write_text(start + "\n")
+    return False
 
 
 def device_slots(jobs: int, gpus: int) -> list[int | None]:

@@ -337,3 +337,30 @@ def test_relaunching_a_federated_cell_keeps_the_config_its_federation_saved(tmp_
     path = write_cell(out, cell)
     assert saved.read_text() == "# the federation's own config, saved by its server\n"
     assert (path / "cell.json").is_file() and any(p.suffix == ".yaml" and p != saved for p in path.iterdir())
+
+
+def test_an_interrupted_federated_cell_resumes_only_from_the_weights_it_began_with(tmp_path):
+    """A federated cell killed mid-run resumes from its checkpoint; one that began from other pretrained weights
+    (the start was pretrained again in between, or it began before starts were kept) starts over instead of
+    finishing on top of the other start."""
+    from cli.study import START, may_resume, write_cell
+    from shared.experiments.study import expand, load_study
+
+    config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
+                                              settings="[federated]"))
+    path = write_cell(tmp_path / "out", expand(load_study(config))[0])
+    own = sorted(p.name for p in path.iterdir())
+    assert not may_resume(path, "sha256:aaaa")  # nothing begun: start, and keep what it starts from
+    assert (path / START).read_text().strip() == "sha256:aaaa"
+    for name in ("checkpoint.pt", "ledger.sqlite", "rounds.jsonl"):
+        (path / name).write_text("round 7")
+    (path / "sites").mkdir()
+    (path / "sites" / "site-0.sqlite").write_text("ledger")
+    assert may_resume(path, "sha256:aaaa")  # the same start: continue
+    assert (path / "checkpoint.pt").read_text() == "round 7"
+    assert not may_resume(path, "sha256:bbbb")  # another start: the run is removed and begins again
+    assert sorted(p.name for p in path.iterdir()) == sorted([*own, START])
+    assert (path / START).read_text().strip() == "sha256:bbbb"
+    (path / START).unlink()
+    (path / "checkpoint.pt").write_text("round 3 of a run that kept no start")
+    assert not may_resume(path, "sha256:bbbb") and not (path / "checkpoint.pt").exists()
