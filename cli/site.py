@@ -207,7 +207,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from client.app_trust import gated_env, load_approved, write_shim
 
     supernode_args = _supernode_args(list(args.supernode_args))
-    supernode_command(supernode_args, poll=args.poll)  # a bad --poll or no Flower: refused before any check runs
+    supernode = supernode_command(poll=args.poll)  # a bad --poll or no Flower: refused before any check runs
     if args.policy:
         from cli.site_policy import report_check
         from client.policy import load_policy
@@ -220,7 +220,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     gate_dir = Path(args.gate_dir).expanduser() if args.gate_dir else approved.parent / "gate-bin"
     if args.retry_for < 0:
         raise ValueError(f"--retry-for: must be >= 0 seconds, got {args.retry_for}")
-    cmd = supernode_command(supernode_args, poll=args.poll)
     warm = None if args.cold else start_warm(approved)
     try:
         shim = write_shim(gate_dir, approved=approved, warm_socket=warm[1] if warm else None)
@@ -231,16 +230,16 @@ def cmd_start(args: argparse.Namespace) -> int:
               f"{'s' if len(digests) != 1 else ''}); gate {shim}"
               + ("; ClientApps forked warm" if warm else "; every ClientApp started cold")
               + f"; looks for messages every {args.poll:g} s", flush=True)
-        return supervise(cmd, env, retry_for=args.retry_for, pause=args.retry_pause,
+        return supervise([*supernode, *supernode_args], env, retry_for=args.retry_for, pause=args.retry_pause,
                          keep=frozenset({warm[0].pid}) if warm else frozenset())
     finally:
         if warm is not None:
             stop_warm(*warm)
 
 
-def supernode_command(supernode_args: list[str], *, poll: float) -> list[str]:
-    """The SuperNode's command: Flower's ``flower-supernode``, through ``cli.supernode_poll`` when the site
-    looks for messages more often than Flower's 3 s."""
+def supernode_command(*, poll: float) -> list[str]:
+    """The SuperNode's command (its arguments follow): Flower's ``flower-supernode``, through
+    ``cli.supernode_poll`` when the site looks for messages more often than Flower's 3 s."""
     from shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
 
     CappedTime(poll)  # refuses a poll outside (0, 3] before anything starts
@@ -249,8 +248,8 @@ def supernode_command(supernode_args: list[str], *, poll: float) -> list[str]:
         raise FileNotFoundError("flower-supernode is not on PATH: install fedpose (it depends on flwr) in this "
                                 "environment")
     if poll == FLOWER_IDLE_WAIT:
-        return [exe, *supernode_args]
-    return [sys.executable, "-m", "cli.supernode_poll", "--poll", repr(poll), "--", *supernode_args]
+        return [exe]
+    return [sys.executable, "-m", "cli.supernode_poll", "--poll", repr(poll), "--"]
 
 
 # flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer

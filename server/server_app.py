@@ -20,8 +20,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from server.run import run_federation
-from shared.flower_waits import quick_pulls
 from shared.app_logging import setup_app_logging
+from shared.flower_waits import quick_pulls
 from shared.run_config import resume_flag, server_config
 
 log = logging.getLogger(__name__)
@@ -42,17 +42,18 @@ def serve(grid: Grid, context: Context) -> dict:
     return run_federation(grid, cfg, out, resume=resume_flag(context.run_config))
 
 
-def quick_reply_pulls() -> None:
-    """Replies are listed before their objects have all arrived at the SuperLink; pull those again after
-    0.05 s, not after Flower's 1 s (``shared.flower_waits``)."""
+def quick_reply_pulls(grid: Grid) -> None:
+    """Replies are listed before their objects have all arrived at the SuperLink; the deployment engine's grid
+    pulls those again after 0.05 s, not after Flower's 1 s (``shared.flower_waits``). The simulation's grid
+    pulls no objects."""
     import sys
 
-    grid_module = sys.modules.get("flwr.superlink.grid.http_grid")
-    if grid_module is not None and not quick_pulls(grid_module, "pull_objects"):
-        log.info("this Flower's grid has no pull_objects to shorten; its own retry waits apply")
+    module = sys.modules.get(type(grid).__module__)
+    if hasattr(module, "pull_objects"):
+        quick_pulls(module, "pull_objects")
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    quick_reply_pulls()
+    quick_reply_pulls(grid)
     serve(grid, context)
