@@ -254,10 +254,10 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     # The SuperNode behind the cap is Flower's own entry point, with the site's arguments and exit codes.
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
     done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--poll", "0.2", "--", "--help"], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0 and "--superlink" in done.stdout, done.stdout + done.stderr
     done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--", "--no-such-flag"], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2, done.stdout + done.stderr  # a usage error, which the supervisor never retries
 
     approved = tmp_path / "approved.txt"

@@ -119,7 +119,8 @@ def test_the_model_contract_holds_in_a_second_consumer(model, exported):
 
 
 def _expected_window_pads(model):
-    """(bottom, right) pad of every attention block that pads, from TinyVitBlock's rule."""
+    """(bottom, right) pad of every attention block that pads, from TinyVitBlock's rule; a map that fits in one
+    window folds its padding instead (no Pad node)."""
     h, w = math.ceil(INPUT[0] / 4), math.ceil(INPUT[1] / 4)  # after the patch embedding
     out = []
     for stage in list(model.stages)[1:]:
@@ -127,7 +128,7 @@ def _expected_window_pads(model):
         for block in stage.blocks:
             ws = block.window
             pad = ((ws - h % ws) % ws, (ws - w % ws) % ws)
-            if any(pad):
+            if any(pad) and (h > ws or w > ws):
                 out.append(pad)
     return sorted(out)
 

@@ -132,6 +132,10 @@ def test_a_map_smaller_than_its_window_attends_as_the_zero_padded_window_does():
         for a, b in zip(grads_folded, grads_padded):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (h, w)
     assert block.attn.can_fold_padding()
+    block.attn.attention_biases.requires_grad_(True)
+    assert not block.attn.can_fold_padding()  # its gradient is computed
+    with torch.no_grad():
+        assert block.attn.can_fold_padding()  # evaluation and export fold a trainable table too
     handle = block.attn.logits.register_forward_hook(lambda *_: None)  # book-keeping taps the logits
     assert not block.attn.can_fold_padding()
     handle.remove()

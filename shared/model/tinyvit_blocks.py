@@ -189,9 +189,11 @@ class Attention(nn.Module):
         return self.attention_biases[:, idx]  # (heads, N, N)
 
     def can_fold_padding(self) -> bool:
-        """Whether ``forward_in_one_window`` may run: not when the bias table trains or its logits are tapped
-        (book-keeping clipping reads the bias gradient from the full (N, N) logits of ``forward``)."""
-        return not self.attention_biases.requires_grad and not self.logits._forward_hooks
+        """Whether ``forward_in_one_window`` may run: not when the bias table's gradient is being computed or its
+        logits are tapped (book-keeping clipping reads the bias gradient from the full (N, N) logits of
+        ``forward``). Evaluation, export and a frozen table fold."""
+        trains = torch.is_grad_enabled() and self.attention_biases.requires_grad
+        return not trains and not self.logits._forward_hooks
 
     def _positions(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Row-major indices, in the padded window, of an (h, w) map's points and of the padding's points."""
@@ -220,7 +222,9 @@ class Attention(nn.Module):
         table = self._bias()  # (heads, N, N)
         inside, padding = self._positions(h, w, table.device)
         rows = table[:, inside]  # (heads, n, N)
-        bias = torch.cat([rows[:, :, inside], torch.logsumexp(rows[:, :, padding], dim=-1, keepdim=True)],
+        pad = rows[:, :, padding]  # (heads, n, N - n)
+        peak = pad.amax(dim=-1, keepdim=True)  # log-sum-exp from plain ops, which every ONNX consumer runs
+        bias = torch.cat([rows[:, :, inside], peak + (pad - peak).exp().sum(dim=-1, keepdim=True).log()],
                          dim=-1)  # (heads, n, n+1)
         attn = ((q * self.scale) @ k.transpose(-2, -1) + bias).softmax(dim=-1)  # (B, h, n, n+1)
         return self.proj((attn @ v).transpose(1, 2).reshape(b, h, w, c))
