@@ -238,18 +238,26 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def supernode_command(*, poll: float) -> list[str]:
-    """The SuperNode's command (its arguments follow): Flower's ``flower-supernode``, through
-    ``cli.supernode_poll`` when the site looks for messages more often than Flower's 3 s."""
+    """The SuperNode's command (its arguments follow): Flower's SuperNode through ``cli.supernode_poll`` when the
+    site looks for messages more often than Flower's 3 s, else Flower's own ``flower-supernode`` (found beside
+    this Python first, then on PATH)."""
+    import importlib.util
+    import os
+
     from shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
 
     CappedTime(poll)  # refuses a poll outside (0, 3] before anything starts
-    exe = shutil.which("flower-supernode")
+    if poll < FLOWER_IDLE_WAIT:
+        if importlib.util.find_spec("flwr.supernode") is None:
+            raise FileNotFoundError("Flower's SuperNode is not installed: install fedpose (it depends on flwr) in "
+                                    "this environment")
+        return [sys.executable, "-m", "cli.supernode_poll", "--poll", repr(poll), "--"]
+    exe = shutil.which("flower-supernode", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), *filter(None, [os.environ.get("PATH")])]))
     if exe is None:
-        raise FileNotFoundError("flower-supernode is not on PATH: install fedpose (it depends on flwr) in this "
-                                "environment")
-    if poll == FLOWER_IDLE_WAIT:
-        return [exe]
-    return [sys.executable, "-m", "cli.supernode_poll", "--poll", repr(poll), "--"]
+        raise FileNotFoundError("flower-supernode is not beside this Python nor on PATH: install fedpose (it "
+                                "depends on flwr) in this environment")
+    return [exe]
 
 
 # flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer

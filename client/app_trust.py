@@ -276,9 +276,11 @@ def write_shim(directory: str | Path, *, approved: str | Path, python: str | Non
 
 
 def gated_env(shim_dir: str | Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The SuperNode's environment with the shim directory first on PATH."""
+    """The SuperNode's environment with the shim directory first on PATH, then this Python's own scripts (the
+    SuperNode starts Flower's ``flower-superexec`` by name, also when fedpose runs from a venv not activated)."""
     out = dict(os.environ if env is None else env)
-    out["PATH"] = os.pathsep.join([str(Path(shim_dir).resolve()), *filter(None, [out.get("PATH")])])
+    out["PATH"] = os.pathsep.join([str(Path(shim_dir).resolve()), str(Path(sys.executable).parent),
+                                   *filter(None, [out.get("PATH")])])
     return out
 
 
