@@ -10,7 +10,8 @@ For tinyvit-small and tinyvit-5m (finetune parameters) at 128x96, batch 32, one 
   (the private batch and the psi batch), so the ratio shows what DP costs on top of the psi batch;
 - ``opacus`` (when installed): Opacus' GradSampleModule hooks, clipping and noise on the same model.
 
-Timing runs every kind in one process per model, in interleaved rounds (kind after kind, round after
+Timing runs every kind in one process per model that keeps its freed memory as ``local_train`` makes every
+training process do (``shared.allocator``), in interleaved rounds (kind after kind, round after
 round), and reports each ratio's median over the rounds with its min-max spread: on a shared 2-core
 machine a ratio measured in two separate runs can move by 30%. Memory runs each configuration in its own
 process: the peak resident memory (live, see LIVE_MEMORY) above the process's baseline of a DP step at chunk 16 for realised
@@ -164,6 +165,9 @@ def _opacus_step(variant: str, batch, gen):
 
 
 def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
+    from shared.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as local_train does in every training process
     steps = _steps(variant, BATCH, BATCH, kinds)
     for step in steps.values():  # warm-up: allocations, kernels
         step()
@@ -189,8 +193,10 @@ def _memory(variant: str, kind: str, realised: int, queue) -> None:
 
 
 def _basis(repeats: int, queue) -> None:
+    from shared.allocator import keep_freed_memory
     from shared.privacy.subspace import compute_basis
 
+    keep_freed_memory()  # as public_basis_at does
     model, names, loss_fn = _setup("tinyvit-5m")
     named = dict(model.named_parameters())
     params = {n: named[n].detach() for n in names}

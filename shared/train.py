@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from shared.allocator import keep_freed_memory
 from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig
 from shared.data.dataset import PoseDataset
 from shared.data.patients import PatientGroups
@@ -186,6 +187,7 @@ def local_train(
         raise ValueError("the private dataset is empty: a site needs at least one record to train")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    keep_freed_memory()  # every step frees and takes again the same tens of MB: keep them in the process
     unit = privacy.unit if method != "nonprivate" else "record"
     if unit == "patient":
         if patients is None:
@@ -331,6 +333,7 @@ def public_basis_at(
     if privacy.k > m:
         raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
     batch = to_device(public.batch(list(range(m))), device)
+    keep_freed_memory()
     named = dict(model.named_parameters())
     current = {name: named[name].detach() for name in trainable}
     return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size)

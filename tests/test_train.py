@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +90,56 @@ def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatc
     for batch in seen:
         for image in batch:
             assert (everything - image).abs().flatten(1).amax(1).min() < 1e-6
+
+
+
+_STEPS_FAULTS = """
+import resource, torch
+{setup}
+from shared.config import ModelConfig
+from shared.model.posenet import apply_strategy, build_model, make_loss_fn
+from shared.privacy.fpdp import DPSpec, dp_gradient
+
+torch.manual_seed(0)
+model = build_model(ModelConfig(variant="tinyvit-small"), (128, 96))
+names = apply_strategy(model, "finetune")
+loss_fn = make_loss_fn(model, names)
+batch = {{"image": torch.rand(16, 3, 128, 96), "joints": torch.rand(16, 16, 2) * 90, "visible": torch.ones(16, 16)}}
+spec = DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.01, expected_batch=16.0, chunk_size=16)
+gen = torch.Generator().manual_seed(0)
+named = dict(model.named_parameters())
+
+def step():
+    dp_gradient(loss_fn, {{n: named[n].detach() for n in names}}, spec=spec, private_batch=batch, psi_batch=None,
+                generator=gen, basis=None)
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+for _ in range(3):  # the first steps take their memory from the OS; the later ones can reuse it
+    step()
+before = faults()
+for _ in range(5):
+    step()
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
+def test_a_training_process_reuses_its_freed_memory_instead_of_taking_it_from_the_os_again():
+    """A DP step frees tensors of tens of MB and allocates them again in the next step. With glibc's defaults
+    much of that memory goes back to the OS when it is freed and is zero-filled again page by page (tens of
+    thousands of page faults a step here); local_train and the basis keep it in the process instead."""
+    import subprocess
+
+    def faults_of_five_steps(setup: str) -> int:
+        code = _STEPS_FAULTS.format(setup=setup)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip().splitlines()[-1])
+
+    default = faults_of_five_steps("")
+    kept = faults_of_five_steps("from shared.allocator import keep_freed_memory\nassert keep_freed_memory()")
+    assert default > 5 * 1000, default  # the default takes memory from the OS again on every step
+    assert kept < default / 10, (kept, default)  # kept: the steps reuse what the first ones took
