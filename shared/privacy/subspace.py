@@ -38,8 +38,9 @@ from shared.privacy.persample import (
 log = logging.getLogger(__name__)
 
 # Columns of G per float32 partial product of the Gram matrix: bounds the
-# float32 rounding of each partial sum (it is then accumulated in float64).
-_COLUMN_BLOCK = 1 << 16
+# float32 rounding of each partial sum (it is then accumulated in float64), and
+# keeps the block (m x c) in cache while its product is formed.
+_COLUMN_BLOCK = 1 << 14
 
 # Eigenvalues of G G^T below DEFAULT_RTOL * max are treated as zero (rank
 # deficiency): those directions have singular value < 1e-3 of the top one,
@@ -129,13 +130,10 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
     gram = torch.zeros((m, m), dtype=torch.float64, device=device)  # (m, m)
     for j in range(len(widths)):
         for begin in range(0, widths[j], _COLUMN_BLOCK):
-            cols = [row[j][:, begin:begin + _COLUMN_BLOCK].to(torch.float32) for row in rows]  # (b_a, c) each
-            for a, left in enumerate(cols):
-                for b in range(a, len(cols)):
-                    part = (left @ cols[b].T).to(torch.float64)  # (b_a, b_b)
-                    gram[starts[a]:starts[a] + sizes[a], starts[b]:starts[b] + sizes[b]] += part
-                    if b != a:
-                        gram[starts[b]:starts[b] + sizes[b], starts[a]:starts[a] + sizes[a]] += part.T
+            # one (m, c) block of G from every row chunk: one m x m product per block is several times faster
+            # than a product per pair of chunks (each of those reads its columns again for a few rows)
+            block = torch.cat([row[j][:, begin:begin + _COLUMN_BLOCK].to(torch.float32) for row in rows])
+            gram += (block @ block.T).to(torch.float64)
     # A NaN/inf anywhere in row i makes the squared norm K_ii NaN/inf: checking the m x m Gram
     # matrix is exact for that and costs nothing, where isfinite over G (m x p) costs seconds.
     if not torch.isfinite(gram).all():
