@@ -128,8 +128,8 @@ def test_public_basis_from_book_keeping_spans_the_generic_one():
 
 @pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"),
                          [(3, 1, 1, 1), (3, 2, 1, 1), ((3, 5), (2, 1), (0, 2), 1), (3, 1, 2, 2)])
-def test_depthwise_taps_equal_the_unfolded_per_sample_gradient(kernel, stride, padding, dilation):
-    """The depthwise rule's strided products give each sample's weight gradient exactly as autograd does."""
+def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(kernel, stride, padding, dilation):
+    """The depthwise rule's grouped convolution gives each sample's weight gradient exactly as autograd does."""
     from torch import nn
 
     from shared.privacy.layer_rules import _depthwise_weight

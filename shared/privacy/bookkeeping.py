@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from shared.privacy.layer_rules import RULES, Instantiated, LinearLike, bias_table
+from shared.privacy.layer_rules import RULES, Instantiated, LinearLike, Stacked, bias_table, stack_instantiated
 from shared.privacy.persample import batch_size_of, check_chunk_size
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
@@ -121,7 +121,7 @@ def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, str,
 class Tape:
     """The rules of one chunk of samples, ready to give norms and to add their clipped sum."""
 
-    def __init__(self, rules: list[Instantiated | LinearLike], size: int) -> None:
+    def __init__(self, rules: list[Instantiated | LinearLike | Stacked], size: int) -> None:
         self.rules = rules
         self.size = size
 
@@ -253,7 +253,7 @@ def iter_tapes(
 
             per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
             rules.append(Instantiated(dict(per_sample)))
-        tape = Tape(rules, parts.shape[0])
+        tape = Tape(stack_instantiated(rules), parts.shape[0])
         seen.clear()  # the chunk's activations go with the tape, not with this frame
         del outputs, grads, rules, parts, losses
         yield tape

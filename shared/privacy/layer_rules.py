@@ -8,6 +8,8 @@ tiny clip factor) and every sample's gradient (for the public basis).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,6 +37,50 @@ class Instantiated:
 
     def per_sample(self) -> dict[str, Tensor]:
         return self.grads
+
+
+class Stacked:
+    """Several ``Instantiated`` rules side by side in one (b, P) matrix: one norm and one product for all of their
+    tensors (layer norms, depthwise convs, bias tables, biases) instead of a few small operations per tensor,
+    which is what a small model's private step spent most of its book-keeping time on."""
+
+    def __init__(self, parts: list[Instantiated]) -> None:
+        grads = {name: g for part in parts for name, g in part.grads.items()}
+        self.shapes = {name: g.shape[1:] for name, g in grads.items()}
+        b = next(iter(grads.values())).shape[0]
+        self.matrix = torch.cat([g.reshape(b, -1) for g in grads.values()], dim=1)  # (b, P)
+        self.sizes = [math.prod(shape) for shape in self.shapes.values()]
+
+    def _split(self, rows: Tensor) -> dict[str, Tensor]:
+        return {name: part.reshape(rows.shape[0], *shape)
+                for (name, shape), part in zip(self.shapes.items(), rows.split(self.sizes, dim=1))}
+
+    def sq_norms(self) -> Tensor:
+        return torch.linalg.vector_norm(self.matrix, dim=1).to(torch.float64).pow(2)
+
+    def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
+        matrix = self.matrix
+        if keep is not None:
+            matrix = torch.where(keep[:, None], matrix, torch.zeros((), dtype=matrix.dtype, device=matrix.device))
+        total = factors.to(matrix.dtype) @ matrix  # (P,)
+        parts = total.split(self.sizes)
+        torch._foreach_add_([summed[name] for name in self.shapes],
+                            [part.view(summed[name].shape) for name, part in zip(self.shapes, parts)])
+
+    def exact(self, rows: Tensor) -> dict[str, Tensor]:
+        return self._split(self.matrix[rows].to(torch.float64))
+
+    def per_sample(self) -> dict[str, Tensor]:
+        return self._split(self.matrix)
+
+
+def stack_instantiated(rules: list) -> list:
+    """``rules`` with every ``Instantiated`` of one dtype merged into one ``Stacked`` (the others as they are)."""
+    singles = [rule for rule in rules if isinstance(rule, Instantiated) and rule.grads]
+    dtypes = {g.dtype for rule in singles for g in rule.grads.values()}
+    if len(singles) < 2 or len(dtypes) != 1:
+        return rules
+    return [rule for rule in rules if not (isinstance(rule, Instantiated) and rule.grads)] + [Stacked(singles)]
 
 
 class LinearLike:
@@ -121,31 +167,23 @@ def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
     return LinearLike(_unfold(module, x).transpose(1, 2), g.reshape(b, cout, -1).transpose(1, 2), names, shapes)
 
 
-# Depthwise convs with more output positions than this take strided taps (3x to 9x faster than unfolding on the
-# early stages' maps); on smaller maps the unfolded product is faster.
-DEPTHWISE_TAPS_ABOVE = 16
-
-
 def _depthwise_weight(module: nn.Conv2d, x: Tensor, g: Tensor) -> Tensor:
-    """Per-sample weight gradient (b, C, kh, kw) of a depthwise conv: one strided product per kernel tap, no
-    unfolded copy of the input (kh kw times its size)."""
+    """Per-sample weight gradient (b, C, kh, kw) of a depthwise conv, as one grouped convolution over the b C
+    channels: sample i's gradient for channel c correlates its padded input with the output gradient ``g``
+    used as a kernel, dilated by the conv's stride and strided by its dilation. No unfolded copy of the input
+    (kh kw times its size) and no tap-by-tap loop: 3-4x faster than either on a pose model's maps."""
     (kh, kw), (sh, sw), (dh, dw), (ph, pw) = module.kernel_size, module.stride, module.dilation, module.padding
-    xp = F.pad(x, (pw, pw, ph, ph))
-    h, w = g.shape[2], g.shape[3]
-    out = g.new_empty(g.shape[0], g.shape[1], kh, kw)
-    for i in range(kh):
-        for j in range(kw):
-            tap = xp[:, :, i * dh: i * dh + (h - 1) * sh + 1: sh, j * dw: j * dw + (w - 1) * sw + 1: sw]
-            out[:, :, i, j] = (tap * g).sum((2, 3))
-    return out
+    b, c, h, w = g.shape
+    xp = F.pad(x, (pw, pw, ph, ph)).reshape(1, b * c, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
+    out = F.conv2d(xp, g.reshape(b * c, 1, h, w), stride=(dh, dw), dilation=(sh, sw), groups=b * c)
+    return out[0, :, :kh, :kw].reshape(b, c, kh, kw)
 
 
 def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> Instantiated:
     b, cout = g.shape[:2]
     groups = module.groups
     grads = {}
-    if "weight" in names and groups == module.in_channels == cout and isinstance(module.padding, tuple) \
-            and g.shape[2] * g.shape[3] > DEPTHWISE_TAPS_ABOVE:
+    if "weight" in names and groups == module.in_channels == cout and isinstance(module.padding, tuple):
         grads[names["weight"]] = _depthwise_weight(module, x, g).reshape(b, *shapes[names["weight"]])
     elif "weight" in names:
         cols = _unfold(module, x)  # (b, C_in kh kw, T)
@@ -164,8 +202,9 @@ def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> In
     x = x.reshape(b, -1, x.shape[-1])
     g = g.reshape(b, -1, g.shape[-1])
     grads = {}
-    if "weight" in names:
-        normed = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    if "weight" in names:  # a unit weight and zero bias: the same values, twice as fast as none on CPU
+        ones, zeros = x.new_ones(module.normalized_shape), x.new_zeros(module.normalized_shape)
+        normed = F.layer_norm(x, module.normalized_shape, ones, zeros, module.eps)
         grads[names["weight"]] = (normed * g).sum(1)
     if "bias" in names:
         grads[names["bias"]] = g.sum(1)
