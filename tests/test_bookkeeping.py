@@ -142,3 +142,17 @@ def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(
     for i in range(3):
         (want,) = torch.autograd.grad((conv(x[i:i + 1]) * g[i:i + 1]).sum(), conv.weight)
         torch.testing.assert_close(got[i], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one():
+    """The public gradient (and the non-private step) runs the model as it is when given its own weights; the
+    result is the gradient the functional path computes from copies of them."""
+    from shared.privacy.persample import mean_grad
+
+    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=6)
+    own = mean_grad(loss_fn, params, batch)
+    copies = mean_grad(loss_fn, {name: value.clone() for name, value in params.items()}, batch)
+    assert own.keys() == copies.keys() == params.keys()
+    for name in params:
+        torch.testing.assert_close(own[name], copies[name], rtol=1e-4, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())  # nothing left on the model

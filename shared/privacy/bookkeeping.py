@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.privacy.layer_rules import RULES, Instantiated, LinearLike, Stacked, bias_table, stack_instantiated
-from shared.privacy.persample import batch_size_of, check_chunk_size
+from shared.privacy.persample import are_the_models_own, batch_size_of, check_chunk_size
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
 # above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
@@ -174,26 +174,6 @@ def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor, Tens
     return RULES[kind](module, x.detach(), grad, dict(names), shapes)
 
 
-def _are_the_models_own(model: nn.Module, params: Mapping[str, Tensor], combine_names: list[str]) -> bool:
-    """True when ``params`` hold the model's trainable weights themselves and nothing else in it trains.
-
-    Then a plain forward builds the same graph as one through ``params`` (only the gradients at the
-    layers' outputs are asked for, never the weights'), without swapping every tensor of the model.
-    """
-    own = dict(model.named_parameters())
-    for name, param in own.items():
-        value = params.get(name)
-        if value is None:
-            if param.requires_grad:
-                return False
-        elif name not in combine_names and (
-            not param.requires_grad or value.data_ptr() != param.data_ptr() or value.shape != param.shape
-            or value.stride() != param.stride() or value.dtype != param.dtype
-        ):
-            return False
-    return all(name in own for name in params)
-
-
 def iter_tapes(
     loss_fn: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *, chunk_size: int
 ) -> Iterator[Tape]:
@@ -209,7 +189,7 @@ def iter_tapes(
         raise ValueError("book-keeping clipping does not cover every trainable tensor; check supports() first")
     shapes = {name: value.shape for name, value in params.items()}
     leaves = {name: value.detach().requires_grad_(name not in combine_names) for name, value in params.items()}
-    direct = _are_the_models_own(loss_fn.model, params, combine_names)
+    direct = are_the_models_own(loss_fn.model, params, combine_names)
     for start in range(0, size, chunk_size):
         chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
         seen: dict[str, tuple[Tensor, Tensor]] = {}
