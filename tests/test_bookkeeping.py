@@ -156,3 +156,17 @@ def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one()
     for name in params:
         torch.testing.assert_close(own[name], copies[name], rtol=1e-4, atol=1e-6)
     assert all(p.grad is None for p in model.parameters())  # nothing left on the model
+
+
+def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_replaced_one():
+    from torch import nn
+
+    from shared.privacy.persample import own_parameters
+
+    model, _, _, _ = _setup("tinyvit-small", "finetune")
+    assert list(own_parameters(model).items()) == list(model.named_parameters())
+    old = model.head.final.weight
+    model.head.final.weight = nn.Parameter(old.detach().clone())
+    got = own_parameters(model)
+    assert got["head.final.weight"] is model.head.final.weight and got["head.final.weight"] is not old
+    assert list(got.items()) == list(model.named_parameters())
