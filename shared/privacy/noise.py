@@ -11,7 +11,9 @@ cryptographically secure PRNG, and floating-point Gaussian sampling has the
 known least-significant-bit weakness (Mironov, CCS 2012). Opacus' "secure
 mode" addresses both with a CSPRNG; this project does not. Entropy seeding
 prevents the trivial attack (a public seed), not a state-recovery attack on
-the generator.
+the generator. A large draw on a CPU takes its later half from a second
+Mersenne Twister seeded with 62 bits drawn from the first: nothing about the
+noise is more predictable than the first generator's state already makes it.
 """
 
 from __future__ import annotations
