@@ -36,6 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from shared.config import load_config, replace  # noqa: E402
 from shared.model.posenet import apply_strategy, load_checkpoint, make_loss_fn  # noqa: E402
 from shared.privacy.clipping import clipped_grad_sum  # noqa: E402
+from shared.privacy.noise import gaussian_noise_like  # noqa: E402
 from shared.privacy.sampling import poisson_sample  # noqa: E402
 from shared.privacy.subspace import flatten, unflatten  # noqa: E402
 from shared.provenance import provenance  # noqa: E402
@@ -112,33 +113,37 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
                   for m in ("dpsgd", "proj") for o in ("adam", "sgd")}
     trace: dict[str, list[float]] = {f"{m}/{o}": [] for m, o in optimizers}
     snr = {"dpsgd": [], "proj": []}
-    for _ in tqdm(range(steps), desc=f"noisy steps at {weights.parent.name}", leave=False):
+    def noisy_step() -> tuple[torch.Tensor, torch.Tensor]:
+        """One private step's (clipped mean of a Poisson batch, its noise), both scaled by 1 / B as training does."""
         idx = poisson_sample(n, sample_rate=q, generator=generator).tolist()
         clean = clipped_mean(loss_fn, params, dataset, idx, cfg) * (len(idx) / batch_size) if idx else g_star * 0
-        noise = torch.randn(g_star.shape, generator=generator) * (sigma * cfg.privacy.clip_norm / batch_size)
+        noise = flatten(gaussian_noise_like(params, std=sigma * cfg.privacy.clip_norm / batch_size,
+                                            generator=generator))
+        return clean, noise
+
+    def directions(clean: torch.Tensor, noise: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
         noisy = {"dpsgd": clean + noise, "proj": basis @ (basis.T @ (clean + noise))}
+        return {(m, o): state.direction(noisy[m]) for (m, o), state in optimizers.items()}
+
+    for _ in tqdm(range(steps), desc=f"noisy steps at {weights.parent.name}", leave=False):
+        clean, noise = noisy_step()
         snr["dpsgd"].append(float(clean.norm() ** 2 / noise.norm() ** 2))
         p_clean, p_noise = basis @ (basis.T @ clean), basis @ (basis.T @ noise)
         snr["proj"].append(float(p_clean.norm() ** 2 / p_noise.norm() ** 2))
-        for (method, opt), state in optimizers.items():
-            u = state.direction(noisy[method])
+        for (method, opt), u in directions(clean, noise).items():
             trace[f"{method}/{opt}"].append(cosine(u, g_star))
     last = {}
     for name, cosines in trace.items():
         last[name] = {"cosine_last": cosines[-1], "cosine_mean_last10": statistics.mean(cosines[-10:])}
-    for (method, opt), state in optimizers.items():  # one more noisy step gives the update's first-order gain
-        idx = poisson_sample(n, sample_rate=q, generator=generator).tolist()
-        clean = clipped_mean(loss_fn, params, dataset, idx, cfg) * (len(idx) / batch_size)
-        noise = torch.randn(g_star.shape, generator=generator) * (sigma * cfg.privacy.clip_norm / batch_size)
-        g = clean + noise if method == "dpsgd" else basis @ (basis.T @ (clean + noise))
-        u = state.direction(g)
-        state.last = u
+    # One more noisy step, the same for every optimizer, gives each update's first-order gain along g*.
+    updates = directions(*noisy_step())
+    for (method, opt), u in updates.items():
         last[f"{method}/{opt}"].update({"gain_per_lr": float(u @ g_star), "update_norm": float(u.norm())})
     held = to_device(make_dataset(private, cfg, train=False).batch(signal_idx[:256]), torch.device("cpu"))
     with torch.no_grad():
         before = float(loss_fn(params, held).mean())
         for name, o in last.items():
-            u = unflatten(optimizers[tuple(name.split("/"))].last, like=params)
+            u = unflatten(updates[tuple(name.split("/"))], like=params)
             o["loss_change"] = {f"{lr:g}": float(loss_fn({k: params[k] - lr * u[k] for k in params}, held).mean())
                                 - before
                                 for lr in LEARNING_RATES[name.split("/")[1]]}
