@@ -11,19 +11,15 @@ cryptographically secure PRNG, and floating-point Gaussian sampling has the
 known least-significant-bit weakness (Mironov, CCS 2012). Opacus' "secure
 mode" addresses both with a CSPRNG; this project does not. Entropy seeding
 prevents the trivial attack (a public seed), not a state-recovery attack on
-the generator. A large draw on a CPU takes its later half from a second
-Mersenne Twister seeded with 62 bits drawn from the first: nothing about the
-noise is more predictable than the first generator's state already makes it.
+the generator.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -86,9 +82,7 @@ def gaussian_noise_like(
     Draws in sorted-name order so that the same generator state gives the
     same noise whatever the dict's insertion order (the flattening order of
     ``subspace.flatten`` is the same). Noise is drawn on the generator's
-    device and moved to each parameter's device. On a CPU with two threads or
-    more, a draw of at least ``PARALLEL_ABOVE`` coordinates takes its later
-    half from a second generator seeded by the first, in a worker thread.
+    device and moved to each parameter's device.
     """
     try:
         value = float(std)
@@ -101,46 +95,13 @@ def gaussian_noise_like(
             "generator must be a torch.Generator (see make_generator), got "
             f"{type(generator).__name__}"
         )
-    names = sorted(params)
-    for name in names:
-        if not params[name].is_floating_point():
-            raise ValueError(f"params[{name!r}] has dtype {params[name].dtype}; noise needs floating point")
-    sizes = [params[name].numel() for name in names]
-    total = sum(sizes)
-    if generator.device.type != "cpu" or total < PARALLEL_ABOVE or torch.get_num_threads() < 2:
-        return _draw(params, names, value, generator)
-    # Two cores: the later half of the tensors from a second generator seeded by the first, drawn in a worker
-    # thread while this one draws the first half. A function of the generator's state alone, as one draw is.
-    child = torch.Generator(device=generator.device)
-    child.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-    split = next(i for i in range(len(names)) if 2 * sum(sizes[:i + 1]) >= total) + 1
-    later = _worker().submit(_draw, params, names[split:], value, child)
-    noise = _draw(params, names[:split], value, generator)
-    noise.update(later.result())
+    noise: dict[str, Tensor] = {}
+    for name in sorted(params):
+        like = params[name]
+        if not like.is_floating_point():
+            raise ValueError(f"params[{name!r}] has dtype {like.dtype}; noise needs floating point")
+        draw = torch.randn(
+            like.shape, generator=generator, device=generator.device, dtype=like.dtype
+        )
+        noise[name] = draw.mul_(value).to(like.device)
     return noise
-
-
-# Coordinates below which one draw in the calling thread costs less than handing half of it to another.
-PARALLEL_ABOVE = 1 << 18
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _worker() -> ThreadPoolExecutor:
-    """One worker thread for this process (a forked process starts its own: threads do not survive a fork)."""
-    global _pool
-    if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-noise"))
-    return _pool[1]
-
-
-def _draw(params: Mapping[str, Tensor], names: list[str], std: float, generator: torch.Generator) -> dict[str, Tensor]:
-    """The tensors ``names`` in this order, as consecutive pieces of one draw when they share a dtype (one call:
-    a worker thread then needs the interpreter once, not once per tensor)."""
-    dtypes = {params[name].dtype for name in names}
-    if len(dtypes) != 1:
-        return {name: _draw(params, [name], std, generator)[name] for name in names}
-    flat = torch.randn(sum(params[name].numel() for name in names), generator=generator, device=generator.device,
-                       dtype=dtypes.pop()).mul_(std)
-    pieces = flat.split([params[name].numel() for name in names])
-    return {name: piece.view(params[name].shape).to(params[name].device) for name, piece in zip(names, pieces)}
