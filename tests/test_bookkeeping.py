@@ -170,3 +170,36 @@ def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_re
     got = own_parameters(model)
     assert got["head.final.weight"] is model.head.final.weight and got["head.final.weight"] is not old
     assert list(got.items()) == list(model.named_parameters())
+
+
+def test_the_mean_gradient_of_a_weight_the_loss_does_not_reach_is_zero_as_on_the_functional_path():
+    from torch import nn
+
+    from shared.privacy.persample import mean_grad
+
+    class Loss:
+        combine_names = ()
+
+        def __init__(self) -> None:
+            torch.manual_seed(0)
+            self.model = nn.ModuleDict({"used": nn.Linear(4, 3), "unused": nn.Linear(4, 3)})
+
+        def parts(self, params, batch):
+            if params is None:  # the model as it is
+                return self.model["used"](batch["x"]).pow(2)
+            return torch.nn.functional.linear(batch["x"], params["used.weight"], params["used.bias"]).pow(2)
+
+        def combine(self, parts, params):
+            return parts.sum(1)
+
+        def __call__(self, params, batch):
+            return self.combine(self.parts(params, batch), params)
+
+    loss = Loss()
+    batch = {"x": torch.randn(5, 4)}
+    named = dict(loss.model.named_parameters())
+    own = mean_grad(loss, {n: p.detach() for n, p in named.items()}, batch)
+    copies = mean_grad(loss, {n: p.detach().clone() for n, p in named.items()}, batch)
+    for name in named:
+        torch.testing.assert_close(own[name], copies[name])
+    assert not own["unused.weight"].any() and not own["unused.bias"].any()

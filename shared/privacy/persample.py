@@ -263,8 +263,8 @@ def mean_grad(
         with torch.enable_grad():
             losses = loss_fn.combine(loss_fn.parts(None, batch), weights)
             _check_losses(losses, size)
-            grads = torch.autograd.grad(losses.mean(), list(weights.values()))
-        return dict(zip(weights, grads))
+            grads = torch.autograd.grad(losses.mean(), list(weights.values()), allow_unused=True)
+        return {name: torch.zeros_like(weights[name]) if g is None else g for name, g in zip(weights, grads)}
 
     def mean_loss(p: dict[str, Tensor]) -> Tensor:
         losses = loss_fn(p, batch)
