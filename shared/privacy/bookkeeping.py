@@ -127,7 +127,9 @@ class Tape:
 
     def norms(self) -> Tensor:
         """(b,) float64 per-sample L2 norms over all trainable tensors; rows that overflow float32 redone in float64."""
-        norms = torch.sqrt(sum(rule.sq_norms() for rule in self.rules))
+        parts = [rule.sq_norms() for rule in self.rules]  # each in its layer's dtype
+        dtype = parts[0].dtype if all(part.dtype == parts[0].dtype for part in parts) else torch.float64
+        norms = torch.stack([part.to(dtype) for part in parts]).sum(0).sqrt_().to(torch.float64)
         odd = ~torch.isfinite(norms)
         if bool(odd.any()):
             rows = odd.nonzero().flatten()
@@ -188,8 +190,11 @@ def iter_tapes(
     if plan is None:
         raise ValueError("book-keeping clipping does not cover every trainable tensor; check supports() first")
     shapes = {name: value.shape for name, value in params.items()}
-    leaves = {name: value.detach().requires_grad_(name not in combine_names) for name, value in params.items()}
     direct = are_the_models_own(loss_fn.model, params, combine_names)
+    # the loss's tensors: the model's own when direct (only combine's are passed to it), else detached leaves
+    leaves = {} if direct else {name: value.detach().requires_grad_(name not in combine_names)
+                                for name, value in params.items()}
+    detached = {n: params[n].detach() for n in combine_names}
     for start in range(0, size, chunk_size):
         chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
         seen: dict[str, tuple[Tensor, Tensor]] = {}
@@ -212,7 +217,6 @@ def iter_tapes(
         finally:
             for handle in handles:
                 handle.remove()
-        detached = {n: leaves[n].detach() for n in combine_names}
         losses = loss_fn.combine(parts, {**leaves, **detached})
         keys = [k for k in plan if k in seen]
         outputs = [seen[k][1] for k in keys]
@@ -223,7 +227,7 @@ def iter_tapes(
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample
             b = parts.shape[0]
-            rules.append(Instantiated({name: leaves[name].new_zeros((b, *shapes[name]))
+            rules.append(Instantiated({name: params[name].new_zeros((b, *shapes[name]))
                                         for k in missing for name in plan[k][2].values()}))
         if combine_names:
             parts_d = parts.detach()

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from shared.privacy.canaries import DiracGrads, SpanGrads
-from shared.privacy.noise import gaussian_noise_like
+from shared.privacy.noise import add_noise_and_scale_
 from shared.privacy.clipping import check_groups, clipped_grad_sum, clipped_group_sum
 from shared.privacy.persample import LossFn, batch_size_of, check_params, mean_grad
 from shared.privacy.psi import PsiBatch
@@ -192,9 +192,10 @@ def _noisy_private_sum(
         flat = flat + canaries.clipped_sum(flat.numel(), clip_norm=spec.clip_norm, like=flat, basis=basis)
         summed = {name: value.clone() for name, value in unflatten(flat, like=summed).items()}
     # P1: N(0, sigma^2 C^2 I) drawn once and added to the sum, before any projection.
-    noise = gaussian_noise_like(summed, std=spec.sigma * spec.clip_norm, generator=generator)
-    scale = 1.0 / spec.expected_batch  # P4, P15: 1 / B, a public constant; never 1 / |B_priv| nor 1 / (q n)
-    grads = {name: (summed[name] + noise[name]).mul_(scale) for name in summed}
+    # P4, P15: scaled by 1 / B, a public constant; never 1 / |B_priv| nor 1 / (q n)
+    add_noise_and_scale_(summed, std=spec.sigma * spec.clip_norm, scale=1.0 / spec.expected_batch,
+                         generator=generator)
+    grads = summed
     if spec.projects:
         # g = V (V^T g): post-processing of the noisy gradient, no privacy cost.
         flat = project(basis, flatten(grads))  # (p,)

@@ -22,8 +22,7 @@ class Instantiated:
         self.grads = grads
 
     def sq_norms(self) -> Tensor:
-        return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).to(torch.float64).pow(2)
-                   for g in self.grads.values())
+        return sum(torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square_() for g in self.grads.values())
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
         for name, g in self.grads.items():
@@ -56,7 +55,7 @@ class Stacked:
                 for (name, shape), part in zip(self.shapes.items(), rows.split(self.sizes, dim=1))}
 
     def sq_norms(self) -> Tensor:
-        return torch.linalg.vector_norm(self.matrix, dim=1).to(torch.float64).pow(2)
+        return torch.linalg.vector_norm(self.matrix, dim=1).square_()
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
         matrix = self.matrix
@@ -91,21 +90,25 @@ class LinearLike:
         b, t, d = a.shape
         p = g.shape[2]
         # ghost: two T x T Gram matrices per sample, b T^2 (d + p); instantiated: b T d p
-        self.ghost = t * (d + p) < d * p
+        self.ghost = "weight" in names and t * (d + p) < d * p
         self.weight = None if self.ghost or "weight" not in names else torch.bmm(g.transpose(1, 2), a)  # (b, p, d)
-        self.bias = g.sum(1) if "bias" in names else None  # (b, p)
+        # the bias's per-sample gradients only when they are needed as such (the ghost norm and sum fold it in)
+        self.bias = g.sum(1) if "bias" in names and not self.ghost else None  # (b, p)
 
     def sq_norms(self) -> Tensor:
-        total = torch.zeros(self.a.shape[0], dtype=torch.float64, device=self.a.device)
-        if "weight" in self.names:
-            if self.ghost:
-                gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
-                gram_g = torch.bmm(self.g, self.g.transpose(1, 2))
-                total += torch.einsum("bij,bij->b", gram_a, gram_g).to(torch.float64)
-            else:
-                total += torch.linalg.vector_norm(self.weight, dim=(1, 2)).to(torch.float64).pow(2)
-        if self.bias is not None:
-            total += torch.linalg.vector_norm(self.bias, dim=1).to(torch.float64).pow(2)
+        """(b,) squared norms in the layer's dtype (the tape adds them up and redoes rows that overflow)."""
+        if self.ghost:
+            # ||g_i^T [a_i 1]||^2 = sum_ts (a_it . a_is + 1)(g_it . g_is): the bias is a weight on a constant 1
+            gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
+            if "bias" in self.names:
+                gram_a.add_(1.0)
+            gram_g = torch.bmm(self.g, self.g.transpose(1, 2))
+            return gram_a.mul_(gram_g).sum((1, 2))
+        total = None
+        for part in (self.weight, self.bias):
+            if part is not None:
+                sq = torch.linalg.vector_norm(part.reshape(part.shape[0], -1), dim=1).square_()
+                total = sq if total is None else total.add_(sq)
         return total
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
@@ -116,14 +119,18 @@ class LinearLike:
             weight = None if weight is None else torch.where(keep[:, None, None], weight, zero)
             bias = None if bias is None else torch.where(keep[:, None], bias, zero)
         f = factors.to(a.dtype)
-        if "weight" in self.names:
+        if self.ghost:
+            p, d = g.shape[2], a.shape[2]
+            scaled = (g * f[:, None, None]).reshape(-1, p)  # (b T, p): every row's g times its sample's factor
             name = self.names["weight"]
-            if self.ghost:
-                p, d = g.shape[2], a.shape[2]
-                total = (g * f[:, None, None]).reshape(-1, p).t() @ a.reshape(-1, d)  # (p, d)
-            else:
-                total = (f @ weight.reshape(weight.shape[0], -1))
-            summed[name].add_(total.reshape(self.shapes[name]))
+            summed[name].add_((scaled.t() @ a.reshape(-1, d)).reshape(self.shapes[name]))
+            if "bias" in self.names:
+                name = self.names["bias"]
+                summed[name].add_(scaled.sum(0).reshape(self.shapes[name]))
+            return
+        if weight is not None:
+            name = self.names["weight"]
+            summed[name].add_((f @ weight.reshape(weight.shape[0], -1)).reshape(self.shapes[name]))
         if bias is not None:
             name = self.names["bias"]
             summed[name].add_((f @ bias).reshape(self.shapes[name]))
@@ -145,8 +152,8 @@ class LinearLike:
             name = self.names["weight"]
             weight = self.weight if self.weight is not None else torch.bmm(self.g.transpose(1, 2), self.a)
             out[name] = weight.reshape(b, *self.shapes[name])
-        if self.bias is not None:
-            out[self.names["bias"]] = self.bias
+        if "bias" in self.names:
+            out[self.names["bias"]] = self.bias if self.bias is not None else self.g.sum(1)
         return out
 
 
@@ -199,16 +206,26 @@ def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> In
     b = x.shape[0]
     if getattr(module, "channels_first", False):  # LayerNorm2d: normalises the channels of NCHW
         x, g = x.movedim(1, -1), g.movedim(1, -1)
-    x = x.reshape(b, -1, x.shape[-1])
-    g = g.reshape(b, -1, g.shape[-1])
+    positions = tuple(range(1, x.dim() - 1))  # summed over in place of a reshape, which copies a permuted map
     grads = {}
     if "weight" in names:  # a unit weight and zero bias: the same values, twice as fast as none on CPU
-        ones, zeros = x.new_ones(module.normalized_shape), x.new_zeros(module.normalized_shape)
+        ones, zeros = _unit_affine(module.normalized_shape, x)
         normed = F.layer_norm(x, module.normalized_shape, ones, zeros, module.eps)
-        grads[names["weight"]] = (normed * g).sum(1)
+        grads[names["weight"]] = normed.mul_(g).sum(positions) if positions else normed.mul_(g)
     if "bias" in names:
-        grads[names["bias"]] = g.sum(1)
-    return Instantiated(grads)
+        grads[names["bias"]] = g.sum(positions) if positions else g.clone()
+    return Instantiated({name: grad.reshape(b, -1) for name, grad in grads.items()})
+
+
+_UNIT_AFFINES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _unit_affine(shape: torch.Size, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Ones and zeros of a layer norm's shape, made once per shape, dtype and device (never written to)."""
+    key = (tuple(shape), like.dtype, like.device)
+    if key not in _UNIT_AFFINES:
+        _UNIT_AFFINES[key] = (like.new_ones(shape), like.new_zeros(shape))
+    return _UNIT_AFFINES[key]
 
 
 def bias_table(module: nn.Module, g: Tensor, names, shapes) -> Instantiated:
