@@ -203,3 +203,31 @@ def test_the_mean_gradient_of_a_weight_the_loss_does_not_reach_is_zero_as_on_the
     for name in named:
         torch.testing.assert_close(own[name], copies[name])
     assert not own["unused.weight"].any() and not own["unused.bias"].any()
+
+
+def test_the_task_weights_taken_per_row_weigh_each_row_as_the_shared_ones_do():
+    """A pose loss's ``combine`` takes its task weights as one copy per row (it says so), and each row's total
+    uses its own copy only: book-keeping reads every sample's task-weight gradient off the one backward."""
+    from shared.model.posenet import TASK_SCALE
+
+    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=4)
+    assert loss_fn.combine_takes_rows
+    parts = torch.rand(4, 3)
+    scale = params[TASK_SCALE] + torch.tensor([0.1, -0.2, 0.3])
+    shared = loss_fn.combine(parts, {TASK_SCALE: scale})
+    rows = torch.stack([scale, scale + 1.0, scale, scale - 0.5])  # rows 1 and 3 weigh differently
+    got = loss_fn.combine(parts, {TASK_SCALE: rows})
+    for i in (0, 2):
+        torch.testing.assert_close(got[i], shared[i])
+    for i in (1, 3):
+        torch.testing.assert_close(got[i], loss_fn.combine(parts[i:i + 1], {TASK_SCALE: rows[i]})[0])
+
+
+def test_a_combine_that_does_not_take_rows_gives_the_same_sum_through_vmap():
+    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=5)
+    by_row = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=5)
+    loss_fn.combine_takes_rows = False  # a loss that does not say so: vmap(grad) of combine alone
+    mapped = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=5)
+    assert torch.allclose(by_row.norms, mapped.norms, rtol=1e-5)
+    _close(by_row.summed, mapped.summed, rtol=1e-5, atol=1e-7)
+    assert float(by_row.summed["head.log_task_scale"].abs().sum()) > 0  # the task weights do train

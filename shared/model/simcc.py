@@ -111,12 +111,13 @@ def combine_task_losses(
 
     With uncertainty weighting: sum_i L_i / (2 s_i^2) + log s_i (s_i = exp(log s_i)).
     Without: L_x + L_y + vis_weight * L_vis + the face terms at weight 1.
+    ``log_task_scale`` is (T,), or (B, T): one copy per row, each row weighed by its own.
     """
     if log_task_scale is None:
         weights = torch.ones(task_losses.shape[-1], dtype=task_losses.dtype, device=task_losses.device)
         weights[2] = vis_weight
         return (task_losses * weights).sum(-1)
     inv_var = torch.exp(-2.0 * log_task_scale)  # 1 / s^2
-    return (task_losses * 0.5 * inv_var).sum(-1) + log_task_scale.sum()
+    return (task_losses * 0.5 * inv_var).sum(-1) + log_task_scale.sum(-1)
 
 

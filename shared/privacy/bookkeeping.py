@@ -24,8 +24,10 @@ One forward with hooks on the layers that own trainable tensors records ``a``; o
 - a relative-position bias table, for a module that holds ``attention_biases``,
   ``bias_index`` (N, N) and a tap module ``logits`` through which its biased
   attention logits pass: the gradient at the logits, summed per table entry;
-- parameters the loss uses after the model, in ``combine`` (task-uncertainty weights):
-  ``vmap(grad)`` of ``combine`` alone over the per-sample task losses.
+- parameters the loss uses after the model, in ``combine`` (task-uncertainty weights): when the
+  loss says ``combine_takes_rows`` (``combine`` takes them as one copy per row, (b, *shape), each
+  row's total using its own), one copy per sample, whose gradients the same backward gives;
+  otherwise ``vmap(grad)`` of ``combine`` alone over the per-sample task losses.
 
 A loss supports this path when it has ``model`` (the nn.Module), ``parts(params,
 batch) -> (B, T)`` (per-sample loss parts through the model), ``combine(parts,
@@ -195,6 +197,7 @@ def iter_tapes(
     leaves = {} if direct else {name: value.detach().requires_grad_(name not in combine_names)
                                 for name, value in params.items()}
     detached = {n: params[n].detach() for n in combine_names}
+    by_row = bool(combine_names) and getattr(loss_fn, "combine_takes_rows", False)
     for start in range(0, size, chunk_size):
         chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
         seen: dict[str, tuple[Tensor, Tensor]] = {}
@@ -217,19 +220,26 @@ def iter_tapes(
         finally:
             for handle in handles:
                 handle.remove()
-        losses = loss_fn.combine(parts, {**leaves, **detached})
+        b = parts.shape[0]
+        # a combine that takes its parameters per row gets one copy per sample: the backward gives their rows
+        rows = {n: v.expand(b, *v.shape).clone().requires_grad_() for n, v in detached.items()} if by_row else {}
+        losses = loss_fn.combine(parts, {**leaves, **detached, **rows})
         keys = [k for k in plan if k in seen]
         outputs = [seen[k][1] for k in keys]
-        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
+        wanted = outputs + list(rows.values())
+        got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else []
+        grads, row_grads = got[:len(outputs)], got[len(outputs):]
         rules: list[Instantiated | LinearLike] = []
         for key, grad in zip(keys, grads):
             rules.append(_rule(plan[key], seen[key], grad, shapes))
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample
-            b = parts.shape[0]
             rules.append(Instantiated({name: params[name].new_zeros((b, *shapes[name]))
                                         for k in missing for name in plan[k][2].values()}))
-        if combine_names:
+        if rows:
+            rules.append(Instantiated({n: torch.zeros_like(rows[n]) if g is None else g
+                                       for n, g in zip(rows, row_grads)}))
+        elif combine_names:
             parts_d = parts.detach()
 
             def one(extra: dict[str, Tensor], row: Tensor) -> Tensor:
