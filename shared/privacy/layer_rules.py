@@ -120,13 +120,20 @@ class LinearLike:
             bias = None if bias is None else torch.where(keep[:, None], bias, zero)
         f = factors.to(a.dtype)
         if self.ghost:
+            # sum_i f_i g_i^T a_i as one (p, b T) x (b T, d) product, the factors on the side that is cheaper to
+            # scale: the scaled copy is contiguous, so a permuted side (a conv's patches) is copied only once
             p, d = g.shape[2], a.shape[2]
-            scaled = (g * f[:, None, None]).reshape(-1, p)  # (b T, p): every row's g times its sample's factor
+            cost_g = g.numel() + (0 if a.is_contiguous() else a.numel())
+            cost_a = a.numel() + (0 if g.is_contiguous() else g.numel())
+            col = f[:, None, None]
+            left, right = ((g * col).reshape(-1, p), a.reshape(-1, d)) if cost_g <= cost_a else \
+                (g.reshape(-1, p), (a * col).reshape(-1, d))
             name = self.names["weight"]
-            summed[name].add_((scaled.t() @ a.reshape(-1, d)).reshape(self.shapes[name]))
+            summed[name].add_((left.t() @ right).reshape(self.shapes[name]))
             if "bias" in self.names:
                 name = self.names["bias"]
-                summed[name].add_(scaled.sum(0).reshape(self.shapes[name]))
+                total = left.sum(0) if cost_g <= cost_a else f @ g.sum(1)
+                summed[name].add_(total.reshape(self.shapes[name]))
             return
         if weight is not None:
             name = self.names["weight"]
