@@ -231,3 +231,32 @@ def test_a_combine_that_does_not_take_rows_gives_the_same_sum_through_vmap():
     assert torch.allclose(by_row.norms, mapped.norms, rtol=1e-5)
     _close(by_row.summed, mapped.summed, rtol=1e-5, atol=1e-7)
     assert float(by_row.summed["head.log_task_scale"].abs().sum()) > 0  # the task weights do train
+
+
+def test_a_chunks_tensors_are_freed_before_the_next_chunk_runs_the_model(monkeypatch):
+    """Only one chunk's activations and gradients are alive at a time: the peak memory of a step follows the
+    pinned chunk, not the realised Poisson batch."""
+    import weakref
+
+    grad = torch.autograd.grad
+    made: list[list[weakref.ref]] = []  # per chunk: the gradients its backward gave
+
+    def recording(*args, **kwargs):
+        got = grad(*args, **kwargs)
+        made.append([weakref.ref(g) for g in got if g is not None])
+        return got
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=4)
+    tapes = bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=2)
+    first = next(tapes)
+    assert len(made) == 1 and len(made[0]) > 10
+    del first
+    alive = []
+    handle = model.register_forward_pre_hook(lambda module, args: alive.append(sum(r() is not None for r in made[0])))
+    try:
+        second = next(tapes)
+    finally:
+        handle.remove()
+    assert alive == [0], f"{alive} of the first chunk's {len(made[0])} gradients were alive in the second's forward"
+    assert second.size == 2

@@ -229,9 +229,8 @@ def iter_tapes(
         wanted = outputs + list(rows.values())
         got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else []
         grads, row_grads = got[:len(outputs)], got[len(outputs):]
-        rules: list[Instantiated | LinearLike] = []
-        for key, grad in zip(keys, grads):
-            rules.append(_rule(plan[key], seen[key], grad, shapes))
+        rules: list[Instantiated | LinearLike] = [_rule(plan[key], seen[key], grad, shapes)
+                                                  for key, grad in zip(keys, grads)]
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample
             rules.append(Instantiated({name: params[name].new_zeros((b, *shapes[name]))
@@ -249,6 +248,6 @@ def iter_tapes(
             rules.append(Instantiated(dict(per_sample)))
         tape = Tape(stack_instantiated(rules), parts.shape[0])
         seen.clear()  # the chunk's activations go with the tape, not with this frame
-        del outputs, grads, rules, parts, losses
+        del outputs, grads, rules, parts, losses, got, wanted, row_grads, rows
         yield tape
         del tape  # only one chunk's activations are alive at a time
