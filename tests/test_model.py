@@ -221,3 +221,19 @@ def test_checkpoint_round_trip(tmp_path):
         load_checkpoint(tmp_path / "bad.pt")
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 7, 14])
+def test_the_attention_bias_index_numbers_offsets_in_first_seen_order(window):
+    """Each pair of window points reads the table entry of its offset (|dy|, |dx|), the entries numbered in the
+    order the offsets are first seen over the row-major points (timm's layout, which checkpoints assume)."""
+    import itertools
+
+    from shared.model.tinyvit_blocks import _offset_index
+
+    points = list(itertools.product(range(window), range(window)))
+    seen: dict[tuple[int, int], int] = {}
+    want = [[seen.setdefault((abs(a[0] - b[0]), abs(a[1] - b[1])), len(seen)) for b in points] for a in points]
+    got = _offset_index(window)
+    assert got.dtype == torch.long and got.shape == (window * window, window * window)
+    assert got.tolist() == want
