@@ -12,8 +12,9 @@ For tinyvit-small and tinyvit-5m (finetune parameters) at 128x96, batch 32, one 
 
 Timing runs every kind in one process per model that keeps its freed memory as ``local_train`` makes every
 training process do (``shared.allocator``), in interleaved rounds (kind after kind, round after
-round), and reports each ratio's median over the rounds with its min-max spread: on a shared 2-core
-machine a ratio measured in two separate runs can move by 30%. Memory runs each configuration in its own
+round), garbage collected between steps (outside the timing: the reference kinds leave enough for one full
+collection to take 0.1-0.2 s of whichever step it fell in), and reports each ratio's median over the rounds
+with its min-max spread: on a shared 2-core machine a ratio measured in two separate runs can move by 30%. Memory runs each configuration in its own
 process: the peak resident memory (live, see LIVE_MEMORY) above the process's baseline of a DP step at chunk 16 for realised
 Poisson batches of 16, 32 and 64 (a site pins the chunk, so the peak must not follow the batch), beside a
 non-private step at 32. The projection basis (m = 100 public samples, k = 50, tinyvit-5m finetune) is
@@ -27,6 +28,7 @@ writes benchmarks/results/dp_step.json (rendered into docs/results/benchmarks.md
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -174,6 +176,9 @@ def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
         for kind, step in steps.items():
+            # the garbage of the kind before (Opacus' hooks, vmap's wrappers) is collected here, not inside the
+            # next kind's timed step: a full collection took up to 0.18 s in this process
+            gc.collect()
             t0 = time.perf_counter()
             step()
             times[kind].append(time.perf_counter() - t0)
@@ -181,8 +186,6 @@ def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
 
 
 def _memory(variant: str, kind: str, realised: int, queue) -> None:
-    import gc
-
     steps = _steps(variant, realised, 16, [kind])
     step = steps[kind]
     gc.collect()
