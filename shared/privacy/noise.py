@@ -74,7 +74,9 @@ def generator_from_secret(secret: int, device: torch.device | str = "cpu") -> to
     return generator
 
 
-def _unit_draws(params: Mapping[str, Tensor], *, std: float, generator: torch.Generator) -> tuple[float, dict[str, Tensor]]:
+def _unit_draws(
+    params: Mapping[str, Tensor], *, std: float, generator: torch.Generator
+) -> tuple[float, dict[str, Tensor]]:
     """(std as a float, {name: N(0, 1) draw shaped, typed and placed like ``params[name]``}), drawn in sorted-name
     order after checking ``std`` and ``generator``: the one order both ways of adding noise draw in."""
     try:
