@@ -17,8 +17,8 @@ collection to take 0.1-0.2 s of whichever step it fell in), and reports each rat
 with its min-max spread: on a shared 2-core machine a ratio measured in two separate runs can move by 30%.
 Memory runs each configuration in its own process: the peak resident memory (live, see LIVE_MEMORY) above
 the process's baseline of a DP step at chunk 16 for realised Poisson batches of 16, 32 and 64 (a site pins
-the chunk, so the peak must not follow the batch), beside a non-private step at 32. The projection basis (m = 100 public samples, k = 50, tinyvit-5m finetune) is
-timed in its own process too.
+the chunk, so the peak must not follow the batch), beside a non-private step at 32. The projection basis
+(m = 100 public samples, k = 50, tinyvit-5m finetune) is timed in its own process too.
 
     python benchmarks/dp_step.py [--repeats 7] [--variants tinyvit-small,tinyvit-5m] [--out FILE]
 
