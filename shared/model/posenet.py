@@ -157,6 +157,10 @@ class PoseLoss:
     the parameters only ``combine`` uses (the task-uncertainty weights).
     """
 
+    # combine() also takes the task weights as one copy per row, (B, T), each row's total using its own:
+    # book-keeping then gets every sample's task-weight gradient from the step's one backward
+    combine_takes_rows = True
+
     def __init__(self, model: PoseNet, trainable: list[str]) -> None:
         keep = set(trainable)
         unknown = keep - {n for n, _ in model.named_parameters()}
@@ -164,9 +168,6 @@ class PoseLoss:
             raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
         self.model = model
         self.combine_names = (TASK_SCALE,)
-        # combine() also takes the task weights as one copy per row, (B, T), each row's total using its own:
-        # book-keeping then gets every sample's task-weight gradient from the step's one backward
-        self.combine_takes_rows = True
         self._wrapper = _LossModule(model, tasks=True)
         self._frozen = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n not in keep}
         self._buffers = {f"m.{n}": b for n, b in model.named_buffers()}

@@ -246,7 +246,7 @@ def iter_tapes(
 
             per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
             rules.append(Instantiated(dict(per_sample)))
-        tape = Tape(stack_instantiated(rules), parts.shape[0])
+        tape = Tape(stack_instantiated(rules), b)
         seen.clear()  # the chunk's activations go with the tape, not with this frame
         del outputs, grads, rules, parts, losses, got, wanted, row_grads, rows
         yield tape

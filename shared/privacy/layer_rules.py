@@ -210,7 +210,6 @@ def _grouped_conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> Ins
 
 
 def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> Instantiated:
-    b = x.shape[0]
     if getattr(module, "channels_first", False):  # LayerNorm2d: normalises the channels of NCHW
         x, g = x.movedim(1, -1), g.movedim(1, -1)
     positions = tuple(range(1, x.dim() - 1))  # summed over in place of a reshape, which copies a permuted map
@@ -220,8 +219,8 @@ def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> In
         normed = F.layer_norm(x, module.normalized_shape, ones, zeros, module.eps)
         grads[names["weight"]] = normed.mul_(g).sum(positions) if positions else normed.mul_(g)
     if "bias" in names:
-        grads[names["bias"]] = g.sum(positions) if positions else g.clone()
-    return Instantiated({name: grad.reshape(b, -1) for name, grad in grads.items()})
+        grads[names["bias"]] = g.sum(positions) if positions else g  # sum(()) would sum every dimension
+    return Instantiated(grads)
 
 
 _UNIT_AFFINES: dict[tuple, tuple[Tensor, Tensor]] = {}
