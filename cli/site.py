@@ -260,19 +260,23 @@ def supernode_command(*, poll: float) -> list[str]:
     return [exe]
 
 
-# flower-supernode exits with 1 on any error: a refused activation, a SuperLink gone for longer
-# than --max-wait-time, a crash. Usage errors exit with 2 and are not retried.
-_RETRYABLE_EXIT = 1
+# flower-supernode exits with 1 on any error: a refused activation, a SuperLink it never reached, a crash;
+# and with 0 ("terminated gracefully") when it loses a SuperLink it had joined and gives up reconnecting
+# (--max-retries / --max-wait-time). Unless the site asked it to stop, both are started again. Usage errors
+# exit with 2 and are not retried.
+_RETRYABLE_EXITS = (0, 1)
 
 
 def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float,
               keep: frozenset[int] = frozenset()) -> int:
-    """Run the SuperNode; after an error exit start it again, until it has failed for ``retry_for`` s.
+    """Run the SuperNode; after an exit the site did not ask for (an error, or a clean exit after giving up on
+    its SuperLink), start it again, until it has failed for ``retry_for`` s.
 
     A SuperNode restarted right after a crash is refused by the SuperLink ("Failed to activate
     SuperNode", code 2004) until the SuperLink drops the crashed session (about 60 s: two missed
-    heartbeats); one whose SuperLink restarted gives up after its --max-wait-time. Both come back
-    by starting again. SIGTERM / SIGINT go to the SuperNode and end the supervision.
+    heartbeats); one whose SuperLink restarted gives up after its --max-retries / --max-wait-time and
+    exits with 0. Both come back by starting again. SIGTERM / SIGINT go to the SuperNode and end the
+    supervision.
     """
     import signal
     import subprocess
@@ -297,7 +301,7 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
         code = child.wait()
         if reaper:
             reap_orphans(keep)  # its SuperExec would otherwise outlive it and attach to the next SuperNode
-        if stopping or code != _RETRYABLE_EXIT:
+        if stopping or code not in _RETRYABLE_EXITS:
             return code
         now = time.monotonic()
         if now - started > 2 * pause:  # it ran for a while: a new failure, not the same one again
@@ -307,7 +311,9 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
             print(f"fedpose site start: the SuperNode kept failing for {now - failing_since:.0f} s "
                   f"(--retry-for {retry_for:.0f}): giving up; see the errors above", flush=True)
             return code
-        print(f"fedpose site start: the SuperNode exited with an error; starting it again in {pause:.0f} s "
+        what = "stopped on its own (it gives up when its SuperLink stays away)" if code == 0 else \
+            "exited with an error"
+        print(f"fedpose site start: the SuperNode {what}; starting it again in {pause:.0f} s "
               f"(failing for {now - failing_since:.0f} of at most {retry_for:.0f} s). After a crash the "
               "SuperLink refuses the site (code 2004) until it drops the old session, about 60 s; a key "
               "that was never registered is refused every time.", flush=True)
@@ -374,9 +380,9 @@ def register(sub: Any) -> None:
     st.add_argument("--gate-dir", default=None, help="where the gate executable is written "
                                                      "(default: gate-bin beside the approved file)")
     st.add_argument("--retry-for", type=float, default=300.0,
-                    help="start the SuperNode again after an error exit (a crash, a refused activation right "
-                         "after one, a SuperLink restart) until it has failed for this many seconds; "
-                         "0: never (default 300)")
+                    help="start the SuperNode again after an exit the site did not ask for (a crash, a "
+                         "refused activation right after one, giving up on a SuperLink that restarted) until it "
+                         "has failed for this many seconds; 0: never (default 300)")
     st.add_argument("--retry-pause", type=float, default=10.0, help="seconds between two starts (default 10)")
     st.add_argument("--cold", action="store_true",
                     help="start every ClientApp as a new Python process (default: fork it from a warm-start server "

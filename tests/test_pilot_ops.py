@@ -421,3 +421,22 @@ def test_a_lost_ledger_is_refused_not_silently_recreated(tmp_path, capsys):
     shutil.copy(other, ledger)  # another ledger put in its place
     assert main(["site", "check", "--policy", str(path)]) == 4
     assert "is not the ledger this site had" in capsys.readouterr().err
+
+
+def test_site_start_starts_again_a_supernode_that_gave_up_on_its_superlink_and_exited_cleanly(tmp_path):
+    """Flower's SuperNode exits with 0 ("terminated gracefully") when it loses a SuperLink it had joined and
+    gives up reconnecting; only a stop the site asked for ends the supervision, so it is started again."""
+    runs = tmp_path / "runs"
+    child = tmp_path / "supernode.py"
+    # first run: the clean exit after giving up; second run: a usage error (2), which ends the supervision
+    child.write_text("import pathlib, sys\n"
+                     f"runs = pathlib.Path({str(runs)!r})\n"
+                     "n = len(runs.read_text()) if runs.exists() else 0\n"
+                     "runs.write_text('x' * (n + 1))\n"
+                     "sys.exit(0 if n == 0 else 2)\n")
+    code = ("import sys\nfrom cli.site import supervise\n"
+            f"sys.exit(supervise([sys.executable, {str(child)!r}], {{}}, retry_for=30, pause=0))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert runs.read_text() == "xx", done.stdout + done.stderr
+    assert done.returncode == 2
+    assert "starting it again" in done.stdout
