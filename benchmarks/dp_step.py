@@ -98,7 +98,11 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str]):
         psi_batch = apply_psi(GaussianBlur(0.06), batch)
         both = {key: torch.cat([batch[key], psi_batch.tensors[key]]) for key in batch}
         p = sum(named[n].numel() for n in names)
-        basis = torch.linalg.qr(torch.randn(p, K, generator=gen))[0]
+        # V as a site trains with it: off the wire as the server sends it (float16 by default), in its layout
+        from shared.federation_messages import basis_record, record_basis
+
+        sent = torch.linalg.qr(torch.randn(p, K, generator=gen))[0].contiguous()
+        basis = record_basis(basis_record(sent, version=1, dtype="float16"))[1]
     spec = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / 1000, expected_batch=float(BATCH), chunk_size=chunk)
 
     def generic(params_, batch_):  # hides the model from book-keeping: the vmap(grad) path

@@ -45,7 +45,8 @@ def cached_basis(policy: SitePolicy, federation: str, version: int) -> torch.Ten
     path = _cache_path(policy, federation, version)
     if not path.is_file():
         return None
-    return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.float32))
+    # column by column, as a step projects with it (caches written row by row before are laid out again)
+    return torch.from_numpy(np.asfortranarray(np.load(path, allow_pickle=False), dtype=np.float32))
 
 
 def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:

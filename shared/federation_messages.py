@@ -357,7 +357,7 @@ def basis_record(basis: torch.Tensor, *, version: int, dtype: str) -> Any:
 
 
 def record_basis(rec: Any) -> tuple[int, torch.Tensor]:
-    """ArrayRecord -> (version, V as float32 (p, k)); malformed records raise ValueError."""
+    """ArrayRecord -> (version, V as float32 (p, k), its columns contiguous); malformed records raise ValueError."""
     keys = set(rec.keys())
     if keys != {BASIS_MATRIX, BASIS_VERSION}:
         raise ValueError(f"basis record must hold exactly {BASIS_MATRIX!r} and {BASIS_VERSION!r}, got {sorted(keys)}")
@@ -367,7 +367,8 @@ def record_basis(rec: Any) -> tuple[int, torch.Tensor]:
     matrix = rec[BASIS_MATRIX].numpy()
     if matrix.dtype.name not in BASIS_DTYPES:
         raise ValueError(f"basis dtype {matrix.dtype} not in {BASIS_DTYPES}")
-    return int(version[0]), torch.from_numpy(matrix.astype(np.float32))
+    # column by column whatever the sender's layout: the layout a step projects with (subspace.column_major)
+    return int(version[0]), torch.from_numpy(np.asfortranarray(matrix, dtype=np.float32))
 
 
 def payload_bytes(content: Any) -> int:

@@ -33,7 +33,7 @@ from shared.privacy.audit_hooks import AuditHooks, ReleasedStep
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import DPPixelize, PsiBatch, apply_psi, make_psi
 from shared.privacy.sampling import poisson_sample
-from shared.privacy.subspace import compute_basis
+from shared.privacy.subspace import column_major, compute_basis
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,8 @@ def local_train(
     pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
     if method in PROJECTED and basis is None and public_basis is None:
         raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
+    if basis is not None:
+        basis = column_major(basis)  # once per call, not per step: the layout project() reads fastest
     offset, total = schedule_span if schedule_span is not None else (0, steps)
     if offset < 0 or offset + steps > total:
         raise ValueError(f"schedule_span={schedule_span}: steps {offset}..{offset + steps} do not fit a run of {total}")

@@ -300,6 +300,41 @@ def test_the_basis_of_g_as_it_comes_chunk_by_chunk_and_tensor_by_tensor_is_the_b
         basis_from_blocks([rows[0], [grads[10:18, :90], *rows[1][1:]]], 3)
 
 
+def test_every_basis_a_step_projects_with_is_laid_out_column_by_column(toy, tmp_path):
+    """V^T g reads V fastest with V's columns contiguous (V^T stored row by row): the product then runs on every
+    core, where a V stored row by row made it a single-threaded product 2-3x slower, every step of a round. The
+    server's V, the V a site takes off the wire (whatever layout the server sent) or from its cache, and the V
+    the training loop is handed all come in that layout, with the same values."""
+    from client.site_basis import cache_basis, cached_basis
+    from shared.federation_messages import basis_record, record_basis
+    from shared.privacy.subspace import basis_from_blocks, column_major
+    from tests.test_site_releases import _policy_stub
+
+    def by_columns(basis: torch.Tensor) -> bool:
+        return basis.T.is_contiguous()
+
+    loss_fn, params = toy
+    computed = compute_basis(loss_fn, params, make_batch(8, seed=10), k=4, chunk_size=3)
+    assert by_columns(computed)
+    grads = torch.randn(9, 40, generator=torch.Generator().manual_seed(2))
+    assert by_columns(projection_basis(grads, 3))
+    assert by_columns(basis_from_blocks([[grads[:5, :15], grads[:5, 15:]], [grads[5:, :15], grads[5:, 15:]]], 3))
+    rows = torch.linalg.qr(torch.randn(300, 6, dtype=torch.float64))[0].float().contiguous()  # row by row
+    assert not by_columns(rows)
+    for dtype in ("float16", "float32"):
+        _, received = record_basis(basis_record(rows, version=1, dtype=dtype))
+        assert by_columns(received) and received.dtype == torch.float32
+        torch.testing.assert_close(received, rows, rtol=0, atol=1e-3 if dtype == "float16" else 0)
+    policy = _policy_stub(tmp_path)
+    cache_basis(policy, "f", 1, rows)
+    again = cached_basis(policy, "f", 1)
+    assert by_columns(again) and torch.equal(again, rows)
+    laid = column_major(rows)
+    assert by_columns(laid) and torch.equal(laid, rows) and column_major(laid) is laid
+    vector = torch.randn(300)
+    torch.testing.assert_close(project(laid, vector), project(rows, vector), rtol=0, atol=1e-6)
+
+
 def test_projection_basis_refuses_bad_k_and_rank_deficiency():
     gen = torch.Generator().manual_seed(4)
     grads = torch.randn(4, 30, generator=gen)

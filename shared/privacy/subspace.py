@@ -104,7 +104,7 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     k <= 0 and rank deficiency (fewer than k eigenvalues above ``rtol`` * max):
     a basis with made-up directions would silently project away signal, so
     we ask for a smaller k or more public samples instead. Returns float32
-    with the device of ``grads``.
+    with the device of ``grads``, laid out column by column (``column_major``).
     """
     if grads.dim() != 2:
         raise ValueError(f"grads must be a 2-d (m, p) matrix, got shape {tuple(grads.shape)}")
@@ -150,16 +150,21 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
         )
     order = torch.arange(m - 1, m - 1 - k, -1, device=device)  # top-k, descending
     lam = eigvals[order]  # (k,)
-    coeffs = (eigvecs[:, order] / lam.sqrt()).to(torch.float32)  # (m, k) = U_k S_k^{-1}
-    basis = torch.empty((p, k), dtype=torch.float32, device=device)  # (p, k) = G^T U_k S_k^{-1}
+    coeffs = (eigvecs[:, order] / lam.sqrt()).to(torch.float32).T.contiguous()  # (k, m) = (U_k S_k^{-1})^T
+    # V^T = S_k^{-1} U_k^T G (k, p), so that V comes out column by column (see column_major); written one block
+    # of columns at a time, which stays in cache while every row chunk adds its product to it
+    transposed = torch.empty((k, p), dtype=torch.float32, device=device)
     offset = 0
     for j, width in enumerate(widths):
-        out = basis[offset:offset + width]
-        torch.matmul(rows[0][j].to(torch.float32).T, coeffs[:sizes[0]], out=out)
-        for a in range(1, len(rows)):
-            out.addmm_(rows[a][j].to(torch.float32).T, coeffs[starts[a]:starts[a] + sizes[a]])
+        for begin in range(offset, offset + width, _COLUMN_BLOCK):
+            end = min(offset + width, begin + _COLUMN_BLOCK)
+            out = transposed[:, begin:end]
+            columns = slice(begin - offset, end - offset)
+            torch.matmul(coeffs[:, :sizes[0]], rows[0][j][:, columns].to(torch.float32), out=out)
+            for a in range(1, len(rows)):
+                out.addmm_(coeffs[:, starts[a]:starts[a] + sizes[a]], rows[a][j][:, columns].to(torch.float32))
         offset += width
-    return basis
+    return transposed.T  # (p, k) = G^T U_k S_k^{-1}
 
 
 def check_orthonormal(basis: Tensor, tol: float = 1e-3) -> None:
@@ -184,6 +189,16 @@ def check_orthonormal(basis: Tensor, tol: float = 1e-3) -> None:
             f"basis columns are not orthonormal: max |V^T V - I| = {error.item():.3g} > {tol:g}; "
             "refusing it (recompute V on the server)"
         )
+
+
+def column_major(basis: Tensor) -> Tensor:
+    """``basis`` (p x k) with its columns contiguous (V^T stored row by row), copied only if it is not.
+
+    ``project`` reads V twice a step: V^T g and V (V^T g). With V stored row by row, V^T g is a product the
+    BLAS runs on one thread (7.7 ms for tinyvit-small's 97 MB V on a 2-core machine); column by column both
+    products stream V on every core (2.8 ms and 3.0 ms). Every V a step projects with is laid out so once.
+    """
+    return basis if basis.T.is_contiguous() else basis.T.contiguous().T
 
 
 def project(basis: Tensor, vector: Tensor) -> Tensor:
