@@ -620,6 +620,31 @@ def test_dp_gradient_combines_per_method(toy):
     assert (flatten(fpdp) - project(basis, flatten(fpdp))).norm() > 1e-3
 
 
+def test_a_public_gradient_that_is_not_finite_is_left_out_of_its_step(toy):
+    """P14 for the public term: g_pub on psi(x) that holds a NaN or an inf anywhere is left out (public_zeroed 1)
+    and the step is the private part alone; a finite one is added."""
+    loss_fn, params = toy
+    private = make_batch(5)
+    basis = compute_basis(loss_fn, params, make_batch(6, seed=3), k=3, chunk_size=6)
+    for method, v in (("fdp", None), ("fpdp", basis)):
+        alone = private_gradient(loss_fn, params, private, spec=spec_for(method),
+                                 generator=make_generator(4, "cpu")[0], basis=v)
+        for bad in (float("nan"), float("inf"), -float("inf"), None):
+            public = make_batch(3, seed=8)
+            if bad is not None:
+                public["joints"][1, 5, 0] = bad
+            psi_batch = apply_psi(GaussianBlur(), public)
+            step, info = dp_gradient(loss_fn, params, spec=spec_for(method), private_batch=private,
+                                     psi_batch=psi_batch, generator=make_generator(4, "cpu")[0], basis=v)
+            if bad is None:
+                assert info["public_zeroed"] == 0
+                torch.testing.assert_close(flatten(step), flatten(alone) + flatten(public_gradient(
+                    loss_fn, params, psi_batch)))
+            else:
+                assert info["public_zeroed"] == 1, (method, bad)
+                assert torch.equal(flatten(step), flatten(alone)), (method, bad)
+
+
 def test_dp_gradient_refuses_missing_or_unused_inputs(toy):
     loss_fn, params = toy
     private = make_batch(3)

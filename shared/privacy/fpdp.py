@@ -130,6 +130,15 @@ class DPSpec:
         return self.method in FEATURE_METHODS
 
 
+def _all_finite(tensors: Mapping[str, Tensor]) -> bool:
+    """True when no entry of any tensor is NaN or +-inf. The smallest and the largest entry carry any NaN or inf,
+    so one pass and one sync cover every tensor (a check per tensor cost tinyvit-small's step 0.7 ms)."""
+    flat = flatten(tensors)
+    if flat.numel() == 0:
+        return True
+    low, high = torch.aminmax(flat)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
 
 def _check_basis(basis: Tensor, params: Mapping[str, Tensor]) -> None:
     total = sum(value.numel() for value in params.values())
@@ -347,7 +356,7 @@ def dp_gradient(
         on_private(grads)
     if spec.uses_public:
         public = public_gradient(loss_fn, params, psi_batch)
-        if all(bool(torch.isfinite(value).all()) for value in public.values()):
+        if _all_finite(public):
             grads = {name: grads[name] + public[name] for name in grads}
         else:  # g_pub is a function of psi(x), labels and weights only; a non-finite one is left out, as P14
             info["public_zeroed"] = 1
