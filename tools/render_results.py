@@ -469,9 +469,12 @@ def render_dp_step(data: dict[str, Any]) -> str:
         rows.append(f"| {label} | " + " | ".join(f"{data['variants'][v]['peak_mb'][key]:.0f}" for v in variants) + " |")
     if "basis" in data:
         b = data["basis"]
+        processes = b.get("process_medians")
+        across = "" if not processes else (f"; the medians of {len(processes)} processes of its own, "
+                                            f"{min(processes):.2f}-{max(processes):.2f} s")
         rows += ["", f"Projection basis (m = {b['m']} public samples, k = {b['k']}, {b['parameters']:,} tinyvit-5m "
                  f"finetune parameters): {b['seconds']['median']:.2f} s (min {b['seconds']['min']:.2f}, max "
-                 f"{b['seconds']['max']:.2f})."]
+                 f"{b['seconds']['max']:.2f}{across})."]
     return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 
