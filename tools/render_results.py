@@ -448,7 +448,8 @@ def render_dp_step(data: dict[str, Any]) -> str:
     h, w = data["input"]
     variants = list(data["variants"])
     rows = [f"One optimizer step, batch {data['batch']} at {h}x{w}, finetune parameters; median of "
-            f"{data['repeats']} interleaved rounds, with the min-max of the per-round ratio.", "",
+            f"{data['repeats']} interleaved rounds, with the min-max of the per-round ratio. The generic path and "
+            "Opacus run in a process of their own, against that process's non-private step.", "",
             "| step | " + " | ".join(f"{v}: ms | × non-private" for v in variants) + " |",
             "|---|" + "---|---|" * len(variants)]
     for kind, label in _STEP_LABELS.items():
