@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         # the basis's time moves more between processes (up to a tenth) than within one: several processes,
         # each timed a few times, and the spread of their medians beside the overall one
         runs = [_in_process(_basis, 3) for _ in range(max(3, args.repeats // 3))]
-        times = [t for run in runs for t in run["times"]]
+        seconds = [t for run in runs for t in run["times"]]
         medians = [statistics.median(run["times"]) for run in runs]
-        result["basis"] = {"seconds": _spread(times), "process_medians": medians, "m": 100, "k": K,
+        result["basis"] = {"seconds": _spread(seconds), "process_medians": medians, "m": 100, "k": K,
                            "parameters": runs[0]["parameters"]}
         print(f"\nbasis (m=100, k={K}, tinyvit-5m finetune, {runs[0]['parameters']} parameters): "
-              f"{statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}); medians of "
+              f"{statistics.median(seconds):.2f} s (min {min(seconds):.2f}, max {max(seconds):.2f}); medians of "
               f"{len(runs)} processes {min(medians):.2f}-{max(medians):.2f}")
     command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])
     result["provenance"] = provenance(command=command, seconds=time.time() - started)
