@@ -12,6 +12,12 @@ then) on the same data gives the same release, so the round is never spent
 twice; on changed data it is refused (``data_version``), since the same noise
 on two different datasets would cancel in their difference.
 
+A charged round is one release (P16): its row keeps the digest of the whole
+request it was charged for (``request_digest``: weights, basis, every config
+field, the app bundle), and only that identical request replays it. A round
+that failed after its charge is ``failed`` for good (its noise seed erased,
+its answer kept in ``outcome``): every later request for it gets that answer.
+
 Each row records what actually ran (P12): federation and round (a repeated
 (federation, round) is refused, never trained twice), method, psi and its
 strength, clip, augmentation, sigma, q, steps and the cumulative epsilon
@@ -45,7 +51,8 @@ from shared.privacy.ledger import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+STATES = ("charged", "done", "failed")  # paid, not yet released / released / failed after its charge (final)
 RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
 # What the site refused or failed, with the reason, for its operator (``fedpose site status``, the console).
@@ -80,7 +87,9 @@ _SCHEMA = [
         unit TEXT NOT NULL DEFAULT 'record', -- the privacy unit: record or patient
         state TEXT NOT NULL DEFAULT 'done',   -- charged (paid, not yet released) or done
         noise_seed INTEGER,                   -- charged rows only: the round's secret seed, erased when done
-        data_version TEXT                     -- the data the round was charged on (a replay needs the same)
+        data_version TEXT,                    -- the data the round was charged on (a replay needs the same)
+        request_digest TEXT,                  -- the whole request the round was charged for (P16)
+        outcome TEXT                          -- failed rows: the answer every later request for the round gets
     )""",
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -103,7 +112,12 @@ _V3_TO_V4 = [
     "ALTER TABLE spend ADD COLUMN data_version TEXT",
     _EVENTS,
 ]
-_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4, 2: _V2_TO_V3 + _V3_TO_V4, 3: _V3_TO_V4}
+_V4_TO_V5 = [
+    "ALTER TABLE spend ADD COLUMN request_digest TEXT",
+    "ALTER TABLE spend ADD COLUMN outcome TEXT",
+]
+_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5, 2: _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5,
+               3: _V3_TO_V4 + _V4_TO_V5, 4: _V4_TO_V5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,17 +168,20 @@ class OpenRound:
     def record(
         self, *, site: str, federation: str, round: int, sigma: float, sample_rate: float, steps: int,
         delta: float, budget: float, accountant: str, mechanism: Mechanism, state: str = "done",
-        noise_seed: int | None = None, data_version: str | None = None,
+        noise_seed: int | None = None, data_version: str | None = None, request_digest: str | None = None,
     ) -> float:
         """Insert the round's row (validated first); returns the cumulative epsilon written.
 
         ``state='charged'`` (the site's rounds): the spend is on disk before any private record is read;
-        ``noise_seed`` and ``data_version`` let an unfinished round be replayed, never spent twice.
+        ``noise_seed``, ``data_version`` and ``request_digest`` let an unfinished round be replayed on the same
+        data for the identical request only, never spent twice (P16).
         """
         if state not in ("charged", "done"):
             raise ValueError(f"state={state!r} must be 'charged' or 'done'")
         if (state == "charged") != (noise_seed is not None):
             raise ValueError("a charged row keeps its noise seed until it is done; a done row keeps none")
+        if state == "charged" and not request_digest:
+            raise ValueError("a charged row is bound to the digest of the request it was charged for (P16)")
         if self.recorded:
             raise ValueError("this round already has its ledger row; one row per round")
         if self.has_round(federation, round):
@@ -175,7 +192,8 @@ class OpenRound:
                       sample_rate=float(sample_rate), steps=int(steps), delta=float(delta), epsilon=eps,
                       budget=float(budget), accountant=accountant, recorded_at=utc_now(), method=mechanism.method,
                       psi=mechanism.psi, clip_norm=float(mechanism.clip_norm), augment=int(mechanism.augment),
-                      unit=mechanism.unit, state=state, noise_seed=noise_seed, data_version=data_version)
+                      unit=mechanism.unit, state=state, noise_seed=noise_seed, data_version=data_version,
+                      request_digest=request_digest, outcome=None)
         self.conn.execute(f"INSERT INTO spend ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
                           tuple(values.values()))
         self.rows.append(values)
@@ -281,10 +299,21 @@ class SiteLedger:
         """The round's reply is stored: mark it done and erase its noise seed (a leaked ledger reveals no noise)."""
         with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
             updated = self.conn.execute(
-                "UPDATE spend SET state = 'done', noise_seed = NULL WHERE federation = ? AND round = ?",
+                "UPDATE spend SET state = 'done', noise_seed = NULL WHERE federation = ? AND round = ? "
+                "AND state = 'charged'",
                 (federation, int(round))).rowcount
         if updated != 1:
-            raise ValueError(f"federation {federation} round {round} was never charged in {self.path}")
+            raise ValueError(f"federation {federation} round {round} is not a charged round of {self.path}")
+
+    def fail(self, federation: str, round: int, outcome: str) -> bool:
+        """A charged round failed after its charge: final (P16). Its noise seed is erased and ``outcome`` is the
+        answer every later request for the round gets; it stays spent. False when the round is not charged (it
+        was finished before the failure, or never charged)."""
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            updated = self.conn.execute(
+                "UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? "
+                "WHERE federation = ? AND round = ? AND state = 'charged'", (outcome, federation, int(round))).rowcount
+        return updated == 1
 
     def record_event(self, *, code: int, reason: str, federation: str | None = None, round: int | None = None) -> None:
         """Keep a refusal or a failure for the site's operator (never sent; the spend tables are not touched)."""

@@ -18,10 +18,16 @@ Charge on attempt (P13): the round's row is committed (state ``charged``, with a
 BEFORE the first private record is read. Whatever happens after, a crash, an error, an exhausted
 memory, the round has been paid for. The round then trains with the site's pinned resources (its
 chunk size, its normaliser, P15) and a reply checked finite is stored, and the row marked done,
-before it leaves. A (federation, round) asked again gets its stored reply; one that was charged but
-never finished is replayed on the same seed and the same data, so it is never spent twice. With
-``round_seconds`` in the policy the reply (or the error) of a charged round leaves at that fixed
-deadline after the request arrived, not when training happened to end.
+before it leaves.
+
+A charged round is one release (P16): its row is bound to the digest of the whole request
+(``client.request.request_digest``: weights, basis, every config field, the app bundle). A
+(federation, round) asked again gets its stored reply when it is done, and its stored failure when it
+failed after the charge (final: the noise seed is erased, nothing runs again). Only a round whose
+process died mid-way stays charged, and only the identical request replays it, on the same seed and
+the same data, so it is never spent twice and never evaluated on other inputs. With ``round_seconds``
+in the policy the answer of a charged round leaves at a multiple of that period after the request
+arrived (``hold_reply``), not when training happened to end.
 
 This module is the round itself; the steps it calls live beside it: ``client.request`` (parse, check
 against the policy, load weights), ``client.site_data`` (the site's own checks), ``client.site_basis``
@@ -33,6 +39,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -43,7 +50,16 @@ from typing import Any
 from client.ledger import Mechanism, SiteLedger
 from client.policy import SitePolicy
 from client.replies import repeated_round, store_reply
-from client.request import PROJECTED, WITH_PSI, check_model_size, check_request, load_weights, parse_request
+from client.request import (
+    PROJECTED,
+    WITH_PSI,
+    check_model_size,
+    check_request,
+    load_weights,
+    parse_request,
+    request_digest,
+    running_bundle,
+)
 from client.site_basis import cache_basis, obtain_basis
 from client.site_data import SiteCheck, load_checked, site_ready
 from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
@@ -74,11 +90,22 @@ def site_lock(policy: SitePolicy) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _wait_until(deadline: float | None) -> None:
-    """Hold the reply until ``deadline`` (time.monotonic()), when the policy sets one."""
-    if deadline is None:
+def hold_reply(arrived: float, period: float | None) -> None:
+    """Hold a charged round's answer until the first multiple of ``period`` (the policy's ``round_seconds``) after
+    its request ``arrived`` (time.monotonic()) that has not passed yet.
+
+    A round that ran past its deadline then leaves at the next multiple, never when training happened to end, so
+    the departure time moves with the private data only when a round crosses a multiple (pinned resources and the
+    pinned public batch keep rounds inside one); the site's operator is told each time it happens.
+    """
+    if period is None:
         return
-    left = deadline - time.monotonic()
+    elapsed = time.monotonic() - arrived
+    periods = max(1, math.ceil(elapsed / period))
+    if periods > 1:
+        log.warning("a round took %.1f s, more than round_seconds=%g: its answer leaves at %g s; raise round_seconds "
+                    "so that every round fits", elapsed, period, periods * period)
+    left = arrived + periods * period - time.monotonic()
     if left > 0:
         time.sleep(left)
 
@@ -103,6 +130,9 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             row = ledger.row_of(request.federation, request.round)
         if row is not None and row["state"] == "done":
             return repeated_round(policy, request.federation, request.round)
+        if row is not None and row["state"] == "failed":  # final (P16): the stored answer, nothing runs again
+            raise SiteFailure(f"round {request.round} of federation {request.federation} failed after its charge "
+                              f"({row['outcome']}); that failure is its answer, it is never trained again")
         if row is not None and row["data_version"] != ready.data_version:
             raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
                                                      "was already charged here; it is never trained twice")
@@ -117,20 +147,31 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         if request.config.train.method in PROJECTED:  # from public data only (P2): before the charge
             basis, seconds_basis = obtain_basis(content, request, model, trainable, policy)
             basis = basis.to(device)
+        digest = request_digest(content, basis, bundle=running_bundle())
         if row is None:
-            row = _charge(request, policy, ready)
+            row = _charge(request, policy, ready, digest)
+        elif row["request_digest"] != digest:  # the same noise on other inputs: a second release (P16)
+            raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
+                                                     "was charged here for another request; only that identical "
+                                                     "request replays it, and it is never trained twice")
         else:
-            log.warning("site %s: round %d of federation %s was charged but never finished: replaying it on its "
-                        "own seed (not spent again)", policy.site, request.round, request.federation)
-        deadline = arrived + policy.round_seconds if policy.round_seconds is not None else None
+            log.warning("site %s: round %d of federation %s was charged but never finished: replaying the identical "
+                        "request on its own seed (not spent again)", policy.site, request.round, request.federation)
         try:
             return _train_charged(content, request, policy, ready, row, model, trainable, basis, seconds_basis,
                                   progress=progress)
+        except Exception as err:
+            # A failure after the charge is final (P16): stored as the round's answer, its noise seed erased. A
+            # crash (the process dies) leaves the row charged, replayable by the identical request only.
+            outcome = str(err) if isinstance(err, SiteFailure) else "the site failed; the detail is in its own log"
+            with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+                ledger.fail(request.federation, request.round, outcome)
+            raise
         finally:
-            _wait_until(deadline)
+            hold_reply(arrived, policy.round_seconds)
 
 
-def _charge(request: Any, policy: SitePolicy, ready: SiteCheck) -> dict[str, Any]:
+def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> dict[str, Any]:
     """Check the budget and commit the round's spend (state charged) before any private record is read."""
     from shared.privacy.noise import round_secret
 
@@ -158,7 +199,8 @@ def _charge(request: Any, policy: SitePolicy, ready: SiteCheck) -> dict[str, Any
         open_round.record(site=policy.site, budget=policy.epsilon, federation=request.federation,
                           round=request.round, sigma=request.sigma, sample_rate=policy.sample_rate,
                           steps=request.steps, delta=policy.delta, accountant=policy.accountant, mechanism=mechanism,
-                          state="charged", noise_seed=secret, data_version=ready.data_version)
+                          state="charged", noise_seed=secret, data_version=ready.data_version,
+                          request_digest=digest)
         return dict(open_round.rows[-1])
 
 
