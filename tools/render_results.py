@@ -135,6 +135,19 @@ def render_reid(data: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def render_reconstruction(data: dict[str, Any]) -> str:
+    """benchmarks/results/feature_dp_reconstruction.json: what one Feature-DP reply gives a crafting server."""
+    labels = f"{data['visible_joints']} visible joints within **{data['label_error_px']:.2g} px**"
+    rows = [f"Site {data['site']} of `{data['config']}` ({data['records']} records, {data['input_size'][0]}x"
+            f"{data['input_size'][1]} input, psi {data['psi']} {data['psi_param']:g}), {data['method']}, public batch "
+            f"{data['public_batch_size']}, one reply.", "",
+            f"| psi(x) rebuilt ({data['luma_block_px']}-px luminance, {data['colour_block_px']}-px colour) | "
+            "same, against any other record of the site | labels | visibility |", "|---|---|---|---|",
+            f"| **{data['psnr_db']:.1f} dB** PSNR | at most {data['best_other_record_psnr_db']:.1f} dB | {labels} | "
+            f"{'exact' if data['visibility_match'] else 'wrong'} |"]
+    return "\n".join(rows + ["", _provenance(data.get("provenance"))])
+
+
 def render_study(rows: list[dict[str, str]]) -> str:
     """benchmarks/results/study/results.csv (fedpose study): PCKh@0.5 per method, setting and epsilon."""
     private = [r for r in rows if r["epsilon"] and not r["ablation"]]
@@ -526,6 +539,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "audits": ("privacy_attacks.json", render_audits),
     "mia": ("privacy_attacks.json", render_mia),
     "reid": ("privacy_attacks.json", render_reid),
+    "reconstruction": ("feature_dp_reconstruction.json", render_reconstruction),
     "study": ("study/results.csv", render_study),
     "study30-methods": ("study-30", render_study30_methods),
     "study30-sweep": ("study-30", render_study30_sweep),
