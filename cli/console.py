@@ -5,7 +5,9 @@
 
 It reads the same files as ``fedpose site status`` / ``fedpose server status`` on every request, serves
 ``/`` (the page), ``/api/status`` (JSON) and ``/metrics`` (Prometheus), bound to 127.0.0.1 unless
-``--host`` says otherwise; then a token is required (printed, or given with ``--token``).
+``--host`` says otherwise; then a token is required (printed, or given with ``--token``). Without a token
+it answers only requests addressed to a loopback name (``Host`` 127.0.0.1, localhost or [::1]), so that a
+web page cannot read it by DNS rebinding (``shared.console_web``).
 """
 
 from __future__ import annotations

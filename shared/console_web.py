@@ -8,6 +8,12 @@ request reads the files again; the page refreshes itself every few seconds while
 Bound to 127.0.0.1 by default. Bound to anything else it requires a token (``?token=`` on the page,
 ``Authorization: Bearer`` for ``/metrics`` and ``/api/status``); nothing it serves can change
 anything (GET only).
+
+Without a token (loopback only) it answers only requests addressed to a loopback name: the ``Host`` header
+must be 127.0.0.1, localhost or [::1] (any port), and an ``Origin``, when a browser sends one, must be the
+console's own. Otherwise any web page the operator opens could read it by DNS rebinding (its own name,
+attacker.example, made to resolve to 127.0.0.1: the browser then sends ``Host: attacker.example:8480`` and
+treats the answer as the attacker's page's own). With a token, any Host is served: the token protects it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -27,6 +34,8 @@ from urllib.parse import parse_qs, urlparse
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The names a loopback console without a token answers to, as a Host header writes them (without the port).
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 PAGE = Path(__file__).with_name("console.html")
 
 StatusFn = Callable[[], dict[str, Any]]
@@ -64,8 +73,40 @@ class Console:
             given = header[len("Bearer "):]
         return hmac.compare_digest(given.encode(), self.token.encode())
 
+    def misaddressed(self, host: str | None, origin: str | None) -> str | None:
+        """Why a request must be refused (to the requester, in words), or None: DNS rebinding, without a token.
+
+        With a token, None: the token protects the console whatever name it is reached by.
+        """
+        if self.token is not None:
+            return None
+        name = _host_name(host)
+        if name not in LOOPBACK_HOSTS:
+            given = "no Host header" if host is None else f"the Host {host[:100]!r}"
+            return (f"refused: {given} is not this machine's loopback. Without a token this console answers only "
+                    "at http://127.0.0.1:<port>/ or http://localhost:<port>/ (so that no other web site can read "
+                    "it through your browser); to reach it by another name, start it with --token\n")
+        if origin is not None and origin.strip().lower() != f"http://{(host or '').strip()}".lower():
+            return (f"refused: a request from another web site (Origin {origin[:100]!r}); open the console itself "
+                    f"at http://{host}/\n")
+        return None
+
     def page(self) -> bytes:
         return PAGE.read_text(encoding="utf-8").replace("{{TITLE}}", self.title).encode()
+
+
+def _host_name(host: str | None) -> str | None:
+    """The name of a Host header value without its port, lower case ("[::1]" keeps its brackets); None if malformed."""
+    host = (host or "").strip().lower()
+    if host.startswith("["):
+        close = host.find("]")
+        name, port = (host[:close + 1], host[close + 1:]) if close > 0 else ("", "")
+    else:
+        name, colon, port = host.partition(":")
+        port = colon + port
+    if not name or port and not (port.startswith(":") and port[1:].isdigit()):
+        return None
+    return name
 
 
 def _handler(console: Console) -> type[BaseHTTPRequestHandler]:
@@ -86,6 +127,11 @@ def _handler(console: Console) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             url = urlparse(self.path)
+            refused = console.misaddressed(self.headers.get("Host"), self.headers.get("Origin"))
+            if refused is not None:
+                log.warning("console: %s", refused.strip())
+                self._send(HTTPStatus.FORBIDDEN, refused.encode(), "text/plain; charset=utf-8")
+                return
             if not console.allowed(parse_qs(url.query), self.headers.get("Authorization")):
                 self._send(HTTPStatus.UNAUTHORIZED, b"a token is needed: ?token=... or Authorization: Bearer\n",
                            "text/plain; charset=utf-8")
@@ -109,12 +155,17 @@ def _handler(console: Console) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 def start_console(title: str, status: StatusFn, metrics: MetricsFn, *, host: str = "127.0.0.1", port: int = 8480,
                   token: str | None = None) -> tuple[ThreadingHTTPServer, str | None]:
     """Start serving in a background thread; returns (server, token). A non-loopback host gets a token."""
     if host not in LOOPBACK and token is None:
         token = secrets.token_urlsafe(24)
-    server = ThreadingHTTPServer((host, port), _handler(Console(title, status, metrics, token=token)))
+    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer  # "::1", "::": an IPv6 socket
+    server = server_class((host, port), _handler(Console(title, status, metrics, token=token)))
     thread = threading.Thread(target=server.serve_forever, name="fedpose-console", daemon=True)
     thread.start()
     return server, token

@@ -178,3 +178,95 @@ def test_a_console_off_loopback_needs_its_token(tmp_path):
             assert resp.read().decode() == "# HELP x h\n# TYPE x gauge\nx 1\n"
     finally:
         server.shutdown()
+
+
+def _ask(port: int, path: str, headers: dict[str, str]) -> tuple[int, str]:
+    """GET ``path`` from the console on 127.0.0.1:``port`` with exactly these headers (Host among them)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_loopback_console_answers_only_to_loopback_names(tmp_path):
+    """DNS rebinding: a web page on attacker.example, its name now resolving to 127.0.0.1, must not read the console.
+
+    Its browser sends ``Host: attacker.example:8480``; the console (no token on loopback) refuses every path
+    for any Host that is not a loopback name, and a cross-site Origin too; 127.0.0.1, localhost and [::1] work.
+    """
+    from shared.console_web import start_console
+
+    status = {"kind": "site", "records": 1234, "refusals": 3}
+    server, token = start_console("t", lambda: status, lambda s: [("x", {}, 1.0, "h")], host="127.0.0.1", port=0)
+    try:
+        port = server.server_address[1]
+        assert token is None
+        for path in ("/api/status", "/", "/metrics"):
+            for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1.attacker.example:{port}",
+                         f"localhost.attacker.example:{port}", f"127.0.0.2:{port}", ""):
+                code, body = _ask(port, path, {"Host": host})
+                assert code in (400, 403, 421), (path, host, code)
+                assert "1234" not in body and "Host" in body, (path, host, body)
+            code, body = _ask(port, path, {})  # no Host at all
+            assert code in (400, 403, 421) and "1234" not in body, (path, code)
+            code, body = _ask(port, path, {"Host": f"127.0.0.1:{port}", "Origin": f"http://attacker.example:{port}"})
+            assert code in (400, 403, 421) and "1234" not in body and "Origin" in body, (path, code, body)
+        for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", f"LocalHost:{port}", f"[::1]:{port}"):
+            code, body = _ask(port, "/api/status", {"Host": host})
+            assert (code, json.loads(body)) == (200, status), host
+        code, body = _ask(port, "/api/status", {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"})
+        assert (code, json.loads(body)) == (200, status)  # the page's own fetch, should a browser send its Origin
+        code, body = _ask(port, "/", {"Host": f"localhost:{port}"})
+        assert code == 200 and "<html" in body.lower()
+    finally:
+        server.shutdown()
+
+
+def test_a_console_off_loopback_takes_any_host_name_with_its_token(tmp_path):
+    """Bound beyond loopback (behind a name, a proxy) the token protects it: any Host with the token is served."""
+    from shared.console_web import start_console
+
+    server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [], host="0.0.0.0", port=0)
+    try:
+        port = server.server_address[1]
+        host = f"fedpose-console.hospital-a.example:{port}"
+        assert _ask(port, "/api/status", {"Host": host})[0] == 401
+        code, body = _ask(port, f"/api/status?token={token}", {"Host": host})
+        assert (code, json.loads(body)) == (200, {"kind": "server"})
+        code, body = _ask(port, "/api/status", {"Host": host, "Authorization": f"Bearer {token}"})
+        assert (code, json.loads(body)) == (200, {"kind": "server"})
+    finally:
+        server.shutdown()
+
+
+def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
+    """``--host ::1`` (a loopback name the console accepts) binds the IPv6 loopback and answers at [::1]."""
+    import http.client
+    import socket
+
+    from shared.console_web import start_console
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    server, token = start_console("t", lambda: {"kind": "site"}, lambda s: [], host="::1", port=0)
+    try:
+        port = server.server_address[1]
+        assert token is None
+        conn = http.client.HTTPConnection("::1", port, timeout=5)
+        conn.request("GET", "/api/status")  # Host: [::1]:<port>
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())) == (200, {"kind": "site"})
+        conn.close()
+    finally:
+        server.shutdown()
