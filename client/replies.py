@@ -14,6 +14,7 @@ import torch
 
 from client.policy import SitePolicy
 from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
+from shared.private_files import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,10 @@ def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[s
     It is DP output already released (post-processing); only the latest round of each federation is kept.
     """
     path = _reply_path(policy, federation, round)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, own=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, tmp)
+    with open(tmp, "wb", opener=open_private) as fh:  # 0600 whatever the umask: the site's own account only
+        torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, fh)
     tmp.replace(path)
     for old in path.parent.glob("*.pt"):  # this federation's older replies: its exact id, never a prefix of another
         if old != path and _reply_of(old.name) is not None and _reply_of(old.name)[0] == federation:

@@ -80,9 +80,11 @@ class SiteFailure(RuntimeError):
 @contextmanager
 def site_lock(policy: SitePolicy) -> Iterator[None]:
     """One round at a time per site, across processes (Flower starts one per message); released on death."""
+    from shared.private_files import open_private, private_dir
+
     path = Path(policy.ledger_path).with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+    private_dir(path.parent)  # made 0700, the lock 0600, whatever the umask (secrets at rest)
+    with open(path, "a+", opener=open_private) as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -16,6 +16,7 @@ import torch
 from client.policy import SitePolicy
 from client.site_data import load_public
 from shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
+from shared.private_files import open_private, private_dir
 from shared.privacy.subspace import check_orthonormal
 
 _CACHE_NAME = re.compile(r"(?P<federation>[A-Za-z0-9_.-]+)-v(?P<version>[0-9]+)\.npy")
@@ -29,9 +30,9 @@ def _cache_path(policy: SitePolicy, federation: str, version: int) -> Path:
 def cache_basis(policy: SitePolicy, federation: str, version: int, basis: torch.Tensor) -> None:
     """Keep the latest V of a federation on disk (atomic), dropping older versions."""
     path = _cache_path(policy, federation, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, own=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
+    with open(tmp, "wb", opener=open_private) as fh:  # 0600 whatever the umask
         np.save(fh, basis.detach().cpu().numpy(), allow_pickle=False)
     tmp.replace(path)
     mine = path.name.rsplit("-v", 1)[0]

@@ -34,6 +34,7 @@ from shared.data.split import content_hash
 from shared.errors import PrivacyRefusal
 from shared.data.split import manifest_digest as public_digest
 from shared.federation_messages import Refusal, RefusalCode, SiteInfo
+from shared.private_files import open_private, private_dir
 from shared.privacy.accountant import check_delta
 
 log = logging.getLogger(__name__)
@@ -232,9 +233,10 @@ def prepare_site(policy: SitePolicy, *, id_file: Path | None = None) -> SiteChec
     if data_version(policy) != version:
         raise ValueError(f"site data {policy.data_path} changed while it was being checked: run the check again")
     path = _check_path(policy)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # the state folder: made 0700; the record (it holds the record count) 0600
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=1))
+    with open(tmp, "w", encoding="utf-8", opener=open_private) as fh:
+        fh.write(json.dumps(asdict(record), indent=1))
     tmp.replace(path)
     log.info("site %s: policy and data checked (%d records kept, %d left out); outcome in %s", policy.site,
              record.records, len(record.dropped), path)

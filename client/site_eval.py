@@ -19,6 +19,7 @@ from typing import Any
 
 from client.policy import SitePolicy
 from shared.data.records import PoseRecord
+from shared.private_files import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,8 @@ def evaluate_global(model: Any, policy: SitePolicy, private: list[PoseRecord], *
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path = evaluation_log(policy)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
+    private_dir(path.parent)
+    with open(path, "a", encoding="utf-8", opener=open_private) as fh:  # scores on private data: 0600
         fh.write(json.dumps(row) + "\n")
     log.info("site %s: the global model of round %d scores PCKh@0.5 %.2f on its %d held-out records (kept at the "
              "site, in %s)", policy.site, rnd, row["pckh_mean"], len(records), path)

@@ -33,11 +33,14 @@ def state_path(ledger_path: str | Path, federation: str) -> Path:
 
 def save_state(path: str | Path, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], kind: str) -> None:
     """Write the optimizer state with the shapes of its parameters (temp file + rename: atomic)."""
+    from shared.private_files import open_private, private_dir
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, own=True)  # a site's state: its own account only (0700, the file 0600)
     blob = {"kind": kind, "shapes": [list(p.shape) for p in params], "state": optimizer.state_dict()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(blob, tmp)
+    with open(tmp, "wb", opener=open_private) as fh:
+        torch.save(blob, fh)
     tmp.replace(path)
 
 

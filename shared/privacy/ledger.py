@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from shared.private_files import narrow_if_present, private_dir, private_file
 from shared.privacy.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,19 @@ def connect(path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> 
 
     ``isolation_level=None``: no implicit transactions; every write goes
     through ``transaction`` so one round is exactly one transaction.
+
+    Private at rest (it holds the rounds' noise seeds): a folder made for it is 0700, the file 0600 whatever
+    the umask, and SQLite gives its -wal and -shm files the file's own mode; one an older fedpose left wider
+    is narrowed here (``shared.private_files``).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        private_dir(path.parent)
+        private_file(path)
+        for companion in ("-wal", "-shm"):
+            narrow_if_present(f"{path}{companion}")
+    except OSError as err:
+        raise ValueError(f"cannot open ledger {path}: {err}") from err
     try:
         conn = sqlite3.connect(str(path), timeout=min(busy_timeout, _LOCK_SLICE), isolation_level=None)
     except sqlite3.Error as err:
