@@ -212,7 +212,14 @@ def register(sub: Any) -> None:
     pol.add_argument("--psi-min", type=float, default=0.03,
                      help="minimum psi strength, a fraction of min(H, W): blur sigma or pixelate block (default 0.03)")
     pol.add_argument("--no-augment", action="store_true", help="pin augmentation off (default: on)")
-    pol.add_argument("--methods", default="dpsgd,proj,fdp,fpdp", help="comma-separated methods the site accepts")
+    pol.add_argument("--methods", default=None,
+                     help="comma-separated methods the site accepts (default: dpsgd,proj; all four with "
+                          "--release-blurred-images-and-labels)")
+    pol.add_argument("--release-blurred-images-and-labels", action="store_true",
+                     help="opt in to Feature-DP (fdp, fpdp): the server can then read, exactly, a blurred copy of "
+                          "each image drawn and its pose labels")
+    pol.add_argument("--public-batch-size", type=int, default=32,
+                     help="fdp/fpdp: records drawn (each once) for the public term every step")
     pol.add_argument("--unit", choices=("record", "patient"), default="record",
                      help="privacy unit (default record); patient needs patient ids (patients.json) and makes "
                           "--sample-rate the rate over patients")

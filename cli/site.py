@@ -153,6 +153,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"site {status['site'] or '?'}: {'healthy' if status['healthy'] else 'NEEDS ATTENTION'}")
     for problem in status["problems"]:
         print(f"  - {problem}")
+    if status["policy"].get("guarantee"):
+        print(f"guarantee in force: {status['policy']['guarantee']}")
     if "budget" in status:
         life = status["budget"]["lifetime"]
         print(f"privacy budget: eps {life['spent']:.4f} spent of {life['budget']:g} (left {life['left']:.4f}); "

@@ -47,7 +47,10 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
             "psi": args.psi, "psi_min": args.psi_min, "augment": not args.no_augment,
             "data_path": args.data_path, "ledger_path": args.ledger_path or "ledger.sqlite",
             "public_path": args.public_path, "public_digest": digest, "min_sigma": args.min_sigma,
-            "eval_path": args.eval_path, "accountant": args.accountant, "methods": args.methods.split(","),
+            "eval_path": args.eval_path, "accountant": args.accountant,
+            "methods": args.methods.split(",") if args.methods else None,
+            "release_blurred_images_and_labels": args.release_blurred_images_and_labels,
+            "public_batch_size": args.public_batch_size,
             "unit": args.unit, "max_records_per_patient": args.max_records_per_patient,
         }
         if data["sample_rate"] is None:  # q = B / n from the data, here, once: n itself is never written

@@ -12,7 +12,9 @@ server can only ask for it, never choose it (docs/design.md section 4b)::
     rounds_per_federation: 5      # rounds in any one federation (run)
     min_sigma: null               # null: derived from epsilon, delta, q, steps_per_round, lifetime_rounds
     # mechanism
-    methods: [dpsgd, proj, fdp, fpdp]   # nonprivate is never accepted
+    methods: [dpsgd, proj]        # the record-level methods (the default); nonprivate is never accepted
+    release_blurred_images_and_labels: false   # true: opt in to Feature-DP (fdp, fpdp), see below
+    public_batch_size: 32         # fdp/fpdp: records whose psi(x) and labels each step uses without noise
     sample_rate: 0.16             # Poisson rate q of the private batch (public: the server's accountant uses it)
     expected_batch: 64            # B, the public constant the noisy sum is divided by (P15): about q x n
     steps_per_round: 10           # at most this many local steps per round
@@ -49,6 +51,16 @@ B = q x n reveals n (approximately) through them, which the claim names;
 ``fedpose site-policy --expected-batch B`` computes q = B / n from the site's
 data when the policy is written, once, not per round.
 
+Feature-DP is an explicit opt-in (P17). Under fdp and fpdp each step adds the
+noise-free gradient of the public loss on psi(x) of ``public_batch_size``
+records drawn (without replacement) from the site's data; outside the basis
+V that gradient reaches the server exactly, and with crafted weights a server
+rebuilds the blurred image and the pose labels of each record drawn. So the
+policy allows fdp and fpdp only when it says so in one line,
+``release_blurred_images_and_labels: true``; ``methods`` then defaults to all
+four, otherwise to dpsgd and proj. The public batch size is pinned here and
+must fit the site's records (``fedpose site check`` refuses it otherwise).
+
 Privacy unit (issue #11). ``unit`` and ``max_records_per_patient`` are optional
 version-2 fields: a policy without them means exactly what it meant before
 (record level, no cap stated), so the version is not bumped. At patient level
@@ -80,6 +92,10 @@ log = logging.getLogger(__name__)
 POLICY_VERSION = 3
 FILL_ME = "FILL-ME"  # what a kit's template leaves for the site to fill (each has a command that fills it)
 PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
+RECORD_LEVEL = ("dpsgd", "proj")
+FEATURE_DP = ("fdp", "fpdp")
+# The opt-in line, as the refusal of a policy without it names it.
+OPT_IN = "release_blurred_images_and_labels: true"
 UNITS = ("record", "patient")
 
 # What a version-1 policy must add (named in the refusal of an old file).
@@ -125,7 +141,11 @@ class SitePolicy:
     public_digest: str | None = None
     eval_path: str | None = None  # held-out split evaluated at the site only (client/site_eval.py)
     accountant: str = "rdp"
-    methods: tuple[str, ...] = PRIVATE_METHODS
+    # None: dpsgd and proj, or all four with the Feature-DP opt-in below (resolved in __post_init__)
+    methods: tuple[str, ...] | None = None
+    # Feature-DP's opt-in (P17): under fdp/fpdp the server can read psi(x) and the labels of every record drawn.
+    release_blurred_images_and_labels: bool = False
+    public_batch_size: int = 32
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
     unit: str = "record"
     max_records_per_patient: int | None = None
@@ -168,12 +188,25 @@ class SitePolicy:
             raise ValueError(f"site policy: augment={self.augment!r} must be true or false")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"site policy: accountant={self.accountant!r} must be one of {ACCOUNTANTS}")
+        if not isinstance(self.release_blurred_images_and_labels, bool):
+            raise ValueError(f"site policy: release_blurred_images_and_labels="
+                             f"{self.release_blurred_images_and_labels!r} must be true or false")
+        if self.methods is None:
+            object.__setattr__(self, "methods", PRIVATE_METHODS if self.release_blurred_images_and_labels
+                               else RECORD_LEVEL)
         bad = [m for m in self.methods if m not in PRIVATE_METHODS]
         if bad or not self.methods:
             raise ValueError(
                 f"site policy: methods={list(self.methods)} must be a non-empty subset of {list(PRIVATE_METHODS)} "
                 "(nonprivate training is never accepted)"
             )
+        feature = [m for m in self.methods if m in FEATURE_DP]
+        if feature and not self.release_blurred_images_and_labels:
+            raise ValueError(
+                f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, a blurred "
+                "copy of each image drawn for the public term and its pose labels, and estimate how many records "
+                f"this site holds. To opt in, add the line `{OPT_IN}`; otherwise list only {list(RECORD_LEVEL)}")
+        _count("public_batch_size", self.public_batch_size)
         for name in ("data_path", "ledger_path"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"site policy: {name} must be a path")
@@ -223,7 +256,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "public_digest": (str, type(None)),
     "eval_path": (str, type(None)),
     "accountant": (str,),
-    "methods": (list, tuple),
+    "methods": (list, tuple, type(None)),
+    "release_blurred_images_and_labels": (bool,),
+    "public_batch_size": (int,),
     "seed": (int, type(None)),
     "unit": (str,),
     "max_records_per_patient": (int, type(None)),
@@ -271,7 +306,7 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             raise ValueError(f"site policy: {key}={value!r} has the wrong type (expected "
                              f"{' or '.join(k.__name__ for k in kinds)})")
-    if "methods" in values:
+    if values.get("methods") is not None:
         if not all(isinstance(m, str) for m in values["methods"]):
             raise ValueError(f"site policy: methods={values['methods']!r} must be a list of method names")
         values["methods"] = tuple(values["methods"])

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from client.policy import SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
+from client.policy import FEATURE_DP, SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
 from client.site_data import load_split_dir
 from shared.config import Config
 from shared.data.patients import group_by_patient, stated_group_size
@@ -86,6 +86,9 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "public_path": str(root / cfg.data.public_split),
         "public_digest": public_digest(public),
         "accountant": cfg.privacy.accountant,
+        # The researcher's own simulation opts its sites in to what its method releases (the claim says so).
+        "release_blurred_images_and_labels": cfg.train.method in FEATURE_DP,
+        "public_batch_size": cfg.train.public_batch_size,
         "unit": cfg.privacy.unit,
         "max_records_per_patient": cap,
         # A seeded run (train.seed) seeds every site's noise from it: reproducible, and marked not for production.

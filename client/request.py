@@ -63,6 +63,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
         raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
                                           f"augment={policy.augment}")
     if method in WITH_PSI:
+        if cfg.train.public_batch_size != policy.public_batch_size:  # P17: what each step's draw shows is pinned
+            raise Refusal(RefusalCode.POLICY, f"public batch size {cfg.train.public_batch_size} is not this site's "
+                                              f"public_batch_size={policy.public_batch_size}")
         if cfg.privacy.psi != policy.psi:
             raise Refusal(RefusalCode.POLICY, f"psi {cfg.privacy.psi!r} is not this site's {policy.psi!r}")
         strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)

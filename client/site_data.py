@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from client.ledger import SiteLedger
-from client.policy import SitePolicy, min_sigma_for, policy_to_dict
+from client.policy import FEATURE_DP, SitePolicy, min_sigma_for, policy_to_dict
 from shared.data.mpii import load_split
 from shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
 from shared.data.records import PoseRecord
@@ -187,6 +187,10 @@ def check_site(policy: SitePolicy) -> CheckedSite:
     if units == 0:
         raise ValueError(f"site data {policy.data_path}: no record is left to train on after the checks")
     check_delta(policy.delta, units)
+    if set(policy.methods) & set(FEATURE_DP) and policy.public_batch_size > len(records):
+        raise ValueError(f"site policy: public_batch_size={policy.public_batch_size} is larger than the "
+                         f"{len(records)} records kept at this site: fdp/fpdp draw that many distinct records each "
+                         "step; lower it")
     for alert in alerts:
         log.warning("site %s: %s", policy.site, alert)
     return CheckedSite(private=records, public=public, patients=patients, dropped=tuple(sorted(drop)),

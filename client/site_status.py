@@ -19,17 +19,35 @@ from shared.privacy.claims import public_labels
 RECENT = 25  # rows and refusals shown
 
 
+def guarantee_in_force(policy: Any) -> str:
+    """The guarantee this site's policy allows, in one line (``fedpose site status``, the console)."""
+    from client.policy import FEATURE_DP
+
+    unit = "patient" if policy.unit == "patient" else "record"
+    feature = [m for m in policy.methods if m in FEATURE_DP]
+    if not feature:
+        return f"record-level DP ({unit} level; methods {', '.join(policy.methods)}); Feature-DP not allowed"
+    return (f"Feature-DP opted in (methods {', '.join(policy.methods)}): under {' and '.join(feature)} the server can "
+            "read, exactly, a blurred copy of each image drawn and its labels; record-level DP only when a "
+            "federation runs dpsgd or proj")
+
+
 def plain_policy(policy: Any) -> list[str]:
     """What the policy means, in sentences a data-protection officer can check."""
-    from client.policy import min_sigma_for
+    from client.policy import FEATURE_DP, min_sigma_for
 
     unit = "patient-level (every image of one person)" if policy.unit == "patient" else "record-level (one image)"
     methods = set(policy.methods)
+    noised = (f"each update is {policy.steps_per_round} training steps at most, with Gaussian noise of at least "
+              f"sigma = {min_sigma_for(policy):.3f} times the clip bound C = {policy.clip_norm:g} added to the sum of "
+              "the clipped per-image gradients.")
+    if methods & set(FEATURE_DP):
+        first = ("Model updates leave this hospital, and under Feature-DP (fdp, fpdp, opted in by this policy) they "
+                 "carry blurred images and labels too: " + noised)
+    else:
+        first = "Only model updates leave this hospital, never images, labels or records: " + noised
     lines = [
-        "Only model updates leave this hospital, never images, labels or records: each update is "
-        f"{policy.steps_per_round} training steps at most, with Gaussian noise of at least sigma = "
-        f"{min_sigma_for(policy):.3f} times the clip bound C = {policy.clip_norm:g} added to the sum of the "
-        "clipped per-image gradients.",
+        first,
         f"Budget: epsilon = {policy.epsilon:g} at delta = {policy.delta:g} over this site's whole life "
         f"({policy.lifetime_rounds} rounds, at most {policy.rounds_per_federation} in any one federation), counted "
         f"by the {policy.accountant.upper()} accountant from what actually ran; no request can take more.",
@@ -37,12 +55,15 @@ def plain_policy(policy: Any) -> list[str]:
     if methods & {"dpsgd", "proj"}:
         lines.append(f"With dpsgd or proj the guarantee is {unit} (epsilon, delta)-differential privacy: adding "
                      f"or removing one {policy.unit} changes what leaves the site only within epsilon, delta.")
-    if methods & {"fdp", "fpdp"}:
+    if methods & set(FEATURE_DP):
         kind = "a Gaussian blur" if policy.psi == "blur" else "a pixelation"
         lines.append(f"With fdp or fpdp it is Feature-DP, not record-level DP: {kind} of each image (strength at "
                      f"least {policy.psi_min:g} of its shorter side) and {public_labels(policy.face_tasks)} are "
-                     "treated as public and "
-                     "may be revealed by the model; only what the blur removes is protected.")
+                     "treated as public; only what the blur removes is protected. The server can read, exactly, a "
+                     "blurred copy of each image drawn for the public term and its pose labels "
+                     f"({policy.public_batch_size} records a step, each at most once a step) from a single reply, "
+                     "and estimate how many records this site holds: this policy opts in to that "
+                     "(release_blurred_images_and_labels: true).")
     lines.append(f"The server sees what this policy declares: the sample rate q = {policy.sample_rate:g} and the "
                  f"expected batch B = {policy.expected_batch:g} (together about B / q = "
                  f"{policy.expected_batch / policy.sample_rate:.0f} {policy.unit}s, the size of the data when the "
@@ -105,6 +126,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
         return status
     status["site"] = policy.site
     status["policy"] = {"path": str(policy_path), "valid": True, "error": None, "plain": plain_policy(policy),
+                        "guarantee": guarantee_in_force(policy),
                         "methods": list(policy.methods), "unit": policy.unit, "epsilon": policy.epsilon,
                         "delta": policy.delta, "sample_rate": policy.sample_rate,
                         "expected_batch": policy.expected_batch, "round_seconds": policy.round_seconds}

@@ -231,6 +231,9 @@ def local_train(
         private = private.canonical()  # psi of each record's canonical crop, as the public term of fdp / fpdp
     if psi is not None:
         canonical = audit.psi_source if audit is not None and audit.psi_source is not None else private.canonical()
+        if len(canonical) < train.public_batch_size:  # a site's own check refuses this policy before any round
+            raise ValueError(f"train.public_batch_size={train.public_batch_size} is larger than the "
+                             f"{len(canonical)} records its psi images are drawn from (without replacement)")
     # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
     pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
     if method in PROJECTED and basis is None and public_basis is None:
@@ -272,10 +275,10 @@ def local_train(
             batch = to_device(raw, device)
         psi_batch = None
         if psi is not None:
-            # Exactly public_batch_size psi images every step (drawn with replacement from a smaller set): the
-            # step's memory and time never depend on how many records the site holds (P13).
-            n_psi = len(canonical)
-            pub_idx = pub_rng.choice(n_psi, size=train.public_batch_size, replace=n_psi < train.public_batch_size)
+            # Exactly public_batch_size distinct records every step: the step's memory and time never depend on
+            # how many records the site holds (P13), and the draw shows the server psi(x) and the labels of that
+            # many records, nothing about how many there are (P17).
+            pub_idx = pub_rng.choice(len(canonical), size=train.public_batch_size, replace=False)
             psi_batch = psi_on(psi, canonical.batch(pub_idx.tolist()), device)
         canary_batch = None
         if audit is not None and audit.canaries is not None:

@@ -137,6 +137,7 @@ def _policy(cfg, tmp_path, *, rounds: int):
         "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
         "augment": cfg.data.augment, "data_path": str(root / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
         "public_path": str(root / "public"), "public_digest": public_digest(load_split_dir(root / "public", "public")),
+        "release_blurred_images_and_labels": True, "public_batch_size": cfg.train.public_batch_size,
     })
     prepare_site(policy)
     return policy

@@ -67,6 +67,7 @@ def _policy(cfg, tmp_path: Path, *, max_rounds: int = 2, prepare: bool = True, *
         "augment": cfg.data.augment,
         "data_path": str(Path(cfg.data.root) / "site-0"), "ledger_path": str(tmp_path / "ledger.sqlite"),
         "public_path": str(Path(cfg.data.root) / "public"), "public_digest": _digest(cfg),
+        "release_blurred_images_and_labels": True, "public_batch_size": cfg.train.public_batch_size,
     }
     data.update(overrides)
     policy = policy_from_dict(data)

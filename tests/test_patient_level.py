@@ -495,7 +495,7 @@ def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
                           mechanism=Mechanism(method="dpsgd", psi=None, clip_norm=1.0, augment=True))
     # make it a schema-2 file: drop the unit column
     conn = sqlite3.connect(old)
-    for column in ("unit", "state", "noise_seed", "data_version"):  # the columns of schemas 3 and 4
+    for column in ("unit", "state", "noise_seed", "data_version", "request_digest", "outcome"):  # schemas 3 to 5
         conn.execute(f"ALTER TABLE spend DROP COLUMN {column}")
     conn.execute("PRAGMA user_version = 2")
     conn.commit()

@@ -29,6 +29,11 @@ FACE_LABELS = {"detect": "face presence and box", "landmarks": "facial landmarks
                "attribute": "face attribute"}
 
 
+# What a Feature-DP reply gives the server (P17): outside V its update is the noise-free public gradient.
+SERVER_READS = ("the server can read, exactly, psi(x) of each image drawn for the public term and its {labels} "
+                "from a single reply (the noise-free public gradient), and estimate how many records a site holds")
+
+
 def public_labels(face_tasks: tuple[str, ...] = ()) -> str:
     """The labels a Feature-DP run uses without noise: the pose labels, and those of any face task."""
     if not face_tasks:
@@ -99,7 +104,8 @@ def privacy_claim(
                 text = (
                     f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
                     f"patient and {public_labels(face_tasks)} are treated as public and may be revealed by the model; "
-                    "this is not patient-level DP of the images"
+                    "this is not patient-level DP of the images; "
+                    + SERVER_READS.format(labels=public_labels(face_tasks).removeprefix("the "))
                 )
             else:
                 text = f"patient-level {budget}-DP {mechanism}"
@@ -114,6 +120,8 @@ def privacy_claim(
                     f"{public_labels(face_tasks)} are treated as public and may be revealed by the model; this is not "
                     "record-level DP"
                 )
+            if method in FEATURE_METHODS:
+                text += "; " + SERVER_READS.format(labels=public_labels(face_tasks).removeprefix("the "))
             else:
                 text = f"record-level {budget}-DP {mechanism}"
             text += "; " + _for_a_patient(epsilon, delta, records_per_patient, records_source,

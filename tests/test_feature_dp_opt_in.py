@@ -1,0 +1,134 @@
+"""P17: Feature-DP is an explicit opt-in, said in plain words wherever a guarantee is shown.
+
+Under fdp and fpdp each local step adds the noise-free, unclipped gradient of the public loss on psi(x) of records
+drawn from the site's data; outside the basis V it reaches the server exactly, and with crafted weights a server
+rebuilds the blurred image and the pose labels of each record drawn (docs/results/privacy-attacks.md). That is
+within Feature-DP's definition, so:
+
+- a site's policy allows only the record-level methods unless one line opts in, and a policy that lists fdp/fpdp
+  without that line is refused, naming it; the kit's template is record-level;
+- the public draw is pinned: its size is the policy's (a request for another is refused), its records are distinct
+  and never more than the site holds (the site's own check refuses such a policy);
+- the console, ``fedpose site status`` and the printed claim say which guarantee is in force and, under Feature-DP,
+  that the server can read the blurred images and labels exactly.
+
+Real files: the tiny synthetic world, real SQLite ledgers, ``client.site.handle_train``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.policy import min_sigma_for
+from client.site import handle_train
+from shared.config import replace
+from shared.federation_messages import Refusal, RefusalCode
+from test_federation_site import _policy, _request, _rows
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from federation_support import prepare_world, world_root
+    from shared.runs import initial_model
+
+    cfg = prepare_world(world_root(tmp_path_factory))
+    state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
+    return cfg, state
+
+
+def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world, tmp_path):
+    cfg, _ = world
+    with pytest.raises(ValueError, match="release_blurred_images_and_labels: true") as refused:
+        _policy(cfg, tmp_path, methods=["dpsgd", "fpdp"], release_blurred_images_and_labels=False, prepare=False)
+    assert "blurred copy of each image" in str(refused.value) and "pose labels" in str(refused.value)
+    opted = _policy(cfg, tmp_path, release_blurred_images_and_labels=True, prepare=False)
+    assert opted.methods == ("dpsgd", "proj", "fdp", "fpdp")  # the one line opts in to all four
+
+
+def test_a_policy_without_methods_trains_the_record_level_methods_only(world, tmp_path):
+    cfg, state = world
+    policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=False)
+    assert policy.methods == ("dpsgd", "proj")
+    sigma = min_sigma_for(policy)
+    for method in ("fdp", "fpdp"):
+        with pytest.raises(Refusal) as refused:
+            handle_train(_request(cfg, state, sigma=sigma, method=method), policy)
+        assert refused.value.code == RefusalCode.POLICY
+    assert _rows(policy) == []
+    handle_train(_request(cfg, state, sigma=sigma, method="dpsgd"), policy)
+    assert [r["method"] for r in _rows(policy)] == ["dpsgd"]
+
+
+def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
+    from cli import kit_templates as kit
+
+    text = kit.POLICY
+    assert "release_blurred_images_and_labels: false" in text
+    opt_in = next(line for line in text.splitlines() if line.startswith("release_blurred_images_and_labels"))
+    assert "blurred" in opt_in and "labels" in opt_in  # the line itself says what it releases
+    assert "methods:" not in text.replace("# methods", "")  # no method list that could opt in silently
+
+
+def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
+    cfg, state = world
+    policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=True,
+                     public_batch_size=cfg.train.public_batch_size)
+    sigma = min_sigma_for(policy)
+    larger = replace(cfg, **{"train.public_batch_size": cfg.train.public_batch_size + 1})
+    with pytest.raises(Refusal) as refused:
+        handle_train(_request(larger, state, sigma=sigma, method="fdp"), policy)
+    assert refused.value.code == RefusalCode.POLICY and "public_batch_size" in refused.value.reason
+    assert _rows(policy) == []
+    with pytest.raises(ValueError, match="public_batch_size=41 is larger than the 40 records"):
+        _policy(cfg, tmp_path / "big", release_blurred_images_and_labels=True, public_batch_size=41)
+
+
+def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
+    from pathlib import Path
+
+    import shared.train as train_module
+    from shared.data.mpii import load_split
+    from shared.runs import initial_model
+    from shared.train import local_train, make_dataset
+
+    cfg, _ = world
+    records = load_split(Path(cfg.data.root), "site-0")[:6]
+    drawn: list[list[int]] = []
+    real = train_module.psi_on
+
+    def spy(psi, batch, device):  # under fdp only the public draw maps a batch by psi
+        drawn.append(sorted(int(i) for i in batch["index"]))
+        return real(psi, batch, device)
+
+    monkeypatch.setattr(train_module, "psi_on", spy)
+    fdp = replace(cfg, **{"train.method": "fdp", "train.public_batch_size": 6})
+    model = initial_model(fdp, progress=False)
+    local_train(model, make_dataset(records, fdp, train=True, seed=0), method="fdp", train=fdp.train,
+                privacy=fdp.privacy, sigma=1.0, steps=3, sample_rate=0.5, expected_batch=3.0,
+                generator=torch.Generator().manual_seed(0))
+    assert drawn and all(len(set(d)) == len(d) == 6 for d in drawn)
+    seven = replace(fdp, **{"train.public_batch_size": 7})
+    with pytest.raises(ValueError, match="public_batch_size=7 is larger than the 6 records"):
+        local_train(model, make_dataset(records, seven, train=True, seed=0), method="fdp", train=seven.train,
+                    privacy=seven.privacy, sigma=1.0, steps=1, sample_rate=0.5, expected_batch=3.0,
+                    generator=torch.Generator().manual_seed(0))
+
+
+def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world, tmp_path):
+    from client.site_status import guarantee_in_force, plain_policy
+    from shared.privacy.claims import privacy_claim
+
+    cfg, _ = world
+    record = _policy(cfg, tmp_path / "r", release_blurred_images_and_labels=False, prepare=False)
+    feature = _policy(cfg, tmp_path / "f", release_blurred_images_and_labels=True, prepare=False)
+    assert guarantee_in_force(record).startswith("record-level DP")
+    assert guarantee_in_force(feature).startswith("Feature-DP opted in")
+    said = " ".join(plain_policy(feature))
+    assert "never images, labels" not in said
+    assert "can read, exactly, a blurred copy of each image" in said and "pose labels" in said
+    assert "never images, labels or records" in " ".join(plain_policy(record))
+    claim = privacy_claim(method="fpdp", epsilon=0.8, delta=1e-5, psi="blur(0.03)", seeded=False, accountant="rdp")
+    assert "the server can read, exactly, psi(x) of each image drawn for the public term and its pose labels" in claim
+    assert "read, exactly" not in privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False,
+                                                accountant="rdp")
