@@ -12,7 +12,8 @@ The attacks are the threat model's: a membership probe, a weaker psi, another ps
 another augmentation, less noise, a larger q, more local steps, more rounds, method
 switches, another clip, malformed / non-orthonormal / NaN bases, NaN and oversized weights,
 an unknown request field, another site's name, a replayed round, an oversized input, a request for
-every per-sample gradient at once, and finite weights that overflow the private gradients.
+every per-sample gradient at once, finite weights that overflow the private gradients, and a failed round
+asked again with other settings.
 """
 
 from __future__ import annotations
@@ -175,7 +176,13 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
         crafted["patch_embed.conv1.conv.weight"] = crafted["patch_embed.conv1.conv.weight"] * 1e22
         send("nan-trigger", train(round=3, weights=crafted, basis_mode="broadcast",
                                   basis=basis_record(q_basis.float(), version=1, dtype="float32")))
-        send("round-beyond-policy", train(round=4))
+        # The replay of a failed round (P16): a request whose optimizer overflows fails after its charge; the same
+        # round asked again with sane settings must get that failure back, never a run on the same noise.
+        overflow = with_cfg(**{"train.optimizer": "sgd", "train.lr": 1.0, "train.momentum": 0.0,
+                               "train.weight_decay": 1e38})
+        send("overflow-fails", train(round=4, config=overflow))
+        send("replay-after-failure", train(round=4, config=with_cfg(**{"train.lr": 1e-5})))
+        send("round-beyond-policy", train(round=5))
 
     return app
 
@@ -198,7 +205,7 @@ def main(argv: list[str]) -> int:
     from client.policy import policy_from_dict
 
     pinned = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["fpdp"],
-                               "lifetime_rounds": 3, "rounds_per_federation": 3})
+                               "lifetime_rounds": 4, "rounds_per_federation": 4})
     write_policy(policy_path, pinned)
     from client.site_data import prepare_site
 

@@ -89,6 +89,17 @@ def test_finite_weights_that_overflow_the_private_gradients_get_a_finite_reply(a
     assert [r["round"] for r in entry["rows_after"]] == [1, 2, 3]  # spent like any round
 
 
+def test_a_failed_round_asked_again_gets_its_failure_not_a_run_on_its_noise(attacks):
+    """P16 through a real ClientApp: the replay attack (a failure is one bit about the noise; a re-run on the same
+    noise with other settings would be a second release) gets the stored failure, nothing trained or spent."""
+    _, log = attacks
+    failed, replay = log["overflow-fails"], log["replay-after-failure"]
+    assert failed["code"] == replay["code"] == int(RefusalCode.SITE_ERROR)
+    assert replay["reason"] == failed["reason"]
+    assert [(r["round"], r["state"], r["noise_seed"]) for r in failed["rows_after"]][-1] == (4, "failed", None)
+    assert replay["rows_after"] == replay["rows_before"] == failed["rows_after"]
+
+
 def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):
     _, log = attacks
     private, random = log["probe-private-hash"], log["probe-random-hash"]
