@@ -135,7 +135,12 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             row = mine["rounds"][0]
             cell = site_page.inner_text(f"[data-testid=round-eps-{row['federation']}-{row['round']}]")
             assert float(cell) == pytest.approx(row["epsilon"], abs=5e-5)
-            assert "Only model updates leave this hospital" in site_page.inner_text("main")
+            # the simulated site runs fpdp, so its policy opted in to Feature-DP: the page says what that gives away
+            assert site_page.inner_text("[data-testid=guarantee]") == mine["policy"]["guarantee"]
+            assert mine["policy"]["guarantee"].startswith("Feature-DP opted in")
+            shown_policy = site_page.inner_text("main")
+            assert "can read, exactly, a blurred copy of each image" in shown_policy
+            assert "never images, labels or records" not in shown_policy
             site_page.screenshot(path=str(shots / "console-site.png"), full_page=True)
 
             # -- let the federation finish: the server page follows by itself (it refreshes every 5 s)
