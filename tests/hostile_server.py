@@ -12,8 +12,9 @@ The attacks are the threat model's: a membership probe, a weaker psi, another ps
 another augmentation, less noise, a larger q, more local steps, more rounds, method
 switches, another clip, malformed / non-orthonormal / NaN bases, NaN and oversized weights,
 an unknown request field, another site's name, a replayed round, an oversized input, a request for
-every per-sample gradient at once, finite weights that overflow the private gradients, and a failed round
-asked again with other settings.
+every per-sample gradient at once, finite weights that overflow the private gradients, a failed round
+asked again with other settings, and the Feature-DP read-out (crafted weights, a public batch of one record;
+then again once the site's operator has withdrawn its Feature-DP opt-in).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _ledger_rows(path: Path) -> list[dict[str, Any]]:
         conn.close()
 
 
-def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any:
+def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy_path: Path) -> Any:
     import numpy as np
     import torch
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
@@ -183,6 +184,30 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path) -> Any
         send("overflow-fails", train(round=4, config=overflow))
         send("replay-after-failure", train(round=4, config=with_cfg(**{"train.lr": 1e-5})))
         send("round-beyond-policy", train(round=5))
+        # The Feature-DP read-out (P17): crafted weights and a V that leaves the read tensors out give the server
+        # psi(x) and the exact labels of the record drawn when the public batch is one record. This site opted in
+        # to Feature-DP but pins its public batch: a request for one record is refused.
+        from shared.experiments.reconstruction import attack_config, craft_weights, outside_basis
+        from shared.model.posenet import build_model
+
+        crafted_model = build_model(cfg.model, cfg.data.input_size)
+        read_out = craft_weights(crafted_model)
+        read_basis = basis_record(outside_basis(crafted_model, apply_strategy(crafted_model, cfg.train.strategy),
+                                                read_out, cfg.privacy.k), version=1, dtype="float32")
+        one_record = attack_config(cfg)
+        send("read-out-one-record", train(round=5, config=one_record, weights=read_out.state, steps=1,
+                                          basis_mode="broadcast", basis=read_basis))
+        # The site's operator withdraws the opt-in: its policy pins the record-level methods again.
+        from client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
+        from client.site_data import prepare_site
+
+        withdrawn = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["dpsgd", "proj"],
+                                      "release_blurred_images_and_labels": False})
+        write_policy(policy_path, withdrawn)
+        prepare_site(withdrawn)
+        pinned_batch = replace(one_record, **{"train.public_batch_size": cfg.train.public_batch_size})
+        send("read-out-record-level", train(round=5, config=pinned_batch, weights=read_out.state, steps=1,
+                                            basis_mode="broadcast", basis=read_basis))
 
     return app
 
@@ -216,7 +241,7 @@ def main(argv: list[str]) -> int:
 
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
     _, client = simulation_apps(run_config)
-    server = hostile_app(cfg, Path(pinned.ledger_path), private_hash, results)
+    server = hostile_app(cfg, Path(pinned.ledger_path), private_hash, results, policy_path)
     run_simulation(server_app=server, client_app=client, num_supernodes=1,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}})
     return 0

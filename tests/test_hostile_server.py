@@ -44,6 +44,8 @@ EXPECTED = {
     "round-beyond-policy": RefusalCode.BUDGET,
     "input-oversized": RefusalCode.POLICY,
     "face-tasks": RefusalCode.POLICY,
+    "read-out-one-record": RefusalCode.POLICY,  # the public batch is the site's (P17)
+    "read-out-record-level": RefusalCode.POLICY,  # a site without the Feature-DP opt-in runs no fdp/fpdp
 }
 
 
@@ -61,7 +63,7 @@ def attacks(tmp_path_factory):
                          capture_output=True, text=True, timeout=600)
     assert results.is_file(), run.stdout[-3000:] + run.stderr[-6000:]
     log = {entry["name"]: entry for entry in json.loads(results.read_text())}
-    assert "round-beyond-policy" in log, run.stderr[-6000:]
+    assert "read-out-record-level" in log, run.stderr[-6000:]
     return cfg, log
 
 
@@ -98,6 +100,15 @@ def test_a_failed_round_asked_again_gets_its_failure_not_a_run_on_its_noise(atta
     assert replay["reason"] == failed["reason"]
     assert [(r["round"], r["state"], r["noise_seed"]) for r in failed["rows_after"]][-1] == (4, "failed", None)
     assert replay["rows_after"] == replay["rows_before"] == failed["rows_after"]
+
+
+def test_the_feature_dp_read_out_is_refused_unless_the_site_opted_in_and_pinned_its_draw(attacks):
+    """P17 through a real ClientApp: one crafted fpdp reply with a public batch of one record gives the server
+    psi(x) and the exact labels of that record (tests/test_feature_dp_reconstruction.py). The opted-in site pins
+    its public batch, and once its operator withdraws the opt-in it refuses fpdp whatever the draw."""
+    _, log = attacks
+    assert "public_batch_size" in log["read-out-one-record"]["reason"]
+    assert "not allowed by this site" in log["read-out-record-level"]["reason"]
 
 
 def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):
