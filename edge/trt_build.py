@@ -31,7 +31,8 @@ TensorRT versions:
 
 ``tensorrt`` is imported inside ``build_engine`` only; everything that
 validates the request (``check_build_request``, ``trtexec_command``) works
-without it.
+without it, and without the ``onnx`` package (``edge.onnx_proto`` reads the
+file): the build runs in the camera's slim install.
 """
 
 from __future__ import annotations
@@ -98,32 +99,33 @@ def parse_profile(value: str) -> tuple[int, int, int]:
 
 
 def read_onnx_info(onnx_path: str | Path) -> OnnxInfo:
-    """Input name, batch, (H, W), FP16 and Q/DQ presence of an exported model."""
-    import onnx
+    """Input name, batch, (H, W), FP16 and Q/DQ presence of an exported model.
+
+    Read with ``edge.onnx_proto`` (the protobuf wire format, no ``onnx`` package): the engine is built in
+    the camera's slim install, which has no train extra (docs/how-to/jetson.md).
+    """
+    from edge.onnx_proto import FLOAT16, ProtoError, read_graph
 
     path = Path(onnx_path)
     if not path.is_file():
         raise FileNotFoundError(f"ONNX file {path} does not exist")
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as err:  # protobuf DecodeError and friends
+        graph = read_graph(path.read_bytes())
+    except ProtoError as err:
         raise ValueError(f"{path} is not a readable ONNX file: {err}") from err
-    inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
+    inputs = graph.inputs
     if len(inputs) != 1:
         raise ValueError(f"{path}: expected one image input, found {[i.name for i in inputs]}")
-    tt = inputs[0].type.tensor_type
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    dims = list(inputs[0].dims)
     if len(dims) != 4 or dims[1] != 3 or dims[2] is None or dims[3] is None:
         raise ValueError(f"{path}: input shape {dims} is not (N, 3, H, W) with fixed H, W")
-    qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
     return OnnxInfo(
         path=path,
         input_name=inputs[0].name,
         batch=dims[0],
         input_size=(int(dims[2]), int(dims[3])),
-        fp16=tt.elem_type == onnx.TensorProto.FLOAT16,
-        qdq=qdq,
+        fp16=inputs[0].elem_type == FLOAT16,
+        qdq=bool(graph.op_types & {"QuantizeLinear", "DequantizeLinear"}),
     )
 
 

@@ -290,6 +290,28 @@ def test_build_requests_are_validated(exported, tmp_path):
         check_build_request(garbage, tmp_path / "m.plan")
 
 
+def test_onnx_info_reads_what_onnx_reads(model, exported, tmp_path):
+    """The build reads the file without the onnx package (the camera has none): it must agree with onnx.load."""
+    fp16 = export_onnx(model, tmp_path / "m16.onnx", fp16=True).path
+    calib = np.random.default_rng(0).random((4, 3, *INPUT), dtype=np.float32)
+    qdq = quantize_int8(exported["dynamic"][0], tmp_path / "m.int8.onnx", calib)
+    for path in (exported[1][0], exported["dynamic"][0], fp16, qdq):
+        m = onnx.load(str(path), load_external_data=False)
+        inits = {i.name for i in m.graph.initializer}
+        (inp,) = [i for i in m.graph.input if i.name not in inits]
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in inp.type.tensor_type.shape.dim]
+        info = read_onnx_info(path)
+        assert (info.input_name, info.batch, info.input_size) == (inp.name, dims[0], (dims[2], dims[3])), path
+        assert info.fp16 == (inp.type.tensor_type.elem_type == TensorProto.FLOAT16), path
+        assert info.qdq == any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in m.graph.node), path
+    assert [read_onnx_info(p).qdq for p in (exported[1][0], qdq)] == [False, True]
+    assert read_onnx_info(exported["dynamic"][0]).batch is None and read_onnx_info(fp16).fp16
+    truncated = tmp_path / "cut.onnx"
+    truncated.write_bytes(exported[1][0].read_bytes()[:5000])
+    with pytest.raises(ValueError, match="cut.onnx is not a readable ONNX file"):
+        read_onnx_info(truncated)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
                     reason="TensorRT is installed: the install hint path does not apply")
 def test_build_without_tensorrt_gives_install_hint(exported, tmp_path):

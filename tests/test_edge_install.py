@@ -28,7 +28,7 @@ RUN = """
 import sys
 from cli.main import main
 code = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "flwr", "ray", "opacus", "scipy") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "flwr", "ray", "opacus", "scipy", "onnx") if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 sys.exit(code)
 """
@@ -110,3 +110,41 @@ def test_camera_commands_run_without_torch(slim, tmp_path):
     # A training command says which extra it needs, in one line, instead of a traceback.
     done = _fedpose(slim, "train", "--out", str(tmp_path / "t"), cwd=tmp_path)
     assert done.returncode == 3 and "fedpose[train]" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_engine_build_needs_neither_onnx_nor_torch(slim, tmp_path):
+    """docs/how-to/jetson.md builds the engine in the camera install: `edge build` reads the ONNX file's input
+    (name, batch, size, FP16, Q/DQ) with the edge extra alone, prints the trtexec lines and stops only at the
+    missing TensorRT, with its install hint (never asking for the train extra or `onnx`)."""
+    import torch
+
+    from edge.export import export_onnx
+    from shared.config import ModelConfig
+    from shared.model.posenet import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="tinyvit-small"), (64, 48)).eval()
+    fixed = export_onnx(model, tmp_path / "model.onnx", batch=1).path
+    dynamic = export_onnx(model, tmp_path / "dynamic.onnx", batch="dynamic").path
+    assert "onnx" not in subprocess.run([str(slim), "-m", "pip", "list"], capture_output=True, text=True,
+                                        check=True).stdout.lower().split()  # the camera has no onnx package
+
+    done = _fedpose(slim, "edge", "build", "--onnx", str(dynamic), "--out", str(tmp_path / "m.plan"), "--batch",
+                    "1,2,4", cwd=tmp_path)
+    assert "'onnx'" not in done.stderr and "fedpose[train]" not in done.stderr, done.stderr
+    assert "--minShapes=image:1x3x64x48" in done.stdout and "--maxShapes=image:4x3x64x48" in done.stdout, done.stdout
+    assert "--fp16" in done.stdout  # TensorRT 10.x line
+    assert done.returncode != 0 and "TensorRT is not installed" in done.stderr, done.stderr  # no tensorrt here
+    assert not (tmp_path / "m.plan").exists()
+
+    # The checks that read the graph run too: a fixed batch refuses a profile, FP32 refuses INT8.
+    done = _fedpose(slim, "edge", "build", "--onnx", str(fixed), "--out", str(tmp_path / "m.plan"), "--precision",
+                    "int8", cwd=tmp_path)
+    assert done.returncode != 0 and "no QuantizeLinear/DequantizeLinear nodes" in done.stderr, done.stderr
+    done = _fedpose(slim, "edge", "build", "--onnx", str(fixed), "--out", str(tmp_path / "m.plan"), "--batch", "1,2,4",
+                    cwd=tmp_path)
+    assert done.returncode != 0 and "fixed batch of 1" in done.stderr, done.stderr
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x00not a protobuf" * 10)
+    done = _fedpose(slim, "edge", "build", "--onnx", str(garbage), "--out", str(tmp_path / "m.plan"), cwd=tmp_path)
+    assert done.returncode != 0 and "garbage.onnx is not a readable ONNX file" in done.stderr, done.stderr
