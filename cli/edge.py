@@ -254,6 +254,8 @@ def register(subparsers: Any) -> None:
     px.add_argument("--n", type=int, default=1, help="split complex cells into n x n subcells (n divides b)")
     px.add_argument("--mask", default=None, help="complex-region mask PNG, or 'pose' (needs --model)")
     px.add_argument("--model", default=None, help="pose model for --mask pose")
+    px.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default=None,
+                    help="runtime for --model (default: from the model file suffix)")
     px.add_argument("--store", choices=("png", "npz"), default="png", help="npz: keep only the noisy means")
     px.add_argument("--noise", choices=("discrete", "laplace"), default="discrete",
                     help="discrete (two-sided geometric on integer sums, the default) or continuous Laplace")

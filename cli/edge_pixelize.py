@@ -90,7 +90,7 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
             raise ValueError("--mask pose estimates the body region with a pose model: pass --model model.onnx|.pt")
         from edge.runtime import make_runtime
 
-        runtime = make_runtime(args.model)
+        runtime = make_runtime(args.model, args.backend)
         mask_source = "keypoints"
     elif args.mask:
         fixed_mask = load_mask(args.mask)
@@ -104,8 +104,8 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
             if runtime is not None:
                 mask = _pose_mask(runtime, image)
             if mask is not None and mask.shape != image.shape[:2]:
-                raise ValueError(f"mask {args.mask} is {mask.shape[1]}x{mask.shape[0]}, image {name} is "
-                                 f"{image.shape[1]}x{image.shape[0]}: they must match")
+                raise ValueError(f"mask {args.mask} is {mask.shape[0]}x{mask.shape[1]} (HxW), image {name} is "
+                                 f"{image.shape[0]}x{image.shape[1]} (HxW): they must match")
             frame = pixelize(image, spec, mask=mask, rng=rng)
             if args.store == "npz":
                 save_npz(frame, out if single else out / f"{name}.npz")
@@ -118,7 +118,8 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
             runtime.close()
     print(f"pixelized {len(items)} {'frame' if len(items) == 1 else 'frames'} -> {out}"
           + (" (NPZ: noisy means only; rebuild with `fedpose edge restore`)" if args.store == "npz" else ""))
-    print(pixelize_claim(spec, mask_source=mask_source, frames=len(items)))
+    print(pixelize_claim(spec, mask_source=mask_source, frames=len(items),
+                         kind={"dir": "images", "image": "image", "video": "video"}[kind]))
     return 0
 
 
@@ -153,6 +154,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(out), image):
         raise ValueError(f"OpenCV cannot write {out}")
-    print(f"restored {src} -> {out} ({image.shape[1]}x{image.shape[0]}, "
+    print(f"restored {src} -> {out} ({image.shape[0]}x{image.shape[1]} (HxW), "
           f"{'grayscale' if image.ndim == 2 else 'colour'}; identical to the released frame)")
     return 0

@@ -49,7 +49,7 @@ class DemoSpec:
             raise ValueError(f"--frames must be >= 1, got {self.frames}")
         w, h = self.size
         if not (64 <= w <= 1920 and 64 <= h <= 1080):
-            raise ValueError(f"--size must be between 64x64 and 1920x1080, got {w}x{h}")
+            raise ValueError(f"--size must be between 64x64 and 1080x1920 (HxW), got {h}x{w}")
         if self.fps <= 0 or self.key_every < 2 or self.seed < 0:
             raise ValueError("fps must be > 0, key_every >= 2 and seed >= 0")
 

@@ -30,14 +30,15 @@ def backend_for(model_path: str | Path, backend: str | None = None) -> str:
     path = Path(model_path)
     if backend is not None:
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+            raise ValueError(f"unknown backend {backend!r} (--backend): choose one of {', '.join(BACKENDS)}")
         return backend
     try:
         return SUFFIXES[path.suffix.lower()]
     except KeyError as err:
         raise ValueError(
             f"cannot tell the backend of {path} from its suffix {path.suffix!r}: use .pt (PyTorch checkpoint), "
-            ".onnx (onnxruntime) or .plan/.engine (TensorRT), or pass backend="
+            ".onnx (onnxruntime) or .plan/.engine (TensorRT), or name it with --backend "
+            f"{'|'.join(BACKENDS)}"
         ) from err
 
 

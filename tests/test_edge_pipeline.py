@@ -736,3 +736,96 @@ def test_sigterm_ends_the_camera_run_with_its_outputs_finalised(random_onnx, tmp
     assert summary["stopped_by"] == "SIGTERM" and 5 <= summary["frames"] < 600
     assert _frame_count(out / "annotated.mp4") == summary["released_frames"] == summary["frames"]
     assert "stopped by SIGTERM" in stdout and f"over F={summary['frames']} frames" in stdout
+
+
+# ---------------------------------------------------------------------------
+# what a camera user types (issue 42, item 8): ROI, a missing camera, sizes HxW, flag names, stills
+# ---------------------------------------------------------------------------
+
+
+def test_cli_roi_reaching_past_the_frame_is_refused_with_the_frame_size(random_onnx, clip, tmp_path, capsys):
+    w, h = CLIP.size  # the clip is 144x192 (HxW)
+    base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--max-frames", "2"]
+    for roi in (f"{w - 40},{h - 50},60,60", f"{w + 10},10,20,20"):  # partly and wholly outside
+        assert cli_main(base + ["--out", str(tmp_path / "out"), "--roi", roi]) == 3
+        err = capsys.readouterr().err
+        assert f"--roi {roi}" in err and f"{h}x{w} (HxW)" in err, err
+        assert not (tmp_path / "out" / KEYPOINTS_FILE).exists()  # refused before anything is written
+    inside = f"{w - 60},{h - 60},60,60"  # touching the frame's edges is fine
+    assert cli_main(base + ["--out", str(tmp_path / "ok"), "--roi", inside]) == 0
+    assert _read_jsonl(tmp_path / "ok" / KEYPOINTS_FILE)[0]["box_source"] == "roi"
+
+
+def _absent_camera_index() -> int:
+    return next(i for i in range(64) if not Path(f"/dev/video{i}").exists())
+
+
+def test_cli_camera_index_without_a_camera_fails_fast(random_onnx, tmp_path, capsys):
+    import time
+
+    index = _absent_camera_index()
+    t0 = time.monotonic()
+    code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", str(index), "--out", str(tmp_path / "o")])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 3 and f"--source {index}" in err and "no camera" in err, err
+    assert elapsed < 3.0, f"took {elapsed:.1f} s"
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_stream_that_never_opens_gives_up_within_the_first_open_budget(random_onnx, tmp_path, capsys):
+    import time
+
+    t0 = time.monotonic()
+    code = cli_main(["edge", "run", "--model", str(random_onnx), "--source", "rtsp://127.0.0.1:9/ward",
+                     "--out", str(tmp_path / "o")])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 3 and "rtsp://127.0.0.1:9/ward" in err, err
+    assert elapsed < 8.0, f"took {elapsed:.1f} s"  # the reconnect policy (24 s) is for drops, not the first open
+
+
+def test_cli_sizes_are_written_height_first(tmp_path, capsys):
+    from edge.pixelize import PixelizeSpec, pixelize, save_npz
+
+    image = np.random.default_rng(0).integers(0, 256, (96, 128), dtype=np.uint8)  # 96x128 (HxW)
+    save_npz(pixelize(image, PixelizeSpec(eps=1, b=16, m=4), rng=np.random.default_rng(0)), tmp_path / "f.npz")
+    assert cli_main(["edge", "restore", "--in", str(tmp_path / "f.npz"), "--out", str(tmp_path / "f.png")]) == 0
+    assert "96x128 (HxW)" in capsys.readouterr().out
+    cv2.imwrite(str(tmp_path / "img.png"), image)
+    cv2.imwrite(str(tmp_path / "mask.png"), np.zeros((64, 96), np.uint8))
+    assert cli_main(["edge", "pixelize", "--in", str(tmp_path / "img.png"), "--eps", "1", "--b", "16", "--m", "4",
+                     "--mask", str(tmp_path / "mask.png"), "--out", str(tmp_path / "p.png")]) == 3
+    err = capsys.readouterr().err
+    assert "64x96 (HxW)" in err and "96x128 (HxW)" in err, err
+    assert cli_main(["edge", "demo-video", "--out", str(tmp_path / "d.mp4"), "--size", "2000x100"]) == 3
+    err = capsys.readouterr().err
+    assert "1080x1920" in err and "2000x100" in err and "HxW" in err, err
+
+
+def test_cli_unknown_model_suffix_names_the_backend_flag(clip, tmp_path, capsys):
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    assert cli_main(["edge", "run", "--model", str(model), "--source", str(clip), "--out", str(tmp_path / "o")]) == 3
+    err = capsys.readouterr().err
+    assert "--backend" in err and "backend=" not in err, err
+
+
+def test_cli_pixelize_folder_of_stills_makes_no_video_claim(clip, tmp_path, capsys):
+    folder = tmp_path / "stills"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        cv2.imwrite(str(folder / f"bed{i}.png"), rng.integers(0, 256, (64, 64), dtype=np.uint8))
+    assert cli_main(["edge", "pixelize", "--in", str(folder), "--eps", "0.5", "--b", "16", "--m", "4",
+                     "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "all frames" not in text and "Video" not in text, text
+    assert "each of the 3 images is 0.5-DP on its own" in text and "in k of the 3 images: k*eps" in text, text
+    assert cli_main(["edge", "pixelize", "--in", str(folder / "bed0.png"), "--eps", "0.5", "--b", "16", "--m", "4",
+                     "--out", str(tmp_path / "one.png")]) == 0
+    text = capsys.readouterr().out
+    assert "Video" not in text and "F=" not in text, text
+    assert cli_main(["edge", "pixelize", "--in", str(clip), "--eps", "0.5", "--b", "16", "--m", "4",
+                     "--out", str(tmp_path / "vid")]) == 0
+    assert f"F*eps = {CLIP.frames * 0.5:g}" in capsys.readouterr().out  # a video keeps its composition line

@@ -164,7 +164,9 @@ def test_roi_outside_the_frame_refused() -> None:
     tracker = BoxTracker(parse_roi("500,500,20,20"), threshold=0.1)
     with pytest.raises(ValueError, match="--roi.*outside"):
         tracker.box((240, 320))
-    assert BoxTracker(parse_roi("300,200,50,50"), threshold=0.1).box((240, 320))[1] == "roi"
+    with pytest.raises(ValueError, match=r"--roi 300,200,50,50 \(x,y,w,h\) reaches past the 240x320 \(HxW\) frame"):
+        BoxTracker(parse_roi("300,200,50,50"), threshold=0.1).box((240, 320))  # partly outside: issue 42, item 8
+    assert BoxTracker(parse_roi("300,200,20,40"), threshold=0.1).box((240, 320))[1] == "roi"
 
 
 def test_negative_threads_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -347,6 +347,11 @@ def test_pixelize_claim():
     assert f"{255 * 16 / (16**2 * 0.5):.4g} for 16x16" in text and f"{255 * 16 / (8**2 * 0.5):.4g} for 8x8" in text
     uniform = pixelize_claim(spec, mask_source="none", frames=1)
     assert "reveals" not in uniform and "F*eps = 0.5" in uniform
+    stills = pixelize_claim(spec, mask_source="none", frames=4, kind="images")
+    assert "Video" not in stills and "each of the 4 images is 0.5-DP on its own" in stills and "2 if in all" in stills
+    assert "Video" not in pixelize_claim(spec, mask_source="none", frames=1, kind="image")
+    with pytest.raises(ValueError, match="kind"):
+        pixelize_claim(spec, mask_source="none", frames=1, kind="album")
     with pytest.raises(ValueError, match="mask_source"):
         pixelize_claim(spec, mask_source="pose", frames=1)
     with pytest.raises(ValueError, match="frames"):

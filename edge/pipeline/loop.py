@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import signal
@@ -90,12 +91,16 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
         stop.install()
         source.open()  # before creating any output: an unopenable source leaves nothing behind
         t_start = time.perf_counter()
+        frames = source.frames()
+        first = next(frames, None)
+        if first is not None:  # a wrong ROI is refused before anything is written
+            tracker.check_roi(first[1].shape[:2])
         out_dir.mkdir(parents=True, exist_ok=True)
         if options.pixelize is not None:
             report.pixelized_dir = out_dir / PIXELIZED_DIR
             report.pixelized_dir.mkdir(exist_ok=True)
         with open(report.keypoints_path, "w", buffering=1) as jsonl:
-            for index, frame, pos_ms in source.frames():
+            for index, frame, pos_ms in itertools.chain([first] if first is not None else [], frames):
                 if stop.signal is not None:
                     break
                 if frame.ndim == 2:

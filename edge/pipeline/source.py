@@ -25,18 +25,36 @@ class SourceError(OSError):
 
 @dataclass(frozen=True)
 class ReconnectPolicy:
-    """Reopen attempts after a failure: ``tries`` waits of base * 2^i seconds, capped at ``max_delay``."""
+    """Reopen attempts after a failure: ``tries`` waits of base * 2^i seconds, capped at ``max_delay``.
+
+    ``first_open_s`` bounds the waits before the *first* frame: a camera that was never there (wrong index,
+    unplugged, wrong URL) fails within that, with its message, instead of after the whole backoff (24 s with
+    the defaults); a service manager restarts the process if the camera is merely slow to come up. The full
+    backoff is for a source that delivered and then dropped.
+    """
 
     tries: int = 6
     base_delay: float = 0.5
     max_delay: float = 8.0
+    first_open_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.tries < 0 or self.base_delay < 0 or self.max_delay < self.base_delay:
-            raise ValueError(f"invalid reconnect policy {self}: need tries >= 0 and 0 <= base_delay <= max_delay")
+        if self.tries < 0 or self.base_delay < 0 or self.max_delay < self.base_delay or self.first_open_s < 0:
+            raise ValueError(f"invalid reconnect policy {self}: need tries >= 0, 0 <= base_delay <= max_delay "
+                             "and first_open_s >= 0")
 
     def delays(self) -> list[float]:
         return [min(self.max_delay, self.base_delay * 2**i) for i in range(self.tries)]
+
+    def first_delays(self) -> list[float]:
+        """The waits allowed before the first open: ``delays()`` while their sum stays within first_open_s."""
+        out, total = [], 0.0
+        for d in self.delays():
+            if total + d > self.first_open_s + 1e-9:
+                break
+            out.append(d)
+            total += d
+        return out
 
 
 def parse_source(source: str | int) -> int | str:
@@ -54,6 +72,19 @@ def parse_source(source: str | int) -> int | str:
 def is_live(source: int | str) -> bool:
     """Cameras and network streams can drop and come back; files end."""
     return isinstance(source, int) or "://" in str(source)
+
+
+def _missing_camera(index: int) -> str | None:
+    """Why camera ``index`` cannot exist on this machine (Linux: no /dev/videoN), or None when it may."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    if Path(f"/dev/video{index}").exists():
+        return None
+    present = sorted(p.name for p in Path("/dev").glob("video[0-9]*"))
+    return (f"no camera at index {index} (--source {index}): /dev/video{index} does not exist; video devices here: "
+            + (", ".join(present) if present else "none") + " (check the cable, or `v4l2-ctl --list-devices`)")
 
 
 def _open_capture(source: int | str) -> Any:
@@ -127,21 +158,27 @@ class FrameSource:
         """Open the source, retrying with backoff for live sources; ``SourceError`` when it never opens."""
         if not self._custom_opener and not self.live and not Path(str(self.source)).exists():
             raise FileNotFoundError(f"video source {self.source} does not exist")
+        if not self._custom_opener and isinstance(self.source, int):
+            missing = _missing_camera(self.source)
+            if missing:
+                raise SourceError(missing)
         if self._try_open():
             return
-        if self.live and self._reopen():
+        delays = self.policy.first_delays()
+        if self.live and self._reopen(delays):
             return
         raise SourceError(
             f"cannot open video source {self.source!r}"
-            + (f" after {self.policy.tries} retries" if self.live else "")
+            + (f" after {len(delays)} retries over {sum(delays):g} s" if self.live else "")
             + ": check the camera index / file path / URL (and that OpenCV was built with FFmpeg for files and streams)"
         )
 
-    def _reopen(self) -> bool:
-        """Backoff loop; True when the source is back."""
+    def _reopen(self, delays: list[float] | None = None) -> bool:
+        """Backoff loop (the policy's delays unless given); True when the source is back."""
         self.close()
-        for attempt, delay in enumerate(self.policy.delays(), start=1):
-            log.warning("source %r unavailable: retry %d/%d in %.2f s", self.source, attempt, self.policy.tries, delay)
+        delays = self.policy.delays() if delays is None else delays
+        for attempt, delay in enumerate(delays, start=1):
+            log.warning("source %r unavailable: retry %d/%d in %.2f s", self.source, attempt, len(delays), delay)
             self._sleep(delay)
             if self._try_open():
                 return True

@@ -69,13 +69,25 @@ class BoxTracker:
         self.source = "roi" if roi is not None else "full"
         self.lost_count = 0
 
+    def check_roi(self, frame_size: tuple[int, int]) -> None:
+        """Refuse an ROI that reaches past the (H, W) frame: it was set for another camera or resolution, and
+        the crop would be partly black border (or all of it), which the model reads as no person."""
+        if self.roi is None:
+            return
+        x, y, rw, rh = self.roi
+        h, w = frame_size
+        if x + rw <= w + 1e-6 and y + rh <= h + 1e-6:
+            return
+        text = ",".join(f"{v:g}" for v in self.roi)
+        inside = (min(x + rw, w) - x, min(y + rh, h) - y)
+        overlap = inside[0] > 0 and inside[1] > 0
+        hint = f"; the part inside the frame is --roi {x:g},{y:g},{inside[0]:g},{inside[1]:g}" if overlap else ""
+        raise ValueError(f"--roi {text} (x,y,w,h) {'reaches past' if overlap else 'lies outside'} the {h}x{w} (HxW) "
+                         f"frame: it needs x + w <= {w} and y + h <= {h}{hint}")
+
     def fallback(self, frame_size: tuple[int, int]) -> tuple[np.ndarray, str]:
         if self.roi is not None:
-            x, y, _, _ = self.roi
-            h, w = frame_size
-            if x >= w or y >= h:
-                raise ValueError(f"--roi {','.join(f'{v:g}' for v in self.roi)} lies outside the {w}x{h} frame "
-                                 "(x, y must be inside it)")
+            self.check_roi(frame_size)
             return np.array(self.roi, dtype=np.float64), "roi"
         h, w = frame_size
         return np.array([0.0, 0.0, float(w), float(h)]), "full"

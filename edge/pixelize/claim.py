@@ -6,17 +6,23 @@ from __future__ import annotations
 from shared.pixelization.spec import PixelizeSpec, _is_int
 
 _MASK_SOURCES = ("none", "keypoints", "file")
+_KINDS = ("video", "images", "image")
 
 
-def pixelize_claim(spec: PixelizeSpec, *, mask_source: str, frames: int) -> str:
+def pixelize_claim(spec: PixelizeSpec, *, mask_source: str, frames: int, kind: str = "video") -> str:
     """The honest privacy statement for DP pixelization (DESIGN P9), to print.
 
     Args:
         spec: the parameters used.
         mask_source: "none" (uniform grid), "keypoints" (mask from a pose
             estimate of the same frame) or "file" (a fixed mask image).
-        frames: number of frames F released for the video.
+        frames: number of frames F released (video), or of images released.
+        kind: "video" (frames of one scene: a person in view composes over the frames they are in, all F at
+            most), "images" (a folder of stills: each image is its own release; nothing says the same person
+            is in them) or "image" (one release, no composition).
     """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
     if mask_source not in _MASK_SOURCES:
         raise ValueError(f"mask_source must be one of {_MASK_SOURCES}, got {mask_source!r}")
     if not _is_int(frames) or frames < 1:
@@ -50,8 +56,15 @@ def pixelize_claim(spec: PixelizeSpec, *, mask_source: str, frames: int) -> str:
         lines.append("NOT protected: the region mask from the file is public; the cell layout it induces is released.")
     elif spec.n > 1:
         lines.append("No region mask: every cell has side b (n is unused).")
-    lines.append(
-        f"Video: over F={frames} frames the guarantee composes to F*eps = {frames * spec.eps:g} (basic composition) "
-        "for a person present in all frames."
-    )
+    if kind == "video":
+        lines.append(
+            f"Video: over F={frames} frames the guarantee composes to F*eps = {frames * spec.eps:g} (basic "
+            "composition) for a person present in all frames."
+        )
+    elif kind == "images" and frames > 1:
+        lines.append(
+            f"Images: each of the {frames} images is {spec.eps:g}-DP on its own. A person who appears in k of the "
+            f"{frames} images: k*eps (basic composition), {frames * spec.eps:g} if in all of them; a person in "
+            "none of them is not in the released data at all."
+        )
     return "\n".join(lines)
