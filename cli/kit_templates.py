@@ -12,6 +12,7 @@ INSTALL = "/opt/fedpose"  # where a site unpacks its kit: /opt/fedpose/<site>
 VENV = "/opt/fedpose/venv"  # the virtual environment fedpose is installed in
 STATE = "/var/lib/fedpose"  # systemd StateDirectory root: /var/lib/fedpose/<site>
 USER = "fedpose"  # the service account the SuperNode runs as
+CONTROL_PORT = 9093  # the SuperLink's own port on the server, 127.0.0.1 only (the sites dial the front's)
 
 POLICY = """\
 # fedpose site policy of {site}. Everything that decides this site's guarantee is pinned here, by the site.
@@ -125,9 +126,11 @@ On the federation server:
      fedpose server prepare --config {config} --out /srv/fedpose
 3. Start the SuperLink (in this folder; a service manager can run the same script):
      ./start-superlink.sh
-4. Add the connection to $FLWR_HOME/config.toml:
+   The sites dial {address}, where only the SuperNodes' API answers; the SuperLink
+   itself, and every flwr command, stays on this machine at 127.0.0.1:{control_port}.
+4. Add the connection to $FLWR_HOME/config.toml (on this machine):
      [superlink.pilot]
-     address = "{address}"
+     address = "127.0.0.1:{control_port}"
      root-certificates = "<the absolute path of ca.crt here>"
 5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them:
      ./register-sites.sh
@@ -143,12 +146,17 @@ On the federation server:
 
 SUPERLINK_SCRIPT = """\
 #!/bin/sh
-# Start the central SuperLink with TLS and SuperNode authentication.
+# Start the central SuperLink (TLS, SuperNode authentication) on this machine only, 127.0.0.1:{control_port},
+# where the operator's flwr and fedpose server run reach it; and the sites' address, 0.0.0.0:{port}, which
+# passes the SuperLink's Fleet API to it and refuses everything else (its Control API, which lists and stops
+# runs and registers and unregisters SuperNodes for whoever reaches it, never answers there).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-exec flower-superlink --ssl-ca-certfile "$here/ca.crt" --ssl-certfile "$here/server.pem" \\
-  --ssl-keyfile "$here/server.key" --enable-supernode-auth --host 0.0.0.0 --port {port} \\
+exec "${{FEDPOSE:-fedpose}}" server front --listen 0.0.0.0:{port} --superlink 127.0.0.1:{control_port} \\
+  --ca "$here/ca.crt" --cert "$here/server.pem" --key "$here/server.key" -- \\
+  flower-superlink --ssl-ca-certfile "$here/ca.crt" --ssl-certfile "$here/server.pem" \\
+  --ssl-keyfile "$here/server.key" --enable-supernode-auth --host 127.0.0.1 --port {control_port} \\
   --database "$here/superlink.db"
 """
 

@@ -7,8 +7,10 @@ address and the kit's file names), a start script and a systemd unit, and a READ
 No private key of a site is ever made here: each site makes its own (``fedpose site keygen``) and
 sends only the public key, so node authentication tells a site from the operator. The server's kit
 holds the CA, the server certificate, the SuperLink start script and ``register-sites.sh``, which
-registers the public keys the sites sent (``site-keys/<site>.pub``). Private keys are written at
-0600, never inside a git work tree (a kit there is one ``git add`` away from being published).
+registers the public keys the sites sent (``site-keys/<site>.pub``). The SuperLink listens on 127.0.0.1
+only; the sites' address is ``fedpose server front`` (cli/fleet_front.py), which passes its Fleet API
+alone. Private keys are written at 0600, never inside a git work tree (a kit there is one ``git add``
+away from being published).
 The texts are the templates of ``cli.kit_templates``, which the deployment guide shows too.
 """
 
@@ -42,7 +44,8 @@ def _write(path: Path, text: str, *, mode: int = 0o644) -> None:
 
 def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, days: int = 365,
               install: str = kit.INSTALL, state: str = kit.STATE, venv: str = kit.VENV,
-              user: str = kit.USER, config_name: str = "default") -> dict[str, Path]:
+              user: str = kit.USER, config_name: str = "default",
+              control_port: int = kit.CONTROL_PORT) -> dict[str, Path]:
     """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}."""
     from cli.certs import make_certs
 
@@ -59,6 +62,8 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
                          f"'server' (got {sites})")
     if not 0 < port < 65536:
         raise ValueError(f"provision: --port {port} is not a TCP port")
+    if not 0 < control_port < 65536 or control_port == port:
+        raise ValueError(f"provision: --control-port {control_port} must be a TCP port other than --port {port}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: provision into a new folder")
     server = out / "server"
@@ -89,10 +94,11 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
         _write(folder / "README.txt", f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, **paths))
         kits[site] = folder
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
-    _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port), mode=0o755)
+    _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
+           mode=0o755)
     app = Path(__file__).resolve().parents[1]  # the fedpose source the sites review (its Flower app)
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
-        address=address, config=config_name, app=app))
+        address=address, config=config_name, app=app, control_port=control_port))
     return kits
 
 
@@ -103,7 +109,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost"], port=args.port,
                      cfg=cfg, days=args.days, install=args.install_dir, state=args.state_dir, venv=args.venv,
-                     user=args.user, config_name=args.config)
+                     user=args.user, config_name=args.config, control_port=args.control_port)
     for name, path in kits.items():
         print(f"{name}: {path}")
     print("private keys (server/ca.key, server/server.key) are 0600 and stay here; send each site only its own "
@@ -120,7 +126,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     prov.add_argument("--sites", required=True, help="comma-separated site names, e.g. hospital-a,hospital-b")
     prov.add_argument("--host", action="append", default=None,
                       help="the server's name or IP (repeat; the first is the address sites dial)")
-    prov.add_argument("--port", type=int, default=8000, help="the SuperLink's Fleet API port, the one sites dial (default 8000)")
+    prov.add_argument("--port", type=int, default=8000, help="the port the sites dial (default 8000): it serves the "
+                                                             "SuperLink's Fleet API and nothing else")
+    prov.add_argument("--control-port", type=int, default=kit.CONTROL_PORT,
+                      help=f"the SuperLink's own port on 127.0.0.1, for the operator's flwr and fedpose server run "
+                           f"(default {kit.CONTROL_PORT})")
     add_config(prov, help="the federation's config, a file or a shipped name (default default): its batch size, "
                           "local steps and psi go into the kits")
     prov.add_argument("--days", type=int, default=365, help="certificate validity")

@@ -4,6 +4,7 @@
 ``run``: submit the federation to the SuperLink with ``flwr run``, follow it and exit non-zero unless it
 finished completed (``flwr run`` itself returns 0 as soon as the run is submitted).
 ``status``: the run folder's rounds, per-site spend and events (server/status.py).
+``front``: the sites' address, which passes the SuperLink's Fleet API only (cli/fleet_front.py).
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ def register(sub: Any) -> None:
     run.add_argument("--poll", type=float, default=10.0, help="seconds between two looks at the run (default 10)")
     run.add_argument("--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=cmd_run)
+
+    from cli.fleet_front import register as register_front
+
+    register_front(ss)
 
     st = ss.add_parser("status", help="a run folder's rounds, per-site spend against budget, events")
     st.add_argument("--out", required=True, help="the run's results folder")

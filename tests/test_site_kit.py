@@ -56,9 +56,10 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
     venv = Path(sys.executable).parent.parent
     env = flower_env(tmp_path / "flwr-home")
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env["PATH"]])
-    port = free_port()
+    port, control_port = free_port(), free_port()
     sites = ["site-0", "site-1"]
     _run(f"fedpose provision --out {kits} --sites {','.join(sites)} --host 127.0.0.1 --port {port} "
+         f"--control-port {control_port} "
          f"--config {config} --install-dir {kits} --state-dir {state} --venv {venv}", tmp_path, env)
     server = kits / "server"
     bundle = None
@@ -85,9 +86,12 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
         wait_for(lambda: _healthy(port, server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
                  poll=1.0)
         assert procs[0].poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
-        # step 4 of the server README, as it says: the connection in $FLWR_HOME/config.toml
+        # step 4 of the server README, as it says: the connection in $FLWR_HOME/config.toml (the SuperLink's own
+        # address on this machine; the sites dial 127.0.0.1:{port}, which passes the Fleet API only)
+        (address,) = re.findall(r'address = "([^"]+)"', (server / "README.txt").read_text())
+        assert address == f"127.0.0.1:{control_port}"
         (tmp_path / "flwr-home" / "config.toml").write_text(
-            f'[superlink]\ndefault = "pilot"\n\n[superlink.pilot]\naddress = "127.0.0.1:{port}"\n'
+            f'[superlink]\ndefault = "pilot"\n\n[superlink.pilot]\naddress = "{address}"\n'
             f'root-certificates = "{server / "ca.crt"}"\n')
 
         # -- each hospital: its kit README, as written

@@ -149,8 +149,9 @@ def config_page() -> str:
 # Blocks of the how-to pages that show a kit's files: <!-- kit:NAME --> ... <!-- /kit:NAME -->, filled from the
 # templates fedpose provision uses (cli/kit_templates.py), for an example site, so the guide and a kit never differ.
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
-EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "api_port": 9094,
-           "health_port": 9095, "config": "default", "app": "/srv/fedpose/src", "sites": "hospital-a hospital-b"}
+EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
+           "api_port": 9094, "health_port": 9095, "config": "default", "app": "/srv/fedpose/src",
+           "sites": "hospital-a hospital-b"}
 
 
 def kit_blocks() -> dict[str, str]:
