@@ -113,6 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     pix = parse_pixelize(args.pixelize)
+    truth = _ground_truth(args.source)
     options = PipelineOptions(
         out_dir=Path(args.out_dir),
         roi=parse_roi(args.roi),
@@ -126,6 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_eps=args.max_eps,
         store=args.store,
+        truth=truth,
     )
     source = FrameSource(args.source, policy=ReconnectPolicy(tries=args.reconnect_tries))
     with make_runtime(args.model, args.backend, threads=args.threads, device=args.device) as runtime:
@@ -142,6 +144,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("privacy of the published outputs:")
         print(report.claim)
     return 0
+
+
+def _ground_truth(source: str) -> dict[str, Any] | None:
+    """The ground truth beside a video file (``clip.mp4.json`` from ``edge demo-video``), or None."""
+    from edge.demo_video import load_truth, sidecar_path
+
+    path = sidecar_path(source)
+    if "://" in source or source.strip().isdigit() or not path.is_file():
+        return None
+    truth = load_truth(source)
+    truth["path"] = path
+    return truth
 
 
 def cmd_demo_video(args: argparse.Namespace) -> int:

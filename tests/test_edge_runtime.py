@@ -256,8 +256,9 @@ def test_tracker_follows_keypoints_and_falls_back_to_roi():
     box, src = tracker.box((240, 320))
     assert src == "roi" and tracker.lost_count == 1
     tiny = np.array([[100, 100], [102, 101], [101, 104], [103, 103]] + [[0, 0]] * 12, float)
-    tracker.update(tiny, sc, (240, 320))  # keypoints collapsed onto one spot: the box keeps a minimum size
+    tracker.update(kp, sc, (240, 320))
+    tracker.update(tiny, sc, (240, 320))  # keypoints collapsed onto one spot: dropped, not kept (issue 42)
     box, src = tracker.box((240, 320))
-    assert src == "track" and np.isclose(box[2], 0.08 * 240) and np.isclose(box[3], 0.08 * 240)
+    assert src == "roi" and tracker.lost_count == 2
     no_roi = BoxTracker(None, threshold=0.1)
     assert no_roi.box((240, 320))[1] == "full" and tuple(no_roi.box((240, 320))[0]) == (0, 0, 320, 240)

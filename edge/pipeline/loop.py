@@ -85,6 +85,8 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
         _check_gui()
 
     writer = None
+    predicted: list[np.ndarray] = []  # (16, 2) per frame, when there is ground truth to score against
+    low_run = 0
     t_start = time.perf_counter()
     stop = _StopOnSignal()
     try:
@@ -107,6 +109,7 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                     frame = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
                 size = (frame.shape[0], frame.shape[1])
                 t0 = time.perf_counter()
+                tracker.see(frame)
                 box, box_source = _external_box(options.boxes, index, size) or tracker.box(size)
                 batch, mats = preprocess(frame, box[None], runtime.input_size)
                 face = None
@@ -119,6 +122,17 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
                 kps, scores = postprocess(sx, sy, mats, runtime.input_size)
                 latency = (time.perf_counter() - t0) * 1000.0
                 tracker.update(kps[0], scores[0], size)
+                report.box_sources[box_source] = report.box_sources.get(box_source, 0) + 1
+                if options.truth is not None:
+                    predicted.append(kps[0])
+                if int((scores[0] >= options.score_threshold).sum()) * 2 < len(scores[0]):
+                    report.low_confidence += 1
+                    low_run += 1
+                    if low_run == options.low_confidence_warn:
+                        log.warning("keypoint confidence has stayed low for %d frames (fewer than half the joints "
+                                    ">= %.3f): the keypoints are unreliable", low_run, options.score_threshold)
+                else:
+                    low_run = 0
                 report.latencies_ms.append(latency)
                 record = _frame_record(index, pos_ms, box, box_source, kps[0], scores[0], latency, face)
                 jsonl.write(json.dumps(record) + "\n")
@@ -168,6 +182,12 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
     report.reconnects = source.reconnects
     report.source_lost = source.lost
     report.track_lost = tracker.lost_count
+    report.reacquired = tracker.reacquired
+    if options.truth is not None and predicted:
+        from edge.pipeline.accuracy import pck_against_truth
+
+        report.accuracy = {"truth": str(options.truth.get("path", "")),
+                           **pck_against_truth(np.array(predicted), options.truth["joints"], options.truth["visible"])}
     report.overlay = options.overlay and options.pixelize is not None
     if options.pixelize is not None:
         report.claim = release_claim(

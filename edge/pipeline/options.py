@@ -80,6 +80,11 @@ class PipelineOptions:
     # this; keypoints go on. None: no limit (the claim states F x eps for whatever was released).
     max_eps: float | None = None
     store: str = "npz"  # how pixelized frames are written: npz (noisy cell means, restorable), png or jpeg
+    # Ground truth of the source (a demo clip's sidecar, ``edge.demo_video.load_truth``): the run is scored
+    # against it (PCK@0.2 of the person's height) in the report and summary.json.
+    truth: dict[str, Any] | None = None
+    # Frames in a row with fewer than half the joints at the score threshold before a warning is logged.
+    low_confidence_warn: int = 25
 
     def __post_init__(self) -> None:
         if self.max_frames is not None and self.max_frames < 1:
@@ -116,6 +121,10 @@ class PipelineReport:
     released: int = 0  # pixelized frames written
     budget_stop: int | None = None  # the frame index from which no frame was released (--max-eps reached)
     stopped_by: str | None = None  # the signal that ended the run (SIGINT, SIGTERM), if one did
+    low_confidence: int = 0  # frames with fewer than half the joints at the score threshold
+    reacquired: int = 0  # times the tracked box had left what moves and the person was found again
+    box_sources: dict[str, int] = field(default_factory=dict)  # frames per box source (track, motion, ...)
+    accuracy: dict[str, Any] | None = None  # against the source's ground truth, when it has one
 
     @property
     def fps(self) -> float:
@@ -138,6 +147,18 @@ class PipelineReport:
             lines.append(f"video: {self.video_path}")
         if self.stopped_by:
             lines.append(f"stopped by {self.stopped_by}: outputs finalised")
+        if self.box_sources:
+            lines.append("person box: " + ", ".join(f"{k} {v}" for k, v in sorted(self.box_sources.items()))
+                         + f" frames; {self.reacquired} re-acquisitions")
+        if self.frames and self.low_confidence:
+            lines.append(f"WARNING: low keypoint confidence on {self.low_confidence} of {self.frames} frames (fewer "
+                         "than half the joints at --threshold): keypoints there are unreliable (a weak model, the "
+                         "person out of view, or a scene unlike its training data)")
+        if self.accuracy:
+            a = self.accuracy
+            lines.append(f"accuracy vs ground truth {a['truth']}: PCK@0.2 {a['pck@0.2']:.3f} (of the person's height, "
+                         f"{a['joints']} joints over {a['frames']} frames), median error {a['median_error_px']:.1f} px "
+                         f"(person {a['median_height_px']:.0f} px)")
         if self.pixelized_dir:
             lines.append(f"pixelized frames: {self.released} released in {self.pixelized_dir}")
             if self.budget_stop is not None:
@@ -153,4 +174,6 @@ class PipelineReport:
                 "source_lost": self.source_lost, "seconds": round(self.seconds, 3), "fps": round(self.fps, 2),
                 "latency_ms": {"p50": self.latency(50), "p95": self.latency(95)} if self.latencies_ms else None,
                 "released_frames": self.released, "budget_stop": self.budget_stop, "stopped_by": self.stopped_by,
-                "empty_masks": self.empty_masks, "claim": self.claim}
+                "empty_masks": self.empty_masks, "low_confidence_frames": self.low_confidence,
+                "reacquired": self.reacquired, "box_sources": self.box_sources, "accuracy": self.accuracy,
+                "claim": self.claim}

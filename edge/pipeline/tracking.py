@@ -1,5 +1,6 @@
-"""The person box without a detector (rtmlib's PoseTracker idea): the ROI first, then the padded,
-smoothed box around the previous frame's confident keypoints; back to the ROI when tracking is lost.
+"""The person box without a detector (rtmlib's PoseTracker idea, plus a fixed camera's motion cue): the
+padded, smoothed box around the previous frame's confident keypoints; what moves (``MotionFinder``) when
+tracking is lost, collapsed or has left the moving person; the ROI or the full frame when nothing is known.
 """
 
 from __future__ import annotations
@@ -35,14 +36,77 @@ def parse_roi(value: str | None) -> tuple[float, float, float, float] | None:
     return x, y, w, h
 
 
-class BoxTracker:
-    """Where to crop the next frame: ROI first, then the previous keypoints (smoothed), ROI again when lost.
+class MotionFinder:
+    """Where something moves in a fixed camera's view: OpenCV's MOG2 background model on a downscaled frame.
 
-    smoothing: weight of the previous box in the exponential moving average of
-    centre and size (0 = follow the keypoints exactly).
-    min_fraction: the box side never drops below this fraction of the frame's
-    shorter side (and 16 px), so a model that collapses its keypoints onto one
-    spot cannot shrink the crop to nothing.
+    A weak pose model cannot find the person by itself: on a crop that misses the person its keypoints
+    cluster near the crop's middle, the next box from them is smaller, and the tracker collapses (issue 42:
+    a 15 px box on a 320x240 clip, median error 118 px). A ward camera does not move, so the person is
+    what differs from the learned background; ``box`` is the square person box around the robust extent
+    (2nd to 98th percentile) of the foreground pixels, or None while too little (a still scene, the first
+    frame) or too much (the camera moved, the light changed) of the frame differs.
+    """
+
+    def __init__(self, *, max_side: int = 160, history: int = 300, min_area: float = 0.01, max_area: float = 0.6,
+                 padding: float = 1.15) -> None:
+        import cv2
+
+        self._mog = cv2.createBackgroundSubtractorMOG2(history=history, varThreshold=25, detectShadows=False)
+        self._kernel = np.ones((3, 3), np.uint8)
+        self.max_side = max_side
+        self.min_area = min_area
+        self.max_area = max_area
+        self.padding = padding
+        self.frames = 0
+
+    def box(self, frame: np.ndarray) -> np.ndarray | None:
+        """Learn this (H, W[, 3]) uint8 frame and return the moving person's (x, y, w, h) box or None."""
+        import cv2
+
+        h, w = frame.shape[:2]
+        f = min(1.0, self.max_side / max(h, w))
+        small = cv2.resize(frame, (max(1, round(w * f)), max(1, round(h * f))), interpolation=cv2.INTER_AREA)
+        mask = cv2.morphologyEx(self._mog.apply(small), cv2.MORPH_OPEN, self._kernel)
+        self.frames += 1
+        if self.frames == 1:
+            return None  # the first frame is the background's first guess: nothing can differ yet
+        ys, xs = np.nonzero(mask)
+        if not self.min_area * mask.size <= len(xs) <= self.max_area * mask.size:
+            return None
+        lo = np.array([np.percentile(xs, 2), np.percentile(ys, 2)]) / f
+        hi = np.array([np.percentile(xs, 98) + 1, np.percentile(ys, 98) + 1]) / f
+        side = float((hi - lo).max()) * self.padding
+        cx, cy = (lo + hi) / 2.0
+        return np.array([cx - side / 2.0, cy - side / 2.0, side, side], dtype=np.float64)
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> float:
+    """Intersection over union of two (x, y, w, h) boxes."""
+    x0, y0 = max(a[0], b[0]), max(a[1], b[1])
+    x1, y1 = min(a[0] + a[2], b[0] + b[2]), min(a[1] + a[3], b[1] + b[3])
+    inter = max(0.0, x1 - x0) * max(0.0, y1 - y0)
+    union = a[2] * a[3] + b[2] * b[3] - inter
+    return float(inter / union) if union > 0 else 0.0
+
+
+class BoxTracker:
+    """Where to crop the next frame: the previous keypoints when they are confident, the moving person when
+    they are not (or when they left it), else the ROI (or the full frame).
+
+    Order for each frame (``box``), with ``see(frame)`` called first so the motion cue is current:
+    - "track": the padded, smoothed box around the previous frame's confident keypoints, as long as it
+      still overlaps what moves (IoU >= ``min_motion_iou`` with the motion box, when there is one);
+    - "motion": the box around what moves (``MotionFinder``), when tracking is lost, collapsed or has left
+      the moving person (a re-acquisition, counted in ``reacquired``);
+    - "hold": the last motion box, for a person who stopped moving;
+    - "roi" / "full": nothing else known yet.
+
+    Tracking is lost when fewer than ``min_points`` keypoints reach ``threshold`` or when the box from
+    them is smaller than ``min_fraction`` of the frame's shorter side (a model whose keypoints collapse
+    onto one spot): the box is dropped, never kept at a minimum size.
+
+    smoothing: weight of the previous box in the exponential moving average of centre and size (0 =
+    follow the keypoints exactly).
     """
 
     def __init__(
@@ -53,7 +117,9 @@ class BoxTracker:
         min_points: int = 4,
         smoothing: float = 0.3,
         padding: float = BOX_PADDING,
-        min_fraction: float = 0.08,
+        min_fraction: float = 0.1,
+        min_motion_iou: float = 0.5,
+        motion: bool = True,
     ) -> None:
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
@@ -65,9 +131,14 @@ class BoxTracker:
         self.smoothing = smoothing
         self.padding = padding
         self.min_fraction = min_fraction
+        self.min_motion_iou = min_motion_iou
+        self._motion = MotionFinder() if motion else None
+        self._moving: np.ndarray | None = None  # this frame's motion box
+        self._held: np.ndarray | None = None  # the last motion box seen
         self._box: np.ndarray | None = None
         self.source = "roi" if roi is not None else "full"
         self.lost_count = 0
+        self.reacquired = 0
 
     def check_roi(self, frame_size: tuple[int, int]) -> None:
         """Refuse an ROI that reaches past the (H, W) frame: it was set for another camera or resolution, and
@@ -86,14 +157,31 @@ class BoxTracker:
                          f"frame: it needs x + w <= {w} and y + h <= {h}{hint}")
 
     def fallback(self, frame_size: tuple[int, int]) -> tuple[np.ndarray, str]:
+        if self._moving is not None:
+            return clip_box(self._moving, frame_size, min_side=self._min_side(frame_size)), "motion"
+        if self._held is not None:
+            return clip_box(self._held, frame_size, min_side=self._min_side(frame_size)), "hold"
         if self.roi is not None:
             self.check_roi(frame_size)
             return np.array(self.roi, dtype=np.float64), "roi"
         h, w = frame_size
         return np.array([0.0, 0.0, float(w), float(h)]), "full"
 
+    def see(self, frame: np.ndarray) -> None:
+        """Update the motion cue with this frame (before ``box``)."""
+        if self._motion is None:
+            return
+        self._moving = self._motion.box(frame)
+        if self._moving is not None:
+            self._held = self._moving
+
     def box(self, frame_size: tuple[int, int]) -> tuple[np.ndarray, str]:
-        """(x, y, w, h) to crop this frame and where it came from ("roi", "full" or "track")."""
+        """(x, y, w, h) to crop this frame and where it came from ("track", "motion", "hold", "roi", "full")."""
+        if self._box is not None and self._moving is not None and \
+                box_iou(self._box, self._moving) < self.min_motion_iou:
+            log.debug("the tracked box left what moves (IoU %.2f): re-acquiring", box_iou(self._box, self._moving))
+            self._box = None
+            self.reacquired += 1
         if self._box is None:
             return self.fallback(frame_size)
         return clip_box(self._box, frame_size, min_side=self._min_side(frame_size)), "track"
@@ -105,9 +193,12 @@ class BoxTracker:
         measured = box_from_keypoints(
             keypoints, scores, threshold=self.threshold, min_points=self.min_points, padding=self.padding
         )
+        if measured is not None and max(measured[2], measured[3]) < self._min_side(frame_size):
+            log.debug("the keypoints collapsed onto a %.0f px box: dropping it", max(measured[2], measured[3]))
+            measured = None
         if measured is None:
             if self._box is not None:
-                log.debug("tracking lost (fewer than %d keypoints >= %.3f): back to the ROI", self.min_points,
+                log.debug("tracking lost (fewer than %d keypoints >= %.3f, or collapsed)", self.min_points,
                           self.threshold)
                 self.lost_count += 1
             self._box = None
