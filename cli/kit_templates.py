@@ -33,7 +33,11 @@ clip_norm: {clip_norm}                # per-record clip C
 psi: {psi}                     # fdp/fpdp: the feature map treated as public
 psi_min: {psi_min}                # its minimum strength (a fraction of the image's shorter side)
 augment: {augment}
-methods: [{method}]
+# Methods: dpsgd and proj, record-level DP (what leaves covers each image within epsilon, delta). Feature-DP
+# (fdp, fpdp) is opt-in: under it the server can read, exactly, a blurred copy of each image drawn for the public
+# term and its pose labels from one reply, and estimate how many records this site holds. To opt in, set:
+release_blurred_images_and_labels: false   # true: the server may read blurred images and their labels (Feature-DP)
+public_batch_size: {public_batch_size}          # fdp/fpdp: records drawn (each once) for the public term every step
 unit: record                  # record (one image) or patient (all images of one person; needs patient ids)
 data_path: FILL-ME            # the site's split directory, written by `fedpose site set-data`
 ledger_path: {state}/{site}/ledger.sqlite
@@ -122,8 +126,9 @@ SERVER_STEPS = """\
 On the federation server:
 
 1. Keep ca.key and server.key private (0600); never copy them to a site.
-2. Prepare the public data and pretrained weights (absolute paths, progress output):
-     fedpose server prepare --config {config} --out /srv/fedpose
+2. Prepare the public data and pretrained weights (absolute paths, progress output) from the federation's
+   config as provisioned (federation.yaml, in this folder). {method_note}:
+     fedpose server prepare --config federation.yaml --out /srv/fedpose
 3. Start the SuperLink (in this folder; a service manager can run the same script):
      ./start-superlink.sh
    The sites dial {address}, where only the SuperNodes' API answers; the SuperLink
@@ -171,3 +176,11 @@ for site in {sites}; do
   flwr supernode register "$key" pilot --name "$site"
 done
 """
+
+
+def method_note(method: str) -> str:
+    """What SERVER_STEPS says of the federation's method: the sites' policies are record-level unless they opt in."""
+    if method in ("fdp", "fpdp"):
+        return (f"It runs {method}, Feature-DP: a site's policy refuses it\n   unless that site opts in "
+                "(release_blurred_images_and_labels: true), after reading what that gives this server")
+    return f"It runs {method}, record-level DP,\n   which every site's policy accepts"

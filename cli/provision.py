@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
 from pathlib import Path
 
 from cli import kit_templates as kit
+
+log = logging.getLogger("fedpose")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -44,10 +47,11 @@ def _write(path: Path, text: str, *, mode: int = 0o644) -> None:
 
 def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, days: int = 365,
               install: str = kit.INSTALL, state: str = kit.STATE, venv: str = kit.VENV,
-              user: str = kit.USER, config_name: str = "default",
-              control_port: int = kit.CONTROL_PORT) -> dict[str, Path]:
+              user: str = kit.USER, control_port: int = kit.CONTROL_PORT) -> dict[str, Path]:
     """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}."""
     from cli.certs import make_certs
+    from client.policy import FEATURE_DP
+    from shared.config import dump_config
 
     out = out.expanduser().resolve()
     repo = _inside_git_tree(out)
@@ -83,7 +87,8 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
             site=site, epsilon=cfg.privacy.epsilon, delta=cfg.privacy.delta, lifetime_rounds=cfg.federation.rounds,
             rounds=cfg.federation.rounds, batch_size=cfg.train.batch_size, local_steps=cfg.federation.local_steps,
             clip_norm=cfg.privacy.clip_norm, psi=cfg.privacy.psi, psi_min=cfg.privacy.psi_param,
-            augment=str(cfg.data.augment).lower(), method=cfg.train.method, accountant=cfg.privacy.accountant,
+            augment=str(cfg.data.augment).lower(), public_batch_size=cfg.train.public_batch_size,
+            accountant=cfg.privacy.accountant,
             **paths))
         _write(folder / "kit.json", json.dumps({"site": site, "superlink": address, "ca": "ca.crt",
                                                 "approved": "approved.txt", "key": "node.key"}, indent=1) + "\n")
@@ -97,8 +102,13 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
     _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
            mode=0o755)
     app = Path(__file__).resolve().parents[1]  # the fedpose source the sites review (its Flower app)
+    dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
-        address=address, config=config_name, app=app, control_port=control_port))
+        address=address, app=app, control_port=control_port, method_note=kit.method_note(cfg.train.method)))
+    if cfg.train.method in FEATURE_DP:
+        log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
+                    "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "
+                    "record-level federation provision with --set train.method=proj", cfg.train.method)
     return kits
 
 
@@ -109,7 +119,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost"], port=args.port,
                      cfg=cfg, days=args.days, install=args.install_dir, state=args.state_dir, venv=args.venv,
-                     user=args.user, config_name=args.config, control_port=args.control_port)
+                     user=args.user, control_port=args.control_port)
     for name, path in kits.items():
         print(f"{name}: {path}")
     print("private keys (server/ca.key, server/server.key) are 0600 and stay here; send each site only its own "

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
-from shared.config import dump_config
+from shared.config import dump_config, replace
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +49,7 @@ def _run(command: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> 
 
 def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path_factory) -> None:
     cfg = prepare_world(world_root(tmp_path_factory), rounds=2, federation={"local_steps": 1, "round_timeout": 240})
+    cfg = replace(cfg, **{"train.method": "proj"})  # record-level: what a kit's policy accepts without an opt-in
     config = tmp_path / "federation.yaml"
     dump_config(cfg, config)
     data = Path(cfg.data.root)
@@ -140,6 +141,10 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             assert life["spent"] == pytest.approx(metrics["sites"][site]["epsilon_lifetime"], rel=1e-6)
             assert report["superlink"]["reachable"] and report["checks"]["current"]
             assert len(report["bundles"]["approved"]) == 1 and report["certificate"]["days_left"] > 300
+            # the kit's record-level default, as the site's console shows it
+            assert report["policy"]["guarantee"].startswith("record-level DP")
+            assert report["policy"]["methods"] == ["dpsgd", "proj"]
+            assert {r["method"] for r in report["rounds"]} == {"proj"}
     finally:
         stop(*procs)
 

@@ -150,23 +150,23 @@ def config_page() -> str:
 # templates fedpose provision uses (cli/kit_templates.py), for an example site, so the guide and a kit never differ.
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
 EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
-           "api_port": 9094, "health_port": 9095, "config": "default", "app": "/srv/fedpose/src",
+           "api_port": 9094, "health_port": 9095, "app": "/srv/fedpose/src",
            "sites": "hospital-a hospital-b"}
 
 
 def kit_blocks() -> dict[str, str]:
     """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
     from cli import kit_templates as kit
-    from shared.config import load_config
+    from shared.config import load_config, replace
 
-    cfg = load_config("default")
+    cfg = replace(load_config("default"), **{"train.method": "proj"})  # as the operator's guide provisions
     paths = {"install": kit.INSTALL, "venv": kit.VENV, "state": kit.STATE, "user": kit.USER}
     values = {**EXAMPLE, **paths, "epsilon": cfg.privacy.epsilon, "delta": cfg.privacy.delta,
               "lifetime_rounds": cfg.federation.rounds, "rounds": cfg.federation.rounds,
               "batch_size": cfg.train.batch_size, "local_steps": cfg.federation.local_steps,
               "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
-              "augment": str(cfg.data.augment).lower(), "method": cfg.train.method,
-              "accountant": cfg.privacy.accountant}
+              "augment": str(cfg.data.augment).lower(), "public_batch_size": cfg.train.public_batch_size,
+              "accountant": cfg.privacy.accountant, "method_note": kit.method_note(cfg.train.method)}
     names = ("POLICY", "START_SCRIPT", "SYSTEMD_UNIT", "SITE_STEPS", "SERVER_STEPS", "SUPERLINK_SCRIPT",
              "REGISTER_SCRIPT")
     return {name: getattr(kit, name).format(**values) for name in names}
