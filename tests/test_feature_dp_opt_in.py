@@ -25,16 +25,7 @@ from client.site import handle_train
 from shared.config import replace
 from shared.federation_messages import Refusal, RefusalCode
 from test_federation_site import _policy, _request, _rows
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-    from shared.runs import initial_model
-
-    cfg = prepare_world(world_root(tmp_path_factory))
-    state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
-    return cfg, state
+from test_site_releases import world  # noqa: F401 (the shared tiny world)
 
 
 def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world, tmp_path):

@@ -28,17 +28,7 @@ from client.site import SiteFailure, handle_train
 from shared.config import replace
 from shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _request, _rows
-from test_site_releases import _die_after_reading
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-    from shared.runs import initial_model
-
-    cfg = prepare_world(world_root(tmp_path_factory))
-    state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
-    return cfg, state
+from test_site_releases import _die_after_reading, world  # noqa: F401 (the shared tiny world)
 
 
 def _count_training(monkeypatch) -> list[int]:
