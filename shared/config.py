@@ -22,7 +22,7 @@ from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # n
 
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Unit = Literal["record", "patient"]
-Strategy = Literal["finetune", "full", "scratch"]
+Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head"]
 METHODS: tuple[str, ...] = get_args(Method)
 UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -33,6 +33,7 @@ MAX_INPUT_SIDE = 2048  # px per side of the model input (the paper uses 256 x 19
 MAX_HIDDEN = 4096  # width of the SimCC head's hidden layer
 MAX_JOINT_CHANNELS = 1024
 MAX_FACE_ATTRIBUTES = 64
+MAX_MULTIPLICITY = 64  # augmented copies of one record per step (privacy.augment_multiplicity)
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,19 @@ class PrivacyConfig:
     # accountant's for the sigma that ran, so it is below privacy.epsilon. The study's federated reference uses it:
     # a pooled run with the noise a federation's average carries (about sqrt(sites) times a pooled run's).
     noise_factor: float = 1.0
+    # Augmentation multiplicity (De et al. 2022): each sampled record is augmented this many times and its
+    # contribution is clip(mean of the K augmented copies' gradients, C): still one clipped term per record, so
+    # the accountant's epsilon does not depend on it; a step costs K times the per-sample gradients. 1: off.
+    # Record level only (a patient's records are already averaged before clipping).
+    augment_multiplicity: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.augment_multiplicity, bool) or not 1 <= self.augment_multiplicity <= MAX_MULTIPLICITY:
+            raise ConfigError(f"privacy.augment_multiplicity: must be an int in [1, {MAX_MULTIPLICITY}], got "
+                              f"{self.augment_multiplicity!r}")
+        if self.augment_multiplicity > 1 and self.unit != "record":
+            raise ConfigError("privacy.augment_multiplicity: > 1 is for privacy.unit: record (at patient level "
+                              "each patient's records are already averaged before clipping)")
         if self.epsilon <= 0:
             raise ConfigError(f"privacy.epsilon: must be > 0, got {self.epsilon}; pick a positive budget")
         if not 0 < self.delta < 1:
@@ -213,6 +225,9 @@ class PrivacyConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     method: Method = "fpdp"
+    # What trains: full (every weight), scratch (every weight, from random ones), finetune (stage 4, every
+    # LayerNorm, the heads), bitfit (every bias and LayerNorm, no weight matrix: 1 % of tinyvit-small, so the DP
+    # noise fills 100 times fewer coordinates), bitfit-head (bitfit and the heads' weights).
     strategy: Strategy = "full"
     epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
@@ -230,8 +245,14 @@ class TrainConfig:
     # raw: train on the images; psi: the non-private baseline "psi(x) only" (trained on psi of each record's
     # canonical crop, what the public term of fdp / fpdp sees); nonprivate only.
     images: Literal["raw", "psi"] = "raw"
+    # Exponential moving average of the trained weights (De et al. 2022): after every step
+    # w_ema <- ema w_ema + (1 - ema) w, and the run ends with w_ema in the model (centralized: over the whole run;
+    # a site: over its round's local steps). Post-processing of the DP updates: no privacy cost. 0: off.
+    ema: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"train.ema: must be in [0, 1) (0: off), got {self.ema}")
         if self.images == "psi" and self.method != "nonprivate":
             raise ConfigError(
                 f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is {self.method!r} "

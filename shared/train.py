@@ -32,8 +32,9 @@ from shared.pixelization.spec import PixelizeSpec
 from shared.privacy.audit_hooks import AuditHooks, ReleasedStep
 from shared.privacy.fpdp import DPSpec, dp_gradient
 from shared.privacy.psi import DPPixelize, PsiBatch, apply_psi, make_psi
-from shared.privacy.sampling import poisson_sample
+from shared.privacy.sampling import augmented_copies, poisson_sample
 from shared.privacy.subspace import column_major, compute_basis
+from shared.weight_average import WeightAverage
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,9 @@ def local_train(
         expected_batch=normaliser,
         chunk_size=privacy.chunk_size if chunk_size is None else chunk_size,
         unit=unit,
+        multiplicity=privacy.augment_multiplicity if method != "nonprivate" else 1,
     )
+    ema = WeightAverage(params, decay=train.ema) if train.ema > 0 else None
     psi = make_psi_from(privacy, generator) if method in WITH_PUBLIC else None
     canonical = None
     psi_only = make_psi_from(privacy, generator) if train.images == "psi" else None
@@ -268,6 +271,8 @@ def local_train(
         else:
             idx = poisson_sample(n, sample_rate=q, generator=generator)
             batch_sizes.append(int(idx.numel()))
+            if spec.multiplicity > 1:  # K augmented copies of each sampled record, clipped as one mean
+                idx, groups = augmented_copies(idx, spec.multiplicity)
         raw = private.batch(idx.tolist())
         if psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
             batch = {k: v for k, v in psi_on(psi_only, raw, device).tensors.items() if k != "index"}
@@ -307,8 +312,12 @@ def local_train(
             group["lr"] = train.lr * lr_factor(train.schedule, offset + step, total)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update()
         if progress and method != "nonprivate":
             bar.set_postfix(B=batch_sizes[-1], norm=f"{float(info['mean_norm']):.3f}")
+    if ema is not None:
+        ema.copy_to()  # the run releases the average of its iterates (post-processing)
     return LocalResult(
         method=method,
         sigma=spec.sigma,

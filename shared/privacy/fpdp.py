@@ -19,6 +19,13 @@ declared expected number of sampled patients. Noise, projection and the
 public gradient are unchanged; for fdp/fpdp psi(x) of every image of a patient
 stays public by assumption.
 
+Augmentation multiplicity (De et al. 2022, section 3.1; ``multiplicity`` K > 1,
+record level): every sampled record enters the batch as K augmented copies and
+its term of the sum is clip(mean of its K copies' gradients, C): one clipped
+term per record, as without it, so the sensitivity, the noise and the
+accountant's epsilon are those of K = 1; the mean over augmentations has less
+variance than one augmentation, so less of C is spent on it.
+
 Invariants enforced here:
 - P1: noise is drawn once per step and added to the SUM of clipped
   per-sample gradients; the projection is applied after the noise.
@@ -86,8 +93,15 @@ class DPSpec:
     expected_batch: float
     chunk_size: int = 16
     unit: str = "record"
+    multiplicity: int = 1  # augmented copies per record (record level): clip(mean of the K copies' gradients, C)
 
     def __post_init__(self) -> None:
+        k = self.multiplicity
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"multiplicity={self.multiplicity!r} must be a positive int (augmented copies per record)")
+        if k > 1 and self.unit != "record":
+            raise ValueError(f"multiplicity={k} is for unit='record'; at patient level a patient's records are "
+                             "averaged before clipping already")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is unknown; choose one of {METHODS}")
         if self.unit not in UNITS:
@@ -185,8 +199,9 @@ def _noisy_private_sum(
             "or use method='proj'/'fpdp'"
         )
     _check_unit_groups(spec, groups)
-    if spec.unit == "patient":
-        # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient.
+    if spec.unit == "patient" or spec.multiplicity > 1:
+        # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient, or of one record whose
+        # K augmented copies form its group.
         summed, norms, zeroed = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
             chunk_size=spec.chunk_size,
@@ -216,6 +231,11 @@ def _check_unit_groups(spec: DPSpec, groups: Tensor | None) -> None:
     if spec.unit == "patient" and groups is None:
         raise ValueError("unit='patient' needs groups: the patient of every record of the batch "
                          "(PatientGroups.expand)")
+    if spec.multiplicity > 1:
+        if groups is None:
+            raise ValueError(f"multiplicity={spec.multiplicity} needs groups: the record of every augmented copy "
+                             "(sampling.augmented_copies)")
+        return
     if spec.unit == "record" and groups is not None:
         raise ValueError("unit='record' clips every record on its own, but groups were given; pass "
                          "groups=None or use unit='patient'")

@@ -53,3 +53,20 @@ def poisson_sample(n: int, *, sample_rate: float, generator: torch.Generator) ->
         )
     draws = torch.rand(n, generator=generator, device=generator.device)  # (n,)
     return torch.nonzero(draws < q, as_tuple=False).reshape(-1).to(device="cpu", dtype=torch.long)
+
+
+def augmented_copies(indices: Tensor, copies: int) -> tuple[Tensor, Tensor]:
+    """Rows of a batch with ``copies`` augmented copies of every sampled record, and the record of each row.
+
+    Augmentation multiplicity (De et al. 2022): (B,) record indices -> rows (B * K,), each index K times in a
+    row (the dataset draws a fresh augmentation for every row), and groups (B * K,) = 0, ..., 0, 1, ..., B - 1,
+    the form ``clipping.clipped_group_sum`` clips one mean per group with. The Poisson draw itself is unchanged:
+    the accountant's q is the records', not the rows'.
+    """
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies={copies!r} must be a positive int (privacy.augment_multiplicity)")
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be 1-d, got shape {tuple(indices.shape)}")
+    rows = indices.repeat_interleave(copies)  # (B * K,)
+    groups = torch.arange(indices.numel(), dtype=torch.long).repeat_interleave(copies)  # (B * K,)
+    return rows, groups

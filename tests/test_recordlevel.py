@@ -1,0 +1,253 @@
+"""Record-level DP recipes: augmentation multiplicity, the bitfit strategy, the weight average.
+
+Augmentation multiplicity (``privacy.augment_multiplicity``) is checked against a per-example loop (each
+record's term is clip(mean of its K copies' gradients, C), the copies' gradients taken one example at a time),
+and the accountant's input is shown not to depend on K (still one clipped term per record). bitfit trains
+exactly the norms, the biases and the heads; the weight average is post-processing of the iterates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def toy():
+    from torch.func import functional_call
+
+    from test_privacy import ToyPose
+
+    torch.manual_seed(0)
+    model = ToyPose()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_fn(p, batch):
+        pred = functional_call(model, p, (batch["image"],))  # (B, 16, 2)
+        err = ((pred - batch["joints"]) ** 2).sum(-1) * batch["visible"]  # (B, 16)
+        return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
+
+    return loss_fn, params
+
+
+def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tensor:
+    """Reference: per record, the gradient of each of its K copies by its own autograd call, their mean, clipped."""
+    from shared.privacy.subspace import flatten
+
+    rows = batch["image"].shape[0]
+    total = None
+    for record in range(rows // copies):
+        per_copy = []
+        for row in range(record * copies, (record + 1) * copies):
+            leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+            loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
+            per_copy.append(flatten(dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))))
+        mean = torch.stack(per_copy).mean(0)
+        clipped = mean * min(1.0, clip / (float(mean.norm()) + 1e-6))
+        total = clipped if total is None else total + clipped
+    return total
+
+
+@pytest.mark.parametrize("copies", [2, 4])
+def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_loop(toy, copies):
+    """g = (sum_records clip(mean_k g_{i,k}, C) + N(0, sigma^2 C^2 I)) / B: one clipped term per record."""
+    from shared.privacy.fpdp import DPSpec, dp_gradient
+    from shared.privacy.noise import gaussian_noise_like, make_generator
+    from shared.privacy.sampling import augmented_copies
+    from shared.privacy.subspace import flatten
+    from test_privacy import make_batch
+
+    loss_fn, params = toy
+    records = 5
+    rows, groups = augmented_copies(torch.tensor([3, 7, 8, 12, 20]), copies)
+    assert rows.tolist() == [i for i in (3, 7, 8, 12, 20) for _ in range(copies)]
+    assert groups.tolist() == [j for j in range(records) for _ in range(copies)]
+    batch = make_batch(records * copies, seed=5)  # every row its own image: the copies' different augmentations
+    unclipped = _record_loop(loss_fn, params, batch, copies, clip=1e9)
+    norms = [float(_record_loop(loss_fn, params, {k: v[r * copies:(r + 1) * copies] for k, v in batch.items()},
+                                copies, clip=1e9).norm()) for r in range(records)]
+    clip = sorted(norms)[2] * 1.01  # some records clipped, some not
+    want_sum = _record_loop(loss_fn, params, batch, copies, clip=clip)
+    assert not torch.allclose(want_sum, unclipped)  # clipping did something
+    spec = DPSpec(method="dpsgd", clip_norm=clip, sigma=1.3, sample_rate=0.25, expected_batch=4.0,
+                  multiplicity=copies, chunk_size=3)  # chunks that split a record's copies
+    got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
+                            generator=make_generator(8, "cpu")[0], basis=None)
+    noise = gaussian_noise_like(params, std=1.3 * clip, generator=make_generator(8, "cpu")[0])
+    torch.testing.assert_close(flatten(got), (want_sum + flatten(noise)) / 4.0, rtol=1e-5, atol=1e-6)
+    assert info["batch_size"] == records and info["unit"] == "record"  # records, not rows
+    # the clipped mean of K copies is not the sum of K clipped copies (what K records would give)
+    rowwise = _record_loop(loss_fn, params, batch, 1, clip=clip)
+    assert not torch.allclose(rowwise, want_sum, rtol=1e-3)
+
+
+def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
+    from shared.privacy.fpdp import DPSpec, dp_gradient
+    from shared.privacy.noise import make_generator
+    from test_privacy import make_batch
+
+    loss_fn, params = toy
+    spec = DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.5, expected_batch=2.0, multiplicity=2)
+    with pytest.raises(ValueError, match="groups"):
+        dp_gradient(loss_fn, params, spec=spec, private_batch=make_batch(4), psi_batch=None,
+                    generator=make_generator(0, "cpu")[0], basis=None)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="multiplicity"):
+            DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.5, expected_batch=2.0, multiplicity=bad)
+    with pytest.raises(ValueError, match="multiplicity"):
+        DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.5, expected_batch=2.0, multiplicity=2,
+               unit="patient")
+    from shared.privacy.sampling import augmented_copies
+
+    rows, groups = augmented_copies(torch.zeros(0, dtype=torch.long), 3)  # an empty Poisson draw stays empty
+    assert rows.numel() == 0 and groups.numel() == 0
+    with pytest.raises(ValueError, match="copies"):
+        augmented_copies(torch.tensor([1, 2]), 0)
+
+
+def test_config_validates_the_recipe_fields():
+    from shared.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict({})
+    assert cfg.privacy.augment_multiplicity == 1 and cfg.train.ema == 0.0
+    cfg = config_from_dict({"privacy": {"augment_multiplicity": 4}, "train": {"ema": 0.99, "strategy": "bitfit"}})
+    assert (cfg.privacy.augment_multiplicity, cfg.train.ema, cfg.train.strategy) == (4, 0.99, "bitfit")
+    for bad in (0, 65, 2.5, "4"):
+        with pytest.raises(ConfigError, match="augment_multiplicity"):
+            config_from_dict({"privacy": {"augment_multiplicity": bad}})
+    with pytest.raises(ConfigError, match="augment_multiplicity"):
+        config_from_dict({"privacy": {"augment_multiplicity": 2, "unit": "patient"}})
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ConfigError, match="train.ema"):
+            config_from_dict({"train": {"ema": bad}})
+
+
+def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
+    from shared.config import config_from_dict, replace
+    from shared.config_flat import identity_flat
+
+    cfg = config_from_dict({})
+    flat = identity_flat(cfg)
+    assert "privacy.augment_multiplicity" not in flat and "train.ema" not in flat
+    moved = identity_flat(replace(cfg, **{"privacy.augment_multiplicity": 2, "train.ema": 0.9}))
+    assert moved["privacy.augment_multiplicity"] == 2 and moved["train.ema"] == 0.9
+
+
+@pytest.mark.parametrize("strategy", ["bitfit", "bitfit-head"])
+def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(strategy):
+    from torch import nn
+
+    from shared.config import config_from_dict
+    from shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
+    from shared.privacy import bookkeeping
+
+    cfg = config_from_dict({})
+    model = build_model(cfg.model, cfg.data.input_size)
+    names = trainable_names(model, strategy)
+    norms = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.LayerNorm)
+             for p, _ in mod.named_parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        head = strategy == "bitfit-head" and name.startswith("head.")
+        want = name != TASK_SCALE and (head or name in norms or name.endswith(".bias"))
+        assert (name in names) == want, name  # the task weights stay at their public values
+    assert any(n.startswith("stages.0.") for n in names)  # the whole trunk's biases, not only the last stage
+    total = sum(p.numel() for p in model.parameters())
+    share = sum(p.numel() for n, p in model.named_parameters() if n in set(names)) / total
+    assert share < (0.15 if strategy == "bitfit-head" else 0.02)
+    named = dict(model.named_parameters())
+    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
+
+
+def test_weight_average_is_the_exponential_average_of_the_iterates():
+    from shared.weight_average import WeightAverage
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    avg = WeightAverage([w], decay=0.75)
+    want = w.detach().clone()
+    for step in range(5):
+        with torch.no_grad():
+            w.add_(torch.tensor([0.5 * step, 1.0]))
+        avg.update()
+        want = 0.75 * want + 0.25 * w.detach()
+    torch.testing.assert_close(avg.shadow[0], want)
+    avg.copy_to()
+    torch.testing.assert_close(w.detach(), want)
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="decay"):
+            WeightAverage([w], decay=bad)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from federation_support import prepare_world, world_root
+
+    return prepare_world(world_root(tmp_path_factory))
+
+
+def _train(cfg, steps, seen, monkeypatch, *, seed=0):
+    import shared.train as train_module
+    from shared.data.mpii import load_split
+    from shared.privacy.noise import make_generator
+    from shared.runs import initial_model
+
+    real_step = train_module.dp_gradient
+
+    def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
+        seen.append((spec, private_batch["image"].clone(), groups))
+        return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
+
+    monkeypatch.setattr(train_module, "dp_gradient", step)
+    dataset = train_module.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=seed)
+    model = initial_model(cfg, progress=False)
+    result = train_module.local_train(model, dataset, method=cfg.train.method, train=cfg.train, privacy=cfg.privacy,
+                                      sigma=1.0, steps=steps, generator=make_generator(seed)[0], progress=False)
+    return model, result
+
+
+def test_local_train_augments_each_record_k_times_and_accounts_as_without(world, monkeypatch):
+    """Same Poisson draw of records, K rows each with their own augmentation, the record of each row as its
+    group; (sigma, q, steps), the accountant's whole input, is that of K = 1, so epsilon does not move."""
+    from shared.config import replace
+    from shared.privacy.accountant import StepRecord, epsilon_spent
+
+    base = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4})
+    plain_seen, many_seen = [], []
+    _, plain = _train(base, 3, plain_seen, monkeypatch)
+    _, many = _train(replace(base, **{"privacy.augment_multiplicity": 3}), 3, many_seen, monkeypatch)
+    assert (many.sigma, many.sample_rate, many.steps, many.n) == (plain.sigma, plain.sample_rate, plain.steps,
+                                                                 plain.n)
+    eps = [epsilon_spent([StepRecord(sigma=r.sigma, sample_rate=r.sample_rate, steps=r.steps)], delta=1e-5)
+           for r in (plain, many)]
+    assert eps[0] == eps[1]
+    for (spec1, images1, groups1), (spec3, images3, groups3) in zip(plain_seen, many_seen):
+        assert spec1.multiplicity == 1 and groups1 is None
+        assert spec3.multiplicity == 3 and spec3.sample_rate == spec1.sample_rate
+        records = images1.shape[0]  # the same generator draws the same records
+        assert images3.shape[0] == 3 * records
+        assert groups3.tolist() == [j for j in range(records) for _ in range(3)]
+        for j in range(records):  # the copies of a record are different augmentations of it
+            copies = images3[3 * j:3 * j + 3]
+            assert not torch.equal(copies[0], copies[1]) and not torch.equal(copies[1], copies[2])
+
+
+def test_local_train_bitfit_leaves_the_other_weights_and_ema_releases_the_average(world, monkeypatch):
+    from shared.config import replace
+    from shared.runs import initial_model
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "train.strategy": "bitfit",
+                            "train.schedule": "constant"})
+    start = {n: p.detach().clone() for n, p in initial_model(cfg, progress=False).named_parameters()}
+    model, _ = _train(cfg, 2, [], monkeypatch)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])}
+    from shared.model.posenet import trainable_names
+
+    assert moved and moved <= set(trainable_names(model, "bitfit"))
+    # with the average on, the same run (same seeds, so the same iterates w1, w2) ends at 0.25 w0 + 0.25 w1 + 0.5 w2
+    first, _ = _train(cfg, 1, [], monkeypatch)
+    averaged, _ = _train(replace(cfg, **{"train.ema": 0.5}), 2, [], monkeypatch)
+    w1, w2 = dict(first.named_parameters()), dict(model.named_parameters())
+    for name, p in averaged.named_parameters():
+        want = 0.25 * start[name] + 0.25 * w1[name].detach() + 0.5 * w2[name].detach()
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-7)
+        if name in moved:
+            assert not torch.allclose(p.detach(), w2[name].detach())
