@@ -22,7 +22,7 @@ from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # n
 
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Unit = Literal["record", "patient"]
-Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head"]
+Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head", "full-fixed-tasks"]
 METHODS: tuple[str, ...] = get_args(Method)
 UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -227,7 +227,9 @@ class TrainConfig:
     method: Method = "fpdp"
     # What trains: full (every weight), scratch (every weight, from random ones), finetune (stage 4, every
     # LayerNorm, the heads), bitfit (every bias and LayerNorm, no weight matrix: 1 % of tinyvit-small, so the DP
-    # noise fills 100 times fewer coordinates), bitfit-head (bitfit and the heads' weights).
+    # noise fills 100 times fewer coordinates), bitfit-head (bitfit and the heads' weights), full-fixed-tasks (every
+    # weight but the task-uncertainty weights, kept at their public values: under DP their per-sample gradient,
+    # the same for every sample, takes much of each record's clip bound).
     strategy: Strategy = "full"
     epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).

@@ -158,6 +158,19 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
     assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
 
 
+def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
+    from shared.config import config_from_dict
+    from shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
+    from shared.privacy import bookkeeping
+
+    cfg = config_from_dict({"train": {"strategy": "full-fixed-tasks"}})
+    model = build_model(cfg.model, cfg.data.input_size)
+    names = trainable_names(model, cfg.train.strategy)
+    assert names == [n for n, _ in model.named_parameters() if n != TASK_SCALE]
+    named = dict(model.named_parameters())
+    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})
+
+
 def test_weight_average_is_the_exponential_average_of_the_iterates():
     from shared.weight_average import WeightAverage
 

@@ -125,7 +125,8 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     BitFit, Ben Zaken et al. 2021): under DP the noise fills every trained coordinate, so training ~1 % of the
     weights (9 k of 935 k on tinyvit-small) puts ~10 times less noise norm into each step for the same epsilon,
     while the public-pretrained weights keep the features. bitfit-head: bitfit and the heads' weights (87 k).
-    Both keep the task-uncertainty weights (``head.log_task_scale``) at their public-pretrained values: their
+    full-fixed-tasks: every weight but the task-uncertainty weights.
+    These three keep the task-uncertainty weights (``head.log_task_scale``) at their public-pretrained values: their
     per-sample gradient, three numbers of the same sign for every sample, has norm ~1 at the public start
     against ~0.3 for all the biases and norms together, so under a clip C it would take most of every record's
     bound and most of the signal the noise is calibrated to.
@@ -133,8 +134,11 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
     if strategy in ("full", "scratch"):
         return names
+    if strategy == "full-fixed-tasks":
+        return [n for n in names if n != TASK_SCALE]
     if strategy not in ("finetune", "bitfit", "bitfit-head"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit or bitfit-head")
+        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit, bitfit-head or "
+                         "full-fixed-tasks")
     norm_params = {
         f"{mod_name}.{p_name}" if mod_name else p_name
         for mod_name, mod in model.named_modules()
