@@ -96,6 +96,14 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-face.yaml", "--out", "{out}/study-face", "--record",
          "benchmarks/results/study-face", "--threads", "1", "--jobs", "2"),
     ), records=("study-face",)),
+    Entry("recordlevel", "record-level DP recipes: the public gradient norms C is chosen from, the public proxy ward "
+                         "the settings are chosen on, then the ward (cells kept in benchmarks/results/)", (
+        ("{py}", "benchmarks/public_grad_norms.py", "--out", "{out}/public_grad_norms.json"),
+        (*FEDPOSE, "study", "--config", "configs/study-recordlevel-proxy.yaml", "--out", "{out}/proxy", "--record",
+         "benchmarks/results/study-recordlevel-proxy", "--threads", "1"),
+        (*FEDPOSE, "study", "--config", "configs/study-recordlevel.yaml", "--out", "{out}/ward", "--record",
+         "benchmarks/results/study-recordlevel", "--threads", "1"),
+    ), results=("public_grad_norms.json",), records=("study-recordlevel-proxy", "study-recordlevel")),
     Entry("proj", "why proj ends below dpsgd: signal and noise of a step under Adam and SGD, and 30-epoch runs", (
         ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs", "--out", "{out}/proj_diagnosis.json"),
     ), results=("proj_diagnosis.json",)),

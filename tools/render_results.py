@@ -240,6 +240,63 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records)])
 
 
+RECORDLEVEL = ("fedpose study --config configs/study-recordlevel.yaml --out runs/study-recordlevel --threads 1 "
+               "--record benchmarks/results/study-recordlevel")
+
+
+def _guarantee(method: str) -> str:
+    if method in ("dpsgd", "proj"):
+        return "record-level DP"
+    if method in ("fdp", "fpdp"):
+        return "Feature-DP (psi(x) and labels public)"
+    return "none (no DP)"
+
+
+RECORDLEVEL_PROXY = ("fedpose study --config configs/study-recordlevel-proxy.yaml --out runs/study-recordlevel-proxy "
+                     "--threads 1 --record benchmarks/results/study-recordlevel-proxy")
+
+
+def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-recordlevel-proxy/: the same recipes on the public proxy ward (hyperparameters)."""
+    return render_recordlevel(records, command=RECORDLEVEL_PROXY)
+
+
+def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
+    """benchmarks/results/study-recordlevel/: the record-level recipes beside the start, non-private, psi-only and
+    the study's methods, centralized at eps 0.8; each row's share of the gain (non-private minus the start)."""
+    records = _one_start(records)
+    start = _pckh(records, method="pretrained")
+    nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
+    if not start or not nonprivate:
+        return "_The start and the non-private run have not finished yet._"
+    low, gain = start[0], statistics.mean(nonprivate) - start[0]
+    lines = ["| recipe | guarantee | PCKh@0.5 | share of the gain | epsilon (accountant) | sigma | steps | minutes |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| pretrained start (public data only) | none needed | {low:.2f} | 0 | | | | |"]
+    points = sorted({(r["cell"]["method"], r["cell"]["strategy"], r["cell"]["clip"], r["cell"]["variant"])
+                     for r in records if r["cell"]["method"] != "pretrained"},
+                    key=lambda p: (("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
+                                   p[1] != "full", p[3]))
+    for method, strategy, clip, variant in points:
+        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant)
+        values = [float(r["metrics"]["pckh"]["mean"]) for r in rows]
+        eps = [r["metrics"].get("epsilon") for r in rows]
+        eps_text = f"{max(eps):.4f}" if all(e is not None for e in eps) else ""
+        sigma = {round(float(r["metrics"]["sigma"]), 4) for r in rows if r["metrics"].get("sigma")}
+        steps = {int(r["metrics"]["steps"]) for r in rows if r["metrics"].get("steps")}
+        minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in rows) / 60
+        share = (statistics.mean(values) - low) / gain
+        label = ", ".join([method, *([strategy] if strategy != "full" else []),
+                           *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
+        lines.append(f"| {label} | {_guarantee(method)} | {_stat(values)} | {share:.2f} | {eps_text} | "
+                     f"{', '.join(f'{v:g}' for v in sorted(sigma))} | {', '.join(map(str, sorted(steps)))} | "
+                     f"{minutes:.1f} |")
+    notes = [f"PCKh@0.5 on the 240-image validation split, mean ± std (seeds); the gain is non-private minus the "
+             f"start ({statistics.mean(nonprivate):.2f} - {low:.2f} = {gain:.2f}); epsilon is the accountant's for the "
+             "(sigma, q, steps) that ran, the largest over seeds (delta 1e-5); minutes per run, one torch thread."]
+    return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, command)])
+
+
 def render_study30_sweep(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-30/: PCKh@0.5 against epsilon, centralized and federated."""
     records = _one_start(records)
@@ -545,6 +602,8 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "study30-sweep": ("study-30", render_study30_sweep),
     "study30-reference": ("study-30", render_study30_reference),
     "study-face": ("study-face", render_study_face),
+    "recordlevel": ("study-recordlevel", render_recordlevel),
+    "recordlevel-proxy": ("study-recordlevel-proxy", render_recordlevel_proxy),
     "proj": ("proj_diagnosis.json", render_proj),
     "dp-step": ("dp_step.json", render_dp_step),
     "edge-latency": ("edge_latency.json", render_edge_latency),
