@@ -110,6 +110,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
     ), results=("privacy_attacks.json",)),
+    Entry("reconstruction", "what one Feature-DP reply gives a server that crafts its weights: the blurred image and "
+                            "the labels of the record drawn, read back and scored", (
+        ("{py}", "benchmarks/feature_dp_reconstruction.py", "--out", "{out}", "--png",
+         "{out}/feature-dp-reconstruction.png"),
+    ), results=("feature_dp_reconstruction.json",)),
     Entry("dp-step", "a private step against a non-private one, its memory, and the public basis (machine idle)", (
         ("{py}", "benchmarks/dp_step.py", "--repeats", "9", "--out", "{out}/dp_step.json"),
     ), results=("dp_step.json",)),
