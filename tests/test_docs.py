@@ -73,6 +73,17 @@ def test_generated_pages_are_current(tool):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_cli_reference_lists_no_hidden_option():
+    """An option hidden from --help (argparse.SUPPRESS) showed on the CLI page as '==SUPPRESS=='."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from docs_reference import cli_page
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    page = cli_page()
+    assert "SUPPRESS" not in page and "--tolerance" not in page
+
+
 def test_every_fedpose_command_in_the_docs_parses():
     from cli.main import build_parser
 

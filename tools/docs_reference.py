@@ -37,6 +37,8 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
     for action in parser._actions:  # noqa: SLF001
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):  # noqa: SLF001
             continue
+        if action.help == argparse.SUPPRESS:  # hidden from --help: hidden here too
+            continue
         names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}`"
         if action.nargs == argparse.REMAINDER:
             names = f"`-- {action.dest.upper()}...`"
