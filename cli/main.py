@@ -204,10 +204,43 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
     p.add_argument("--verbose", action="store_true", help="debug logging")
 
 
+def _options_along(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """The option strings of ``parser`` and of the subcommands ``argv`` names below it."""
+    options = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001
+    for action in parser._actions:  # noqa: SLF001 - argparse exposes no public walk of its tree
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for i, token in enumerate(argv):
+                if token in action.choices:
+                    return options + _options_along(action.choices[token], argv[i + 1:])
+    return options
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors suggest the closest option for a mistyped one (``--conifg``: ``--config``)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> Any:
+        import difflib
+
+        argv = getattr(self, "_argv", [])
+        known = _options_along(self, argv)
+        hints = []
+        for token in argv:
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+        super().error(message + ("" if not hints else " (" + "; ".join(hints) + ")"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.config import METHODS, STRATEGIES, UNITS
 
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="fedpose", description="Federated, differentially private 2D human pose estimation."
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -125,3 +125,16 @@ def test_every_command_follows_the_cli_conventions(capsys):
         main(["train", "--no-such-option"])
     assert done.value.code == ExitCode.USAGE
     assert main(["train", "--config", "no-such-config", "--out", "x"]) == ExitCode.BAD_INPUT
+
+
+@pytest.mark.parametrize("argv, typo, suggestion", [
+    (["simulate", "--conifg", "default"], "--conifg", "--config"),  # with a required option missing, too
+    (["server", "status", "--out", "x", "--jsn"], "--jsn", "--json"),
+    (["edge", "run", "--model", "m.onnx", "--souce", "0"], "--souce", "--source"),
+])
+def test_a_mistyped_option_gets_a_suggestion(argv, typo, suggestion, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert f"{typo}: did you mean {suggestion}?" in err
