@@ -18,10 +18,24 @@ from cli.certs import LOOPBACK_NAMES, make_certs
 from cli.ledger import cmd_ledger
 from cli.simulation import flower_env
 from cli.site_policy import cmd_site_policy
+from shared.errors import ConfigError
 
 # ---------------------------------------------------------------------------
 # simulate
 # ---------------------------------------------------------------------------
+
+
+def check_simulation_sites(cfg: Any) -> None:
+    """A simulated federation has one site per ``data.train_splits`` entry: ``min_sites`` must fit.
+
+    (Not a Config rule: a centralized run with one split keeps the default
+    ``min_sites``, and a deployment's sites are its SuperNodes, not splits.)
+    """
+    if cfg.federation.min_sites > len(cfg.data.train_splits):
+        raise ConfigError(
+            f"federation.min_sites = {cfg.federation.min_sites} is more than the "
+            f"{len(cfg.data.train_splits)} sites of data.train_splits: no round could ever be aggregated"
+        )
 
 
 def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
@@ -76,7 +90,6 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from cli.main import emit_json, load_cli_config
-    from shared.config import check_simulation_sites
 
     out = Path(args.out).expanduser().resolve()
     overrides: dict[str, Any] = {"federation.out": str(out)}

@@ -51,15 +51,9 @@ B = q x n reveals n (approximately) through them, which the claim names;
 ``fedpose site-policy --expected-batch B`` computes q = B / n from the site's
 data when the policy is written, once, not per round.
 
-Feature-DP is an explicit opt-in (P17). Under fdp and fpdp each step adds the
-noise-free gradient of the public loss on psi(x) of ``public_batch_size``
-records drawn (without replacement) from the site's data; outside the basis
-V that gradient reaches the server exactly, and with crafted weights a server
-rebuilds the blurred image and the pose labels of each record drawn. So the
-policy allows fdp and fpdp only when it says so in one line,
-``release_blurred_images_and_labels: true``; ``methods`` then defaults to all
-four, otherwise to dpsgd and proj. The public batch size is pinned here and
-must fit the site's records (``fedpose site check`` refuses it otherwise).
+Feature-DP is an explicit opt-in (P17): under fdp/fpdp the server reads, exactly, psi(x) and the labels of
+the ``public_batch_size`` records a step draws (without replacement, never more than the site holds), so
+they are allowed only with ``release_blurred_images_and_labels: true``; ``methods`` then defaults to all four.
 
 Privacy unit (issue #11). ``unit`` and ``max_records_per_patient`` are optional
 version-2 fields: a policy without them means exactly what it meant before

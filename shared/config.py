@@ -1,9 +1,7 @@
 """Typed, frozen run configuration loaded from YAML and validated at the boundary.
 
-Every section is a frozen dataclass; ``load_config`` rejects unknown keys and
-wrong types naming the dotted key path (``train.lr: expected float, got str``).
-Flower's run config only holds flat scalars, so ``flatten``/``unflatten``
-convert to and from dotted keys at that boundary.
+Every section is a frozen dataclass; ``load_config`` rejects unknown keys and wrong types naming the dotted key
+path (``train.lr: expected float, got str``). Flower's run config holds flat scalars: ``flatten``/``unflatten``.
 """
 
 from __future__ import annotations
@@ -345,19 +343,6 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
-def check_simulation_sites(cfg: Config) -> None:
-    """A simulated federation has one site per ``data.train_splits`` entry: ``min_sites`` must fit.
-
-    (Not a Config rule: a centralized run with one split keeps the default
-    ``min_sites``, and a deployment's sites are its SuperNodes, not splits.)
-    """
-    if cfg.federation.min_sites > len(cfg.data.train_splits):
-        raise ConfigError(
-            f"federation.min_sites = {cfg.federation.min_sites} is more than the "
-            f"{len(cfg.data.train_splits)} sites of data.train_splits: no round could ever be aggregated"
-        )
-
-
 def section_from_dict(cls: Any, data: dict[str, Any], path: str) -> Any:
     """Build and validate one config section (e.g. a checkpoint's ``ModelConfig``), naming ``path``."""
     if not isinstance(data, dict):
@@ -381,19 +366,16 @@ def shipped_configs() -> list[str]:
 
 def config_path(name: str | Path) -> Path:
     """A config file: a path to a YAML file, or the name of one shipped with fedpose (``default``, ``paper``)."""
-    path = Path(name).expanduser()
-    if path.is_file():
-        return path
-    text = str(name)
-    if "/" not in text and not text.endswith((".yaml", ".yml")):
-        from importlib import resources
+    from importlib import resources
 
-        shipped = resources.files("configs") / f"{text}.yaml"
-        if shipped.is_file():
-            return Path(str(shipped))
-        raise ConfigError(f"no config file {text!r} and no shipped config of that name (shipped: "
-                          f"{', '.join(shipped_configs())})")
-    raise ConfigError(f"config file {path} does not exist (or name a shipped config: {', '.join(shipped_configs())})")
+    path, text = Path(name).expanduser(), str(name)
+    by_name = "/" not in text and not text.endswith((".yaml", ".yml"))
+    shipped = resources.files("configs") / f"{text}.yaml" if by_name else None
+    if path.is_file() or (shipped is not None and shipped.is_file()):
+        return path if path.is_file() else Path(str(shipped))
+    missing = f"no config file {text!r} and no shipped config of that name" if by_name else \
+        f"config file {path} does not exist (or name a shipped config)"
+    raise ConfigError(f"{missing} (shipped: {', '.join(shipped_configs())})")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
