@@ -18,6 +18,7 @@ treats the answer as the attacker's page's own). With a token, any Host is serve
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -165,7 +166,13 @@ def start_console(title: str, status: StatusFn, metrics: MetricsFn, *, host: str
     if host not in LOOPBACK and token is None:
         token = secrets.token_urlsafe(24)
     server_class = _IPv6Server if ":" in host else ThreadingHTTPServer  # "::1", "::": an IPv6 socket
-    server = server_class((host, port), _handler(Console(title, status, metrics, token=token)))
+    try:
+        server = server_class((host, port), _handler(Console(title, status, metrics, token=token)))
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
+        raise ValueError(f"port {port} on {host} is in use (another console?): choose another with --port, or "
+                         "--port 0 for any free one") from err
     thread = threading.Thread(target=server.serve_forever, name="fedpose-console", daemon=True)
     thread.start()
     return server, token

@@ -135,6 +135,10 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             row = mine["rounds"][0]
             cell = site_page.inner_text(f"[data-testid=round-eps-{row['federation']}-{row['round']}]")
             assert float(cell) == pytest.approx(row["epsilon"], abs=5e-5)
+            # a badge that asks for attention says why, beside it
+            assert site_page.inner_text("#badge").lower() == ("healthy" if mine["healthy"] else "needs attention")
+            assert site_page.inner_text("#badge-reason") == "; ".join(mine["problems"])
+            assert mine["healthy"] or mine["problems"]
             # the simulated site runs fpdp, so its policy opted in to Feature-DP: the page says what that gives away
             assert site_page.inner_text("[data-testid=guarantee]") == mine["policy"]["guarantee"]
             assert mine["policy"]["guarantee"].startswith("Feature-DP opted in")
@@ -275,3 +279,16 @@ def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
         conn.close()
     finally:
         server.shutdown()
+
+
+def test_a_second_console_on_a_taken_port_names_the_port_and_the_flag():
+    """Before: '[Errno 98] Address already in use', naming neither the port nor --port."""
+    from shared.console_web import start_console
+
+    first, _ = start_console("t", lambda: {"kind": "site"}, lambda s: [], port=0)
+    port = first.server_address[1]
+    try:
+        with pytest.raises(ValueError, match=rf"port {port} on 127.0.0.1 is in use.*--port"):
+            start_console("t", lambda: {"kind": "site"}, lambda s: [], port=port)
+    finally:
+        first.shutdown()
