@@ -165,7 +165,10 @@ class Pilot:
                         "--sample-rate", repr(cfg.train.batch_size / cfg.data.synth.per_site),
                         "--expected-batch", str(cfg.train.batch_size),
                         "--steps-per-round", str(cfg.federation.local_steps), "--psi-min", repr(cfg.privacy.psi_param),
-                        "--public-path", str(data / "public"))
+                        "--public-path", str(data / "public"),
+                        # a Feature-DP federation needs each site's opt-in (and its pinned public batch)
+                        *(["--release-blurred-images-and-labels", "--public-batch-size",
+                           str(cfg.train.public_batch_size)] if cfg.train.method in ("fdp", "fpdp") else []))
             # The hospital approves the bundle it reviewed (here: this repository, as `flwr run` builds it).
             fedpose_cli("site", "approve", "--bundle", str(self.app), "--approved", str(self.approved(i)))
 
