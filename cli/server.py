@@ -137,7 +137,9 @@ def register(sub: Any) -> None:
     prep.set_defaults(func=cmd_prepare)
 
     run = ss.add_parser("run", help="submit the federation with flwr run, follow it, exit 0 only if it finished "
-                                    "completed (1: failed or stopped; 3: not submitted)")
+                                    f"completed ({int(RUN_FAILED)}: failed, stopped or not submitted)",
+                        description="Submit the federation with flwr run and follow it. Exit 0 only if it finished "
+                                    f"completed; {int(RUN_FAILED)}: failed, stopped or not submitted.")
     run.add_argument("--connection", required=True, help="the SuperLink connection in $FLWR_HOME/config.toml "
                                                          "(e.g. pilot)")
     run.add_argument("--out", required=True, help="the run's results folder (on this machine)")

@@ -138,3 +138,17 @@ def test_a_mistyped_option_gets_a_suggestion(argv, typo, suggestion, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert f"{typo}: did you mean {suggestion}?" in err
+
+
+def test_server_run_says_the_exit_codes_it_returns(capsys):
+    """Its help and the operator's guide said 1 (failed or stopped) and 3 (not submitted); it returns 5 for both."""
+    from cli.server import NOT_SUBMITTED, RUN_FAILED
+    from federation_support import REPO
+
+    with pytest.raises(SystemExit):
+        main(["server", "run", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    said = f"{int(RUN_FAILED)}: failed, stopped or not submitted"
+    assert RUN_FAILED == NOT_SUBMITTED and said in shown
+    guide = " ".join((REPO / "docs" / "how-to" / "server.md").read_text().split())
+    assert f"{int(RUN_FAILED)} when it failed, was stopped (with the end of its log) or could not be submitted" in guide
