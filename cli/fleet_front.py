@@ -147,7 +147,8 @@ def make_app(upstream: str, ca: Path, *, timeout: float = 300.0) -> Any:
     return app
 
 
-def _healthy(upstream: str, ca: Path) -> bool:
+def healthy(upstream: str, ca: Path) -> bool:
+    """Whether ``upstream`` (HOST:PORT, a SuperLink or this front) answers its health route over TLS with ``ca``."""
     import urllib.request
 
     ctx = ssl.create_default_context(cafile=str(ca))
@@ -202,7 +203,7 @@ def _serve(host: str, port: int, upstream: str, *, ca: Path, cert: Path, key: Pa
 
     if child is not None:
         deadline = time.monotonic() + start_timeout
-        while not _healthy(upstream, ca):
+        while not healthy(upstream, ca):
             if child.poll() is not None:
                 print(f"fedpose server front: the SuperLink exited at start (code {child.returncode})",
                       file=sys.stderr)

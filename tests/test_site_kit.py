@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.fleet_front import healthy
 from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
 from shared.config import dump_config, replace
 
@@ -84,7 +85,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 _run(fill(command, subst), tmp_path, env)
                 (bundle,) = tmp_path.glob("*.fab")
         assert bundle is not None, server_cmds
-        wait_for(lambda: _healthy(port, server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
+        wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
                  poll=1.0)
         assert procs[0].poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
         # step 4 of the server README, as it says: the connection in $FLWR_HOME/config.toml (the SuperLink's own
@@ -147,15 +148,3 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             assert {r["method"] for r in report["rounds"]} == {"proj"}
     finally:
         stop(*procs)
-
-
-def _healthy(port: int, ca: Path) -> bool:
-    import ssl
-    import urllib.request
-
-    ctx = ssl.create_default_context(cafile=str(ca))
-    try:
-        with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=ctx, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.fleet_front import healthy
 from federation_support import bin_path, flower_env, free_port, start, stop, wait_for
 
 SITES = ["site-a", "site-b"]
@@ -38,18 +39,6 @@ def _flwr(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.C
 def _connection(flwr_home: Path, name: str, address: str, ca: Path) -> None:
     (flwr_home / "config.toml").write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
                                            f'address = "{address}"\nroot-certificates = "{ca}"\n')
-
-
-def _healthy(address: str, ca: Path) -> bool:
-    import ssl
-    import urllib.request
-
-    ctx = ssl.create_default_context(cafile=str(ca))
-    try:
-        with urllib.request.urlopen(f"https://{address}/health", context=ctx, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _nodes(env: dict[str, str], connection: str) -> list[dict]:
@@ -140,7 +129,7 @@ def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Pa
     link = start(["sh", str(server / "start-superlink-loopback.sh")], tmp_path / "superlink.log", operator)
     procs = [link]
     try:
-        wait_for(lambda: _healthy(public, kits / "site-b" / "ca.crt") or link.poll() is not None, 120,
+        wait_for(lambda: healthy(public, kits / "site-b" / "ca.crt") or link.poll() is not None, 120,
                  "the SuperLink", poll=0.5)
         assert link.poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
         # The operator's connection, as step 4 of the server README writes it, and the sites registered.
@@ -200,7 +189,7 @@ def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Pa
         stop(node)
         link.send_signal(signal.SIGTERM)
         assert link.wait(timeout=60) == 0, (tmp_path / "superlink.log").read_text()[-3000:]
-        wait_for(lambda: not _healthy(own, server / "ca.crt"), 30, "the SuperLink to stop with its front")
+        wait_for(lambda: not healthy(own, server / "ca.crt"), 30, "the SuperLink to stop with its front")
     finally:
         stop(*procs)
 
