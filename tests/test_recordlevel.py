@@ -11,23 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-@pytest.fixture
-def toy():
-    from torch.func import functional_call
-
-    from test_privacy import ToyPose
-
-    torch.manual_seed(0)
-    model = ToyPose()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def loss_fn(p, batch):
-        pred = functional_call(model, p, (batch["image"],))  # (B, 16, 2)
-        err = ((pred - batch["joints"]) ** 2).sum(-1) * batch["visible"]  # (B, 16)
-        return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
-
-    return loss_fn, params
+from test_patient_level import toy  # noqa: F401 (the toy pose model and its per-record loss)
 
 
 def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tensor:

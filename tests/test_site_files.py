@@ -23,21 +23,7 @@ from client.policy import min_sigma_for
 from client.site import handle_train
 from shared.config import replace
 from shared.federation_messages import BASIS, basis_record
-from test_federation_site import _policy, _request
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-    from shared.model.posenet import apply_strategy
-    from shared.runs import initial_model
-
-    cfg = prepare_world(world_root(tmp_path_factory))
-    model = initial_model(cfg, progress=False)
-    trainable = apply_strategy(model, cfg.train.strategy)
-    named = dict(model.named_parameters())
-    p = sum(named[n].numel() for n in trainable)
-    return cfg, {k: v.clone() for k, v in model.state_dict().items()}, p
+from test_federation_site import _policy, _request, world  # noqa: F401 (the shared tiny world)
 
 
 @pytest.fixture
@@ -71,7 +57,7 @@ def _round(cfg, state, p: int, policy, *, round: int = 1):
 
 
 def test_a_round_leaves_the_sites_folders_0700_and_its_files_0600(world, tmp_path, umask_022):
-    cfg, state, p = world
+    cfg, state, _, p = world
     top = tmp_path / "var"
     site = top / "fedpose" / "site-0"  # not there yet: the site makes it (and var/, fedpose/)
     policy = _policy(cfg, site, eval_path=str(Path(cfg.data.root) / "val"))  # the site's checks: the first file
@@ -99,7 +85,7 @@ def test_an_older_sites_files_are_narrowed_to_its_own_account(world, tmp_path, u
     """
     import sqlite3
 
-    cfg, state, p = world
+    cfg, state, _, p = world
     site = tmp_path / "site"
     site.mkdir()
     os.chmod(site, 0o755)
