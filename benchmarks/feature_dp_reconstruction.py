@@ -1,4 +1,5 @@
-"""What one Feature-DP reply gives a server that crafts the weights (docs/design.md P17), measured on a real site.
+"""What one Feature-DP reply gives a server that crafts the weights (P17 of docs/explanation/design.md),
+measured on a real site.
 
     python benchmarks/feature_dp_reconstruction.py [--config configs/default.yaml] [--site site-0]
         [--png docs/img/feature-dp-reconstruction.png] [--out benchmarks/results]

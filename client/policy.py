@@ -1,7 +1,7 @@
 """A site's own privacy policy (P6, P11): a YAML file the hospital controls, not the server.
 
 Everything that decides the site's guarantee is pinned here, so a hostile
-server can only ask for it, never choose it (docs/design.md section 4b)::
+server can only ask for it, never choose it (docs/explanation/design.md: threat model)::
 
     policy_version: 3
     site: hospital-a

@@ -1,4 +1,5 @@
-"""What a hospital site does with a server request (docs/design.md sections 2 and 4b; P6, P10-P15).
+"""What a hospital site does with a server request (docs/explanation/design.md: the round, the threat model;
+P6, P10-P15).
 
 The server is not trusted. ``handle_train`` checks a train request against the site's own policy
 and refuses (``Refusal``, nothing trained, ledger unchanged) anything weaker than the policy pins:

@@ -1,4 +1,4 @@
-"""Per-site noise plan, calibrated once up front (docs/design.md section 2, step 1).
+"""Per-site noise plan, calibrated once up front (docs/explanation/design.md: one federated round, step 1).
 
 For each site the server knows only what the site's policy declares (its
 answer to the query): its budget and rounds, its own sample rate q and

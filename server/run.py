@@ -1,4 +1,4 @@
-"""The server's round loop over a Flower Grid (docs/design.md section 2).
+"""The server's round loop over a Flower Grid (docs/explanation/design.md: one federated round).
 
 Per round: choose the sites that can still afford a planned round, refresh
 V if due, send each site the global weights (+ V if it lacks that version)

@@ -1,4 +1,4 @@
-"""What server and sites say to each other, in Flower records (docs/design.md section 2).
+"""What server and sites say to each other, in Flower records (docs/explanation/design.md: one federated round).
 
 Client and server never import each other, so the wire format lives here:
 record keys, refusal codes, the train request, the site's self-description

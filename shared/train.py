@@ -1,6 +1,6 @@
 """One local-training loop, used by centralized runs (``fedpose train``) and by sites.
 
-``local_train`` runs the FP-DP step of docs/design.md section 3 (Algorithm 1 of the
+``local_train`` runs the FP-DP step of docs/explanation/design.md (Algorithm 1 of the
 paper) or one of its four comparison methods for a number of steps on one
 private dataset and reports what actually ran (sigma, q, steps) so that the
 caller's accountant, not the plan, produces every epsilon.
@@ -150,7 +150,7 @@ def local_train(
 ) -> LocalResult:
     """Run ``steps`` optimizer steps of ``method`` on ``private``; the model is updated in place.
 
-    Per step (docs/design.md section 3):
+    Per step (docs/explanation/design.md, the FP-DP step):
       private batch ~ Poisson(q) from raw images, q = train.batch_size / n   (P4)
       g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B                     (P1, P15)
       g = V (V^T g) for proj / fpdp, V from public data only                (P2)

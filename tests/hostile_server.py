@@ -1,4 +1,5 @@
-"""A hostile ServerApp that attacks a real site ClientApp in Flower's simulation (docs/design.md section 4b).
+"""A hostile ServerApp that attacks a real site ClientApp in Flower's simulation (docs/explanation/design.md:
+threat model).
 
 Not a test module: ``tests/test_hostile_server.py`` runs it as a script,
 

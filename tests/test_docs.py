@@ -103,6 +103,25 @@ def test_every_fedpose_command_in_the_docs_parses():
     assert not bad, "commands the parser refuses:\n" + "\n".join(bad)
 
 
+CODE_DIRS = ("shared", "client", "server", "edge", "cli", "configs", "benchmarks", "tools", "tests")
+
+
+def test_every_docs_path_cited_in_code_exists():
+    """A page under docs/ that code cites is there (pages move; references rot). A path inside another
+    repository (``onnx-tensorrt/docs/...``) is not ours."""
+    cited = re.compile(r"(?<![\w/.-])docs/[\w./-]*?\.md\b")
+    files = [p for d in CODE_DIRS for p in sorted((REPO / d).rglob("*.py"))]
+    seen, bad = 0, []
+    for path in files:
+        for i, line in enumerate(path.read_text().splitlines()):
+            for ref in cited.findall(line):
+                seen += 1
+                if not (REPO / ref).is_file():
+                    bad.append(f"{path.relative_to(REPO)}:{i + 1}: {ref}")
+    assert seen > 10, seen  # the scan finds the references
+    assert not bad, "docs pages cited in code that do not exist:\n" + "\n".join(bad)
+
+
 def test_user_docs_speak_to_users():
     talk = re.compile(r"issue ?#?\d+|#\d{2}\b|this session|acceptance target|\bturn \d|\bround \d of the", re.I)
     found = [f"{p.relative_to(REPO)}:{i + 1}: {line.strip()[:90]}" for p in USER_DOCS

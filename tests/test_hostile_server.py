@@ -1,6 +1,6 @@
 """A malicious server against a real site (Flower simulation, real ClientApp, real SQLite ledger).
 
-``tests/hostile_server.py`` sends every attack of the threat model (docs/design.md section 4b,
+``tests/hostile_server.py`` sends every attack of the threat model (docs/explanation/design.md, threat model,
 invariants P10-P12) to a site whose policy pins fpdp. For each attack the site must refuse
 with a typed error, train nothing, and leave its ledger's content unchanged; a membership
 probe with a private image's hash must get exactly the reply a random hash gets; a reply

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-# ONNX operators the TensorRT 10.x ONNX parser supports (onnx-tensorrt
-# docs/operators.md of the 10.x releases, rows marked "Y"). Data, not code:
+# ONNX operators the TensorRT 10.x ONNX parser supports
+# (onnx-tensorrt/docs/operators.md of the 10.x releases, rows marked "Y"). Data, not code:
 # update it when the support matrix changes. Restrictions that matter for
 # this model are checked separately (constant pads, zero Q/DQ zero points).
 TRT10_ONNX_OPS: frozenset[str] = frozenset(

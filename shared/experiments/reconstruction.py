@@ -1,4 +1,4 @@
-"""What a server reads from one Feature-DP reply (fdp / fpdp; docs/design.md P17): crafted weights.
+"""What a server reads from one Feature-DP reply (fdp / fpdp; docs/explanation/design.md P17): crafted weights.
 
 Under fdp and fpdp every local step adds the public gradient g_pub = mean_x grad l(w, psi(x)) of a
 batch drawn from the site's own records, with no clipping and no noise (FP-DP Algorithm 1, the

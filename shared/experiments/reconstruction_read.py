@@ -1,5 +1,5 @@
-"""Read one Feature-DP reply back (docs/design.md P17): psi(x) at the crafted trunk's resolution and the exact
-pose labels of the record drawn for the public term, and score both against that record.
+"""Read one Feature-DP reply back (docs/explanation/design.md P17): psi(x) at the crafted trunk's resolution
+and the exact pose labels of the record drawn for the public term, and score both against that record.
 
 With the weights of ``shared.experiments.reconstruction.craft_weights``, a plain-SGD step (no momentum, no
 weight decay, learning rate lr, one step) and a basis V that leaves the read tensors out, the reply's read

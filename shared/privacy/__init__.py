@@ -1,4 +1,4 @@
-"""Privacy machinery of fedpose (docs/design.md sections 3 and 4).
+"""Privacy machinery of fedpose (docs/explanation/design.md: the FP-DP step and the invariants).
 
 Modules: ``persample`` (per-sample gradients, clipped sums), ``noise``
 (entropy-seeded generators, Gaussian noise), ``sampling`` (Poisson batches),

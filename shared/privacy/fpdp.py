@@ -1,4 +1,4 @@
-"""The feature-projective DP-SGD gradient (docs/design.md section 3, FP-DP Algorithm 1).
+"""The feature-projective DP-SGD gradient (docs/explanation/design.md: the step; FP-DP Algorithm 1).
 
     private batch B_priv ~ Poisson(q) from the site's raw images x
       g_i   = grad l(w, x_i)                              per sample

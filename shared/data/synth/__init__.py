@@ -1,7 +1,7 @@
 """Synthetic ward: procedural people in hospital-like rooms, written in the MPII json layout.
 
 No pose dataset can be downloaded here, so the default runs on this one
-(docs/design.md section 5). What it has to provide, and how:
+(docs/explanation/design.md: embedded data). What it has to provide, and how:
 
 - Plausible articulated people: a small 3-d kinematic model (hip/knee/
   shoulder/elbow angles, torso bend, lean and twist, body yaw) posed within
