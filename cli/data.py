@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,16 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
     from shared.data.convert import convert
 
     out = convert(args.format, args.annotations, args.images, args.out, headboxes=args.headboxes, copy=args.copy)
-    print(f"wrote {out} (MPII json layout): point data.root at its parent folder and name it in data.train_splits, "
-          "data.public_split or data.val_split")
+    if (out / "headboxes.json").is_file():
+        print(f"wrote {out} (MPII json layout): point data.root at its parent folder and name it in "
+              "data.train_splits, data.public_split or data.val_split")
+        return 0
+    print(f"wrote {out} (MPII json layout): point data.root at its parent folder and name it in data.train_splits "
+          "or data.public_split")
+    fix = ("convert it again with --headboxes (MPII's valid.json: the official mpii_gt_val.mat)"
+           if args.format == "mpii-json" else "take the validation split from MPII-layout data with head boxes")
+    print(f"warning: {out} has no head boxes, so PCKh cannot score it and it cannot be a data.val_split: {fix}",
+          file=sys.stderr)
     return 0
 
 

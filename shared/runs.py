@@ -72,6 +72,11 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
         if missing:
             raise FileNotFoundError(f"{root} has no split {', '.join(missing)} (each needs annotations.json and "
                                     f"images/).{hint}")
+        if not (root / cfg.data.val_split / "headboxes.json").is_file():  # before pretraining, not after it
+            raise ConfigError(f"data.val_split {cfg.data.val_split!r} ({root / cfg.data.val_split}) has no head boxes "
+                              "(headboxes.json), so PCKh cannot score it: convert it again with fedpose data convert "
+                              "--headboxes (MPII's valid.json: the official mpii_gt_val.mat), or name a split that "
+                              "has them")
         return root
     ward = ensure_ward(root, cfg.data.synth, progress=progress)
     if cfg.model.face_tasks:  # the face labels are a sidecar, written on first use

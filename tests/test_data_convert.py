@@ -82,3 +82,40 @@ def test_the_papers_config_names_what_to_download_when_the_data_is_absent(tmp_pa
                  "--quiet"]) == 3
     assert "no such directory" in capsys.readouterr().err
     assert not (tmp_path / "typo").exists()  # before: a synthetic ward was generated there and trained on
+
+
+def test_convert_says_loudly_when_the_split_it_wrote_has_no_head_boxes(tmp_path, capsys):
+    """A split without head boxes cannot be the validation split (PCKh needs them): convert says so when it writes
+    one, naming the flag that adds them, not the training run after its pretraining."""
+    mpii = _fixture("mpii")
+    out = tmp_path / "mpii" / "val"
+    assert main(["data", "convert", "--format", "mpii-json", "--annotations", str(mpii / "test_mpii.json"),
+                 "--images", str(mpii), "--out", str(out), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert not (out / "headboxes.json").exists()
+    assert "warning" in err.lower() and "no head boxes" in err and "data.val_split" in err and "--headboxes" in err, err
+
+
+def test_a_validation_split_without_head_boxes_is_refused_before_pretraining(tmp_path, capsys):
+    """Training checks the validation split at its start, in one line naming the split and the fix; nothing is
+    pretrained first."""
+    import shutil
+
+    import yaml
+
+    from federation_support import tiny_dict
+    from shared.config import config_from_dict
+    from shared.runs import ensure_data
+
+    data = tiny_dict(tmp_path / "w")
+    root = ensure_data(config_from_dict(data), progress=False)
+    files = tmp_path / "files"
+    shutil.copytree(root, files)
+    (files / "val" / "headboxes.json").unlink()
+    data["data"].update({"source": "files", "root": str(files)})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "o"), "--quiet"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "data.val_split 'val'" in err and "head boxes" in err and "--headboxes" in err, err
+    assert not (tmp_path / "w" / "pretrained" / "model.pt").exists()  # refused before pretraining
