@@ -70,6 +70,14 @@ def test_generator_is_deterministic_and_seed_dependent(tmp_path: Path, ward: Pat
     assert first["site-0/annotations.json"] != third["site-0/annotations.json"]
 
 
+def test_a_ward_drawn_by_several_processes_is_the_same_ward(tmp_path: Path, ward: Path) -> None:
+    # a large ward is drawn by a pool of processes (minutes on one core): the files must not depend on how many
+    parallel = synth.generate_ward(tmp_path / "parallel", TINY, progress=False, workers=2)
+    first, second = _files(ward), _files(parallel)
+    assert first.keys() == second.keys()
+    assert [name for name in first if first[name] != second[name]] == []
+
+
 # The synthetic ward's content under the locked environment (constraints.txt). The ward is drawn with OpenCV and
 # NumPy: a version of either that draws other pixels changes every number the results report, so it must fail
 # here, loudly, before anyone compares a result. Update this value only together with the lock and the results.

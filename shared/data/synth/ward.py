@@ -163,35 +163,68 @@ def manifest_for(spec: WardSpec) -> dict:
     }
 
 
-def _write_split(split_dir: Path, spec: WardSpec, split: str, count: int, bar) -> None:
+def _draw(job: tuple[WardSpec, str, Path, int]) -> tuple[dict, list, str, dict]:
+    """Render image ``index`` of ``split``, write its PNG, and return its annotation, head box, identity, meta."""
+    spec, split, images, index = job
+    image, record, identity_id, kind = render_sample(spec, split, index)
+    name = f"{split}_{index:06d}.png"
+    if not cv2.imwrite(str(images / name), image):
+        raise OSError(f"cannot write image file {images / name}")
+    center, scale = box_to_json(record.center, record.scale)
+    joints = np.where(record.visible[:, None], record.joints + 1.0, -1.0)
+    annotation = {
+        "image": name,
+        "center": [round(c, 4) for c in center],
+        "scale": round(scale, 6),
+        "joints": [[round(float(x), 4), round(float(y), 4)] for x, y in joints],
+        "joints_vis": [int(v) for v in record.visible],
+    }
+    headbox = [[round(float(v) + 1.0, 4) for v in corner] for corner in record.headbox]
+    meta = {"identity": identity_id, "kind": kind, "style": _style_for(spec, split, index)[0].name}
+    return annotation, headbox, identity_id, meta
+
+
+def _write_split(split_dir: Path, spec: WardSpec, split: str, count: int, bar, pool=None) -> None:
     images = split_dir / "images"
     images.mkdir(parents=True)
+    jobs = [(spec, split, images, index) for index in range(count)]
+    drawn = pool.map(_draw, jobs, chunksize=16) if pool is not None else map(_draw, jobs)
     annotations, headboxes, identities, meta = [], [], [], []
-    for index in range(count):
-        image, record, identity_id, kind = render_sample(spec, split, index)
-        name = f"{split}_{index:06d}.png"
-        if not cv2.imwrite(str(images / name), image):
-            raise OSError(f"cannot write image file {images / name}")
-        center, scale = box_to_json(record.center, record.scale)
-        joints = np.where(record.visible[:, None], record.joints + 1.0, -1.0)
-        annotations.append({
-            "image": name,
-            "center": [round(c, 4) for c in center],
-            "scale": round(scale, 6),
-            "joints": [[round(float(x), 4), round(float(y), 4)] for x, y in joints],
-            "joints_vis": [int(v) for v in record.visible],
-        })
-        headboxes.append([[round(float(v) + 1.0, 4) for v in corner] for corner in record.headbox])
+    for annotation, headbox, identity_id, info in drawn:  # in index order whoever drew them
+        annotations.append(annotation)
+        headboxes.append(headbox)
         identities.append(identity_id)
-        meta.append({"identity": identity_id, "kind": kind, "style": _style_for(spec, split, index)[0].name})
+        meta.append(info)
         bar.update(1)
     for file_name, payload in (("annotations.json", annotations), ("headboxes.json", headboxes),
                                ("identities.json", identities), ("meta.json", meta)):
         (split_dir / file_name).write_text(json.dumps(payload))
 
 
-def generate_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True) -> Path:
+def _pool(workers: int | None, total: int):
+    """A process pool for a ward worth it (each image depends only on the seed, its split and index), else None."""
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 16) if total >= PARALLEL_FROM else 1
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers == 1:
+        return None
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: the caller may hold torch's threads, which a forked child must not inherit
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+# below this many images one process draws the ward (starting workers costs about a second each)
+PARALLEL_FROM = 2000
+
+
+def generate_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True, workers: int | None = None) -> Path:
     """Write every split of ``spec`` under ``out_dir`` and return its path.
+
+    ``workers``: processes drawing the images (None: one per core, up to 16, for a ward of at least
+    ``PARALLEL_FROM`` images; one below). The files are the same whatever the number.
 
     Files appear atomically: everything is written to a temporary sibling
     directory that is renamed into place at the end, so an interrupted run
@@ -210,11 +243,12 @@ def generate_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True)
     tmp.mkdir()
     splits = spec.splits()
     start = time.perf_counter()
+    pool = _pool(workers, sum(splits.values()))
     try:
         with tqdm(total=sum(splits.values()), desc=f"synthetic ward -> {out}", unit="img",
                   disable=not progress) as bar:
             for split, count in splits.items():
-                _write_split(tmp / split, spec, split, count, bar)
+                _write_split(tmp / split, spec, split, count, bar, pool)
         (tmp / "manifest.json").write_text(json.dumps(manifest_for(spec), indent=2))
         try:
             if out.exists():
@@ -229,6 +263,9 @@ def generate_ward(out_dir: str | Path, spec: WardSpec, *, progress: bool = True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     elapsed = time.perf_counter() - start
     total = sum(splits.values())
     log.info("generated %d synthetic images in %.1f s (%.0f images/min) at %s",
