@@ -18,23 +18,55 @@ import torch
 from torch import Tensor
 
 from shared.privacy import bookkeeping
-from shared.privacy.persample import LossFn, batch_size_of, check_params, iter_per_sample_grads, robust_norms
+from shared.privacy.persample import (
+    LossFn,
+    batch_size_of,
+    check_params,
+    iter_per_sample_grads,
+    robust_norms,
+    zero_rows,
+)
 
 # Added to the norm before dividing, as in Opacus, so that a zero gradient
 # gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
 NORM_EPS = 1e-6
 
 
+class Contributions(NamedTuple):
+    """What each per-sample (per-patient) gradient of a chunk may add to the clipped sum (P14): (b,) each."""
+
+    factors: Tensor  # float64 min(1, C / (||g_i|| + 1e-6)); 0 where the norm is not finite
+    finite: Tensor  # bool: the rows that contribute; the others are zeroed before scaling (0 x NaN is NaN)
+
+    @property
+    def zeroed(self) -> int:
+        """How many rows contribute nothing (private: the site's own log only)."""
+        return int((~self.finite).sum())
+
+
+def bound_contributions(norms: Tensor, clip_norm: float) -> Contributions:
+    """P14's enforcing function: every contribution to the noisy sum is finite with norm <= C, whatever the weights.
+
+    ``norms`` (b,) float64 are the rows' L2 norms as ``persample.robust_norms`` (or the book-keeping tape) gives
+    them: recomputed in float64 where float32 overflowed, so a norm is not finite exactly when its gradient holds
+    an inf or a NaN. Such a row contributes zero (never an error: an error would tell whoever chose the weights
+    that the record was sampled); a huge finite one is scaled to norm C like any other. The sums add
+    ``factors_i g_i`` over the ``finite`` rows only (``persample.zero_rows`` first).
+    """
+    finite = torch.isfinite(norms)
+    factors = (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+    return Contributions(torch.where(finite, factors, torch.zeros_like(factors)), finite)
+
+
 def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
     """min(1, C / (||g_i|| + 1e-6)) per sample: (B,); 0 for a non-finite norm (P14: it contributes nothing)."""
-    factors = (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
-    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+    return bound_contributions(norms, clip_norm).factors
 
 
 def _add_clipped(summed: Tensor, flat: Tensor, factors: Tensor, finite: Tensor) -> None:
     """summed += sum_i factors_i flat_i with non-finite rows left out (0 x NaN is NaN, so they are zeroed first)."""
     if not bool(finite.all()):
-        flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        flat = zero_rows(flat, finite)
     tiny = factors < bookkeeping.SMALLEST_FLOAT32_FACTOR
     regular = torch.where(tiny, torch.zeros_like(factors), factors).to(flat.dtype)
     total = regular @ flat  # (b,) @ (b, numel) -> (numel,): scale-and-sum as one matmul
@@ -100,20 +132,19 @@ def clipped_grad_sum(
     if bookkeeping.supports(loss_fn, params):  # same sum from one forward and one backward per chunk
         for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size):
             norms = tape.norms()  # (b,) float64
-            finite = torch.isfinite(norms)
-            tape.add_clipped(summed, clip_factors(norms, clip), finite)
-            zeroed += int((~finite).sum())
+            bound = bound_contributions(norms, clip)
+            tape.add_clipped(summed, bound.factors, bound.finite)
+            zeroed += bound.zeroed
             norms_parts.append(norms)
             del tape  # let the next chunk reuse this one's memory
     else:
         for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
             flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
             norms = robust_norms(list(flats.values()))  # (b,) float64
-            finite = torch.isfinite(norms)
-            factors = clip_factors(norms, clip)  # (b,) float64, 0 where not finite
+            bound = bound_contributions(norms, clip)  # (b,) float64 factors, 0 where not finite
             for name, flat in flats.items():
-                _add_clipped(summed[name], flat, factors, finite)
-            zeroed += int((~finite).sum())
+                _add_clipped(summed[name], flat, bound.factors, bound.finite)
+            zeroed += bound.zeroed
             norms_parts.append(norms)
             del grads, flats
     if not norms_parts:  # empty batch: zero sum, no norms
@@ -199,7 +230,7 @@ def clipped_group_sum(
         means = {}
         for name, flat in flats.items():
             if not bool(ok.all()):
-                flat = torch.where(ok[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+                flat = zero_rows(flat, ok)
             means[name] = weights.to(device=flat.device, dtype=flat.dtype) @ flat  # (g, numel)
         if carry is not None:  # the first group of this chunk began in the previous one
             for name in means:
@@ -216,11 +247,10 @@ def clipped_group_sum(
             done = {name: value[:complete] for name, value in means.items()}
             norms = robust_norms(list(done.values()))  # (complete,) float64: one per group
             norms[bad[:complete].to(norms.device)] = float("nan")  # a poisoned patient: zeroed below
-            finite = torch.isfinite(norms)
-            factors = clip_factors(norms, clip)
+            bound = bound_contributions(norms, clip)
             for name, mean in done.items():
-                _add_clipped(summed[name], mean, factors, finite)
-            zeroed += int((~finite).sum())
+                _add_clipped(summed[name], mean, bound.factors, bound.finite)
+            zeroed += bound.zeroed
             norms_parts.append(norms)
         start = stop
         del grads, flats, means

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shared.privacy.persample import zero_rows
+
 
 class Instantiated:
     """Per-sample gradients held as such, {name: (b, *shape)}: small tensors (norms, biases, tables)."""
@@ -28,7 +30,7 @@ class Instantiated:
         for name, g in self.grads.items():
             flat = g.reshape(g.shape[0], -1)
             if keep is not None:
-                flat = torch.where(keep[:, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+                flat = zero_rows(flat, keep)
             summed[name].add_((factors.to(flat.dtype) @ flat).view_as(summed[name]))
 
     def exact(self, rows: Tensor) -> dict[str, Tensor]:
@@ -60,7 +62,7 @@ class Stacked:
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
         matrix = self.matrix
         if keep is not None:
-            matrix = torch.where(keep[:, None], matrix, torch.zeros((), dtype=matrix.dtype, device=matrix.device))
+            matrix = zero_rows(matrix, keep)
         total = factors.to(matrix.dtype) @ matrix  # (P,)
         parts = total.split(self.sizes)
         torch._foreach_add_([summed[name] for name in self.shapes],
@@ -114,10 +116,9 @@ class LinearLike:
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
         a, g, weight, bias = self.a, self.g, self.weight, self.bias
         if keep is not None:  # rows left out: zero them first, 0 x NaN is NaN
-            zero = torch.zeros((), dtype=a.dtype, device=a.device)
-            a, g = torch.where(keep[:, None, None], a, zero), torch.where(keep[:, None, None], g, zero)
-            weight = None if weight is None else torch.where(keep[:, None, None], weight, zero)
-            bias = None if bias is None else torch.where(keep[:, None], bias, zero)
+            a, g = zero_rows(a, keep), zero_rows(g, keep)
+            weight = None if weight is None else zero_rows(weight, keep)
+            bias = None if bias is None else zero_rows(bias, keep)
         f = factors.to(a.dtype)
         if self.ghost:
             # sum_i f_i g_i^T a_i as one (p, b T) x (b T, d) product, the factors on the side that is cheaper to

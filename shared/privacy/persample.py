@@ -195,6 +195,15 @@ def robust_norms(flats: list[Tensor]) -> Tensor:
     return norms
 
 
+def zero_rows(rows: Tensor, keep: Tensor) -> Tensor:
+    """``rows`` (b, ...) with the rows where ``keep`` (b,) is False set to zero, in its dtype and device.
+
+    P14: a row left out of a clipped sum is zeroed before it is scaled and summed, since 0 x NaN is NaN.
+    """
+    shape = (keep.shape[0],) + (1,) * (rows.dim() - 1)
+    return torch.where(keep.view(shape), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
 _SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
