@@ -61,7 +61,7 @@ from client.request import (
     request_digest,
     running_bundle,
 )
-from client.site_basis import cache_basis, obtain_basis
+from client.site_basis import cache_basis, drop_basis_cache, obtain_basis
 from client.site_data import SiteCheck, load_checked, site_ready
 from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
 from shared.privacy.accountant import StepRecord
@@ -272,6 +272,8 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
         ledger.finish(request.federation, request.round)
     keep_site_optimizer(cfg, optimizer, model, trainable, policy.ledger_path, request.federation)
-    if basis is not None:
+    if request.round >= cfg.federation.rounds:  # the federation's last round: no later round reuses a basis
+        drop_basis_cache(policy, request.federation)
+    elif basis is not None:
         cache_basis(policy, request.federation, request.basis_version, basis)
     return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord(metrics)})

@@ -1,5 +1,8 @@
 """The projection basis V at the site: received and checked, cached by version, or computed from the
 site's copy of the public set at the received global weights (P2).
+
+The cache (``basis-cache/`` beside the site's ledger) holds the latest V of a federation while it runs, p x k
+float32 (about 180 MB for the default model), and nothing of it once its last round is done.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ def cache_basis(policy: SitePolicy, federation: str, version: int, basis: torch.
     for old in path.parent.glob("*.npy"):  # this federation's older versions: its exact id, never a prefix
         match = _CACHE_NAME.fullmatch(old.name)
         if old != path and match is not None and match["federation"] == mine:
+            old.unlink(missing_ok=True)
+
+
+def drop_basis_cache(policy: SitePolicy, federation: str) -> None:
+    """Forget every cached V of ``federation`` (after its last round: nothing asks for them again)."""
+    folder = _cache_path(policy, federation, 0).parent
+    if not folder.is_dir():
+        return
+    private_dir(folder, own=True)  # narrowed like every folder the site writes in (an older fedpose left 0755)
+    mine = _cache_path(policy, federation, 0).name.rsplit("-v", 1)[0]
+    for old in folder.glob("*.npy"):
+        match = _CACHE_NAME.fullmatch(old.name)
+        if match is not None and match["federation"] == mine:
             old.unlink(missing_ok=True)
 
 

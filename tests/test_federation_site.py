@@ -176,6 +176,23 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert not (tmp_path / "tight" / "basis-cache").exists()
 
 
+def test_the_basis_cache_holds_one_basis_during_a_federation_and_none_after_its_last_round(world, tmp_path):
+    """A basis is p x k floats (180 MB per site for the default model): a site keeps the latest of a federation
+    while it runs (a later round of the same version reuses it) and none once the federation's last round is done."""
+    cfg, state, _, p = world
+    assert cfg.federation.rounds == 2
+    policy = _policy(cfg, tmp_path)
+    sigma = min_sigma_for(policy)
+    cache = tmp_path / "basis-cache"
+    for rnd in (1, 2):
+        basis, _ = torch.linalg.qr(torch.randn(p, cfg.privacy.k, dtype=torch.float64))
+        content = _request(cfg, state, sigma=sigma, method="proj", basis_version=rnd, round=rnd)
+        content[BASIS] = basis_record(basis.float(), version=rnd, dtype="float32")
+        handle_train(content, policy)
+        held = sorted(x.name for x in cache.glob("*.npy"))
+        assert held == (["fed-test-v1.npy"] if rnd == 1 else []), (rnd, held)
+
+
 def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tmp_path):
     """P2 is the site's own check against the public set its operator approved (finding 8.1); a private image in
     the public set is left out of training with an alert for the operator, never a visible refusal (P13)."""
