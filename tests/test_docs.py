@@ -193,3 +193,15 @@ def test_the_quickstart_runs_as_its_page_says_on_a_tiny_ward(tmp_path):
                  "federation/federation.png", "model.onnx", "edge/keypoints.jsonl", "edge/annotated.mp4"):
         assert (runs / name).is_file(), name
     assert any((runs / "edge" / "pixelized").iterdir()) and "Released by this run" in outputs[-1]
+
+
+def test_the_edge_outputs_reference_lists_every_box_source_the_camera_writes():
+    """keypoints.jsonl's ``box_source``: every value the pipeline returns with a box is named on the reference page."""
+    code = "\n".join(p.read_text() for p in sorted((REPO / "edge" / "pipeline").glob("*.py")))
+    written = set(re.findall(r"^\s*return .*\),\s*\"([a-z]+)\"\s*$", code, re.M))
+    assert {"track", "roi", "full", "external"} <= written, written  # the extraction finds them
+    page = (DOCS / "reference" / "file-formats.md").read_text()
+    listed = re.search(r"`box_source` \((.*?)\)", page, re.S)
+    assert listed, "file-formats.md names box_source with its values in parentheses"
+    named = set(re.findall(r"`([a-z]+)`", listed.group(1)))
+    assert written <= named, f"box_source values written but not on the page: {sorted(written - named)}"
