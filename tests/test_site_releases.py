@@ -248,6 +248,24 @@ def test_a_reply_is_checked_finite_before_it_leaves(world, tmp_path):
         assert ledger.rounds_done() == 1
 
 
+@pytest.mark.invariant("P10")
+def test_a_reply_carries_the_update_and_the_declared_spend_only_whatever_the_sites_size(world, tmp_path):
+    """P10: a reply holds the trained tensors and exactly the metrics of REPLY_METRICS, each from the request, the
+    policy and the ledger: a site with half the records sends the same metrics (no n, no loss, no timing)."""
+    from shared.federation_messages import METRICS, REPLY_METRICS
+
+    cfg, state = world
+    metrics = []
+    for name, keep in (("full", 40), ("half", 20)):
+        policy = _policy(cfg, tmp_path / name, data_path=str(_subset(cfg, tmp_path / name / "site-0", keep)))
+        assert prepare_site(policy).records == keep
+        reply = handle_train(_request(cfg, state, sigma=min_sigma_for(policy)), policy)
+        assert sorted(reply.keys()) == sorted([ARRAYS, METRICS])
+        metrics.append({key: reply[METRICS][key] for key in reply[METRICS].keys()})
+    assert sorted(metrics[0]) == sorted(REPLY_METRICS)
+    assert metrics[0] == metrics[1]
+
+
 def test_data_that_would_break_the_claim_is_handled_locally_not_in_the_answer(world, tmp_path):
     """A private image present twice (or planted in the public set, or a patient past the cap) flipped every
     answer to MISCONFIGURED before: a bit the server could watch. Now the records are left out, the operator
