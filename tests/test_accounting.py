@@ -14,12 +14,14 @@ from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, 
 DELTA = 1e-5
 
 
+@pytest.mark.invariant("P5")
 def test_pinned_opacus_rdp_value():
     # Opacus' own reference: sigma 1.5, q 0.04, 2250 steps, delta 1e-5.
     eps = epsilon_spent([StepRecord(1.5, 0.04, 2250)], delta=DELTA)
     assert eps == pytest.approx(7.32911117143, rel=1e-6)
 
 
+@pytest.mark.invariant("P5")
 def test_history_composes_over_rounds_and_is_never_reset():
     sigma, q = 1.1, 0.05
     one_round = epsilon_spent([StepRecord(sigma, q, 100)], delta=DELTA)
@@ -29,6 +31,7 @@ def test_history_composes_over_rounds_and_is_never_reset():
     assert two_rounds > one_round * 1.2
 
 
+@pytest.mark.invariant("P5")
 def test_heterogeneous_history_matches_opacus_step_by_step():
     from opacus.accountants import RDPAccountant
 

@@ -91,6 +91,7 @@ def test_unsupported_loss_or_parameter_takes_the_generic_path():
     assert not bookkeeping.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
 
 
+@pytest.mark.invariant("P14")
 def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
     """P14 on this path: a sample whose forward overflows gives zero; the others' sum is unchanged."""
     model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=4)

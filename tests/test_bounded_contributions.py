@@ -40,6 +40,7 @@ def _batch(scales: list[float], fill: list[float] | None = None) -> dict[str, to
     return {"x": x, "scale": torch.tensor(scales)}
 
 
+@pytest.mark.invariant("P14")
 def test_non_finite_per_sample_gradients_contribute_zero_and_huge_ones_are_clipped():
     # sample 0 ordinary, 1 huge but finite (norm ~ 2.4e30), 2 overflows to inf, 3 holds a NaN.
     batch = _batch([0.1, 1e30, 1e30, 1.0], fill=[None, None, 1e10, float("nan")])
@@ -53,6 +54,7 @@ def test_non_finite_per_sample_gradients_contribute_zero_and_huge_ones_are_clipp
     assert norms.shape == (4,)
 
 
+@pytest.mark.invariant("P14")
 def test_each_contribution_has_norm_at_most_c_whatever_its_size():
     for scale in (1e-3, 1.0, 1e10, 1e30, 3e38):
         summed, _, zeroed = clipped_grad_sum(_loss, _params(), _batch([scale]), clip_norm=0.5, chunk_size=1)
@@ -61,6 +63,7 @@ def test_each_contribution_has_norm_at_most_c_whatever_its_size():
         assert norm <= 0.5 * (1 + 1e-6), (scale, norm)
 
 
+@pytest.mark.invariant("P14")
 def test_patient_contributions_are_finite_and_bounded_when_one_record_overflows():
     # patient 0: records 0, 1 (record 1 overflows); patient 1: record 2 (huge, finite); patient 2: records 3, 4
     batch = _batch([1.0, 1e30, 1e30, 0.01, 0.01], fill=[None, 1e10, None, None, None])
@@ -73,6 +76,7 @@ def test_patient_contributions_are_finite_and_bounded_when_one_record_overflows(
         assert torch.allclose(summed["w"], expected, atol=1e-5), chunk
 
 
+@pytest.mark.invariant("P14")
 def test_two_huge_records_of_one_patient_do_not_overflow_their_mean():
     # Each record's gradient is finite (3e38 in one coordinate); their sum would overflow to inf.
     batch = _batch([3e38, 3e38])
@@ -135,6 +139,7 @@ def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     pytest.skip("no scale isolates a single record in this tiny world")  # pragma: no cover
 
 
+@pytest.mark.invariant("P14")
 def test_a_crafted_model_cannot_turn_the_reply_into_a_membership_oracle(world, tmp_path, caplog):
     """The issue's attack: finite weights that overflow only on the target; q = 1 samples it every step.
 

@@ -452,6 +452,7 @@ def test_missing_image_is_named(tmp_path: Path) -> None:
         PoseDataset(records, input_size=(32, 32), augment=None)[0]
 
 
+@pytest.mark.invariant("P2")
 def test_check_disjoint_catches_a_copied_image(tmp_path: Path, ward: Path) -> None:
     public = load_split(ward, "public")
     private = load_split(ward, "site-0")

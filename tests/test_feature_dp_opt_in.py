@@ -28,6 +28,7 @@ from test_federation_site import _policy, _request, _rows
 from test_site_releases import world  # noqa: F401 (the shared tiny world)
 
 
+@pytest.mark.invariant("P17")
 def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world, tmp_path):
     cfg, _ = world
     with pytest.raises(ValueError, match="release_blurred_images_and_labels: true") as refused:
@@ -37,6 +38,7 @@ def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world
     assert opted.methods == ("dpsgd", "proj", "fdp", "fpdp")  # the one line opts in to all four
 
 
+@pytest.mark.invariant("P17")
 def test_a_policy_without_methods_trains_the_record_level_methods_only(world, tmp_path):
     cfg, state = world
     policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=False)
@@ -51,6 +53,7 @@ def test_a_policy_without_methods_trains_the_record_level_methods_only(world, tm
     assert [r["method"] for r in _rows(policy)] == ["dpsgd"]
 
 
+@pytest.mark.invariant("P17")
 def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
     from cli import kit_templates as kit
 
@@ -61,6 +64,7 @@ def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
     assert "methods:" not in text.replace("# methods", "")  # no method list that could opt in silently
 
 
+@pytest.mark.invariant("P17")
 def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
     cfg, state = world
     policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=True,
@@ -75,6 +79,7 @@ def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
         _policy(cfg, tmp_path / "big", release_blurred_images_and_labels=True, public_batch_size=41)
 
 
+@pytest.mark.invariant("P17")
 def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
     from pathlib import Path
 
@@ -106,6 +111,7 @@ def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world
                     generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.invariant("P17")
 def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world, tmp_path):
     from client.site_status import guarantee_in_force, plain_policy
     from shared.privacy.claims import privacy_claim

@@ -62,6 +62,7 @@ def _site_psi(cfg, policy):
     return psi_on(psi, batch, torch.device("cpu")).tensors
 
 
+@pytest.mark.invariant("P17")
 def test_one_fpdp_reply_gives_the_server_psi_of_the_drawn_record_and_its_exact_labels(world, tmp_path):
     cfg = attack_config(world)
     policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=True, public_batch_size=1)
@@ -97,6 +98,7 @@ def test_without_the_crafted_reply_there_is_nothing_to_read(world):
 
 
 @pytest.mark.parametrize("method", ["fdp", "fpdp"])
+@pytest.mark.invariant("P17")
 def test_a_site_that_pins_record_level_methods_refuses_the_reconstruction_request(world, tmp_path, method):
     cfg = attack_config(world, method=method)
     policy = _policy(cfg, tmp_path, methods=["dpsgd", "proj"])

@@ -41,6 +41,7 @@ def _rounds(out: Path) -> list[dict]:
         return []
 
 
+@pytest.mark.invariant("P5", "P13")
 def test_random_kills_never_spend_twice_nor_under_claim(tmp_path: Path, tmp_path_factory) -> None:
     seed = int(os.environ.get("FEDPOSE_CHAOS_SEED", time.time_ns() % 2**31))
     rng = random.Random(seed)

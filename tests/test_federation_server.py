@@ -150,6 +150,7 @@ def test_a_refusal_carries_the_site_spend_and_the_run_claim_never_falls_below_it
     ledger.close()
 
 
+@pytest.mark.invariant("P13")
 def test_a_request_that_got_no_answer_counts_until_the_sites_own_report_covers_it(tmp_path):
     """P13: a site charges a round before reading a private record, so a node that died (or a reply that was
     lost) after a request may have spent it. The server counts the planned spend at once; the site's next own
@@ -179,6 +180,7 @@ def test_a_request_that_got_no_answer_counts_until_the_sites_own_report_covers_i
     ledger.close()
 
 
+@pytest.mark.invariant("P5")
 def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupted_spend(tmp_path):
     ledger = ServerLedger(tmp_path / "ledger.sqlite")
     plan = _plan("s0")

@@ -103,6 +103,7 @@ def _refusal(content, policy) -> Refusal:
     return info.value
 
 
+@pytest.mark.invariant("P6")
 def test_sigma_at_the_derived_minimum_is_accepted_and_below_it_refused(world, tmp_path):
     cfg, state, _, _ = world
     policy = _policy(cfg, tmp_path)
@@ -119,6 +120,7 @@ def test_sigma_at_the_derived_minimum_is_accepted_and_below_it_refused(world, tm
     assert _rows(policy) == []  # nothing trained, nothing recorded
 
 
+@pytest.mark.invariant("P6")
 def test_a_round_beyond_the_budget_is_refused_and_the_ledger_is_unchanged(world, tmp_path):
     cfg, state, trainable, _ = world
     policy = _policy(cfg, tmp_path, max_rounds=1)
@@ -193,6 +195,7 @@ def test_the_basis_cache_holds_one_basis_during_a_federation_and_none_after_its_
         assert held == (["fed-test-v1.npy"] if rnd == 1 else []), (rnd, held)
 
 
+@pytest.mark.invariant("P2")
 def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tmp_path):
     """P2 is the site's own check against the public set its operator approved (finding 8.1); a private image in
     the public set is left out of training with an alert for the operator, never a visible refusal (P13)."""
@@ -294,6 +297,7 @@ def _rows_ro(db: Path) -> list[dict]:
         conn.close()
 
 
+@pytest.mark.invariant("P6", "P13")
 def test_site_killed_mid_round_has_paid_for_it_and_replays_it_once(world, tmp_path):
     """P13: a round is charged before its first private record is read; a kill -9 while it trains keeps the
     charge (a failure is never free), and the round asked again is replayed on its own seed, not spent twice."""

@@ -67,6 +67,7 @@ def attacks(tmp_path_factory):
     return cfg, log
 
 
+@pytest.mark.invariant("P11")
 def test_every_attack_is_refused_with_nothing_trained_and_the_ledger_unchanged(attacks):
     _, log = attacks
     for name, code in EXPECTED.items():
@@ -83,6 +84,7 @@ def test_every_attack_is_refused_with_nothing_trained_and_the_ledger_unchanged(a
     assert replay["rows_after"] == replay["rows_before"]
 
 
+@pytest.mark.invariant("P14")
 def test_finite_weights_that_overflow_the_private_gradients_get_a_finite_reply(attacks):
     """P14 through a real ClientApp: the NaN oracle of #21 (a reply all-NaN iff a target was sampled) is gone."""
     _, log = attacks
@@ -91,6 +93,7 @@ def test_finite_weights_that_overflow_the_private_gradients_get_a_finite_reply(a
     assert [r["round"] for r in entry["rows_after"]] == [1, 2, 3]  # spent like any round
 
 
+@pytest.mark.invariant("P16")
 def test_a_failed_round_asked_again_gets_its_failure_not_a_run_on_its_noise(attacks):
     """P16 through a real ClientApp: the replay attack (a failure is one bit about the noise; a re-run on the same
     noise with other settings would be a second release) gets the stored failure, nothing trained or spent."""
@@ -102,6 +105,7 @@ def test_a_failed_round_asked_again_gets_its_failure_not_a_run_on_its_noise(atta
     assert replay["rows_after"] == replay["rows_before"] == failed["rows_after"]
 
 
+@pytest.mark.invariant("P17")
 def test_the_feature_dp_read_out_is_refused_unless_the_site_opted_in_and_pinned_its_draw(attacks):
     """P17 through a real ClientApp: one crafted fpdp reply with a public batch of one record gives the server
     psi(x) and the exact labels of that record (tests/test_feature_dp_reconstruction.py). The opted-in site pins
@@ -111,6 +115,7 @@ def test_the_feature_dp_read_out_is_refused_unless_the_site_opted_in_and_pinned_
     assert "not allowed by this site" in log["read-out-record-level"]["reason"]
 
 
+@pytest.mark.invariant("P10")
 def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash(attacks):
     _, log = attacks
     private, random = log["probe-private-hash"], log["probe-random-hash"]
@@ -119,6 +124,7 @@ def test_a_membership_probe_gets_the_same_answer_for_a_private_and_a_random_hash
     assert private["rows_after"] == private["rows_before"] == []
 
 
+@pytest.mark.invariant("P10", "P12")
 def test_replies_carry_the_dp_update_and_the_declared_spend_only(attacks):
     cfg, log = attacks
     for name in ("honest-1", "honest-2"):

@@ -52,6 +52,7 @@ def _overflowing(cfg):
                            "train.weight_decay": 1e38})
 
 
+@pytest.mark.invariant("P16")
 def test_a_failed_round_is_final_whatever_is_asked_next(world, tmp_path, monkeypatch):
     cfg, state = world
     policy = _policy(cfg, tmp_path)
@@ -70,6 +71,7 @@ def test_a_failed_round_is_final_whatever_is_asked_next(world, tmp_path, monkeyp
     assert [(r["state"], r["epsilon"]) for r in _rows(policy)] == [("failed", row["epsilon"])]
 
 
+@pytest.mark.invariant("P16")
 def test_an_unfinished_round_replays_only_the_identical_request(world, tmp_path, monkeypatch):
     cfg, state = world
     crashed = _policy(cfg, tmp_path / "crashed", seed=11)
@@ -97,6 +99,7 @@ def test_an_unfinished_round_replays_only_the_identical_request(world, tmp_path,
     assert _rows(crashed)[0]["epsilon"] == _rows(clean)[0]["epsilon"]
 
 
+@pytest.mark.invariant("P16")
 def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world, tmp_path, monkeypatch):
     cfg, state = world
     policy = _policy(cfg, tmp_path, seed=3)
@@ -116,6 +119,7 @@ def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world, tmp
     assert trained == [1] and [r["state"] for r in _rows(policy)] == ["done"]
 
 
+@pytest.mark.invariant("P16")
 def test_a_done_round_answers_any_request_with_its_stored_reply(world, tmp_path, monkeypatch):
     cfg, state = world
     policy = _policy(cfg, tmp_path)

@@ -300,6 +300,7 @@ def world(tmp_path_factory):
     return prepare_world(world_root(tmp_path_factory))
 
 
+@pytest.mark.invariant("P4")
 def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(world, monkeypatch):
     """P4 at patient level: Poisson over patients with the q the result reports (the accountant's input)."""
     import torch
@@ -410,6 +411,7 @@ def _unit_request(cfg, state, *, unit: str, sigma: float, sample_rate: float, ro
                     round=round)
 
 
+@pytest.mark.invariant("P11", "P12")
 def test_a_patient_level_site_refuses_record_level_requests_and_records_its_unit(site_world, tmp_path):
     from client.policy import min_sigma_for
     from client.site import handle_train, site_info

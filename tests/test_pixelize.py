@@ -47,6 +47,7 @@ def _box_mask(h, w, y0, y1, x0, x1):
 
 @pytest.mark.parametrize("shape", [(37, 45), (37, 45, 3)])
 @pytest.mark.parametrize("noise", ["discrete", "laplace"])
+@pytest.mark.invariant("P9")
 def test_output_shape_dtype_and_clipping(shape, noise):
     img = _image(shape)
     mask = _box_mask(37, 45, 5, 20, 10, 30)
@@ -134,6 +135,7 @@ def _expected_mean_sd(spec: PixelizeSpec, side: int, *, channels: int = 1, k: in
 
 
 @pytest.mark.parametrize("noise", ["laplace", "discrete"])
+@pytest.mark.invariant("P9")
 def test_noise_scale_per_region(noise):
     h = w = 480
     spec = PixelizeSpec(eps=4.0, b=8, m=1, n=2, noise=noise)
@@ -160,6 +162,7 @@ def test_noise_scale_per_region(noise):
 
 
 @pytest.mark.parametrize("noise", ["laplace", "discrete"])
+@pytest.mark.invariant("P9")
 def test_noise_scale_rgb_splits_eps_over_channels(noise):
     spec = PixelizeSpec(eps=12.0, b=8, m=1, noise=noise)
     img = np.full((240, 240, 3), 128, dtype=np.uint8)
@@ -168,6 +171,7 @@ def test_noise_scale_rgb_splits_eps_over_channels(noise):
     assert dev.std() == pytest.approx(_expected_mean_sd(spec, 8, channels=3), rel=0.12)
 
 
+@pytest.mark.invariant("P9")
 def test_border_cells_with_mirrored_copies_get_double_noise():
     # 12 rows, b = 8: padded rows 12..15 copy rows 11..8, so each of those pixels enters
     # the last cell row twice -> K = 2 there; the first cell row is untouched (K = 1).
@@ -338,6 +342,7 @@ def test_load_mask_png(tmp_path):
         load_mask(tmp_path / "missing.png")
 
 
+@pytest.mark.invariant("P9")
 def test_pixelize_claim():
     spec = PixelizeSpec(eps=0.5, b=16, m=16, n=2)
     text = pixelize_claim(spec, mask_source="keypoints", frames=30)

@@ -111,6 +111,7 @@ def test_per_sample_grads_match_per_example_loop(toy):
     assert not torch.allclose(fast["head.weight"][0], fast["head.weight"][1])
 
 
+@pytest.mark.invariant("P14")
 def test_clipping_bounds_every_per_sample_norm(toy):
     loss_fn, params = toy
     batch = make_batch(12)
@@ -173,6 +174,7 @@ def test_batch_with_mismatched_sizes_is_refused(toy):
 # ---------------------------------------------------------------- noise, P7
 
 
+@pytest.mark.invariant("P7")
 def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
     sigma, clip = 1.4, 0.5
     like = {"a": torch.zeros(300, 400), "b": torch.zeros(50_000)}  # 170k coordinates
@@ -201,6 +203,7 @@ def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
     assert not torch.equal(first["b"], second["b"])
 
 
+@pytest.mark.invariant("P7")
 def test_seeded_generator_warns_not_for_production(caplog):
     with caplog.at_level(logging.WARNING, logger="shared.privacy.noise"):
         make_generator(None, "cpu")
@@ -220,6 +223,7 @@ def test_noise_std_validation():
 # ---------------------------------------------------------------- sampling, P4
 
 
+@pytest.mark.invariant("P4")
 def test_poisson_sampling_rate_and_independence():
     gen, _ = make_generator(5, "cpu")
     n, q = 400_000, 0.05
@@ -366,6 +370,7 @@ def test_check_orthonormal_refuses_bad_bases():
         check_orthonormal(basis[:, 0])
 
 
+@pytest.mark.invariant("P2")
 def test_compute_basis_depends_only_on_public_batch_and_weights(toy):
     loss_fn, params = toy
     names = list(inspect.signature(compute_basis).parameters)
@@ -442,6 +447,7 @@ def spec_for(method: str, **overrides) -> DPSpec:
     return DPSpec(**values)
 
 
+@pytest.mark.invariant("P1")
 def test_p1_noise_added_once_to_the_sum_then_projected(toy):
     loss_fn, params = toy
     batch = make_batch(5)
@@ -460,6 +466,7 @@ def test_p1_noise_added_once_to_the_sum_then_projected(toy):
     assert (flatten(got) - wrong).abs().max() > 1e-2
 
 
+@pytest.mark.invariant("P1")
 def test_p1_with_empty_batch_the_step_is_projected_noise_only(toy):
     loss_fn, params = toy
     basis = compute_basis(loss_fn, params, make_batch(8, seed=20), k=3, chunk_size=8)
@@ -475,6 +482,7 @@ def test_p1_with_empty_batch_the_step_is_projected_noise_only(toy):
     torch.testing.assert_close(flat, project(basis, flatten(noise) / 5.0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.invariant("P1")
 def test_dpsgd_is_clipped_sum_plus_one_noise_draw_over_qn(toy):
     loss_fn, params = toy
     batch = make_batch(6)
@@ -492,6 +500,7 @@ def test_dpsgd_is_clipped_sum_plus_one_noise_draw_over_qn(toy):
     assert (flatten(got) - twice).abs().max() > 1e-2
 
 
+@pytest.mark.invariant("P4", "P15")
 def test_p4_p15_normalisation_uses_the_public_expected_batch(toy):
     loss_fn, params = toy
     one = make_batch(1, seed=30)
@@ -532,6 +541,7 @@ def permute_within_blocks(images: torch.Tensor, block: int) -> torch.Tensor:
     return flipped.reshape(b, c, h, w).contiguous()
 
 
+@pytest.mark.invariant("P3")
 def test_p3_public_gradient_depends_on_x_only_through_psi(toy):
     loss_fn, params = toy
     psi = Pixelate(block_size=4)
@@ -620,6 +630,7 @@ def test_dp_gradient_combines_per_method(toy):
     assert (flatten(fpdp) - project(basis, flatten(fpdp))).norm() > 1e-3
 
 
+@pytest.mark.invariant("P14")
 def test_a_public_gradient_that_is_not_finite_is_left_out_of_its_step(toy):
     """P14 for the public term: g_pub on psi(x) that holds a NaN or an inf anywhere is left out (public_zeroed 1)
     and the step is the private part alone; a finite one is added."""
@@ -700,6 +711,7 @@ def test_dpspec_is_keyword_only():
 # ---------------------------------------------------------------- claims, P8
 
 
+@pytest.mark.invariant("P8")
 def test_claims_state_the_right_guarantee():
     for method in ("fdp", "fpdp"):
         text = privacy_claim(

@@ -25,6 +25,7 @@ def _spread(cfg, state, policy, sigma: float) -> float:
     return float(update.std())
 
 
+@pytest.mark.invariant("P15")
 def test_the_update_spread_is_sigma_c_over_the_declared_batch_whatever_n(world, tmp_path):  # noqa: F811
     cfg, state = world
     spreads = {}

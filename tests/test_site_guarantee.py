@@ -24,6 +24,7 @@ def cfg(tmp_path_factory):
     return prepare_world(world_root(tmp_path_factory))
 
 
+@pytest.mark.invariant("P3")
 def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeypatch):
     """P3 end to end (finding 8.3): with augmentation on, the public gradient's input is psi(canonical crop).
 
@@ -79,6 +80,7 @@ def _record(ledger: SiteLedger, round: int, method: str = "fpdp", federation: st
                                  steps=2, delta=1e-3, budget=10.0, accountant="rdp", mechanism=_mechanism(method))
 
 
+@pytest.mark.invariant("P12")
 def test_ledger_rows_record_the_mechanism_and_the_claim_is_record_level_only_when_every_row_was(tmp_path):
     """Finding 8.7 / P12: a Feature-DP round makes the whole ledger's claim Feature-DP."""
     with SiteLedger(tmp_path / "l.sqlite", site="site-0") as ledger:
@@ -156,6 +158,7 @@ def test_a_locked_ledger_is_waited_for_with_a_message_and_a_bound(tmp_path, capl
         holder.close()
 
 
+@pytest.mark.invariant("P8")
 def test_claims_name_what_is_released_and_the_replace_one_epsilon(tmp_path):
     """Finding 8.4: releasing q = B/n (hence n) changes the adjacency; the claim says so, with its epsilon."""
     from shared.privacy.accountant import StepRecord, epsilon_spent

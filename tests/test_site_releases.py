@@ -56,6 +56,7 @@ def _fail_after_reading(monkeypatch) -> list[int]:
     return seen, real
 
 
+@pytest.mark.invariant("P13")
 def test_a_failure_after_private_data_was_read_is_already_paid_for(world, tmp_path, monkeypatch):
     cfg, state = world
     policy = _policy(cfg, tmp_path)
@@ -83,6 +84,7 @@ def _die_after_reading(monkeypatch):
     return real
 
 
+@pytest.mark.invariant("P13")
 def test_an_unfinished_round_replays_on_its_own_seed_and_is_never_spent_twice(world, tmp_path, monkeypatch):
     cfg, state = world
     crashed = _policy(cfg, tmp_path / "crashed", seed=11)
@@ -118,6 +120,7 @@ def _subset(cfg, out: Path, keep: int) -> Path:
     return out
 
 
+@pytest.mark.invariant("P13")
 def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkeypatch):
     cfg, state = world
     data = _subset(cfg, tmp_path / "site-0", 40)
@@ -139,6 +142,7 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkey
     assert [r["state"] for r in _rows(policy)] == ["charged"]
 
 
+@pytest.mark.invariant("P13")
 def test_the_site_pins_its_chunk_size_and_bounds_the_model_and_input(world, tmp_path, monkeypatch):
     import shared.privacy.fpdp as fpdp
 
@@ -168,6 +172,7 @@ def test_the_site_pins_its_chunk_size_and_bounds_the_model_and_input(world, tmp_
     assert _rows(small) == [] and _rows(narrow) == []
 
 
+@pytest.mark.invariant("P13")
 def test_queries_and_refusals_read_no_private_record(world, tmp_path, monkeypatch):
     """Before: every message (Flower starts a process per message) re-ran the start-up checks, decoding and
     hashing every private image, so even a refused request's latency tracked n."""
@@ -199,6 +204,7 @@ def test_queries_and_refusals_read_no_private_record(world, tmp_path, monkeypatc
     assert info.site == "site-0" and reads == []
 
 
+@pytest.mark.invariant("P13")
 def test_a_charged_rounds_answer_leaves_at_the_sites_deadline(world, tmp_path, monkeypatch):
     cfg, state = world
     policy = _policy(cfg, tmp_path, round_seconds=4.0)
@@ -212,6 +218,7 @@ def test_a_charged_rounds_answer_leaves_at_the_sites_deadline(world, tmp_path, m
     assert time.monotonic() - t0 >= 4.0
 
 
+@pytest.mark.invariant("P13")
 def test_a_round_past_its_deadline_leaves_at_the_next_multiple_of_it(world, tmp_path, monkeypatch):
     """Before: a round longer than round_seconds left when training ended, so its departure tracked the realised
     private batch (Pearson 0.92 in a review). Now it waits for the next multiple of the period."""
@@ -234,6 +241,7 @@ def test_a_round_past_its_deadline_leaves_at_the_next_multiple_of_it(world, tmp_
     assert elapsed - period * math.floor(elapsed / period) < 0.5  # within half a second after a multiple
 
 
+@pytest.mark.invariant("P14")
 def test_a_reply_is_checked_finite_before_it_leaves(world, tmp_path):
     """A learning rate that overflows the weights: post-processing of the DP release, spent, never sent."""
     cfg, state = world
@@ -266,6 +274,7 @@ def test_a_reply_carries_the_update_and_the_declared_spend_only_whatever_the_sit
     assert metrics[0] == metrics[1]
 
 
+@pytest.mark.invariant("P13")
 def test_data_that_would_break_the_claim_is_handled_locally_not_in_the_answer(world, tmp_path):
     """A private image present twice (or planted in the public set, or a patient past the cap) flipped every
     answer to MISCONFIGURED before: a bit the server could watch. Now the records are left out, the operator
