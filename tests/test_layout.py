@@ -1,4 +1,4 @@
-"""Layout rules (docs/design.md sections 1 and 6, issue #12), checked by reading
+"""Layout rules (CONTRIBUTING.md: layout and conventions), checked by reading
 the source with ast, so nothing is imported and the test is fast.
 
 - no module under shared/, client/, server/, edge/, cli/ is over 400 lines;
