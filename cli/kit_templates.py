@@ -139,12 +139,13 @@ On the federation server:
      root-certificates = "<the absolute path of ca.crt here>"
 5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them:
      ./register-sites.sh
-6. Build the app bundle the sites review and approve (the same bytes every site approves):
-     flwr build --app {app}
-   Send each site its own folder (never this one) and the .fab. Once the sites run their SuperNodes:
-     fedpose server run --connection pilot --app {app} --config /srv/fedpose/server.yaml --out /srv/fedpose/run1
+6. Write the app from this install, and the bundle the sites review and approve (/srv/fedpose/app.fab, the
+   same bytes every site approves; it prints their SHA-256):
+     fedpose server build-app --out /srv/fedpose/app
+   Send each site its own folder (never this one) and app.fab. Once the sites run their SuperNodes:
+     fedpose server run --connection pilot --app /srv/fedpose/app --config /srv/fedpose/server.yaml --out /srv/fedpose/run1
    It follows the run and exits non-zero unless it finished. After a crash: restart the SuperLink (same
-   database), then: fedpose server run --connection pilot --app {app} --out /srv/fedpose/run1 --resume
+   database), then: fedpose server run --connection pilot --app /srv/fedpose/app --out /srv/fedpose/run1 --resume
 7. Watch it in a browser (read-only, this machine only):
      fedpose console --out /srv/fedpose/run1
 """

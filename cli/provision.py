@@ -101,10 +101,9 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
     _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
            mode=0o755)
-    app = Path(__file__).resolve().parents[1]  # the fedpose source the sites review (its Flower app)
     dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
-        address=address, app=app, control_port=control_port, method_note=kit.method_note(cfg.train.method)))
+        address=address, control_port=control_port, method_note=kit.method_note(cfg.train.method)))
     if cfg.train.method in FEATURE_DP:
         log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
                     "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "

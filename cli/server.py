@@ -4,6 +4,7 @@
 ``run``: submit the federation to the SuperLink with ``flwr run``, follow it and exit non-zero unless it
 finished completed (``flwr run`` itself returns 0 as soon as the run is submitted).
 ``status``: the run folder's rounds, per-site spend and events (server/status.py).
+``build-app``: the Flower app and the bundle the sites approve, from this install (cli/app_bundle.py).
 ``front``: the sites' address, which passes the SuperLink's Fleet API only (cli/fleet_front.py).
 """
 
@@ -50,8 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Submit, follow, and say plainly how the run ended (exit 0 only when it finished completed)."""
     app = Path(args.app).expanduser().resolve()
     if not (app / "pyproject.toml").is_file():
-        raise FileNotFoundError(f"no Flower app at {app} (it needs pyproject.toml): give --app the fedpose folder "
-                                "the sites approved")
+        raise FileNotFoundError(f"no Flower app at {app} (it needs pyproject.toml): give --app the folder "
+                                "`fedpose server build-app --out DIR` wrote, whose bundle the sites approved")
     out = Path(args.out).expanduser().resolve()
     parts = [f"out='{out}'"]
     if args.resume:
@@ -144,7 +145,8 @@ def register(sub: Any) -> None:
                                                          "(e.g. pilot)")
     run.add_argument("--out", required=True, help="the run's results folder (on this machine)")
     run.add_argument("--config", default="server.yaml", help="the config `server prepare` wrote (default server.yaml)")
-    run.add_argument("--app", default=".", help="the fedpose app folder the sites approved (default: here)")
+    run.add_argument("--app", default=".", help="the app folder fedpose server build-app wrote, whose bundle the "
+                                                "sites approved (default: here)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     run.add_argument("--timeout", type=float, default=24 * 3600.0, help="stop following after this many seconds "
                                                                        "(default one day)")
@@ -152,8 +154,10 @@ def register(sub: Any) -> None:
     run.add_argument("--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=cmd_run)
 
+    from cli.app_bundle import register as register_build_app
     from cli.fleet_front import register as register_front
 
+    register_build_app(ss)
     register_front(ss)
 
     st = ss.add_parser("status", help="a run folder's rounds, per-site spend against budget, events")

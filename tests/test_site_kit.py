@@ -67,7 +67,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
     bundle = None
     procs = []
     try:
-        # -- the operator, first half: prepare, SuperLink, connection (the README's steps 2-4), the bundle (6)
+        # -- the operator, first half: prepare, SuperLink, connection (the README's steps 2-4), the app (6)
         server_cmds = _commands(server / "README.txt")
         subst = {"/srv/fedpose": str(srv)}
 
@@ -81,9 +81,9 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 _run(fill(command, subst), server, env)
             elif command == "./start-superlink.sh":
                 procs.append(start(["bash", "-c", f"cd {server} && {command}"], tmp_path / "superlink.log", env))
-            elif command.startswith("flwr build"):
-                _run(fill(command, subst), tmp_path, env)
-                (bundle,) = tmp_path.glob("*.fab")
+            elif command.startswith("fedpose server build-app"):
+                _run(fill(command, subst), server, env)
+                bundle = srv / "app.fab"
         assert bundle is not None, server_cmds
         wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
                  poll=1.0)

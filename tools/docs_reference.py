@@ -152,7 +152,7 @@ def config_page() -> str:
 # templates fedpose provision uses (cli/kit_templates.py), for an example site, so the guide and a kit never differ.
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
 EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
-           "api_port": 9094, "health_port": 9095, "app": "/srv/fedpose/src",
+           "api_port": 9094, "health_port": 9095,
            "sites": "hospital-a hospital-b"}
 
 
