@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,40 @@ FLOWER_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # Ray leaves CUDA_VISIBLE_DEVICES alone for a site with no GPU share
+    # Ray prints every site's line as it was written: its deduplication would fold the rounds' lines of the sites
+    # into "[repeated Nx across cluster]" markers, seconds later.
+    "RAY_DEDUP_LOGS": "0",
 }
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]( \(Ray deduplicates logs by default\.[^)]*\))?")
+_EMPTY = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:INFO|DEBUG)\s*:\s*$")
+
+
+def clean_log_line(line: str, *, terminal: bool) -> str | None:
+    """One line of Flower's run log as this command prints it: colours only on a terminal, without Ray's
+    repeat markers; None for a line that says nothing (an empty INFO)."""
+    plain = _ANSI.sub("", line)
+    if _EMPTY.match(plain):
+        return None
+    if _RAY_REPEATED.search(plain):
+        line, plain = _RAY_REPEATED.sub("", _ANSI.sub("", line)), _RAY_REPEATED.sub("", plain)
+    return line if terminal else plain
+
+
+def follow_log(cmd: list[str], env: dict[str, str], *, quiet: bool) -> None:
+    """Run ``flwr log --stream`` to the run's end, printing its lines cleaned (nothing when ``quiet``)."""
+    if quiet:
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return
+    terminal = sys.stdout.isatty()
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            cleaned = clean_log_line(line.rstrip("\n"), terminal=terminal)
+            if cleaned is not None:
+                print(cleaned, flush=True)
 
 
 def flower_env(flwr_home: Path) -> None:
@@ -172,8 +206,7 @@ def run_local_simulation(out: Path, run_config: dict[str, Any], *, sites: int, q
             print(f"local simulation: run {run_id}, {sites} sites" + (f", {gpus:g} GPU each" if gpus else ", CPU") +
                   f"; Flower's log below, the SuperLink's in {link.log}", flush=True)
         # Follow the run's log to its end (flwr log --stream returns when the run finishes).
-        subprocess.run([_bin("flwr"), "log", str(run_id), "fedpose-sim", "--stream"], env=env,
-                       stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.STDOUT)
+        follow_log([_bin("flwr"), "log", str(run_id), "fedpose-sim", "--stream"], env, quiet=quiet)
         status = ""
         for _ in range(150):
             ls = subprocess.run([_bin("flwr"), "ls", "fedpose-sim", "--run-id", str(run_id), "--format", "json"],

@@ -379,5 +379,6 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
                       initial_pckh=metrics["initial_pckh_mean"], events=ledger.events())
     write_report(paths.out / "report.md", records=history, metrics=metrics,
                  plans={s: p.to_dict() for s, p in plans.items()}, events=ledger.events(), plot=plot.name)
-    log.info("federation %s done: %d rounds, PCKh %.2f; %s", federation, len(history), metrics["pckh_mean"], claim)
+    log.info("federation %s done: %d rounds, PCKh %.2f, epsilon per site at most %.4f; the claim is in %s",
+             federation, len(history), metrics["pckh_mean"], epsilon, paths.out / "metrics.json")
     return metrics

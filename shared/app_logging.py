@@ -18,6 +18,9 @@ def setup_app_logging(*names: str, defer_to_root: bool = False) -> None:
     Otherwise the loggers get their own handler and stop propagating, since
     flwr adds a root handler later and every line would appear twice.
     """
+    # Flower's logger has its own console handler (INFO); a root handler that a library adds on import
+    # (opacus calls logging.basicConfig) would print its records again, DEBUG included.
+    logging.getLogger("flwr").propagate = False
     if defer_to_root and logging.getLogger().handlers:
         for name in names:
             logging.getLogger(name).setLevel(logging.INFO)

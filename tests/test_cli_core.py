@@ -152,3 +152,14 @@ def test_server_run_says_the_exit_codes_it_returns(capsys):
     assert RUN_FAILED == NOT_SUBMITTED and said in shown
     guide = " ".join((REPO / "docs" / "how-to" / "server.md").read_text().split())
     assert f"{int(RUN_FAILED)} when it failed, was stopped (with the end of its log) or could not be submitted" in guide
+
+
+def test_simulate_prints_flowers_log_plain_through_a_pipe_and_coloured_on_a_terminal():
+    from cli.simulation import clean_log_line
+
+    ray = ("\x1b[36m(ClientAppActor pid=7)\x1b[0m 10:06:17 INFO client.site: trained\x1b[32m [repeated 3x across "
+           "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication.)\x1b[0m")
+    assert clean_log_line(ray, terminal=False) == "(ClientAppActor pid=7) 10:06:17 INFO client.site: trained"
+    assert clean_log_line("\x1b[92mINFO \x1b[0m:      Starting", terminal=False) == "INFO :      Starting"
+    assert clean_log_line("\x1b[92mINFO \x1b[0m:      Starting", terminal=True) == "\x1b[92mINFO \x1b[0m:      Starting"
+    assert clean_log_line("\x1b[92mINFO \x1b[0m:      ", terminal=False) is None

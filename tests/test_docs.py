@@ -179,12 +179,19 @@ def test_the_quickstart_runs_as_its_page_says_on_a_tiny_ward(tmp_path):
     outputs = []
     for argv in commands:
         argv = [a.replace("runs/", f"{tmp_path}/runs/") for a in argv]
-        if argv[0] == "simulate":
-            argv += [x for s in sets for x in ("--set", s)] + ["--quiet"]
+        if argv[0] == "simulate":  # as the page runs it, not --quiet: its output is what a user reads
+            argv += [x for s in sets for x in ("--set", s)]
         done = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=tmp_path, capture_output=True, text=True,
                               timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)
+        if argv[0] == "simulate":  # read through a pipe: no terminal codes, no Ray markers, Flower's lines once
+            printed = done.stdout + done.stderr
+            assert "\x1b[" not in printed, [line for line in printed.splitlines() if "\x1b[" in line][:5]
+            assert "[repeated" not in printed and "RAY_DEDUP_LOGS" not in printed
+            assert "DEBUG" not in printed, [line for line in printed.splitlines() if "DEBUG" in line][:5]
+            claim = json.loads((tmp_path / "runs" / "federation" / "metrics.json").read_text())["claim"]
+            assert printed.count(claim) == 1, printed.count(claim)
     shown = re.search(r"```\n(Method .*?)\n```", page, re.S).group(1)
     for prefix in ("PCKh@0.5: start ", "data: synthetic ward at ", "privacy spent per site", "claim: (eps="):
         assert prefix in shown and prefix in outputs[0], prefix
