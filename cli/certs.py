@@ -46,6 +46,18 @@ def node_key_pair(comment: str) -> tuple[bytes, bytes]:
     return private, public + f" {comment}\n".encode()
 
 
+def key_comment(folder: Path, name: str) -> str:
+    """The comment of a site's public key: ``fedpose-<site>`` in a site's kit folder (its kit.json names the site),
+    so the operator can tell whose key a file is; else ``fedpose-<name>``."""
+    import json
+
+    try:
+        site = json.loads((folder / "kit.json").read_text())["site"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"fedpose-{name}"
+    return f"fedpose-{site}" if isinstance(site, str) and site and " " not in site else f"fedpose-{name}"
+
+
 def make_certs(out: Path, *, nodes: int, hosts: list[str], days: int, force: bool = False) -> list[Path]:
     """CA, a server certificate for ``hosts`` and the loopback names (SAN) and ``nodes`` ECDSA node key
     pairs (OpenSSH format).

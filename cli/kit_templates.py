@@ -137,7 +137,8 @@ On the federation server:
      [superlink.pilot]
      address = "127.0.0.1:{control_port}"
      root-certificates = "<the absolute path of ca.crt here>"
-5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them:
+5. Put each site's public key, as it sent it, in site-keys/<site>.pub, then register them (again after a
+   fix is safe; site-nodes.tsv then says which node id is which site):
      ./register-sites.sh
 6. Write the app from this install, and the bundle the sites review and approve (/srv/fedpose/app.fab, the
    same bytes every site approves; it prints their SHA-256):
@@ -169,13 +170,12 @@ exec "${{FEDPOSE:-fedpose}}" server front --listen 0.0.0.0:{port} --superlink 12
 REGISTER_SCRIPT = """\
 #!/bin/sh
 # Register each site's public key (site-keys/<site>.pub, as the site sent it) with the SuperLink, named as the site.
+# Safe to run again: a key already registered is reported and skipped, and every site is tried. Which node id is
+# which site (flwr supernode list shows ids only): site-nodes.tsv, printed as a table at the end.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-for site in {sites}; do
-  key="$here/site-keys/$site.pub"
-  if [ ! -f "$key" ]; then echo "missing $key: ask $site for the node.key.pub that fedpose site keygen wrote" >&2; exit 1; fi
-  flwr supernode register "$key" pilot --name "$site"
-done
+exec "${{FEDPOSE:-fedpose}}" server register-sites --connection pilot --keys "$here/site-keys" \\
+  --record "$here/site-nodes.tsv" --sites {sites}
 """
 
 

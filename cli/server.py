@@ -5,6 +5,7 @@
 finished completed (``flwr run`` itself returns 0 as soon as the run is submitted).
 ``status``: the run folder's rounds, per-site spend and events (server/status.py).
 ``build-app``: the Flower app and the bundle the sites approve, from this install (cli/app_bundle.py).
+``register-sites``: the sites' public keys, registered again safely (cli/register_sites.py).
 ``front``: the sites' address, which passes the SuperLink's Fleet API only (cli/fleet_front.py).
 """
 
@@ -59,6 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         parts.append("resume=true")
     else:
         parts.append(f"config='{Path(args.config).expanduser().resolve()}'")
+    submitted_at = time.time() - 1.0
     submitted = _flwr("run", str(app), args.connection, "--format", "json", "--run-config", " ".join(parts))
     try:
         run_id = int(json.loads(submitted.stdout)["run-id"])
@@ -78,9 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     r = json.loads(line)
                 except ValueError:
                     break
-                print(f"round {r['round']}: PCKh {r['pckh_mean']:.2f}, accepted {', '.join(r['accepted']) or '-'}"
-                      + (f", missed {', '.join(r['missed'])}" if r.get("missed") else "")
-                      + (f", refused {', '.join(r['refused'])}" if r.get("refused") else ""), flush=True)
+                print(round_line(r), flush=True)
                 seen += 1
         if status.startswith("finished"):
             break
@@ -89,16 +89,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics = out / "metrics.json"
         if metrics.is_file():
             m = json.loads(metrics.read_text())
+            if m.get("stopped"):
+                print(f"stopped early: {m['stopped']}")
             print(f"finished: PCKh {m['pckh_mean']:.2f} (start {m.get('initial_pckh_mean') or float('nan'):.2f}); "
                   f"claim: {m['claim']}")
         else:
             print("finished")
         return 0
+    from server.outcome import read_outcome
+
+    outcome = read_outcome(out) if (out / "outcome.json").is_file() and \
+        (out / "outcome.json").stat().st_mtime >= submitted_at else None  # this run's, not an earlier one's
+    if status.startswith("finished") and outcome is not None and outcome.get("state") == "failed":
+        # the server said why it could not go on: that line, not the traceback Flower logs around it
+        print(f"fedpose server run: run {run_id} failed: {outcome['reason']} (its whole log: flwr log {run_id} "
+              f"{args.connection} --show)", file=sys.stderr)
+        return RUN_FAILED
     log = _flwr("log", str(run_id), args.connection, "--show", timeout=120).stdout
     why = status or f"still running after --timeout {args.timeout:.0f} s"
     print(f"fedpose server run: run {run_id} did not finish completed ({why}); the end of its log:\n"
           + "\n".join(log.splitlines()[-40:]), file=sys.stderr)
     return RUN_FAILED
+
+
+def round_line(r: dict[str, Any]) -> str:
+    """One round of rounds.jsonl as ``server run`` prints it; a round that was not aggregated names who paid for it."""
+    if r.get("aggregated", True):
+        line = f"round {r['round']}: PCKh {r['pckh_mean']:.2f}, accepted {', '.join(r['accepted']) or '-'}"
+    else:
+        line = (f"round {r['round']}: not aggregated (too few valid replies), PCKh {r['pckh_mean']:.2f} unchanged"
+                + (f"; {', '.join(r['discarded'])} paid for an update that was thrown away" if r.get("discarded")
+                   else ""))
+    return (line + (f", missed {', '.join(r['missed'])}" if r.get("missed") else "")
+            + (f", refused {', '.join(r['refused'])}" if r.get("refused") else ""))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -108,8 +131,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=1, default=str))
         return 0
-    print(f"federation {status['federation']} in {status['out']}: {status['state']}, "
-          f"{len(status['rounds'])}/{status['rounds_planned'] or '?'} rounds, {status['resumes']} resume(s)")
+    print(f"federation {status['federation']} in {status['out']}: {status['state']}"
+          + (f" ({status['state_reason']})" if status["state_reason"] else "")
+          + f", {len(status['rounds'])}/{status['rounds_planned'] or '?'} rounds, {status['resumes']} resume(s)")
     if status["rounds"]:
         print(f"PCKh@0.5: start {status['initial_pckh'] or float('nan'):.2f}, latest {status['latest_pckh']:.2f}, "
               f"best {status['best_pckh']:.2f}")
@@ -156,8 +180,10 @@ def register(sub: Any) -> None:
 
     from cli.app_bundle import register as register_build_app
     from cli.fleet_front import register as register_front
+    from cli.register_sites import register as register_sites
 
     register_build_app(ss)
+    register_sites(ss)
     register_front(ss)
 
     st = ss.add_parser("status", help="a run folder's rounds, per-site spend against budget, events")

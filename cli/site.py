@@ -50,7 +50,7 @@ def _supernode_args(rest: list[str]) -> list[str]:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """The site's own SuperNode key pair: the private key never leaves the site; the operator registers the .pub."""
-    from cli.certs import node_key_pair, write_key_file
+    from cli.certs import key_comment, node_key_pair, write_key_file
     from cli.provision import _inside_git_tree
 
     out = Path(args.out).expanduser().resolve()
@@ -64,7 +64,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         raise ValueError(f"{out} already holds {', '.join(existing)}: a new key pair replaces the one the operator "
                          "registered (use --force, then send the new .pub and ask for the old one to be unregistered)")
     out.mkdir(parents=True, exist_ok=True)
-    private, public = node_key_pair(args.comment or f"fedpose-{args.name}")
+    private, public = node_key_pair(args.comment or key_comment(out, args.name))
     write_key_file(key, private, private=True)
     write_key_file(pub, public, private=False)
     print(f"wrote {key} (private, 0600: it stays here) and {pub}")
@@ -339,7 +339,7 @@ def register(sub: Any) -> None:
     kg.add_argument("--out", required=True, help="the site's folder for its key (outside any git repository)")
     kg.add_argument("--name", default="node.key", help="file name of the private key (default node.key; the public "
                                                        "key gets .pub)")
-    kg.add_argument("--comment", default=None, help="comment in the public key (default fedpose-<name>)")
+    kg.add_argument("--comment", default=None, help="public key comment (default fedpose-<site> in a kit)")
     kg.add_argument("--force", action="store_true", help="replace an existing key pair")
     kg.add_argument("--verbose", action="store_true", help="debug logging")
     kg.set_defaults(func=cmd_keygen)

@@ -172,8 +172,9 @@ def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan]
 
     Nodes not seen before are asked who they are, and so are the sites in ``recheck`` (those that
     refused, missed a round or were offline: they may have changed their policy) once their node is
-    online; each site asked is removed from ``recheck``. Returns the planned sites whose node is
-    offline this round and what every site asked declared.
+    online; each site that answered is removed from ``recheck``, a site asked that did not describe
+    itself stays in it (``unready``: it is not asked to train until it answers). Returns the planned
+    sites whose node is offline this round and what every site asked declared.
     """
     recheck = set() if recheck is None else recheck
     online = set(grid.get_node_ids())
@@ -193,44 +194,61 @@ def refresh_nodes(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan]
     return offline, infos
 
 
+def unready(plans: dict[str, SitePlan], node_of: dict[str, int], recheck: set[str], offline: list[str]) -> set[str]:
+    """Planned sites whose node is online but which did not describe themselves when asked again (after a missed
+    round, a refusal or a restart): a node that stopped answering may stay listed until its heartbeat lapses,
+    and a train message to it would leave the others training for a round that cannot be aggregated."""
+    return {s for s in recheck if s in plans and s in node_of and s not in offline}
+
+
 def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePlan], ledger: ServerLedger,
                     cfg: Config, rnd: int, *, recheck: set[str] | None = None,
-                    poll: float = 5.0) -> tuple[list[str], list[str], list[Event]]:
-    """The sites to ask in round ``rnd``, the planned sites whose SuperNode is offline, and policy changes.
+                    poll: float = 5.0) -> tuple[list[str], list[str], list[Event], dict[str, str]]:
+    """The sites to ask in round ``rnd``, the planned sites whose SuperNode is offline, policy changes, and why
+    each site with budget left cannot take part now.
 
     Sites in ``recheck`` are asked again what their policy declares (``server/policy_watch.py``):
-    a change is an event, and a site whose policy no longer fits its plan is not asked to train.
+    a change is an event, and a site whose policy no longer fits its plan is not asked to train; a
+    site that does not answer is not asked to train either.
 
-    A site with budget left whose SuperNode is offline (crashed, restarting) is waited for, up to
-    ``federation.round_timeout``, when without it fewer than ``min_sites`` could train; a site
-    whose next round would exceed its budget is marked exhausted and never asked again.
+    A site with budget left whose SuperNode is offline (crashed, restarting) or silent is waited for,
+    up to ``federation.round_timeout``, when without it fewer than ``min_sites`` could train: no site
+    is asked to train for a round that could not be aggregated. A site whose next round would exceed
+    its budget or its planned rounds is marked (``server.outcome.closing_status``) and never asked again.
     """
+    from server.outcome import closing_status
+
+    recheck = set() if recheck is None else recheck
     deadline = time.monotonic() + cfg.federation.round_timeout
     events: list[Event] = []
     while True:
         offline, infos = refresh_nodes(grid, node_of, plans, cfg, recheck)
+        silent = unready(plans, node_of, recheck, offline)
         events += watch(ledger, plans, infos, cfg)
         statuses = ledger.statuses()
         newly: dict[str, tuple[str, str]] = {}
-        active, waiting = [], []
+        active, waiting = [], {}
         for site in sorted(plans):
             if statuses[site][0] != "active":
                 continue
-            if not can_afford(plans[site], ledger.history(site), site_epsilon=ledger.counted_epsilon(site)):
-                newly[site] = ("exhausted", "the next planned round would exceed the budget or the planned rounds")
-                log.info("site %s is exhausted: not sampled again", site)
+            history, spent = ledger.history(site), ledger.counted_epsilon(site)
+            if not can_afford(plans[site], history, site_epsilon=spent):
+                newly[site] = closing_status(plans[site], history, spent)
+                log.info("site %s: %s (%s): not sampled again", site, *newly[site])
+            elif site in silent:
+                waiting[site] = "its SuperNode is listed but did not answer when asked again"
             elif site in node_of and site not in offline:
                 active.append(site)
             else:
-                waiting.append(site)
+                waiting[site] = "its SuperNode is offline"
         if newly:
             ledger.set_statuses(newly)
         left = deadline - time.monotonic()
         if len(active) >= cfg.federation.min_sites or not waiting or left <= 0:
             if waiting and len(active) < cfg.federation.min_sites:
-                log.warning("round %d: %s still offline after %.0f s", rnd, ", ".join(waiting),
-                            cfg.federation.round_timeout)
-            return active, offline, events
-        log.info("round %d: waiting for %s to come back (SuperNode offline; %d of min_sites %d online, "
-                 "%.0f s left)", rnd, ", ".join(waiting), len(active), cfg.federation.min_sites, left)
+                log.warning("round %d: %s still cannot take part after %.0f s", rnd,
+                            "; ".join(f"{s}: {why}" for s, why in waiting.items()), cfg.federation.round_timeout)
+            return active, offline, events, waiting
+        log.info("round %d: waiting for %s (%d of min_sites %d can take part; %.0f s left)", rnd,
+                 "; ".join(f"{s}: {why}" for s, why in waiting.items()), len(active), cfg.federation.min_sites, left)
         time.sleep(min(poll, max(left, 0.1)))

@@ -56,7 +56,7 @@ _SCHEMA = [
         rounds INTEGER NOT NULL,
         accountant TEXT NOT NULL,
         site_min_sigma REAL NOT NULL,
-        status TEXT NOT NULL DEFAULT 'active',   -- active | exhausted | refused
+        status TEXT NOT NULL DEFAULT 'active',   -- active | refused | finished | exhausted | stopped
         reason TEXT NOT NULL DEFAULT ''
     )""",
     """CREATE TABLE IF NOT EXISTS spend (
@@ -81,7 +81,7 @@ _SCHEMA = [
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         round INTEGER NOT NULL,
         site TEXT NOT NULL,
-        kind TEXT NOT NULL,               -- refused | rejected | error | missing
+        kind TEXT NOT NULL,               -- refused | rejected | error | missing | discarded | stopped | ...
         code INTEGER NOT NULL,
         reason TEXT NOT NULL,
         recorded_at TEXT NOT NULL

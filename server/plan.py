@@ -74,20 +74,27 @@ def incompatibility(info: SiteInfo, cfg: Config) -> str | None:
     return None
 
 
+def left_out(info: SiteInfo, cfg: Config) -> str | None:
+    """Why this site cannot take part in the federation of ``cfg`` (its policy would refuse, or it has no rounds
+    left), or None."""
+    problem = incompatibility(info, cfg)
+    if problem is not None:
+        return problem
+    if min(cfg.federation.rounds, info.rounds_per_federation, info.lifetime_rounds - info.rounds_done) < 1:
+        return f"has no rounds left ({info.rounds_done} of its {info.lifetime_rounds} lifetime rounds done)"
+    return None
+
+
 def plan_site(info: SiteInfo, cfg: Config) -> SitePlan | None:
     """The plan for one site, or None when it cannot take part (no rounds left, method not allowed)."""
     method = cfg.train.method
     if method == "nonprivate":
         raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
-    problem = incompatibility(info, cfg)
+    problem = left_out(info, cfg)
     if problem is not None:
         log.warning("site %s %s: left out", info.site, problem)
         return None
     rounds = min(cfg.federation.rounds, info.rounds_per_federation, info.lifetime_rounds - info.rounds_done)
-    if rounds < 1:
-        log.warning("site %s has no rounds left (%d of its %d lifetime rounds done): left out", info.site,
-                    info.rounds_done, info.lifetime_rounds)
-        return None
     epsilon = min(cfg.privacy.epsilon, info.epsilon)
     delta = min(cfg.privacy.delta, info.delta)
     q = info.sample_rate

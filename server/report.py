@@ -37,7 +37,8 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
 
 
 # How the plot marks what happened in a round (report.md lists each with its reason).
-EVENT_MARKERS = {"missed": "x", "refused": "v", "rejected": "s", "error": "P", "resumed": "^", "policy-changed": "D"}
+EVENT_MARKERS = {"missed": "x", "refused": "v", "rejected": "s", "error": "P", "resumed": "^", "policy-changed": "D",
+                 "discarded": "*", "stopped": "|"}
 
 
 def write_plot(path: str | Path, records: Sequence[Mapping[str, Any]], budgets: Mapping[str, float], *,
@@ -140,11 +141,15 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
         absent = ", ".join(sorted(set(r.get("missed", [])) | set(r.get("offline", [])))) or "-"
         bound = "-" if r.get("update_bound") is None else (
             f"{r['update_bound']:.3g} ({', '.join(r.get('bounded', [])) or 'none'})")
+        if r.get("aggregated") is False:  # the sites that trained for it paid for nothing
+            bound = f"not aggregated ({', '.join(r.get('discarded', [])) or 'nobody'} paid)"
         lines.append(f"| {r['round']} | {r['pckh_mean']:.2f} | {eps} | {absent} | {bound} | {down:.2f} | {up:.2f} | "
                      f"{sec['train']:.1f} | {sec['basis']:.1f} | {sec['aggregation']:.2f} |")
     lines += ["", f"![PCKh and privacy per round]({plot})", ""]
     if events:
-        lines += ["## Events: missed rounds, refusals, rejected replies, resumes, policy changes", "", "| round | site | kind | code | reason |",
+        lines += ["## Events: missed rounds, refusals, rejected replies, discarded updates, resumes, policy changes, "
+                  "stops", "", "A discarded update was trained and paid for by its site, then thrown away: its round "
+                  "had fewer valid replies than federation.min_sites.", "", "| round | site | kind | code | reason |",
                   "|---|---|---|---|---|"]
         for e in events:
             reason = str(e["reason"]).replace("|", "/").replace("\n", " ")[:200]

@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,9 @@ from server.checkpoint import ServerState, load_state, save_state
 from server.combine import aggregate, bound_updates, fedavg  # noqa: F401  (fedavg, Reply: imported by tests)
 from server.exchange import describe_sites, exchange, sites_for_round
 from server.ledger import Event, ServerLedger
-from server.plan import SitePlan, can_afford, plan_site
+from server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
+                            sole_server)
+from server.plan import SitePlan, left_out, plan_site
 from server.policy_watch import watch
 from server.prepare import require_prepared
 from server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
@@ -74,33 +74,20 @@ class Paths:
         return self.out / "rounds.jsonl"
 
 
-@contextmanager
-def _sole_server(out: Path, wait: float = 300.0) -> Iterator[None]:
-    """One server per run folder: a resumed server waits (bounded) for an old one that is still winding down."""
-    import fcntl
-
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "server.lock", "a+") as fh:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"another server still runs on {out} after {wait:.0f} s: stop it first") from None
-                log.info("another server still holds %s: waiting for it to stop", out)
-                time.sleep(2.0)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out`` (one server at a time)."""
-    with _sole_server(Path(out)):
-        return _run_federation(grid, cfg, out, resume=resume)
+    """Run (or resume) the federation of ``cfg`` over ``grid``; writes everything into ``out`` (one server at a time).
+
+    A run that cannot go on raises ``FederationStopped`` (one line); why any run failed is kept in
+    ``out/outcome.json`` for ``fedpose server status`` and ``fedpose server run``.
+    """
+    out = Path(out)
+    with sole_server(out):
+        clear_outcome(out)
+        try:
+            return _run_federation(grid, cfg, out, resume=resume)
+        except Exception as err:
+            record_failure(out, err)
+            raise
 
 
 def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
@@ -173,8 +160,11 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     recheck: set[str] = set()  # sites to ask again what their policy declares (refused, missed, offline)
     usable = sorted(s for s in plans if s in node_of)
     if len(usable) < cfg.federation.min_sites:
-        raise RuntimeError(f"only {len(usable)} sites ({usable}) answered and can take part, fewer than "
-                           f"federation.min_sites={cfg.federation.min_sites}; see the sites' logs")
+        why = [f"{s} {left_out(info, cfg) or 'has no plan'}" for s, (_, info) in sorted(sites.items()) if s not in usable]
+        why += [f"{s} did not describe itself" for s in sorted(plans) if s not in node_of]
+        head = (f"only {len(usable)} site(s) can take part ({', '.join(usable)})" if usable else "no site can take part")
+        raise FederationStopped(f"{head}, fewer than federation.min_sites={cfg.federation.min_sites}: "
+                                + ("; ".join(why) or "no site described itself (see the sites' logs)"))
     keeper = BasisKeeper(cfg, public)
     server_opt = server_optimizer(cfg)  # server/aggregate.py; its moments are in the checkpoint
     if optimizer_state is not None:
@@ -186,11 +176,17 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
                                             *noticed])
         noticed = []
     for rnd in range(start, cfg.federation.rounds + 1):
-        active, offline, changed = sites_for_round(grid, node_of, plans, ledger, cfg, rnd, recheck=recheck)
+        active, offline, changed, waiting = sites_for_round(grid, node_of, plans, ledger, cfg, rnd, recheck=recheck)
         noticed += changed
-        if len(active) < cfg.federation.min_sites:
-            log.info("round %d: %d sites can still train (< min_sites %d): stopping", rnd, len(active),
-                     cfg.federation.min_sites)
+        if len(active) < cfg.federation.min_sites:  # no site is asked to train for a round that cannot count
+            if active or waiting:
+                why = "; ".join(f"{s}: {r}" for s, r in waiting.items()) or "the others have no rounds left"
+                stopped = (f"round {rnd}: only {len(active)} site(s) can take part ({', '.join(active) or 'none'}), "
+                           f"fewer than federation.min_sites={cfg.federation.min_sites} ({why}); stopping")
+                log.warning("%s", stopped)
+                noticed.append(Event(site="(server)", kind="stopped", code=0, reason=stopped))
+            else:
+                log.info("round %d: every site's planned rounds or budget are done", rnd)
             if noticed:
                 ledger.record_round(rnd, [], noticed)
             break
@@ -247,15 +243,21 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
                     named[name].copy_(value)
         else:
             tau, scaled = None, []
-            log.warning("round %d: %d valid replies < min_sites %d: global model unchanged", rnd,
-                        len(outcome.updates), cfg.federation.min_sites)
         seconds_agg = time.perf_counter() - t0
         t0 = time.perf_counter()
         report, _, _ = evaluate(model, val)
         seconds_eval = time.perf_counter() - t0
 
+        before = {s: ledger.counted_epsilon(s) for s in outcome.accepted}
         ledger.record_round(rnd, outcome.spends, noticed + outcome.events, outcome.statuses, outcome.reports)
         noticed = []
+        if not aggregated and outcome.accepted:  # they paid for a round that was thrown away: say who
+            cost = {s: (before[s], ledger.counted_epsilon(s), plans[s].epsilon) for s in outcome.accepted}
+            ledger.record_round(rnd, [], discarded_events(rnd, len(outcome.updates), cfg.federation.min_sites, cost))
+            log.warning("round %d: not aggregated (%d valid replies < min_sites %d): global model unchanged; %s",
+                        rnd, len(outcome.updates), cfg.federation.min_sites,
+                        "; ".join(f"{s} paid for an update that was thrown away (eps {b:.4f} -> {a:.4f})"
+                                  for s, (b, a, _) in sorted(cost.items())))
         if outcome.seeded and ledger.get_meta("seeded") != "1":
             log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
             ledger.set_meta("seeded", "1")
@@ -273,6 +275,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
             "aggregated": aggregated,
             "sites": sorted(active),
             "accepted": sorted(outcome.accepted),
+            "discarded": [] if aggregated else sorted(outcome.accepted),  # charged, trained, thrown away
             "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
             "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
             "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
@@ -294,8 +297,9 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
                                                  ledger=ledger.snapshot(), history=history,
                                                  optimizer=server_opt.state_dict()))
         append_round(paths.rounds, record)
-        log.info("round %d: PCKh %.2f, eps %s, accepted %s", rnd, record["pckh_mean"],
-                 {s: round(e, 4) for s, e in record["epsilon"].items()}, record["accepted"])
+        log.info("round %d: PCKh %.2f, eps %s, %s", rnd, record["pckh_mean"],
+                 {s: round(e, 4) for s, e in record["epsilon"].items()},
+                 f"accepted {record['accepted']}" if aggregated else "not aggregated")
 
     metrics = finish(cfg, paths, model, val, ledger, plans, history, federation,
                      seconds=time.perf_counter() - t_start)
@@ -313,14 +317,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     from shared.train import evaluate, write_json
 
     report, _, _ = evaluate(model, val)
-    done = {}
-    for s, (status, _) in ledger.statuses().items():
-        if status != "active" or s not in plans:
-            continue
-        if len(ledger.history(s)) >= plans[s].rounds and ledger.counted_epsilon(s) < plans[s].epsilon:
-            done[s] = ("finished", "its planned rounds are done; budget left")
-        elif not can_afford(plans[s], ledger.history(s), site_epsilon=ledger.counted_epsilon(s)):
-            done[s] = ("exhausted", "the next round would exceed its budget")
+    done = final_statuses(ledger, plans)  # finished, exhausted or stopped: no site stays 'active'
     if done:
         ledger.set_statuses(done)
     statuses = ledger.statuses()
@@ -352,9 +349,11 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
                           records_per_patient=patient_records,
                           records_source="the largest cap the sites' policies state", face_tasks=cfg.model.face_tasks)
     initial = ledger.get_meta("initial_pckh_mean")
+    stops = [e["reason"] for e in ledger.events() if e["kind"] == "stopped"]
     metrics = {
         "federation": federation,
         "rounds": len(history),
+        "stopped": stops[-1] if stops else None,  # why it ended before federation.rounds, when it did
         "initial_pckh_mean": float(initial) if initial is not None else None,
         "method": cfg.train.method,
         "strategy": cfg.train.strategy,

@@ -69,15 +69,17 @@ def server_status(out: str | Path) -> dict[str, Any]:
                        "status": plan["status"], "reason": plan["reason"]}
     initial = meta.get("initial_pckh_mean")
     pckh = [r["pckh_mean"] for r in rounds]
+    state, reason = run_state(out, metrics)
     return {
         "kind": "server",
         "out": str(out),
         "federation": meta.get("federation"),
-        "state": "finished" if metrics is not None else "running",
+        "state": state,
+        "state_reason": reason,
         "rounds_planned": planned,
-        "rounds": [{k: r.get(k) for k in ("round", "pckh_mean", "accepted", "refused", "rejected", "failed", "missed",
-                                          "offline", "update_bound", "bounded")} | {
-            k: r.get(k) or [] for k in ("accepted", "refused", "rejected", "failed", "missed", "offline")}
+        "rounds": [{k: r.get(k) for k in ("round", "pckh_mean", "update_bound", "bounded")} | {
+            "aggregated": r.get("aggregated", True)} | {
+            k: r.get(k) or [] for k in ("accepted", "discarded", "refused", "rejected", "failed", "missed", "offline")}
             for r in rounds],
         "initial_pckh": float(initial) if initial is not None else None,
         "latest_pckh": pckh[-1] if pckh else None,
@@ -88,6 +90,23 @@ def server_status(out: str | Path) -> dict[str, Any]:
         "claim": metrics["claim"] if metrics else None,
         "epsilon": metrics["epsilon"] if metrics else max((s["epsilon"] for s in sites.values()), default=0.0),
     }
+
+
+def run_state(out: Path, metrics: dict[str, Any] | None) -> tuple[str, str]:
+    """``finished`` (metrics.json written), ``running`` (a server process holds the folder), ``failed`` (the
+    server recorded why it could not go on) or ``stopped`` (no process holds it: killed, or its machine went
+    down); with a reason for every state but running."""
+    from server.outcome import held, read_outcome
+
+    if metrics is not None:
+        return "finished", metrics.get("stopped") or ""
+    if held(out):
+        return "running", ""
+    outcome = read_outcome(out)
+    if outcome is not None and outcome.get("state") == "failed":
+        return "failed", str(outcome.get("reason", ""))
+    return "stopped", ("no server process holds this run folder and it has no metrics.json: the server stopped "
+                       "before the end (killed, or its machine went down); resume it with fedpose server run --resume")
 
 
 def server_metrics(status: dict[str, Any]) -> list[tuple[str, dict[str, str], float, str]]:

@@ -165,7 +165,7 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     assert "localhost" in names.get_values_for_type(x509.DNSName)
     assert "127.0.0.1" in [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
     register = (server / "register-sites.sh").read_text()
-    assert "for site in hospital-a hospital-b" in register and '--name "$site"' in register
+    assert "--sites hospital-a hospital-b" in register and "site-nodes.tsv" in register
 
     with pytest.raises(ValueError, match="git work tree"):
         provision(REPO / "runs" / "kits-test", sites=["a"], hosts=["x"], port=8000, cfg=cfg)

@@ -104,6 +104,43 @@ def _signed_post(address: str, ca: Path, target: str, key: Path) -> int:
         conn.close()
 
 
+def _register_sites_again_and_again(server: Path, kits: Path, operator: dict[str, str]) -> dict[str, str]:
+    """register-sites.sh as an operator runs it: with a garbled key, again once it is fixed, with a key saved
+    under the wrong site's name. Every message names its site; which node id is which site is written down."""
+    def register() -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", str(server / "register-sites.sh")], env=operator, capture_output=True,
+                              text=True, timeout=180)
+
+    for site in SITES:  # each key says whose it is
+        assert (kits / site / "node.key.pub").read_text().split()[2] == f"fedpose-{site}"
+    key_b = server / "site-keys" / "site-b.pub"
+    good_b = key_b.read_text()
+    key_b.write_text(good_b.replace(" AAAA", " AAA\nA", 1))  # a mail client wrapped it
+    first = register()
+    assert first.returncode != 0, first.stdout + first.stderr
+    assert "site-a: registered as node" in first.stdout, first.stdout + first.stderr
+    assert [line for line in first.stderr.splitlines() if line.strip()][0].startswith("site-b: "), first.stderr
+    key_b.write_text(good_b)  # the operator saves it again, as site-b sent it, and runs the script again
+    again = register()
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "site-a: already registered as node" in again.stdout and "site-b: registered as node" in again.stdout
+    # which node id is which site: site-nodes.tsv and the table the script prints (flwr lists no names)
+    rows = dict(line.split("\t")[:2] for line in (server / "site-nodes.tsv").read_text().splitlines()[1:])
+    registered = {n["node-id"]: n["status"] for n in _nodes(operator, "pilot")}
+    assert sorted(registered.values()) == ["registered", "registered"], registered
+    assert sorted(rows) == SITES and sorted(rows.values()) == sorted(str(n) for n in registered), (rows, registered)
+    for site in SITES:
+        assert re.search(rf"^{site}\s+{rows[site]}$", again.stdout, re.M), again.stdout
+    # a key saved under the wrong site's name is refused, and says whose it is; nothing changes
+    key_b.write_text((kits / "site-a" / "node.key.pub").read_text())
+    wrong = register()
+    assert wrong.returncode != 0 and "site-b: " in wrong.stderr and "site-a's key" in wrong.stderr, wrong.stderr
+    key_b.write_text(good_b)
+    assert register().returncode == 0
+    assert {n["node-id"]: n["status"] for n in _nodes(operator, "pilot")} == registered
+    return registered
+
+
 @pytest.mark.slow
 def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Path) -> None:
     from cli.main import main
@@ -139,10 +176,7 @@ def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Pa
         if Path("/proc/net/tcp").exists():  # the SuperLink listens on loopback only; the front on the sites' address
             assert _listening(control_port) == {"127.0.0.1"} and _listening(port) == {"127.0.0.1"}
         _connection(tmp_path / "operator-flwr", "pilot", own, server / "ca.crt")
-        subprocess.run(["sh", str(server / "register-sites.sh")], env=operator, check=True, capture_output=True,
-                       timeout=120)
-        registered = {n["node-id"]: n["status"] for n in _nodes(operator, "pilot")}
-        assert sorted(registered.values()) == ["registered", "registered"], registered
+        registered = _register_sites_again_and_again(server, kits, operator)
         victim = min(registered)
 
         # -- site-b, with nothing but its kit: its ca.crt, the address kit.json names, its own node key
