@@ -156,7 +156,8 @@ def register(sub: Any) -> None:
     prep = ss.add_parser("prepare", help="make or check the public split, the validation split and the public "
                                          "pretrained weights; write a config with absolute paths (server.yaml)")
     add_config(prep, help="the federation's config, a file or a shipped name (default default)")
-    prep.add_argument("--out", required=True, help="folder for server.yaml (e.g. /srv/fedpose)")
+    prep.add_argument("--out", required=True, help="folder for server.yaml and for what the config's relative "
+                                                    "paths name: the data, the weights (e.g. /srv/fedpose)")
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     prep.add_argument("--verbose", action="store_true", help="debug logging")
     prep.set_defaults(func=cmd_prepare)

@@ -23,13 +23,17 @@ from pathlib import Path
 from shared.config import Config, ConfigError, dump_config, replace
 
 
-def absolute_paths(cfg: Config) -> Config:
-    """The config with its data, pretrained-weights and results paths made absolute."""
-    return replace(cfg, **{
-        "data.root": str(Path(cfg.data.root).expanduser().resolve()),
-        "pretrain.out": str(Path(cfg.pretrain.out).expanduser().resolve()),
-        "federation.out": str(Path(cfg.federation.out).expanduser().resolve()),
-    })
+def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
+    """The config with its data, pretrained-weights and results paths made absolute: a relative path is taken
+    under ``base`` (default: the working directory)."""
+    root = Path.cwd() if base is None else Path(base).expanduser().resolve()
+
+    def under(value: str) -> str:
+        path = Path(value).expanduser()
+        return str((path if path.is_absolute() else root / path).resolve())
+
+    return replace(cfg, **{"data.root": under(cfg.data.root), "pretrain.out": under(cfg.pretrain.out),
+                           "federation.out": under(cfg.federation.out)})
 
 
 def require_prepared(cfg: Config, *, config_path: str = "<this run's config>") -> None:
@@ -60,13 +64,14 @@ def require_prepared(cfg: Config, *, config_path: str = "<this run's config>") -
 def prepare_server(cfg: Config, out: str | Path, *, progress: bool = True,
                    echo: Callable[[str], None] = print) -> Path:
     """Make or check the public split, the validation split and the pretrained weights; write
-    ``out/server.yaml`` (absolute paths). Returns its path."""
+    ``out/server.yaml`` (absolute paths). The config's relative paths (data, pretrained weights, results)
+    are taken under ``out``, so everything the server needs lies there. Returns the config's path."""
     from shared.data.mpii import load_split
     from shared.data.split import check_disjoint, check_no_duplicates, manifest_digest
     from shared.runs import ensure_data, pretrained_problem, run_pretrain
 
-    cfg = absolute_paths(cfg)
     out = Path(out).expanduser().resolve()
+    cfg = absolute_paths(cfg, out)
     root = Path(cfg.data.root)
     generated = not root.exists()
     echo(f"[1/3] public data under {root}" + (" (generating the synthetic ward)" if generated else ""))

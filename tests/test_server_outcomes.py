@@ -1,6 +1,6 @@
 """How a federation ends, as the server's operator sees it: which site paid for a round that was thrown away,
 whether sites are asked to train when too few can take part, the sites' labels after a finish, the run's
-state after a failure.
+state after a failure, and where ``server prepare --out`` writes.
 
 The federations here run the server's real round loop over the sites' real handlers and SQLite ledgers, in
 process (``federation_support.InProcessGrid``); a site that dies mid-round is a node that stays listed but
@@ -140,6 +140,29 @@ def test_a_run_folder_no_server_holds_reads_stopped_not_running(tmp_path):
         holder.wait(timeout=30)
     status = server_status(out)
     assert status["state"] == "stopped" and "no server process holds" in status["state_reason"], status
+
+
+def test_server_prepare_out_holds_the_ward_and_the_weights(tmp_path, monkeypatch):
+    """A config with relative paths (the shipped ones): `server prepare --out DIR` writes everything under DIR,
+    nothing under the folder it was started from."""
+    from cli.main import main
+    from federation_support import tiny_dict
+    from shared.config import load_config
+
+    config = tiny_dict(tmp_path)
+    config["data"]["root"] = "data/ward"
+    config["pretrain"]["out"] = "runs/pretrained"
+    (tmp_path / "cfg.yaml").write_text(json.dumps(config))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    srv = tmp_path / "srv"
+    assert main(["server", "prepare", "--config", str(tmp_path / "cfg.yaml"), "--out", str(srv), "--quiet"]) == 0
+    assert list(here.iterdir()) == []
+    cfg = load_config(srv / "server.yaml")
+    assert Path(cfg.data.root) == srv / "data" / "ward" and (srv / "data" / "ward" / "public").is_dir()
+    assert Path(cfg.pretrain.out) == srv / "runs" / "pretrained"
+    assert (srv / "runs" / "pretrained" / "model.pt").is_file()
 
 
 def test_sites_that_ran_their_planned_rounds_read_alike_and_none_stays_active(tmp_path, tmp_path_factory):
