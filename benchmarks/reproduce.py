@@ -59,6 +59,9 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/pretrain_seeds.py", "--recipe", "no-jitter=pretrain.photometric=0", "--recipe",
          "shipped=", "--seeds", "0", "1", "2", "--capabilities", "native", "avx2", "--out", "{out}"),
     ), results=("pretraining.json",)),
+    Entry("start-by-cpu", "the main command's start on this machine, added to those measured on other CPUs", (
+        ("{py}", "benchmarks/start_by_cpu.py", "--out", "{out}"),
+    ), results=("start_by_cpu.json",)),
     Entry("methods", "the five methods on the default config, 3 seeds", (
         ("{py}", "benchmarks/compare_methods.py", "--config", "configs/default.yaml", "--seeds", "1", "2", "3",
          "--out", "{out}", "--reuse"),

@@ -212,3 +212,19 @@ def test_the_edge_outputs_reference_lists_every_box_source_the_camera_writes():
     assert listed, "file-formats.md names box_source with its values in parentheses"
     named = set(re.findall(r"`([a-z]+)`", listed.group(1)))
     assert written <= named, f"box_source values written but not on the page: {sorted(written - named)}"
+
+
+def test_the_readme_states_a_start_that_covers_every_cpu_measured():
+    """The main command's start moves with the CPU (its kernels sum in their own order): the README names the start
+    on each CPU measured and a range that holds every one of them, so a fresh run on any of them falls inside."""
+    import json
+
+    machines = json.loads((REPO / "benchmarks" / "results" / "start_by_cpu.json").read_text())["machines"]
+    assert {m["cpu"] for m in machines} >= {"AMD EPYC", "Intel Xeon"}
+    readme = (REPO / "README.md").read_text()
+    stated = re.search(r"expect a start between (\d+(?:\.\d+)?) and (\d+(?:\.\d+)?)", readme)
+    assert stated, "the README states no range for the start a user should expect"
+    low, high = float(stated[1]), float(stated[2])
+    for m in machines:
+        assert low <= m["start"] <= high, (m, low, high)
+        assert f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']}" in readme, m

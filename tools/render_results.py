@@ -70,10 +70,28 @@ def render_main_brief(data: dict[str, Any]) -> str:
     minutes = [r["seconds"] / 60 for r in data["seeds"] if r.get("seconds")]
     took = f" The fastest of these runs took {min(minutes):.0f} minutes on {data['provenance'].get('cpus')} CPU cores." \
         if minutes else ""
-    return (f"Over {n} seeds, the public-pretrained start scores **{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
+    p = data.get("provenance") or {}
+    machine = f" on {p['cpu']} ({p.get('cpu_capability')})" if p.get("cpu") else ""
+    return (f"Over {n} seeds{machine}, the public-pretrained start scores **{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
             f"PCKh@0.5 on the validation split and the federated model ends at **{s['final']['mean']:.1f} ± "
             f"{s['final']['std']:.1f}** (a gain of {s['gain']['mean']:+.1f} ± {s['gain']['std']:.1f}), every site "
             f"having spent at most epsilon {max(max(r['sites'].values()) for r in data['seeds']):.2f}.{took}")
+
+
+def render_start_by_cpu(data: dict[str, Any]) -> str:
+    """benchmarks/results/start_by_cpu.json (benchmarks/start_by_cpu.py): the main command's start per CPU, and the
+    range a user should expect (the measured starts, widened to the next half point)."""
+    import math
+
+    machines = data["machines"]
+    each = [f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']} kernels, {m['runs']} run{'s' if m['runs'] > 1 else ''})"
+            for m in machines]
+    listed = ", ".join(each[:-1]) + f" and {each[-1]}" if len(each) > 1 else each[0]
+    starts = [m["start"] for m in machines]
+    low, high = math.floor(2 * min(starts)) / 2, math.ceil(2 * max(starts)) / 2
+    return (f"Pretraining is seeded, but its start moves with the CPU, whose kernels sum in their own order: the "
+            f"main command's start was {listed}. So expect a start between {low:.1f} and {high:.1f} on a fresh "
+            "run; a gain is over the run's own start.")
 
 
 def render_pretraining(data: dict[str, Any]) -> str:
@@ -592,6 +610,7 @@ def load_artefact(name: str) -> Any:
 RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "main": ("main.json", render_main),
     "main-brief": ("main.json", render_main_brief),
+    "start-by-cpu": ("start_by_cpu.json", render_start_by_cpu),
     "pretraining": ("pretraining.json", render_pretraining),
     "audits": ("privacy_attacks.json", render_audits),
     "mia": ("privacy_attacks.json", render_mia),
