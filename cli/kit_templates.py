@@ -96,12 +96,13 @@ WantedBy=multi-user.target
 SITE_STEPS = """\
 On the site's server, as root, in this order:
 
-1. Install fedpose (CPU; a GPU site installs its CUDA torch first, see the install page):
-     python3 -m venv {venv}
-     {venv}/bin/pip install -c constraints.txt 'fedpose[train]'
-     useradd --system --home-dir {state} --shell /usr/sbin/nologin {user}
-2. Unpack this kit as {install}/{site} and make the site's own key pair there (the private key never leaves):
+1. Unpack this kit as {install}/{site} and install fedpose from it (CPU; a GPU site installs its CUDA torch
+   first, see the install page):
      cd {install}/{site}
+     python3 -m venv {venv}
+     {venv}/bin/pip install -c constraints.txt './{wheel}[train]'
+     useradd --system --home-dir {state} --shell /usr/sbin/nologin {user}
+2. Make the site's own key pair, in this folder (the private key never leaves):
      {venv}/bin/fedpose site keygen --out .
      chown {user}: node.key
    Send node.key.pub to the federation operator; nothing else.
@@ -125,7 +126,10 @@ On the site's server, as root, in this order:
 SERVER_STEPS = """\
 On the federation server:
 
-1. Keep ca.key and server.key private (0600); never copy them to a site.
+1. Keep ca.key and server.key private (0600); never copy them to a site. Install fedpose from this folder
+   where it is not installed yet (then put {venv}/bin on PATH):
+     python3 -m venv {venv}
+     {venv}/bin/pip install -c constraints.txt './{wheel}[train]'
 2. Prepare the public data and pretrained weights (absolute paths, progress output) from the federation's
    config as provisioned (federation.yaml, in this folder). {method_note}:
      fedpose server prepare --config federation.yaml --out /srv/fedpose

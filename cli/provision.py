@@ -47,9 +47,12 @@ def _write(path: Path, text: str, *, mode: int = 0o644) -> None:
 
 def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, days: int = 365,
               install: str = kit.INSTALL, state: str = kit.STATE, venv: str = kit.VENV,
-              user: str = kit.USER, control_port: int = kit.CONTROL_PORT) -> dict[str, Path]:
-    """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}."""
+              user: str = kit.USER, control_port: int = kit.CONTROL_PORT, wheel: str | None = None,
+              constraints: str | None = None) -> dict[str, Path]:
+    """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}. Each kit holds
+    the fedpose wheel and constraints.txt it installs from (``wheel``/``constraints``, else the checkout's)."""
     from cli.certs import make_certs
+    from cli.kit_wheel import kit_install_files
     from client.policy import FEATURE_DP
     from shared.config import dump_config
 
@@ -70,6 +73,7 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
         raise ValueError(f"provision: --control-port {control_port} must be a TCP port other than --port {port}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: provision into a new folder")
+    whl, lock = kit_install_files(wheel, constraints)
     server = out / "server"
     make_certs(server, nodes=0, hosts=hosts, days=days)
     (server / "site-keys").mkdir()
@@ -79,9 +83,12 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
             raise ValueError(f"provision: {name} {value} must be an absolute path (systemd needs one)")
     paths = {"install": install.rstrip("/"), "venv": venv.rstrip("/"), "state": state.rstrip("/"), "user": user}
     kits = {"server": server}
+    for folder in [server, *(out / site for site in sites)]:  # what each kit's holder installs from
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(whl, folder / whl.name)
+        shutil.copyfile(lock, folder / "constraints.txt")
     for i, site in enumerate(sites):
         folder = out / site
-        folder.mkdir(parents=True)
         shutil.copyfile(server / "ca.crt", folder / "ca.crt")
         _write(folder / "policy.yaml", kit.POLICY.format(
             site=site, epsilon=cfg.privacy.epsilon, delta=cfg.privacy.delta, lifetime_rounds=cfg.federation.rounds,
@@ -96,14 +103,14 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
                                                                      api_port=9094 + 2 * i, health_port=9095 + 2 * i,
                                                                      **paths), mode=0o755)
         _write(folder / "fedpose-supernode.service", kit.SYSTEMD_UNIT.format(site=site, **paths))
-        _write(folder / "README.txt", f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, **paths))
+        _write(folder / "README.txt", f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, wheel=whl.name, **paths))
         kits[site] = folder
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
     _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
            mode=0o755)
     dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
-        address=address, control_port=control_port, method_note=kit.method_note(cfg.train.method)))
+        address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"], method_note=kit.method_note(cfg.train.method)))
     if cfg.train.method in FEATURE_DP:
         log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
                     "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "
@@ -118,7 +125,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     kits = provision(Path(args.out), sites=sites, hosts=args.host or ["localhost"], port=args.port,
                      cfg=cfg, days=args.days, install=args.install_dir, state=args.state_dir, venv=args.venv,
-                     user=args.user, control_port=args.control_port)
+                     user=args.user, control_port=args.control_port, wheel=args.wheel,
+                     constraints=args.constraints)
     for name, path in kits.items():
         print(f"{name}: {path}")
     print("private keys (server/ca.key, server/server.key) are 0600 and stay here; send each site only its own "
@@ -143,6 +151,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config(prov, help="the federation's config, a file or a shipped name (default default): its batch size, "
                           "local steps and psi go into the kits")
     prov.add_argument("--days", type=int, default=365, help="certificate validity")
+    prov.add_argument("--wheel", default=None, help="the fedpose wheel the kits install from (default: built from "
+                                                    "the source checkout fedpose runs from)")
+    prov.add_argument("--constraints", default=None, help="the constraints.txt the kits install with (default: the "
+                                                          "checkout's)")
     prov.add_argument("--install-dir", default=kit.INSTALL, help=f"where sites unpack their kits (default "
                                                                   f"{kit.INSTALL}/<site>)")
     prov.add_argument("--state-dir", default=kit.STATE, help=f"the sites' state: ledger, checks, replies (default "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import stat
+import zipfile
+from importlib import metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from server.plan import SitePlan
 from shared.privacy.accountant import StepRecord, epsilon_spent
 from shared.privacy.reconcile import reconcile
 
+WHEEL = f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"  # the wheel a kit carries
 MECH = Mechanism(method="fpdp", psi="blur(0.06)", clip_norm=1.0, augment=True)
 
 
@@ -127,8 +130,14 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     assert set(kits) == {"server", "hospital-a", "hospital-b"}
     for site in ("hospital-a", "hospital-b"):
         kit = kits[site]
-        assert sorted(p.name for p in kit.iterdir()) == ["README.txt", "ca.crt", "fedpose-supernode.service",
+        assert sorted(p.name for p in kit.iterdir()) == ["README.txt", "ca.crt", "constraints.txt",
+                                                         WHEEL, "fedpose-supernode.service",
                                                          "kit.json", "policy.yaml", "start-supernode.sh"]
+        # what the site installs from, and the README's command for it (tests/test_site_kit.py runs it)
+        assert (kit / "constraints.txt").read_text() == (REPO / "constraints.txt").read_text()
+        with zipfile.ZipFile(kit / WHEEL) as wheel:
+            assert "server/server_app.py" in wheel.namelist() and "configs/default.yaml" in wheel.namelist()
+        assert f"/opt/fedpose/venv/bin/pip install -c constraints.txt './{WHEEL}[train]'" in (kit / "README.txt").read_text()
         assert json.loads((kit / "kit.json").read_text())["superlink"] == "server.example.org:8000"
         assert "server.example.org:8000" in (kit / "start-supernode.sh").read_text()
         text = (kit / "policy.yaml").read_text()
@@ -151,6 +160,7 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
                    and "is not executable" not in line and "No such file" not in line]
             assert not bad, done.stderr
     server = kits["server"]
+    assert (server / WHEEL).is_file() and (server / "constraints.txt").is_file()
     for key in ("ca.key", "server.key"):
         assert stat.S_IMODE((server / key).stat().st_mode) == 0o600
     assert not list(server.glob("node-*")) and not list(tmp_path.rglob("node.key"))  # no private key of any site

@@ -3,9 +3,11 @@
 ``fedpose provision`` writes the kits (into a temporary folder standing in for /opt/fedpose, with the
 state folder standing in for /var/lib/fedpose). The test then reads the command lines of each kit's
 README.txt and runs them as written, substituting only what a reader substitutes: the paths of their
-own data and of the bundle the operator sent. What needs root or systemd (installing packages, the
-service account, systemctl, journalctl) is skipped; the README's own "try it in a terminal" line starts
-the SuperNode instead. Two sites, TLS, node authentication with the sites' own keys, the app gate,
+own data and of the bundle the operator sent. What needs root or systemd (the service account, systemctl,
+journalctl) is skipped; the README's own "try it in a terminal" line starts the SuperNode instead. The install
+lines run as written, from the wheel and constraints.txt the kit holds, into a new virtual environment in
+which the lock's packages (but fedpose and Flower) are present beforehand; from then on nothing of this
+checkout is importable. Two sites, TLS, node authentication with the sites' own keys, the app gate,
 ``fedpose server run`` reaching a finished run, then ``fedpose site status`` reporting the spend.
 """
 
@@ -17,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -27,9 +30,26 @@ from shared.config import dump_config, replace
 
 pytestmark = pytest.mark.slow
 
-# Lines a test cannot run (root, systemd, package installs); everything else in the READMEs runs as written.
-SKIP = ("python3 -m venv", "/bin/pip install", "useradd", "chown", "cp fedpose-supernode.service", "systemctl",
-        "journalctl", "fedpose console", "Stop it with")
+# Lines a test cannot run (root, systemd); everything else in the READMEs runs as written, the install included.
+SKIP = ("useradd", "chown", "cp fedpose-supernode.service", "systemctl", "journalctl", "fedpose console",
+        "Stop it with")
+# What the kit's install takes from the package index, made present beforehand (the test's one shortcut): this
+# environment's packages, fedpose and Flower left out, so pip installs those two (Flower's scripts included) from
+# the kit's wheel and the index, and finds the rest of the lock installed; a full install takes minutes.
+NOT_PRESENT = ("fedpose", "__editable__", "flwr", "pip", "setuptools", "_distutils_hack", "distutils-precedence",
+               "__pycache__")
+
+
+def _venv(command: str, cwd: Path, env: dict[str, str], venv: Path, present: Path) -> None:
+    """The README's `python3 -m venv` (with this interpreter's Python), then the lock's packages made present."""
+    _run(command.replace("python3", sys.executable, 1), cwd, env)
+    (site_packages,) = venv.glob("lib/python*/site-packages")
+    if not present.exists():
+        present.mkdir()
+        for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+            if not entry.name.startswith(NOT_PRESENT):
+                (present / entry.name).symlink_to(entry)
+    (site_packages / "_lock_present.pth").write_text(f"{present}\n")
 
 
 def _commands(readme: Path) -> list[str]:
@@ -55,14 +75,18 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
     dump_config(cfg, config)
     data = Path(cfg.data.root)
     kits, state, srv = tmp_path / "kits", tmp_path / "state", tmp_path / "srv"
-    venv = Path(sys.executable).parent.parent
+    venv = tmp_path / "venv"  # the kits' --venv: made and filled by the READMEs' own install lines
     env = flower_env(tmp_path / "flwr-home")
-    env["PATH"] = os.pathsep.join([str(venv / "bin"), env["PATH"]])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     port, control_port = free_port(), free_port()
     sites = ["site-0", "site-1"]
+    # the operator provisions from this checkout: the kits get the wheel built from it and its constraints.txt
     _run(f"fedpose provision --out {kits} --sites {','.join(sites)} --host 127.0.0.1 --port {port} "
          f"--control-port {control_port} "
          f"--config {config} --install-dir {kits} --state-dir {state} --venv {venv}", tmp_path, env)
+    # from here on only what the kits installed runs: their venv first on PATH, nothing of this checkout
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), os.environ["PATH"]])
     server = kits / "server"
     bundle = None
     procs = []
@@ -77,13 +101,22 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             return command
 
         for command in server_cmds:
-            if command.startswith("fedpose server prepare"):
+            if command.startswith("python3 -m venv"):
+                _venv(command, server, env, venv, tmp_path / "present")
+            elif "/bin/pip install" in command:
+                _run(command, server, env)
+            elif command.startswith("fedpose server prepare"):
                 _run(fill(command, subst), server, env)
             elif command == "./start-superlink.sh":
                 procs.append(start(["bash", "-c", f"cd {server} && {command}"], tmp_path / "superlink.log", env))
             elif command.startswith("fedpose server build-app"):
                 _run(fill(command, subst), server, env)
                 bundle = srv / "app.fab"
+                # built from the kit's wheel as installed (no checkout), and a site's own rebuild is the same bytes
+                where = _run("python -c 'import server.server_app as s; print(s.__file__)'", tmp_path, env)
+                assert where.startswith(str(venv)) and "site-packages" in where, where
+                _run(f"fedpose server build-app --out {tmp_path / 'site-check' / 'app'}", tmp_path, env)
+                assert (tmp_path / "site-check" / "app.fab").read_bytes() == bundle.read_bytes()
         assert bundle is not None, server_cmds
         wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
                  poll=1.0)
@@ -109,6 +142,9 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                     cwd = Path(shlex.split(command)[1])
                     continue
                 if command.startswith("(To try it in a terminal"):
+                    continue
+                if command.startswith("python3 -m venv"):
+                    _venv(command, cwd, env, venv, tmp_path / "present")
                     continue
                 _run(fill(command, mapping), cwd, env)
             assert (kit / "node.key").is_file() and oct((kit / "node.key").stat().st_mode & 0o777) == "0o600"

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import sys
 import typing
+from importlib import metadata
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -153,7 +154,7 @@ def config_page() -> str:
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
 EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
            "api_port": 9094, "health_port": 9095,
-           "sites": "hospital-a hospital-b"}
+           "sites": "hospital-a hospital-b", "wheel": f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"}
 
 
 def kit_blocks() -> dict[str, str]:
