@@ -78,6 +78,13 @@ def test_a_ward_drawn_by_several_processes_is_the_same_ward(tmp_path: Path, ward
     assert [name for name in first if first[name] != second[name]] == []
 
 
+def test_a_runs_data_identity_counts_the_records_of_each_split(ward: Path) -> None:
+    from shared.data.digest import data_identity
+
+    found = data_identity(ward, ["site-0", "public", "val"])
+    assert found["records"] == {"site-0": TINY.per_site, "public": TINY.public, "val": TINY.val}
+
+
 # The synthetic ward's content under the locked environment (constraints.txt). The ward is drawn with OpenCV and
 # NumPy: a version of either that draws other pixels changes every number the results report, so it must fail
 # here, loudly, before anyone compares a result. Update this value only together with the lock and the results.

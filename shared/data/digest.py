@@ -37,8 +37,18 @@ def split_digest(split_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
+def split_records(split_dir: Path) -> int | None:
+    """How many records a split's annotations.json lists (None for a layout without one, e.g. COCO's)."""
+    try:
+        annotations = json.loads((split_dir / "annotations.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return len(annotations) if isinstance(annotations, list) else None
+
+
 def data_identity(root: str | Path, splits: Sequence[str]) -> dict[str, Any]:
-    """{source, root, digest, splits: {name: digest}} of the splits a run read under ``root``."""
+    """{source, root, digest, splits: {name: digest}, records: {name: count}} of the splits a run read under
+    ``root`` (a count is None where the split has no MPII-layout annotations.json)."""
     root = Path(root)
     manifest = root / "manifest.json"
     source = "real"
@@ -50,4 +60,6 @@ def data_identity(root: str | Path, splits: Sequence[str]) -> dict[str, Any]:
             pass
     per_split = {name: split_digest(root / name) for name in dict.fromkeys(splits)}
     overall = hashlib.sha256("\n".join(f"{k}:{v}" for k, v in sorted(per_split.items())).encode()).hexdigest()
-    return {"source": source, "root": str(root.resolve()), "digest": overall, "splits": per_split}
+    records = {name: split_records(root / name) for name in per_split}
+    return {"source": source, "root": str(root.resolve()), "digest": overall, "splits": per_split,
+            "records": records}
