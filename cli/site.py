@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-from cli.processes import become_subreaper, reap_orphans, start_warm, stop_warm  # noqa: E402
+from cli.processes import start_warm, stop_warm  # noqa: E402
+from cli.supervise import supervise  # noqa: E402,F401  (tests import it from here)
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -233,7 +234,7 @@ def cmd_start(args: argparse.Namespace) -> int:
               + ("; ClientApps forked warm" if warm else "; every ClientApp started cold")
               + f"; looks for messages every {args.poll:g} s", flush=True)
         return supervise([*supernode, *supernode_args], env, retry_for=args.retry_for, pause=args.retry_pause,
-                         keep=frozenset({warm[0].pid}) if warm else frozenset())
+                         keep=frozenset({warm[0].pid}) if warm else frozenset(), alive=gate_dir / "supernode.alive")
     finally:
         if warm is not None:
             stop_warm(*warm)
@@ -260,68 +261,6 @@ def supernode_command(*, poll: float) -> list[str]:
         raise FileNotFoundError("flower-supernode is not beside this Python nor on PATH: install fedpose (it "
                                 "depends on flwr) in this environment")
     return [exe]
-
-
-# flower-supernode exits with 1 on any error: a refused activation, a SuperLink it never reached, a crash;
-# and with 0 ("terminated gracefully") when it loses a SuperLink it had joined and gives up reconnecting
-# (--max-retries / --max-wait-time). Unless the site asked it to stop, both are started again. Usage errors
-# exit with 2 and are not retried.
-_RETRYABLE_EXITS = (0, 1)
-
-
-def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float,
-              keep: frozenset[int] = frozenset()) -> int:
-    """Run the SuperNode; after an exit the site did not ask for (an error, or a clean exit after giving up on
-    its SuperLink), start it again, until it has failed for ``retry_for`` s.
-
-    A SuperNode restarted right after a crash is refused by the SuperLink ("Failed to activate
-    SuperNode", code 2004) until the SuperLink drops the crashed session (about 60 s: two missed
-    heartbeats); one whose SuperLink restarted gives up after its --max-retries / --max-wait-time and
-    exits with 0. Both come back by starting again. SIGTERM / SIGINT go to the SuperNode and end the
-    supervision.
-    """
-    import signal
-    import subprocess
-    import time
-
-    stopping = False
-    child: subprocess.Popen | None = None
-
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    reaper = become_subreaper()
-    failing_since: float | None = None
-    while True:
-        started = time.monotonic()
-        child = subprocess.Popen(cmd, env=env)
-        code = child.wait()
-        if reaper:
-            reap_orphans(keep)  # its SuperExec would otherwise outlive it and attach to the next SuperNode
-        if stopping or code not in _RETRYABLE_EXITS:
-            return code
-        now = time.monotonic()
-        if now - started > 2 * pause:  # it ran for a while: a new failure, not the same one again
-            failing_since = None
-        failing_since = failing_since if failing_since is not None else started
-        if now - failing_since >= retry_for:
-            print(f"fedpose site start: the SuperNode kept failing for {now - failing_since:.0f} s "
-                  f"(--retry-for {retry_for:.0f}): giving up; see the errors above", flush=True)
-            return code
-        what = "stopped on its own (it gives up when its SuperLink stays away)" if code == 0 else \
-            "exited with an error"
-        print(f"fedpose site start: the SuperNode {what}; starting it again in {pause:.0f} s "
-              f"(failing for {now - failing_since:.0f} of at most {retry_for:.0f} s). After a crash the "
-              "SuperLink refuses the site (code 2004) until it drops the old session, about 60 s; a key "
-              "that was never registered is refused every time.", flush=True)
-        time.sleep(pause)
-        if stopping:
-            return code
 
 
 def register(sub: Any) -> None:

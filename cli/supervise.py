@@ -1,0 +1,165 @@
+"""``fedpose site start`` keeps the site's SuperNode running: started again after an exit the site did not ask
+for, told apart from a key that another SuperNode holds.
+
+flower-supernode exits with 1 on any error: a refused activation, a SuperLink it never reached, a crash;
+and with 0 ("terminated gracefully") when it loses a SuperLink it had joined and gives up reconnecting
+(--max-retries / --max-wait-time). Unless the site asked it to stop, both are started again. Usage errors
+exit with 2 and are not retried.
+
+The SuperLink refuses to activate a node whose key is still online (code 2004). Right after a crash of
+this site's own SuperNode that is its old session, which the SuperLink drops once two heartbeats are
+missed (Flower's default interval 30 s: about 60 s). Any longer, the key is held by another SuperNode that
+keeps its heartbeats going: a copied kit. ``supervise`` tells the two apart by when a SuperNode of its own
+was last connected (the ``alive`` file, touched while one is) and stops at once in the second case.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cli.processes import become_subreaper, reap_orphans
+from shared.errors import ExitCode
+
+_RETRYABLE_EXITS = (0, 1)
+REFUSED_ACTIVATION = "[code: 2004]"  # what Flower's SuperNode prints when the SuperLink refuses to activate it
+CONNECTED = "SuperNode ID:"  # ... and once it is activated
+HEARTBEAT_INTERVAL = 30.0  # Flower's default (flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL)
+
+KEY_IN_USE = ExitCode.BAD_INPUT
+
+
+def _heartbeat_interval(cmd: list[str]) -> float:
+    for i, arg in enumerate(cmd):
+        value = cmd[i + 1] if arg == "--heartbeat-interval" and i + 1 < len(cmd) else (
+            arg.split("=", 1)[1] if arg.startswith("--heartbeat-interval=") else None)
+        if value is not None:
+            try:
+                return max(float(value), HEARTBEAT_INTERVAL)
+            except ValueError:
+                break
+    return HEARTBEAT_INTERVAL
+
+
+def _last_alive(alive: Path | None) -> float:
+    """Seconds since a SuperNode of this site was last connected (inf when none ever was, here)."""
+    try:
+        return time.time() - alive.stat().st_mtime if alive is not None else float("inf")
+    except OSError:
+        return float("inf")
+
+
+def _mark_alive(alive: Path) -> None:
+    alive.parent.mkdir(parents=True, exist_ok=True)
+    alive.write_text(f"{os.getpid()}\n")
+
+
+def _other_holder(alive: Path | None) -> int | None:
+    """The pid of another ``site start`` of this very folder whose SuperNode is connected now, if any."""
+    try:
+        pid = int(alive.read_text().split()[0]) if alive is not None and _last_alive(alive) < 30.0 else 0
+        if pid and pid != os.getpid():
+            os.kill(pid, 0)
+            return pid
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _follow(child: Any, alive: Path | None, seen: dict[str, bool], stop: threading.Event) -> None:
+    """Pass the SuperNode's output on, line by line; note a refused activation; touch ``alive`` while connected."""
+    for line in child.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if REFUSED_ACTIVATION in line:
+            seen["refused"] = True
+        if CONNECTED in line and alive is not None:
+            seen["connected"] = True
+            _mark_alive(alive)
+    stop.set()
+
+
+def _keep_alive(alive: Path | None, seen: dict[str, bool], stop: threading.Event) -> None:
+    while not stop.wait(10.0):
+        if alive is not None and seen.get("connected"):
+            _mark_alive(alive)
+
+
+def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: float,
+              keep: frozenset[int] = frozenset(), alive: Path | None = None) -> int:
+    """Run the SuperNode; after an exit the site did not ask for (an error, or a clean exit after giving up on
+    its SuperLink), start it again, until it has failed for ``retry_for`` s.
+
+    A SuperNode restarted right after a crash is refused by the SuperLink ("Failed to activate
+    SuperNode", code 2004) until the SuperLink drops the crashed session (about 60 s: two missed
+    heartbeats); a refusal when no SuperNode of this site was connected for longer than that means
+    another SuperNode holds the key: it stops at once (exit 3). One whose SuperLink restarted gives up
+    after its --max-retries / --max-wait-time and exits with 0. Both come back by starting again.
+    SIGTERM / SIGINT go to the SuperNode and end the supervision.
+    """
+    import signal
+    import subprocess
+
+    stopping = False
+    child: subprocess.Popen | None = None
+    lapse = 2 * _heartbeat_interval(cmd) + 20.0  # its last heartbeat may follow our last mark by 10 s
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    reaper = become_subreaper()
+    failing_since: float | None = None
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
+        seen: dict[str, bool] = {}
+        done = threading.Event()
+        reader = threading.Thread(target=_follow, args=(child, alive, seen, done), daemon=True)
+        beat = threading.Thread(target=_keep_alive, args=(alive, seen, done), daemon=True)
+        reader.start()
+        beat.start()
+        code = child.wait()
+        if reaper:
+            reap_orphans(keep)  # its SuperExec would otherwise outlive it and attach to the next SuperNode
+        reader.join(timeout=5.0)  # its output ends once the SuperExec it started is gone too
+        done.set()
+        if stopping or code not in _RETRYABLE_EXITS:
+            return code
+        other = _other_holder(alive)
+        if seen.get("refused") and not seen.get("connected") and (other or _last_alive(alive) > lapse):
+            where = (f"started from this same folder (fedpose site start, pid {other})" if other else
+                     f"elsewhere (no SuperNode of this site was connected here in the last {lapse:.0f} s, so it is "
+                     "not an old session of this one)")
+            print(f"fedpose site start: the SuperLink refuses this site's key because it is already in use by another "
+                  f"SuperNode, connected now, {where}. A copied kit? Each site runs one SuperNode with its own key "
+                  "(fedpose site keygen); stop the other one, or make a new key and ask the operator to register "
+                  "it.", flush=True)
+            return KEY_IN_USE
+        now = time.monotonic()
+        if now - started > 2 * pause:  # it ran for a while: a new failure, not the same one again
+            failing_since = None
+        failing_since = failing_since if failing_since is not None else started
+        if now - failing_since >= retry_for:
+            print(f"fedpose site start: the SuperNode kept failing for {now - failing_since:.0f} s "
+                  f"(--retry-for {retry_for:.0f}): giving up; see the errors above", flush=True)
+            return code
+        what = "stopped on its own (it gives up when its SuperLink stays away)" if code == 0 else \
+            "exited with an error"
+        why = (f"The SuperLink still holds this site's previous session (a crash {_last_alive(alive):.0f} s ago); "
+               f"it drops it within about {lapse:.0f} s of the crash." if seen.get("refused") else
+               "A key that was never registered is refused every time.")
+        print(f"fedpose site start: the SuperNode {what}; starting it again in {pause:.0f} s "
+              f"(failing for {now - failing_since:.0f} of at most {retry_for:.0f} s). {why}", flush=True)
+        time.sleep(pause)
+        if stopping:
+            return code

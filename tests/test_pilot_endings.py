@@ -1,0 +1,76 @@
+"""How a pilot on 127.0.0.1 ends when something is wrong, through the operator's and the sites' own commands.
+
+One pilot (TLS, node authentication, two sites with one lifetime round each): ``fedpose server run`` runs the
+federation to its end; a second ``server run`` finds every site's rounds spent and must end with one line
+that says so and exit 5, no traceback, and ``server status`` must then say ``failed``, not ``running``. A
+copied kit (a second SuperNode with a site's key while the first is connected) must be told at once that
+the key is in use by another node, not retried for minutes as if it had crashed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from federation_support import REPO, Pilot, prepare_world, start, wait_for, world_root
+from shared.config import dump_config, replace
+
+pytestmark = pytest.mark.slow
+
+
+def _fedpose(pilot: Pilot, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=pilot.env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_path: Path, tmp_path_factory) -> None:
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=1, federation={"local_steps": 1, "round_timeout": 120})
+    cfg = replace(cfg, **{"train.method": "proj"})
+    config = tmp_path / "server.yaml"
+    dump_config(cfg, config)
+    pilot = Pilot(tmp_path, cfg, sites=2, lifetime_rounds=1)
+    try:
+        pilot.start_superlink()
+        pilot.register(1, 2)
+        for i in (0, 1):
+            pilot.start_site(i)
+        run1 = tmp_path / "run1"
+        done = _fedpose(pilot, "server", "run", "--connection", "pilot", "--out", str(run1), "--config", str(config),
+                        "--app", str(pilot.app), "--poll", "2")
+        assert done.returncode == 0 and "finished: PCKh" in done.stdout, done.stdout + done.stderr
+        status = _fedpose(pilot, "server", "status", "--out", str(run1))
+        assert "site-0: eps" in status.stdout and status.stdout.count(", finished (") == 2, status.stdout
+
+        # every site's lifetime rounds are spent: one line, exit 5, no traceback; the folder reads failed
+        run2 = tmp_path / "run2"
+        done = _fedpose(pilot, "server", "run", "--connection", "pilot", "--out", str(run2), "--config", str(config),
+                        "--app", str(pilot.app), "--poll", "2")
+        assert done.returncode == 5, done.stdout + done.stderr
+        err = done.stderr.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert "no site can take part" in err and "site-0 has no rounds left" in err, err
+        status = _fedpose(pilot, "server", "status", "--out", str(run2))
+        assert ": failed (no site can take part" in status.stdout, status.stdout
+
+        # a copied kit: site-0's key on a second SuperNode while the first is connected
+        t0 = time.monotonic()
+        copy = start([sys.executable, "-m", "cli.main", "site", "start", "--approved", str(pilot.approved(0)),
+                      "--policy", str(pilot.policy(0)), "--retry-pause", "3", "--",
+                      "--root-certificates", str(pilot.certs / "ca.crt"), "--superlink", f"127.0.0.1:{pilot.link}",
+                      "--auth-supernode-private-key", str(pilot.certs / "node-1"),
+                      "--host", "127.0.0.1", "--port", str(pilot.ports[2])], pilot.log("copied-kit"), pilot.env)
+        pilot.procs.append(copy)
+        try:
+            wait_for(lambda: copy.poll() is not None, 90, "the copied kit's SuperNode to give up")
+        except TimeoutError:
+            pytest.fail("still retrying after 90 s: " + pilot.log("copied-kit").read_text()[-3000:])
+        log = pilot.log("copied-kit").read_text()
+        assert copy.returncode == 3 and time.monotonic() - t0 < 60, (copy.returncode, log[-3000:])
+        assert "already in use by another SuperNode" in log, log[-3000:]
+        assert pilot.supernodes[0].poll() is None  # the site's own SuperNode runs on
+    finally:
+        pilot.close()
