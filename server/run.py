@@ -160,9 +160,11 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     recheck: set[str] = set()  # sites to ask again what their policy declares (refused, missed, offline)
     usable = sorted(s for s in plans if s in node_of)
     if len(usable) < cfg.federation.min_sites:
-        why = [f"{s} {left_out(info, cfg) or 'has no plan'}" for s, (_, info) in sorted(sites.items()) if s not in usable]
+        why = [f"{s} {left_out(info, cfg) or 'has no plan'}" for s, (_, info) in sorted(sites.items())
+               if s not in usable]
         why += [f"{s} did not describe itself" for s in sorted(plans) if s not in node_of]
-        head = (f"only {len(usable)} site(s) can take part ({', '.join(usable)})" if usable else "no site can take part")
+        head = f"only {len(usable)} site(s) can take part ({', '.join(usable)})" if usable else \
+            "no site can take part"
         raise FederationStopped(f"{head}, fewer than federation.min_sites={cfg.federation.min_sites}: "
                                 + ("; ".join(why) or "no site described itself (see the sites' logs)"))
     keeper = BasisKeeper(cfg, public)
