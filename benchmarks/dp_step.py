@@ -55,19 +55,21 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _batch(size: int, seed: int):
+def _batch(size: int, seed: int, *, size_hw: tuple[int, int] = INPUT, device: str = "cpu"):
     import torch
 
-    h, w = INPUT
+    h, w = size_hw
     gen = torch.Generator().manual_seed(seed)
-    return {
+    batch = {
         "image": torch.rand(size, 3, h, w, generator=gen),
         "joints": torch.rand(size, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
         "visible": torch.ones(size, 16),
     }
+    return {key: value.to(device) for key, value in batch.items()}
 
 
-def _setup(variant: str, *, opacus_compatible: bool = False):
+def _setup(variant: str, *, opacus_compatible: bool = False, size_hw: tuple[int, int] = INPUT,
+           device: str = "cpu"):
     import torch
 
     from shared.config import ModelConfig
@@ -76,7 +78,7 @@ def _setup(variant: str, *, opacus_compatible: bool = False):
     torch.manual_seed(0)
     # Opacus' hooks cannot produce per-sample gradients for parameters used outside a layer's forward
     # (the learned task weights) or through an index table (attention biases): its row leaves them out.
-    model = build_model(ModelConfig(variant=variant, task_uncertainty=not opacus_compatible), INPUT)
+    model = build_model(ModelConfig(variant=variant, task_uncertainty=not opacus_compatible), size_hw).to(device)
     names = apply_strategy(model, "finetune")
     if opacus_compatible:
         names = [n for n in names if not n.endswith("attention_biases")]
@@ -85,30 +87,35 @@ def _setup(variant: str, *, opacus_compatible: bool = False):
     return model, names, make_loss_fn(model, names)
 
 
-def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str]):
+def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_hw: tuple[int, int] = INPUT,
+           device: str = "cpu"):
     """{kind: step()} for one model; every kind updates the same model with SGD."""
     import torch
 
     from shared.privacy.fpdp import DPSpec, dp_gradient
     from shared.privacy.psi import GaussianBlur, apply_psi
 
-    model, names, loss_fn = _setup(variant)
+    model, names, loss_fn = _setup(variant, size_hw=size_hw, device=device)
     named = dict(model.named_parameters())
     params = [named[n] for n in names]
     opt = torch.optim.SGD(params, lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    batch = _batch(batch_size, 1)
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch = _batch(batch_size, 1, size_hw=size_hw, device=device)
     psi_batch = both = basis = None
     if {"fpdp", "nonprivate-2x"} & set(kinds):  # only what the kinds use, so that memory runs hold nothing else
         psi_batch = apply_psi(GaussianBlur(0.06), batch)
         both = {key: torch.cat([batch[key], psi_batch.tensors[key]]) for key in batch}
         p = sum(named[n].numel() for n in names)
-        # V as a site trains with it: off the wire as the server sends it (float16 by default), in its layout
-        from shared.federation_messages import basis_record, record_basis
+        sent = torch.linalg.qr(torch.randn(p, K, generator=torch.Generator().manual_seed(0)))[0].contiguous()
+        if device == "cpu":  # V as a site trains with it: off the wire as the server sends it (float16), its layout
+            from shared.federation_messages import basis_record, record_basis
 
-        sent = torch.linalg.qr(torch.randn(p, K, generator=gen))[0].contiguous()
-        basis = record_basis(basis_record(sent, version=1, dtype="float16"))[1]
-    spec = dict(clip_norm=1.0, sigma=1.0, sample_rate=BATCH / 1000, expected_batch=float(BATCH), chunk_size=chunk)
+            basis = record_basis(basis_record(sent, version=1, dtype="float16"))[1]
+        else:  # the same values and column layout without Flower (not installed on the GPU machine)
+            basis = sent.half().float().t().contiguous().t().to(device)
+    expected = BATCH if device == "cpu" else batch_size  # the CPU memory runs keep B = 32 at every realised size
+    spec = dict(clip_norm=1.0, sigma=1.0, sample_rate=expected / 1000, expected_batch=float(expected),
+                chunk_size=chunk)
 
     def generic(params_, batch_):  # hides the model from book-keeping: the vmap(grad) path
         return loss_fn(params_, batch_)
@@ -207,22 +214,78 @@ def _memory(variant: str, kind: str, realised: int, queue) -> None:
     queue.put(max(0.0, _maxrss_mb() - base))
 
 
-def _basis(repeats: int, queue) -> None:
+def _basis(repeats: int, queue, *, size_hw: tuple[int, int] = INPUT, device: str = "cpu", sync=lambda: None):
     from shared.allocator import keep_freed_memory
     from shared.privacy.subspace import compute_basis
 
-    keep_freed_memory()  # as public_basis_at does
-    model, names, loss_fn = _setup("tinyvit-5m")
+    if device == "cpu":
+        keep_freed_memory()  # as public_basis_at does
+    model, names, loss_fn = _setup("tinyvit-5m", size_hw=size_hw, device=device)
     named = dict(model.named_parameters())
     params = {n: named[n].detach() for n in names}
-    public = _batch(100, 2)
+    public = _batch(100, 2, size_hw=size_hw, device=device)
     compute_basis(loss_fn, params, public, k=K, chunk_size=25)  # warm-up
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         compute_basis(loss_fn, params, public, k=K, chunk_size=25)
+        sync()
         times.append(time.perf_counter() - t0)
     queue.put({"times": times, "parameters": sum(v.numel() for v in params.values())})
+
+
+def _cuda(args) -> dict:
+    """Every kind in one process on the GPU, timed between synchronisations; peak memory from torch's allocator."""
+    import queue as queues
+
+    import torch
+
+    size_hw = tuple(int(v) for v in args.input.split("x"))
+    kinds = ["nonprivate", "nonprivate-2x", "dpsgd", "fpdp"]
+    result: dict = {"device": torch.cuda.get_device_name(0), "input": list(size_hw), "batch": args.batch,
+                    "chunk": args.chunk, "k": K, "repeats": args.repeats, "variants": {}}
+    for variant in args.variants.split(","):
+        steps = _steps(variant, args.batch, args.chunk, kinds, size_hw=size_hw, device="cuda")
+        peak = {}
+        for kind, step in steps.items():  # warm-up, then each kind's peak above what the model and batch hold
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak[kind] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        order = list(steps)
+        for round_ in range(args.repeats):
+            shift = round_ % len(order)
+            for kind in order[shift:] + order[:shift]:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                steps[kind]()
+                torch.cuda.synchronize()
+                times[kind].append(time.perf_counter() - t0)
+        ratios = {kind: [t / b for t, b in zip(times[kind], times["nonprivate"])] for kind in times}
+        ratios["fpdp-vs-2x"] = [t / b for t, b in zip(times["fpdp"], times["nonprivate-2x"])]
+        result["variants"][variant] = {"ms": {k: _spread([1000 * t for t in ts]) for k, ts in times.items()},
+                                       "ratio": {k: _spread(rs) for k, rs in ratios.items()}, "peak_mb": peak}
+        print(f"\n{variant} @ {size_hw[0]}x{size_hw[1]}, batch {args.batch}, chunk {args.chunk}, "
+              f"{result['device']}, {args.repeats} rounds")
+        for kind in times:
+            r, ms = result["variants"][variant]["ratio"][kind], result["variants"][variant]["ms"][kind]
+            print(f"{kind:<15}{ms['median']:>10.1f} ms{r['median']:>8.2f}x  {r['min']:.2f}-{r['max']:.2f}"
+                  f"  peak {peak[kind]:.0f} MB")
+        r = result["variants"][variant]["ratio"]["fpdp-vs-2x"]
+        print(f"fpdp / nonprivate-2x {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
+        del steps
+        torch.cuda.empty_cache()
+    box: queues.Queue = queues.Queue()
+    _basis(args.repeats, box, size_hw=size_hw, device="cuda", sync=torch.cuda.synchronize)
+    basis = box.get()
+    result["basis"] = {"seconds": _spread(basis["times"]), "m": 100, "k": K, "parameters": basis["parameters"]}
+    print(f"basis (m=100, k={K}, tinyvit-5m finetune): {statistics.median(basis['times']):.3f} s")
+    return result
 
 
 def _in_process(target, *args, env: dict[str, str] | None = None):
@@ -257,9 +320,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds (default: 7)")
     parser.add_argument("--variants", default="tinyvit-small,tinyvit-5m")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "dp_step.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/dp_step.json (dp_step_cuda.json with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every kind in one process on the GPU, at --input and --batch (default: cpu)")
+    parser.add_argument("--input", default="256x192", help="HxW with --device cuda (default: the paper's 256x192)")
+    parser.add_argument("--batch", type=int, default=256, help="batch with --device cuda (default: 256)")
+    parser.add_argument("--chunk", type=int, default=32, help="per-sample chunk with --device cuda (default: 32)")
     args = parser.parse_args(argv)
     from shared.provenance import provenance
+
+    results = Path(__file__).resolve().parent / "results"
+    command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.device == "cuda":
+        started = time.time()
+        result = _cuda(args)
+        result["provenance"] = provenance(command=command, seconds=time.time() - started)
+        out = args.out or results / "dp_step_cuda.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or results / "dp_step.json"
 
     kinds = ["nonprivate", "nonprivate-2x", "dpsgd", "fpdp"]  # what a site runs, in a process of their own
     try:
@@ -307,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbasis (m=100, k={K}, tinyvit-5m finetune, {runs[0]['parameters']} parameters): "
               f"{statistics.median(seconds):.2f} s (min {min(seconds):.2f}, max {max(seconds):.2f}); medians of "
               f"{len(runs)} processes {min(medians):.2f}-{max(medians):.2f}")
-    command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])
     result["provenance"] = provenance(command=command, seconds=time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -121,6 +121,10 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("dp-step", "a private step against a non-private one, its memory, and the public basis (machine idle)", (
         ("{py}", "benchmarks/dp_step.py", "--repeats", "9", "--out", "{out}/dp_step.json"),
     ), results=("dp_step.json",)),
+    Entry("dp-step-cuda", "the same steps on a GPU at the paper's input and batch (a machine with CUDA torch)", (
+        ("{py}", "benchmarks/dp_step.py", "--device", "cuda", "--variants", "tinyvit-5m", "--repeats", "10",
+         "--input", "256x192", "--batch", "256", "--chunk", "32", "--out", "{out}/dp_step_cuda.json"),
+    ), results=("dp_step_cuda.json",)),
     Entry("deploy-round", "a round on Flower's deployment engine, warm start and cold (machine idle)", (
         ("{py}", "benchmarks/deploy_round.py", "--rounds", "4", "--out", "{out}/deploy_round.json"),
     ), results=("deploy_round.json",)),
