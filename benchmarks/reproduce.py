@@ -107,6 +107,11 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-recordlevel.yaml", "--out", "{out}/ward", "--record",
          "benchmarks/results/study-recordlevel", "--threads", "1"),
     ), results=("public_grad_norms.json",), records=("study-recordlevel-proxy", "study-recordlevel")),
+    Entry("scale", "the data-scale curve: 400, 1,600 and 6,400 records per site (hours per cell at the largest; "
+                   "cells kept in benchmarks/results/study-scale)", (
+        (*FEDPOSE, "study", "--config", "configs/study-scale.yaml", "--out", "{out}/scale", "--record",
+         "benchmarks/results/study-scale", "--threads", "1"),
+    ), records=("study-scale",)),
     Entry("proj", "why proj ends below dpsgd: signal and noise of a step under Adam and SGD, and 30-epoch runs", (
         ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs", "--out", "{out}/proj_diagnosis.json"),
     ), results=("proj_diagnosis.json",)),

@@ -315,6 +315,132 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, command)])
 
 
+RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the best record-level recipe (proj)
+
+
+def _gain_share(value: float, start: float, nonprivate: float) -> float:
+    return (value - start) / (nonprivate - start)
+
+
+def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
+    """The README's line: the same ward centralized, each number with the guarantee it carries."""
+    records = _one_start(records)
+    start = _pckh(records, method="pretrained")
+    nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
+    recipe = _pckh(records, method="proj", strategy="full", variant=RECIPE)
+    fpdp = _pckh(records, method="fpdp", strategy="full", variant="", epsilon=0.8)
+    psi = _pckh(records, method="psi-only", variant="")
+    if not (start and nonprivate and recipe and fpdp and psi):
+        return "_The record-level study has not finished yet._"
+    low, top = start[0], statistics.mean(nonprivate)
+    return (f"On the same ward, trained centrally on the three sites' 1,200 images at epsilon 0.8 ({len(recipe)} "
+            f"seeds): record-level DP, whose guarantee covers each image (`proj` with SGD and momentum), reaches "
+            f"**{statistics.mean(recipe):.1f}**, {_gain_share(statistics.mean(recipe), low, top):.2f} of the gain "
+            f"from the start ({low:.1f}, public data only) to the non-private run ({top:.1f}, no guarantee); "
+            f"Feature-DP (`fpdp`) reaches {statistics.mean(fpdp):.1f}, and training on the blurred copies alone, "
+            f"with no noise and the blurred copies public, {statistics.mean(psi):.1f}.")
+
+
+SCALE = "fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 --record benchmarks/results/study-scale"
+_SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
+               ("psi-only", "", "psi-only (blurred copies alone)", "none: the blurred copies are public"),
+               ("fpdp", "", "fpdp", "Feature-DP (psi(x) and labels public)"),
+               ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))
+
+
+def _per_site(record: dict[str, Any]) -> int | None:
+    counts = (record["metrics"].get("data") or {}).get("records") or {}
+    sites = [v for k, v in counts.items() if k.startswith("site-") and v is not None]
+    return sites[0] if sites else None
+
+
+def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
+    """(row label, records per site) -> PCKh values; 'start' from each run's own initial PCKh."""
+    points: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        size = _per_site(r)
+        if size is None or r["cell"]["setting"] != "centralized":
+            continue
+        if r["metrics"].get("initial_pckh_mean") is not None and r["cell"]["seed"] is not None:
+            points.setdefault(("start", size), [])
+            start = round(float(r["metrics"]["initial_pckh_mean"]), 6)
+            if start not in points[("start", size)]:
+                points[("start", size)].append(start)
+        for method, variant, label, _ in _SCALE_ROWS:
+            if r["cell"]["method"] == method and r["cell"]["variant"].replace(_scale_data(r), "").strip(", ") == variant:
+                points.setdefault((label, size), []).append(float(r["metrics"]["pckh"]["mean"]))
+    return points
+
+
+def _scale_data(record: dict[str, Any]) -> str:
+    """The part of a cell's variant that only names its ward (size, root, pretrained weights' folder)."""
+    return ", ".join(p for p in record["cell"]["variant"].split(", ")
+                     if p.startswith(("data.synth.per_site=", "data.root=", "pretrain.out=")))
+
+
+def render_scale(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-scale/: PCKh against records per site, and the share of non-private reached."""
+    points = _scale_points(records)
+    sizes = sorted({size for _, size in points})
+    lines = ["| method | guarantee | " + " | ".join(f"{n:,} per site" for n in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes),
+             "| pretrained start | none needed (public data) | "
+             + " | ".join(", ".join(f"{v:.2f}" for v in points.get(("start", n), [])) or "-" for n in sizes) + " |"]
+    for _, _, label, guarantee in _SCALE_ROWS:
+        lines.append(f"| {label} | {guarantee} | " + " | ".join(_stat(points.get((label, n), [])) for n in sizes)
+                     + " |")
+    reached = []
+    for n in sizes:
+        top, rec = points.get(("non-private", n)), points.get(("proj, SGD momentum 0.9, 3e-3", n))
+        if top and rec:
+            reached.append(f"{n:,}: {statistics.mean(rec) / statistics.mean(top):.2f}")
+    notes = ["PCKh@0.5 on the 240-image validation split, mean ± std (seeds), centralized on the three sites' "
+             "records at epsilon 0.8 (delta 1e-5), 30 epochs per record; the start is each run's own (the public "
+             "split is the same at every size)."]
+    if reached:
+        notes.append("Record-level DP as a share of non-private at the same size: " + "; ".join(reached) + ".")
+        enough = [n for n in sizes if points.get(("non-private", n)) and points.get(("proj, SGD momentum 0.9, 3e-3", n))
+                  and statistics.mean(points[("proj, SGD momentum 0.9, 3e-3", n)])
+                  >= 0.9 * statistics.mean(points[("non-private", n)])]
+        notes.append(f"It reaches 90 % of non-private from {enough[0]:,} records per site." if enough else
+                     f"It reaches 90 % of non-private at none of the sizes measured (up to {max(sizes):,} per site).")
+    return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
+
+
+def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
+    """PCKh@0.5 against records per site (log scale), each method with its guarantee."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = _scale_points(records)
+    colours = {"non-private": "black", "psi-only (blurred copies alone)": "tab:green", "fpdp": "tab:blue",
+               "proj, SGD momentum 0.9, 3e-3": "tab:orange", "start": "gray"}
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for (label, _, _, guarantee), colour in zip(((r[2], 0, 0, r[3]) for r in _SCALE_ROWS), colours.values()):
+        sizes = sorted(n for (name, n) in points if name == label)
+        if sizes:
+            values = [points[(label, n)] for n in sizes]
+            ax.errorbar(sizes, [statistics.mean(v) for v in values],
+                        yerr=[statistics.stdev(v) if len(v) > 1 else 0.0 for v in values], marker="o", capsize=3,
+                        color=colour, label=f"{label}: {guarantee}")
+    sizes = sorted(n for (name, n) in points if name == "start")
+    if sizes:
+        ax.plot(sizes, [statistics.mean(points[("start", n)]) for n in sizes], linestyle="-.", marker="x", color="gray",
+                label="pretrained start (public data only)")
+    ax.set_xscale("log")
+    ax.set_xticks(sorted({n for _, n in points}), [f"{n:,}" for n in sorted({n for _, n in points})])
+    ax.set_xlabel("records per site (3 sites, pooled; 30 epochs per record)")
+    ax.set_ylabel("PCKh@0.5 (mean ± std over seeds)")
+    ax.set_title("Accuracy against data, epsilon 0.8 per record")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def render_study30_sweep(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-30/: PCKh@0.5 against epsilon, centralized and federated."""
     records = _one_start(records)
@@ -647,6 +773,8 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "study-face": ("study-face", render_study_face),
     "recordlevel": ("study-recordlevel", render_recordlevel),
     "recordlevel-proxy": ("study-recordlevel-proxy", render_recordlevel_proxy),
+    "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
+    "scale": ("study-scale", render_scale),
     "proj": ("proj_diagnosis.json", render_proj),
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
@@ -690,6 +818,7 @@ def figure_study30(records: list[dict[str, Any]], path: Path) -> None:
 # Figure under docs/ -> (the artefact it is drawn from, the function drawing it); --check only checks they exist.
 FIGURES: dict[str, tuple[str, Callable[[Any, Path], None]]] = {
     "docs/img/study-30-pckh-vs-eps.png": ("study-30", figure_study30),
+    "docs/img/study-scale.png": ("study-scale", figure_scale),
 }
 
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
