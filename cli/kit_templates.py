@@ -151,7 +151,8 @@ On the federation server:
      fedpose server run --connection pilot --app /srv/fedpose/app --config /srv/fedpose/server.yaml --out /srv/fedpose/run1
    It follows the run and exits non-zero unless it finished. After a crash: restart the SuperLink (same
    database), then: fedpose server run --connection pilot --app /srv/fedpose/app --out /srv/fedpose/run1 --resume
-7. Watch it in a browser (read-only, this machine only):
+7. Its state, rounds and every site's spend, in a terminal or in a browser (read-only, this machine only):
+     fedpose server status --out /srv/fedpose/run1
      fedpose console --out /srv/fedpose/run1
 """
 

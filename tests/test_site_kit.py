@@ -130,6 +130,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             f'root-certificates = "{server / "ca.crt"}"\n')
 
         # -- each hospital: its kit README, as written
+        starts = []
         for i, site in enumerate(sites):
             kit = kits / site
             mapping = {"/path/to/your/split": str(data / site), "/path/to/the/public/split": str(data / "public"),
@@ -152,20 +153,28 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             (server / "site-keys" / f"{site}.pub").write_text((kit / "node.key.pub").read_text())
             trial = next(line for line in (kit / "README.txt").read_text().splitlines() if "./start-supernode.sh" in line)
             command = re.search(r"(STATE_DIRECTORY=\S+ \./start-supernode\.sh)", trial).group(1)
+            starts.append((kit, command, site))
+        # -- the operator registers the keys the sites sent (the README's step 5; before the bundle of step 6
+        # reaches the sites, which approve it in their step 4): then the sites start (their step 5)
+        assert "./register-sites.sh" in server_cmds
+        _run("./register-sites.sh", server, env)
+        for kit, command, site in starts:
             procs.append(start(["bash", "-c", f"cd {kit} && {command}"], tmp_path / f"supernode-{site}.log", env))
 
-        # -- the operator, second half: register the sites' keys, run and follow (the README's steps 5-6)
+        # -- the operator, second half: run and follow (the README's step 6), its status (7)
         run_line = None
         for command in server_cmds:
-            if command == "./register-sites.sh":
-                _run(command, server, env)
-            elif command.startswith("fedpose server run") and "--resume" not in command:
+            if command.startswith("fedpose server run") and "--resume" not in command:
                 run_line = fill(command, subst)
         assert run_line is not None
         out = _run(run_line + " --poll 3", server, env, timeout=900)
         assert "finished: PCKh" in out, out
         metrics = json.loads((srv / "run1" / "metrics.json").read_text())
         assert metrics["rounds"] == 2 and set(metrics["sites"]) == set(sites)
+        # the README's status line (step 7): the run ended, and each site's spend
+        (status_line,) = [c for c in server_cmds if c.startswith("fedpose server status")]
+        status = _run(fill(status_line, subst), server, env)
+        assert "finished" in status.splitlines()[0] and all(f"  {site}: eps " in status for site in sites), status
 
         # the README's status line, while the SuperLink is up: everything checks out; the rounds are used up
         for site in sites:
