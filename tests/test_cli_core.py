@@ -151,7 +151,7 @@ def test_server_run_says_the_exit_codes_it_returns(capsys):
     said = f"{int(RUN_FAILED)}: failed, stopped or not submitted"
     assert RUN_FAILED == NOT_SUBMITTED and said in shown
     guide = " ".join((REPO / "docs" / "how-to" / "server.md").read_text().split())
-    assert f"{int(RUN_FAILED)} when it failed, was stopped (with the end of its log) or could not be submitted" in guide
+    assert f"{int(RUN_FAILED)} when it failed, was stopped or could not be submitted" in guide
 
 
 def test_simulate_prints_flowers_log_plain_through_a_pipe_and_coloured_on_a_terminal():
