@@ -291,12 +291,13 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
     lines = ["| recipe | guarantee | PCKh@0.5 | share of the gain | epsilon (accountant) | sigma | steps | minutes |",
              "|---|---|---|---|---|---|---|---|",
              f"| pretrained start (public data only) | none needed | {low:.2f} | 0 | | | | |"]
-    points = sorted({(r["cell"]["method"], r["cell"]["strategy"], r["cell"]["clip"], r["cell"]["variant"])
-                     for r in records if r["cell"]["method"] != "pretrained"},
-                    key=lambda p: (("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
+    points = sorted({(r["cell"]["method"], r["cell"]["strategy"], r["cell"]["clip"], r["cell"]["variant"],
+                      r["cell"]["setting"]) for r in records if r["cell"]["method"] != "pretrained"},
+                    key=lambda p: (p[4] != "centralized",
+                                   ("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
                                    p[1] != "full", p[3]))
-    for method, strategy, clip, variant in points:
-        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant)
+    for method, strategy, clip, variant, setting in points:
+        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant, setting=setting)
         values = [float(r["metrics"]["pckh"]["mean"]) for r in rows]
         eps = [r["metrics"].get("epsilon") for r in rows]
         eps_text = f"{max(eps):.4f}" if all(e is not None for e in eps) else ""
@@ -304,7 +305,8 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
         steps = {int(r["metrics"]["steps"]) for r in rows if r["metrics"].get("steps")}
         minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in rows) / 60
         share = (statistics.mean(values) - low) / gain
-        label = ", ".join([method, *([strategy] if strategy != "full" else []),
+        label = ", ".join([*(["federated"] if setting == "federated" else []), method,
+                           *([strategy] if strategy != "full" else []),
                            *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
         lines.append(f"| {label} | {_guarantee(method)} | {_stat(values)} | {share:.2f} | {eps_text} | "
                      f"{', '.join(f'{v:g}' for v in sorted(sigma))} | {', '.join(map(str, sorted(steps)))} | "
@@ -341,7 +343,8 @@ def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
             f"with no noise and the blurred copies public, {statistics.mean(psi):.1f}.")
 
 
-SCALE = "fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 --record benchmarks/results/study-scale"
+SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 "
+         "--record benchmarks/results/study-scale")
 _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                ("psi-only", "", "psi-only (blurred copies alone)", "none: the blurred copies are public"),
                ("fpdp", "", "fpdp", "Feature-DP (psi(x) and labels public)"),
@@ -367,7 +370,8 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
             if start not in points[("start", size)]:
                 points[("start", size)].append(start)
         for method, variant, label, _ in _SCALE_ROWS:
-            if r["cell"]["method"] == method and r["cell"]["variant"].replace(_scale_data(r), "").strip(", ") == variant:
+            recipe = r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")
+            if r["cell"]["method"] == method and recipe == variant:
                 points.setdefault((label, size), []).append(float(r["metrics"]["pckh"]["mean"]))
     return points
 
