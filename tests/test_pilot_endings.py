@@ -4,7 +4,9 @@ One pilot (TLS, node authentication, two sites with one lifetime round each): ``
 federation to its end; a second ``server run`` finds every site's rounds spent and must end with one line
 that says so and exit 5, no traceback, and ``server status`` must then say ``failed``, not ``running``. A
 copied kit (a second SuperNode with a site's key while the first is connected) must be told at once that
-the key is in use by another node, not retried for minutes as if it had crashed.
+the key is in use by another node, not retried for minutes as if it had crashed. A site started before the
+operator registered its key (Flower refuses it with the same code 2004) must wait for the registration and
+say so, not exit as if its key were in use.
 """
 
 from __future__ import annotations
@@ -72,5 +74,37 @@ def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_pat
         assert copy.returncode == 3 and time.monotonic() - t0 < 60, (copy.returncode, log[-3000:])
         assert "already in use by another SuperNode" in log, log[-3000:]
         assert pilot.supernodes[0].poll() is None  # the site's own SuperNode runs on
+    finally:
+        pilot.close()
+
+
+def test_a_site_started_before_its_key_is_registered_waits_for_registration(tmp_path: Path, tmp_path_factory) -> None:
+    """Flower refuses a key the SuperLink does not know with the same answer as a key another SuperNode holds
+    (code 2004, "Failed to activate SuperNode."): a site that never connected with its key must keep waiting,
+    say that its key is not registered yet and name the operator's step, and connect once it is registered."""
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=1, federation={"local_steps": 1})
+    pilot = Pilot(tmp_path, cfg, sites=1, lifetime_rounds=1)
+    try:
+        pilot.start_superlink()
+        site = pilot.start_site(0, None, "--retry-pause", "2", "--retry-for", "120")
+        log = pilot.log("supernode-0")
+        # the current rule decides after the first refusal; two refusals are past its window
+        try:
+            wait_for(lambda: log.read_text().count("[code: 2004]") >= 2 or site.poll() is not None, 60,
+                     "two refused activations")
+        except TimeoutError:
+            pytest.fail("not refused twice in 60 s: " + log.read_text()[-3000:])
+        text = log.read_text()
+        assert site.poll() is None, (site.returncode, text[-3000:])
+        assert "already in use by another SuperNode" not in text, text[-3000:]
+        assert "not registered yet" in text and "fedpose server register-sites" in text, text[-3000:]
+
+        pilot.register(1)
+        try:
+            wait_for(lambda: "SuperNode ID:" in log.read_text() or site.poll() is not None, 30,
+                     "the site to connect once its key is registered")
+        except TimeoutError:
+            pytest.fail("not connected 30 s after registration: " + log.read_text()[-3000:])
+        assert site.poll() is None, (site.returncode, log.read_text()[-3000:])
     finally:
         pilot.close()
