@@ -44,7 +44,8 @@ def main() -> None:
             rows.setdefault(method, []).append(metrics)
             print(f"{method} seed {seed}: PCKh {metrics['pckh']['mean']:.2f}  ({metrics['seconds']:.0f} s)", flush=True)
     print()
-    print(f"| method | PCKh@0.5 mean (± std over {len(args.seeds)} seeds) | PCKh@0.1 mean | epsilon spent | sigma | s/run |")
+    print(f"| method | PCKh@0.5 mean (± std over {len(args.seeds)} seeds) | PCKh@0.1 mean | epsilon spent | sigma "
+          "| s/run |")
     print("|---|---|---|---|---|---|")
     summary = {}
     for method, runs in rows.items():

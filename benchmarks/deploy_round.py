@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 TRAINED = re.compile(r"site (site-\d+) round (\d+): trained \d+ steps .* in ([0-9.]+) s \(\+([0-9.]+) s basis\)")
-HANDLED = re.compile(r"site (site-\d+): (\w+) message handled in ([0-9.]+) s; its process had started ([0-9.]+) s before")
+HANDLED = re.compile(r"site (site-\d+): (\w+) message handled in ([0-9.]+) s; "
+                     r"its process had started ([0-9.]+) s before")
 
 
 def site_costs(log: str) -> tuple[dict[int, float], list[dict]]:
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["modes"][mode]["rounds"]:
             print(f"{r['round']:>5}{r['server_train_s']:>10.2f}{r['site_work_s']:>8.2f}{r['overhead_s']:>10.2f}")
         for kind, m in result["modes"][mode]["messages"].items():
-            print(f"{kind} messages: {m['count']}, process start-up {m['startup_s']:.2f} s, handler {m['handler_s']:.2f} s "
-                  "(medians)")
+            print(f"{kind} messages: {m['count']}, process start-up {m['startup_s']:.2f} s, "
+                  f"handler {m['handler_s']:.2f} s (medians)")
     command = " ".join(["python", "benchmarks/deploy_round.py", *(argv if argv is not None else sys.argv[1:])])
     result["provenance"] = provenance(command=command, seconds=time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)

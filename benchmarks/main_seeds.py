@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {key: spread([r[key] for r in seeds]) for key in ("start", "best", "final", "gain")}
     result = {"what": "the main command's pretraining and default federation, per seed",
               "config": args.config, "seeds": seeds, "summary": summary,
-              "provenance": provenance(command=" ".join(["python", "benchmarks/main_seeds.py", *(argv or sys.argv[1:])]),
-                                       commands=[" ".join(command(args.config, s, Path("OUT"))[1:]) for s in args.seeds])}
+              "provenance": provenance(
+                  command=" ".join(["python", "benchmarks/main_seeds.py", *(argv or sys.argv[1:])]),
+                  commands=[" ".join(command(args.config, s, Path("OUT"))[1:]) for s in args.seeds])}
     (out / "main.json").write_text(json.dumps(result, indent=1) + "\n")
     for key, s in summary.items():
         print(f"{key}: {s['mean']:.2f} ± {s['std']:.2f} over {len(seeds)} seeds")

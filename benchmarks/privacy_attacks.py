@@ -97,11 +97,13 @@ def run_reidentification(root: Path, out: Path) -> dict:
 def table(results: dict) -> str:
     lines = []
     if "audit" in results:
-        lines += ["| audit | mode | canaries | claimed eps (RDP) | eps_LB (95%) | correct / guesses | steps, q, sigma | s |",
+        lines += ["| audit | mode | canaries | claimed eps (RDP) | eps_LB (95%) | correct / guesses | steps, q, sigma "
+                  "| s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in results["audit"]:
             placed = f"{r['canaries']} {r.get('placement') or r['mode']}"
-            lines.append(f"| {r['name']} | {r['mode']} | {placed} | {r['epsilon_claimed']:.3f} | **{r['epsilon_lb']:.3f}** | "
+            lines.append(f"| {r['name']} | {r['mode']} | {placed} | {r['epsilon_claimed']:.3f} | "
+                         f"**{r['epsilon_lb']:.3f}** | "
                          f"{r['v']} / {r['r']} | {r['steps']}, {r['sample_rate']:.3f}, {r['sigma_ran']:.3g} | "
                          f"{r['seconds']:.0f} |")
         lines.append("")
@@ -122,7 +124,8 @@ def table(results: dict) -> str:
                   "|---|---|" + "---|" * len({p['eps'] for p in r["pixelized"]})]
         for b in sorted({p["b"] for p in r["pixelized"]}):
             for mode in ("uniform", "adaptive"):
-                vals = [p["top1"] for p in sorted(r["pixelized"], key=lambda p: p["eps"]) if p["b"] == b and p["mode"] == mode]
+                vals = [p["top1"] for p in sorted(r["pixelized"], key=lambda p: p["eps"])
+                        if p["b"] == b and p["mode"] == mode]
                 lines.append(f"| {b} | {mode} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 

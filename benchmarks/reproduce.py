@@ -113,7 +113,8 @@ ENTRIES: tuple[Entry, ...] = (
          "benchmarks/results/study-scale", "--threads", "1"),
     ), records=("study-scale",)),
     Entry("proj", "why proj ends below dpsgd: signal and noise of a step under Adam and SGD, and 30-epoch runs", (
-        ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs", "--out", "{out}/proj_diagnosis.json"),
+        ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs",
+         "--out", "{out}/proj_diagnosis.json"),
     ), results=("proj_diagnosis.json",)),
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),

@@ -75,7 +75,8 @@ def cmd_mia(args: argparse.Namespace) -> int:
     for method, r in res["methods"].items():
         eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "-"
         for attack, a in r["attacks"].items():
-            print(f"{method:<11} {eps:>6} {attack:<13} {a['auc']:6.3f} {a['tpr@0.01fpr']:7.3f} {a['tpr@0.001fpr']:8.3f}")
+            print(f"{method:<11} {eps:>6} {attack:<13} {a['auc']:6.3f} {a['tpr@0.01fpr']:7.3f} "
+                  f"{a['tpr@0.001fpr']:8.3f}")
     print("chance is AUC 0.5 and TPR = FPR; eps is the accountant's value for the plan every model ran (delta "
           f"{res['delta']:g})")
     if args.out:
@@ -105,7 +106,8 @@ def cmd_reid(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     au = sub.add_parser("audit", help="one-run privacy audit: empirical lower bound on epsilon (Steinke et al. 2023)")
-    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"), help="the private method to audit")
+    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"),
+                    help="the private method to audit")
     au.add_argument("--epsilon", type=float, required=True, help="target epsilon the run is calibrated to")
     au.add_argument("--canaries", type=int, required=True, help="m canaries, each included with probability 1/2")
     au.add_argument("--mode", choices=("gradient", "input"), default="gradient",
@@ -113,7 +115,8 @@ def register(sub: Any) -> None:
     au.add_argument("--canary-placement", choices=("dirac", "span"), default=None,
                     help="gradient canaries: dirac (C e_j, default for dpsgd/fdp) or span (+-C V_t u_j inside the "
                          "projection's span, default for proj/fpdp, where a Dirac canary is projected away)")
-    au.add_argument("--confidence", type=float, default=0.95, help="confidence of the epsilon lower bound (default 0.95)")
+    au.add_argument("--confidence", type=float, default=0.95,
+                    help="confidence of the epsilon lower bound (default 0.95)")
     au.add_argument("--noise-scale", type=float, default=1.0,
                     help="POSITIVE CONTROL ONLY: add this fraction of the calibrated noise (the claim is then false)")
     au.add_argument("--unit", choices=("record", "patient"), default=None,
@@ -151,7 +154,8 @@ def register(sub: Any) -> None:
     reid.add_argument("--m", type=int, default=16, help="pixels a neighbouring image may differ in (default 16)")
     reid.add_argument("--n", type=int, default=4, help="adaptive split of body cells (n x n)")
     reid.add_argument("--steps", type=int, default=800, help="attacker training steps")
-    reid.add_argument("--train-per-identity", type=int, default=5, help="images per person the attacker learns from (default 5)")
+    reid.add_argument("--train-per-identity", type=int, default=5,
+                      help="images per person the attacker learns from (default 5)")
     reid.add_argument("--gray", action="store_true", help="grayscale frames (the pipeline's default release)")
     reid.add_argument("--seed", type=int, default=0, help="seed of the attack and the noise (default 0)")
     reid.add_argument("--out", default=None, help="write reid.json and reid.png here")

@@ -59,10 +59,12 @@ def cmd_data_split(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     from shared.data.convert import FORMATS
 
-    data = sub.add_parser("data", help="datasets: the synthetic ward, real datasets to the layout, splits").add_subparsers(dest="data_command", required=True)
+    data = sub.add_parser("data", help="datasets: the synthetic ward, real datasets to the layout, splits"
+                          ).add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the synthetic ward (MPII json layout)")
     synth.add_argument("--out", required=True, help="a new folder for the ward")
-    synth.add_argument("--sites", type=int, default=3, help="hospital sites, each with its own camera style (default 3)")
+    synth.add_argument("--sites", type=int, default=3,
+                       help="hospital sites, each with its own camera style (default 3)")
     synth.add_argument("--per-site", type=int, default=400, help="images per site (default 400)")
     synth.add_argument("--public", type=int, default=600, help="images of the public split (default 600)")
     synth.add_argument("--val", type=int, default=240, help="images of the validation split (default 240)")
@@ -80,7 +82,8 @@ def register(sub: Any) -> None:
     conv.add_argument("--out", required=True, help="the split folder to write (e.g. data/mpii/val)")
     conv.add_argument("--headboxes", default=None, help="MPII: head boxes for PCKh (the official mpii_gt_val.mat, "
                                                         "aligned with valid.json, or a headboxes.json)")
-    conv.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
+    conv.add_argument("--copy", action="store_true",
+                      help="copy the images (default: hard links, copies across file systems)")
     _add_common(conv, config=False)
     conv.set_defaults(func=cmd_data_convert)
 
@@ -92,7 +95,8 @@ def register(sub: Any) -> None:
     spl.add_argument("--public", type=float, default=0.2, help="share of patients (or images) for public (default 0.2)")
     spl.add_argument("--val", type=float, default=0.1, help="share for the validation split (default 0.1)")
     spl.add_argument("--seed", type=int, default=0, help="the cut is a function of this seed (default 0)")
-    spl.add_argument("--copy", action="store_true", help="copy the images (default: hard links, copies across file systems)")
+    spl.add_argument("--copy", action="store_true",
+                     help="copy the images (default: hard links, copies across file systems)")
     spl.add_argument("--json", action="store_true", help="print the records per split as JSON")
     _add_common(spl, config=False)
     spl.set_defaults(func=cmd_data_split)

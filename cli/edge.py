@@ -209,7 +209,8 @@ def register(subparsers: Any) -> None:
     bd = sub.add_parser("build", help="ONNX -> TensorRT engine (run on the target device)")
     bd.add_argument("--onnx", required=True, help="the .onnx file from fedpose edge export")
     bd.add_argument("--out", required=True, help="engine file (.plan or .engine)")
-    bd.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp16", help="engine precision (default fp16)")
+    bd.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp16",
+                    help="engine precision (default fp16)")
     bd.add_argument("--workspace", type=int, default=1024, help="builder workspace in MB (default 1024)")
     bd.add_argument("--batch", default=None, help="min,opt,max batch for a dynamic-batch ONNX (default 1,1,4)")
     _common(bd)
@@ -218,10 +219,11 @@ def register(subparsers: Any) -> None:
     rn = sub.add_parser("run", help="camera pipeline: frames -> keypoints.jsonl (+ video, + DP pixelized frames)")
     rn.add_argument("--model", required=True, help="model.onnx | model.plan | model.pt")
     rn.add_argument("--source", required=True, help="camera index (0), video file or rtsp:// URL")
-    rn.add_argument("--out", dest="out_dir", required=True, help="folder for keypoints.jsonl, the video and the pixelized "
-                                                                "frames")
+    rn.add_argument("--out", dest="out_dir", required=True,
+                    help="folder for keypoints.jsonl, the video and the pixelized frames")
     rn.add_argument("--roi", default=None, help="x,y,w,h region where the person is (e.g. the bed)")
-    rn.add_argument("--max-frames", type=int, default=None, help="stop after this many frames (default: the whole source)")
+    rn.add_argument("--max-frames", type=int, default=None,
+                    help="stop after this many frames (default: the whole source)")
     rn.add_argument("--pixelize", default=None, help="publish DP pixelized frames: eps=..,b=..,m=..,n=..[,color=1]")
     rn.add_argument("--video", action="store_true",
                     help="write annotated.mp4: skeleton over the raw frame; with --pixelize the pixelized frames only")

@@ -136,7 +136,8 @@ def print_summary(metrics: dict[str, Any], out: Path) -> None:
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))
-    curve = [float(r["pckh_mean"]) for r in read_rounds(out / "rounds.jsonl")] if (out / "rounds.jsonl").is_file() else []
+    rounds_file = out / "rounds.jsonl"
+    curve = [float(r["pckh_mean"]) for r in read_rounds(rounds_file)] if rounds_file.is_file() else []
     start, final = metrics.get("initial_pckh_mean"), metrics["pckh_mean"]
     if start is not None:
         best = f"; best {max(curve):.2f} at round {1 + curve.index(max(curve))}" if curve else ""
@@ -147,8 +148,8 @@ def print_summary(metrics: dict[str, Any], out: Path) -> None:
           "server's recomputation and the site's own reports; lifetime = the site's whole ledger):")
     for site, s in sorted(metrics["sites"].items()):
         print(f"  {site}: run eps = {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), lifetime eps = "
-              f"{s['epsilon_lifetime']:.4f}, sigma = {s['sigma']:.4f}, q = {s['sample_rate']:.4f}, {s['rounds']} rounds, "
-              f"{s['status']}")
+              f"{s['epsilon_lifetime']:.4f}, sigma = {s['sigma']:.4f}, q = {s['sample_rate']:.4f}, "
+              f"{s['rounds']} rounds, {s['status']}")
     print(f"claim: {metrics['claim']}")
     print(f"results in {out}: model.pt, metrics.json, report.md, federation.png, rounds.jsonl, ledger.sqlite")
 

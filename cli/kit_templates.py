@@ -48,7 +48,7 @@ accountant: {accountant}
 chunk_size: 16                # per-record gradients held in memory at a time (the site's, whatever is asked)
 round_seconds: null           # a reply leaves this long after its request (null: when done; then the time shows)
 face_tasks: []                # face tasks this site trains on its face labels (none unless listed)
-"""
+"""  # noqa: E501 (a policy file: its comments stay aligned)
 
 START_SCRIPT = """\
 #!/bin/sh
@@ -154,7 +154,7 @@ On the federation server:
 7. Its state, rounds and every site's spend, in a terminal or in a browser (read-only, this machine only):
      fedpose server status --out /srv/fedpose/run1
      fedpose console --out /srv/fedpose/run1
-"""
+"""  # noqa: E501 (commands a reader copies whole)
 
 SUPERLINK_SCRIPT = """\
 #!/bin/sh

@@ -259,11 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(func=cmd_pretrain)
 
     tr = sub.add_parser("train", help="train with one of the five methods and evaluate")
-    tr.add_argument("--method", choices=METHODS, default=None, help="training method (default: the config's train.method)")
-    tr.add_argument("--strategy", choices=STRATEGIES, default=None, help="what trains (default: the config's train.strategy)")
-    tr.add_argument("--epsilon", type=float, default=None, help="target epsilon (default: the config's privacy.epsilon)")
-    tr.add_argument("--clip", type=float, default=None, help="per-sample clip C (default: the config's privacy.clip_norm)")
-    tr.add_argument("--epochs", type=int, default=None, help="expected passes over the private data (default: the config's train.epochs)")
+    tr.add_argument("--method", choices=METHODS, default=None,
+                    help="training method (default: the config's train.method)")
+    tr.add_argument("--strategy", choices=STRATEGIES, default=None,
+                    help="what trains (default: the config's train.strategy)")
+    tr.add_argument("--epsilon", type=float, default=None,
+                    help="target epsilon (default: the config's privacy.epsilon)")
+    tr.add_argument("--clip", type=float, default=None,
+                    help="per-sample clip C (default: the config's privacy.clip_norm)")
+    tr.add_argument("--epochs", type=int, default=None,
+                    help="expected passes over the private data (default: the config's train.epochs)")
     tr.add_argument("--batch-size", type=int, default=None,
                     help="expected batch: records, or patients at --unit patient (sets q = B / n)")
     tr.add_argument("--seed", type=int, default=None, help="reproducible noise (NOT for production)")
@@ -273,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-records-per-patient", type=int, default=None,
                     help="patient: records of a patient used (a fixed subset); record: the stated cap of the "
                          "group-privacy bound in the claim")
-    tr.add_argument("--data", default=None, help="a data root of splits on disk (sets data.source files; default: the config's)")
+    tr.add_argument("--data", default=None,
+                    help="a data root of splits on disk (sets data.source files; default: the config's)")
     tr.add_argument("--out", required=True, help="results folder (model.pt, metrics.json, config.yaml)")
     add_json(tr)
     _add_common(tr)
@@ -325,8 +331,8 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.data", "cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge", "cli.audit",
-                   "cli.study"):
+    for module in ("cli.data", "cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge",
+                   "cli.audit", "cli.study"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

@@ -103,14 +103,16 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
                                                                      api_port=9094 + 2 * i, health_port=9095 + 2 * i,
                                                                      **paths), mode=0o755)
         _write(folder / "fedpose-supernode.service", kit.SYSTEMD_UNIT.format(site=site, **paths))
-        _write(folder / "README.txt", f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, wheel=whl.name, **paths))
+        _write(folder / "README.txt",
+               f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, wheel=whl.name, **paths))
         kits[site] = folder
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
     _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
            mode=0o755)
     dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
-        address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"], method_note=kit.method_note(cfg.train.method)))
+        address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"],
+        method_note=kit.method_note(cfg.train.method)))
     if cfg.train.method in FEATURE_DP:
         log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
                     "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "
@@ -159,7 +161,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                                   f"{kit.INSTALL}/<site>)")
     prov.add_argument("--state-dir", default=kit.STATE, help=f"the sites' state: ledger, checks, replies (default "
                                                               f"{kit.STATE}/<site>)")
-    prov.add_argument("--venv", default=kit.VENV, help=f"the virtual environment fedpose runs from (default {kit.VENV})")
+    prov.add_argument("--venv", default=kit.VENV,
+                      help=f"the virtual environment fedpose runs from (default {kit.VENV})")
     prov.add_argument("--user", default=kit.USER, help=f"the service account of the SuperNode (default {kit.USER})")
     prov.add_argument("--verbose", action="store_true", help="debug logging")
     prov.set_defaults(func=cmd_provision)

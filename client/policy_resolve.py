@@ -43,7 +43,8 @@ def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]
 
 
 def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
-    """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger under ``out``.
+    """Simulation default for site ``index``: the config's mechanism and budget pinned, its split, a ledger
+    under ``out``.
 
     The operator of a site knows its n, so it states q = B / n and the
     normaliser B (``expected_batch``) in its policy: both public constants,

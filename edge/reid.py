@@ -207,7 +207,8 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
     ]
     result["seconds"] = round(time.perf_counter() - t0, 2)
     result["claim"] = (f"each released frame is eps-DP for images differing in at most m={spec.m} pixels; the body "
-                       "mask (adaptive) is not protected; over F frames of one person the guarantee composes to F x eps")
+                       "mask (adaptive) is not protected; over F frames of one person the guarantee composes to "
+                       "F x eps")
     if out is not None:
         from shared.train import write_json
 

@@ -106,8 +106,8 @@ class TensorRTRuntime(Runtime):
             raise FileNotFoundError(f"TensorRT engine {self.model_path} does not exist")
         err, count = cudart.cudaGetDeviceCount()
         if err != cudart.cudaError_t.cudaSuccess or count <= device:
-            raise RuntimeError(f"cannot run {self.model_path}: no CUDA device {device} here (TensorRT needs an NVIDIA GPU "
-                               "and its driver)")
+            raise RuntimeError(f"cannot run {self.model_path}: no CUDA device {device} here (TensorRT needs an "
+                               "NVIDIA GPU and its driver)")
         _check(cudart, cudart.cudaSetDevice(device), f"selecting device {device}")
         self._trt, self._cudart = trt, cudart
         self._logger = trt.Logger(trt.Logger.WARNING)

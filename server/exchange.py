@@ -157,7 +157,8 @@ def exchange(grid: Any, contents: dict[str, Any], nodes: dict[str, int], round: 
     for site in contents:
         if site not in answered:
             if nodes[site] not in online:
-                cause = f"its SuperNode went offline (no reply after {elapsed:.0f} s); it is asked again when it is back"
+                cause = (f"its SuperNode went offline (no reply after {elapsed:.0f} s); "
+                         "it is asked again when it is back")
             elif elapsed < timeout - 1:
                 cause = f"no reply after {elapsed:.0f} s: its message expired or the node restarted mid-round"
             else:

@@ -50,7 +50,8 @@ def sole_server(out: Path, wait: float = 300.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"another server still runs on {out} after {wait:.0f} s: stop it first") from None
+                    raise RuntimeError(
+                        f"another server still runs on {out} after {wait:.0f} s: stop it first") from None
                 log.info("another server still holds %s: waiting for it to stop", out)
                 time.sleep(2.0)
         try:

@@ -130,7 +130,8 @@ def write_report(path: str | Path, *, records: Sequence[Mapping[str, Any]], metr
                   "its n (P10); a site's own log has them")
     lines += ["", "## Rounds", "", f"s server basis: {basis_note}. MB down counts nothing sent to a node that was "
               "offline. Update bound: every site's update is scaled to at most this norm (the round's lower-median "
-              "update norm) before the sites are combined; the sites in brackets were scaled.", "", "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
+              "update norm) before the sites are combined; the sites in brackets were scaled.", "",
+              "| round | PCKh mean | " + " | ".join(f"eps {s}" for s in sorted(plans))
               + " | missed / offline | update bound (scaled) | MB down | MB up | s round | s server basis | "
               "s aggregate |", "|---" * (9 + len(plans)) + "|"]
     for r in records:

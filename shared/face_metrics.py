@@ -33,7 +33,8 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
 
 
-def face_report(pred: dict[str, np.ndarray], truth: dict[str, np.ndarray], *, input_size: tuple[int, int]) -> dict[str, Any]:
+def face_report(pred: dict[str, np.ndarray], truth: dict[str, np.ndarray], *,
+                input_size: tuple[int, int]) -> dict[str, Any]:
     """Metrics of the tasks ``pred`` holds (``face_head.decode_face``'s keys) against ``truth``.
 
     truth: labelled (N,) bool, present (N,) bool, box (N, 4), landmarks (N, 5, 2), visible (N, 5) bool,

@@ -66,7 +66,8 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
     if source == "files":
         hint = f" {cfg.data.help}" if cfg.data.help else " (convert a dataset first: fedpose data convert)"
         if not root.is_dir():
-            raise FileNotFoundError(f"no such directory: {root} (data.source is files; check data.root or --data).{hint}")
+            raise FileNotFoundError(
+                f"no such directory: {root} (data.source is files; check data.root or --data).{hint}")
         splits = [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split]
         missing = [s for s in splits if not (root / s / "annotations.json").is_file()]
         if missing:

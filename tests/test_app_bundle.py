@@ -12,7 +12,6 @@ import hashlib
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 from federation_support import REPO, bin_path, flower_env
 

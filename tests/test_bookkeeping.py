@@ -81,7 +81,8 @@ def test_norms_are_the_per_example_norms_and_chunks_do_not_matter():
 def test_every_rule_is_used_by_the_pose_model():
     """The model's trainable tensors under 'full' fall under each rule at least once (none goes unnoticed)."""
     model, loss_fn, params, _ = _setup("tinyvit-5m", "full")
-    kinds = {kind for _, kind, _ in bookkeeping._plan(model, [n for n in params if n not in loss_fn.combine_names]).values()}
+    layer_names = [n for n in params if n not in loss_fn.combine_names]
+    kinds = {kind for _, kind, _ in bookkeeping._plan(model, layer_names).values()}
     assert kinds == {"linear", "conv", "grouped_conv", "layer_norm", "bias_table"}
 
 

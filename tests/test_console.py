@@ -182,7 +182,8 @@ def test_a_console_off_loopback_needs_its_token(tmp_path):
         port = server.server_address[1]
         assert token and _get(f"http://127.0.0.1:{port}/api/status") is None  # 401
         assert json.loads(_get(f"http://127.0.0.1:{port}/api/status?token={token}")) == {"kind": "server"}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                         headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(request, timeout=5) as resp:
             assert resp.read().decode() == "# HELP x h\n# TYPE x gauge\nx 1\n"
     finally:

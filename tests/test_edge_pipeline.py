@@ -671,7 +671,8 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
 def test_cli_device_maps_to_onnxruntime_providers_and_prints_the_ones_used(random_onnx, clip, tmp_path, capsys):
     from edge.onnx_runtime import providers_for
 
-    assert providers_for("tensorrt")[0] == "TensorrtExecutionProvider" and providers_for("cpu") == ["CPUExecutionProvider"]
+    assert providers_for("tensorrt")[0] == "TensorrtExecutionProvider"
+    assert providers_for("cpu") == ["CPUExecutionProvider"]
     base = ["edge", "run", "--model", str(random_onnx), "--source", str(clip), "--max-frames", "2"]
     assert cli_main(base + ["--out", str(tmp_path / "cpu"), "--device", "cpu"]) == 0
     assert "(onnxruntime with CPUExecutionProvider," in capsys.readouterr().out

@@ -147,7 +147,8 @@ def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
         m = affine_matrix(rec.center, rec.scale, INPUT)
         present, _, pts, vis, pose = transform_face(rec.face, m, rotation=0.0, flip_width=INPUT[1], size_hw=INPUT)
         assert present
-        assert pose[0] == pytest.approx(-float(a["head_pose"][0])) and pose[2] == pytest.approx(-float(a["head_pose"][2]))
+        assert pose[0] == pytest.approx(-float(a["head_pose"][0]))
+        assert pose[2] == pytest.approx(-float(a["head_pose"][2]))
         assert vis.tolist() == a["face_visible"].bool()[[1, 0, 2, 4, 3]].tolist()
         np.testing.assert_allclose(pts[vis, 0], INPUT[1] - 1 - a["face_landmarks"][[1, 0, 2, 4, 3]][vis, 0].numpy(),
                                    atol=1e-4)
@@ -330,7 +331,8 @@ def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     names = ("simcc_x", "simcc_y", "visibility", "face_detect", "face_landmarks", "head_pose", "face_attribute")
     assert [o.name for o in proto.graph.output] == list(export_outputs(model)) == list(names)
     meta = {p.key: p.value for p in proto.metadata_props}
-    assert meta["fedpose.face_tasks"] == "detect,landmarks,head_pose,attribute" and meta["fedpose.face_attributes"] == "4"
+    assert meta["fedpose.face_tasks"] == "detect,landmarks,head_pose,attribute"
+    assert meta["fedpose.face_attributes"] == "4"
 
     # the contract's second consumer (an integrator's OpenCV DNN / C++ pipeline) reads the face outputs too
     one = np.random.default_rng(1).random((1, 3, *INPUT), dtype=np.float32)
@@ -423,7 +425,8 @@ def _aflw(tmp_path, *, mirror_names: bool = False, flip_roll: bool = False):
             by_name = {"right_eye": 8, "left_eye": 11, "nose": 15, "mouth_right": 18, "mouth_left": 20}
         for key, (x, y) in points.items():
             db.execute("INSERT INTO FeatureCoords VALUES (?, ?, ?, ?, 1)", (face_id, by_name[key], float(x), float(y)))
-        db.execute("INSERT INTO FeatureCoords VALUES (?, 1, 1.0, 1.0, 1)", (face_id,))  # a landmark fedpose does not use
+        # a landmark fedpose does not use
+        db.execute("INSERT INTO FeatureCoords VALUES (?, 1, 1.0, 1.0, 1)", (face_id,))
     db.commit()
     db.close()
     return tmp_path / "aflw.sqlite", images, truth

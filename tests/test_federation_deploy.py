@@ -43,8 +43,8 @@ def _hostile_bundle(dst: Path, marker: Path) -> Path:
 
 def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: Path, tmp_path_factory) -> None:
     # Broadcast V, refreshed every 2 rounds: sent in round 1, cached by the sites for round 2.
-    cfg = prepare_world(world_root(tmp_path_factory), rounds=2, federation={"local_steps": 1, "basis_mode": "broadcast"},
-                        privacy={"basis_every": 2})
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=2,
+                        federation={"local_steps": 1, "basis_mode": "broadcast"}, privacy={"basis_every": 2})
     config_path = tmp_path / "federation.yaml"
     dump_config(cfg, config_path)
     pilot = Pilot(tmp_path, cfg, lifetime_rounds=2)

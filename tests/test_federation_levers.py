@@ -147,7 +147,8 @@ def _content(cfg, state, *, sigma: float, round: int):
     from flwr.app import RecordDict
 
     request = TrainRequest(federation="fed-keep", round=round, site="site-0", sigma=sigma,
-                           sample_rate=min(1.0, cfg.train.batch_size / 40), steps=2, basis_version=0, basis_mode="broadcast", config=cfg)
+                           sample_rate=min(1.0, cfg.train.batch_size / 40), steps=2, basis_version=0,
+                           basis_mode="broadcast", config=cfg)
     return RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()})
 
 

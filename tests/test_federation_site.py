@@ -276,7 +276,8 @@ sigma, steps = float(sys.argv[3]), int(sys.argv[4])
 state = initial_model(cfg, progress=False).state_dict()
 for rnd in range(int(sys.argv[5]), int(sys.argv[6]) + 1):
     request = TrainRequest(federation="fed-kill", round=rnd, site=policy.site, sigma=sigma,
-                           sample_rate=policy.sample_rate, steps=steps, basis_version=0, basis_mode="broadcast", config=cfg)
+                           sample_rate=policy.sample_rate, steps=steps, basis_version=0, basis_mode="broadcast",
+                           config=cfg)
     print("start", rnd, flush=True)
     handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
     print("done", rnd, flush=True)

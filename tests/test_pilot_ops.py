@@ -137,7 +137,8 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
         assert (kit / "constraints.txt").read_text() == (REPO / "constraints.txt").read_text()
         with zipfile.ZipFile(kit / WHEEL) as wheel:
             assert "server/server_app.py" in wheel.namelist() and "configs/default.yaml" in wheel.namelist()
-        assert f"/opt/fedpose/venv/bin/pip install -c constraints.txt './{WHEEL}[train]'" in (kit / "README.txt").read_text()
+        readme = (kit / "README.txt").read_text()
+        assert f"/opt/fedpose/venv/bin/pip install -c constraints.txt './{WHEEL}[train]'" in readme
         assert json.loads((kit / "kit.json").read_text())["superlink"] == "server.example.org:8000"
         assert "server.example.org:8000" in (kit / "start-supernode.sh").read_text()
         text = (kit / "policy.yaml").read_text()
@@ -348,8 +349,8 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
     ledger.close()
     # The server restarts (resume): b raised its minimum sigma above the plan's while it was down.
     ledger = ServerLedger(path)
-    events = watch(ledger, ledger.plans(), {"a": _info(epsilon=3.0, min_sigma=0.7), "b": _info(site="b", min_sigma=1.5)},
-                   cfg)
+    events = watch(ledger, ledger.plans(),
+                   {"a": _info(epsilon=3.0, min_sigma=0.7), "b": _info(site="b", min_sigma=1.5)}, cfg)
     assert [(e.site, e.kind) for e in events] == [("b", "policy-changed")]
     status, reason = ledger.statuses()["b"]
     assert status == "refused" and "needs sigma >= 1.5" in reason and "1.2" in reason

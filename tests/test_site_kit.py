@@ -118,8 +118,8 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 _run(f"fedpose server build-app --out {tmp_path / 'site-check' / 'app'}", tmp_path, env)
                 assert (tmp_path / "site-check" / "app.fab").read_bytes() == bundle.read_bytes()
         assert bundle is not None, server_cmds
-        wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120, "the SuperLink",
-                 poll=1.0)
+        wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120,
+                 "the SuperLink", poll=1.0)
         assert procs[0].poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
         # step 4 of the server README, as it says: the connection in $FLWR_HOME/config.toml (the SuperLink's own
         # address on this machine; the sites dial 127.0.0.1:{port}, which passes the Fleet API only)
@@ -151,7 +151,8 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             assert (kit / "node.key").is_file() and oct((kit / "node.key").stat().st_mode & 0o777) == "0o600"
             # the site sends node.key.pub; the operator puts it where the server README says
             (server / "site-keys" / f"{site}.pub").write_text((kit / "node.key.pub").read_text())
-            trial = next(line for line in (kit / "README.txt").read_text().splitlines() if "./start-supernode.sh" in line)
+            trial = next(line for line in (kit / "README.txt").read_text().splitlines()
+                         if "./start-supernode.sh" in line)
             command = re.search(r"(STATE_DIRECTORY=\S+ \./start-supernode\.sh)", trial).group(1)
             starts.append((kit, command, site))
         # -- the operator registers the keys the sites sent (the README's step 5; before the bundle of step 6

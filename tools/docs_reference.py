@@ -49,7 +49,8 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
         default = ""
         if action.required:
             default = " Required."
-        elif action.default not in (None, False, argparse.SUPPRESS) and not isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+        elif (action.default not in (None, False, argparse.SUPPRESS)
+              and not isinstance(action, argparse._StoreTrueAction)):  # noqa: SLF001
             default = f" Default `{action.default}`."
         help_text = (action.help or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| {names} | {help_text}{kind}{default} |")

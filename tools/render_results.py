@@ -68,11 +68,12 @@ def render_main_brief(data: dict[str, Any]) -> str:
     """One sentence of main.json for the README and the quickstart."""
     s, n = data["summary"], len(data["seeds"])
     minutes = [r["seconds"] / 60 for r in data["seeds"] if r.get("seconds")]
-    took = f" The fastest of these runs took {min(minutes):.0f} minutes on {data['provenance'].get('cpus')} CPU cores." \
-        if minutes else ""
+    took = (f" The fastest of these runs took {min(minutes):.0f} minutes on {data['provenance'].get('cpus')} "
+            "CPU cores.") if minutes else ""
     p = data.get("provenance") or {}
     machine = f" on {p['cpu']} ({p.get('cpu_capability')})" if p.get("cpu") else ""
-    return (f"Over {n} seeds{machine}, the public-pretrained start scores **{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
+    return (f"Over {n} seeds{machine}, the public-pretrained start scores "
+            f"**{s['start']['mean']:.1f} ± {s['start']['std']:.1f}** "
             f"PCKh@0.5 on the validation split and the federated model ends at **{s['final']['mean']:.1f} ± "
             f"{s['final']['std']:.1f}** (a gain of {s['gain']['mean']:+.1f} ± {s['gain']['std']:.1f}), every site "
             f"having spent at most epsilon {max(max(r['sites'].values()) for r in data['seeds']):.2f}.{took}")
@@ -84,8 +85,8 @@ def render_start_by_cpu(data: dict[str, Any]) -> str:
     import math
 
     machines = data["machines"]
-    each = [f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']} kernels, {m['runs']} run{'s' if m['runs'] > 1 else ''})"
-            for m in machines]
+    each = [f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']} kernels, "
+            f"{m['runs']} run{'s' if m['runs'] > 1 else ''})" for m in machines]
     listed = ", ".join(each[:-1]) + f" and {each[-1]}" if len(each) > 1 else each[0]
     starts = [m["start"] for m in machines]
     low, high = math.floor(2 * min(starts)) / 2, math.ceil(2 * max(starts)) / 2
@@ -115,7 +116,8 @@ def render_audits(data: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|"]
     for a in data["audit"]:
         kind = "input" if a["mode"] == "input" else ("in-span" if "span" in a["name"] else "Dirac")
-        noise = "calibrated" if a["noise_scale"] == 1.0 else f"{a['noise_scale']:g} x (control: eps {a['epsilon_ran']:.0f} ran)"
+        noise = ("calibrated" if a["noise_scale"] == 1.0
+                 else f"{a['noise_scale']:g} x (control: eps {a['epsilon_ran']:.0f} ran)")
         method = a["method"] + (f", psi {a['psi']}" if a.get("psi") else "")
         rows.append(f"| {method} | {a['canaries']} {kind} | {noise} | {a['epsilon_claimed']:.3f} | "
                     f"**{a['epsilon_lb']:.3f}** | {a['v']} / {a['r']} | {a['steps']} |")

@@ -68,7 +68,8 @@ def release_claim(
         pixelize_claim(spec, mask_source="keypoints", frames=frames),
         "Released by this run (a viewer of these outputs may learn all of it):",
         f"- {PIXELIZED_DIR}/frame_*.{ {'npz': 'npz', 'png': 'png', 'jpeg': 'jpg'}[store]}: the DP-pixelized frames "
-        f"({'noisy cell means' if store == 'npz' else 'rendered images of the noisy cell means'}, {spec.eps:g}-DP per frame, "
+        f"({'noisy cell means' if store == 'npz' else 'rendered images of the noisy cell means'}, "
+        f"{spec.eps:g}-DP per frame, "
         f"{frames * spec.eps:g} over F={frames} frames) and the cell layout, i.e. the region mask, which is "
         "derived from the raw frame's keypoints and NOT protected.",
     ]

@@ -147,7 +147,8 @@ def mislabel(record: PoseRecord) -> PoseRecord:
 
 
 @torch.no_grad()
-def canary_losses(model: torch.nn.Module, dataset: PoseDataset, device: torch.device, batch_size: int = 64) -> np.ndarray:
+def canary_losses(model: torch.nn.Module, dataset: PoseDataset, device: torch.device,
+                  batch_size: int = 64) -> np.ndarray:
     """Per-record training loss (m,) of the model on the (un-augmented) canaries."""
     was_training = model.training
     model.eval()
@@ -337,9 +338,9 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         result["span_skip"] = spec.span_skip
         result["released_coords"] = released_coords.tolist()
     if spec.noise_scale != 1.0:
-        result["note"] += (f"; POSITIVE CONTROL: the run added noise {spec.noise_scale:g} x the calibrated sigma, so the "
-                           f"claimed eps={eps_claimed:.4g} is false (the accountant gives eps={eps_ran:.4g} for what "
-                           "ran) and eps_LB should exceed the claim")
+        result["note"] += (f"; POSITIVE CONTROL: the run added noise {spec.noise_scale:g} x the calibrated sigma, "
+                           f"so the claimed eps={eps_claimed:.4g} is false (the accountant gives eps={eps_ran:.4g} for "
+                           "what ran) and eps_LB should exceed the claim")
     if out is not None:
         out = Path(out)
         write_json(out / "audit.json", result)

@@ -163,7 +163,8 @@ def evaluate_attacks(loss: np.ndarray, conf: np.ndarray, members: np.ndarray) ->
 
 
 @torch.no_grad()
-def per_record_stats(model: torch.nn.Module, dataset: PoseDataset, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+def per_record_stats(model: torch.nn.Module, dataset: PoseDataset,
+                     device: torch.device) -> tuple[np.ndarray, np.ndarray]:
     """(loss (N,), mean keypoint confidence (N,)) of the model on every record's canonical crop."""
     model.eval()
     losses, confs = [], []

@@ -130,8 +130,8 @@ def privacy_claim(
             eps_pix, m = psi_dp
             pixels = f"{m} pixel{'s' if m != 1 else ''}"
             text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each record's input crop, released "
-                     f"once: a change of up to {pixels} in one record's crop is ({epsilon + eps_pix:.4g}, {delta:.3g})-DP "
-                     "(basic composition)")
+                     f"once: a change of up to {pixels} in one record's crop is "
+                     f"({epsilon + eps_pix:.4g}, {delta:.3g})-DP (basic composition)")
             if unit == "patient":
                 text += f", in j of a patient's records (eps + j x {eps_pix:g}, {delta:.3g})-DP"
             text += "; a larger change is covered by the Feature-DP statement only"
@@ -155,4 +155,5 @@ def _for_a_patient(epsilon: float, delta: float, k: int | None, source: str | No
     if delta_k >= 1:
         return (f"for a patient with up to {k} records{where} group privacy gives no guarantee "
                 f"(delta {delta_k:.3g} >= 1)")
-    return f"for a patient with up to {k} records{where}: (eps={eps_k:.4g}, delta={delta_k:.3g})-{kind} by group privacy"
+    return (f"for a patient with up to {k} records{where}: (eps={eps_k:.4g}, delta={delta_k:.3g})-{kind} "
+            "by group privacy")
