@@ -185,16 +185,17 @@ class SitePolicy:
         if not isinstance(self.release_blurred_images_and_labels, bool):
             raise ValueError(f"site policy: release_blurred_images_and_labels="
                              f"{self.release_blurred_images_and_labels!r} must be true or false")
-        if self.methods is None:
-            object.__setattr__(self, "methods", PRIVATE_METHODS if self.release_blurred_images_and_labels
-                               else RECORD_LEVEL)
-        bad = [m for m in self.methods if m not in PRIVATE_METHODS]
-        if bad or not self.methods:
+        methods = self.methods
+        if methods is None:
+            methods = PRIVATE_METHODS if self.release_blurred_images_and_labels else RECORD_LEVEL
+            object.__setattr__(self, "methods", methods)
+        bad = [m for m in methods if m not in PRIVATE_METHODS]
+        if bad or not methods:
             raise ValueError(
-                f"site policy: methods={list(self.methods)} must be a non-empty subset of {list(PRIVATE_METHODS)} "
+                f"site policy: methods={list(methods)} must be a non-empty subset of {list(PRIVATE_METHODS)} "
                 "(nonprivate training is never accepted)"
             )
-        feature = [m for m in self.methods if m in FEATURE_DP]
+        feature = [m for m in methods if m in FEATURE_DP]
         if feature and not self.release_blurred_images_and_labels:
             raise ValueError(
                 f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, a blurred "
@@ -228,6 +229,13 @@ class SitePolicy:
         if not valid_face_tasks(self.face_tasks):
             raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
                              f"{list(FACE_TASKS)}")
+
+    @property
+    def allowed_methods(self) -> tuple[str, ...]:
+        """``methods`` as ``__post_init__`` resolved it: never None on a constructed policy."""
+        if self.methods is None:
+            raise AssertionError("SitePolicy.methods is resolved in __post_init__")
+        return self.methods
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -336,7 +344,7 @@ def load_policy(path: str | Path) -> SitePolicy:
 
 def policy_to_dict(policy: SitePolicy) -> dict[str, Any]:
     out = dataclasses.asdict(policy)
-    out["methods"] = list(policy.methods)
+    out["methods"] = list(policy.allowed_methods)
     out["max_input_size"] = list(policy.max_input_size)
     order = ["policy_version"] + [k for k in out if k != "policy_version"]
     return {k: out[k] for k in order}

@@ -39,7 +39,7 @@ def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[s
         torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "metrics": dict(metrics)}, fh)
     tmp.replace(path)
     for old in path.parent.glob("*.pt"):  # this federation's older replies: its exact id, never a prefix of another
-        if old != path and _reply_of(old.name) is not None and _reply_of(old.name)[0] == federation:
+        if old != path and (of := _reply_of(old.name)) is not None and of[0] == federation:
             old.unlink(missing_ok=True)
 
 

@@ -37,9 +37,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
         raise Refusal(RefusalCode.BAD_REQUEST, f"request is for site {request.site!r}, this is {policy.site!r}")
     if not _FEDERATION_ID.match(request.federation):
         raise Refusal(RefusalCode.BAD_REQUEST, "federation id must be 1-64 letters, digits, '.', '_' or '-'")
-    if method not in policy.methods:
+    if method not in policy.allowed_methods:
         raise Refusal(RefusalCode.POLICY,
-                      f"method {method!r} is not allowed by this site (allows {list(policy.methods)})")
+                      f"method {method!r} is not allowed by this site (allows {list(policy.allowed_methods)})")
     extra = [t for t in cfg.model.face_tasks if t not in policy.face_tasks]
     if extra:  # their labels would be used (and, under Feature-DP, treated as public) without the operator's say
         raise Refusal(RefusalCode.POLICY, f"face tasks {extra} are not allowed by this site (allows "
@@ -144,6 +144,7 @@ def request_digest(content: Any, basis: torch.Tensor | None, *, bundle: str) -> 
     else:
         # V^T row by row: no copy for the column-by-column V a site projects with (client.site_basis)
         vt = basis.detach().to("cpu", torch.float32).t().contiguous()
-        put("basis", tuple(vt.shape), memoryview(vt.numpy()).cast("B"))
+        # numpy's stubs give ndarray the buffer protocol (__buffer__) on Python >= 3.12 only
+        put("basis", tuple(vt.shape), memoryview(vt.numpy()).cast("B"))  # type: ignore[arg-type]
     put("bundle", bundle)
     return h.hexdigest()

@@ -11,7 +11,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from client.site_data import load_public
 from shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
 from shared.private_files import open_private, private_dir
 from shared.privacy.subspace import check_orthonormal
+
+if TYPE_CHECKING:  # the model module is imported where it is used
+    from shared.model.posenet import PoseNet
 
 _CACHE_NAME = re.compile(r"(?P<federation>[A-Za-z0-9_.-]+)-v(?P<version>[0-9]+)\.npy")
 
@@ -81,7 +84,7 @@ def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
         raise Refusal(RefusalCode.BAD_BASIS, str(err)) from err
 
 
-def obtain_basis(content: Any, request: TrainRequest, model: torch.nn.Module, trainable: list[str],
+def obtain_basis(content: Any, request: TrainRequest, model: PoseNet, trainable: list[str],
                  policy: SitePolicy) -> tuple[torch.Tensor, float]:
     """V for this round: received (checked), cached by version, or computed here (basis_mode site).
 

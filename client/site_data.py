@@ -187,7 +187,7 @@ def check_site(policy: SitePolicy) -> CheckedSite:
     if units == 0:
         raise ValueError(f"site data {policy.data_path}: no record is left to train on after the checks")
     check_delta(policy.delta, units)
-    if set(policy.methods) & set(FEATURE_DP) and policy.public_batch_size > len(records):
+    if set(policy.allowed_methods) & set(FEATURE_DP) and policy.public_batch_size > len(records):
         raise ValueError(f"site policy: public_batch_size={policy.public_batch_size} is larger than the "
                          f"{len(records)} records kept at this site: fdp/fpdp draw that many distinct records each "
                          "step; lower it")
@@ -273,7 +273,7 @@ def site_ready(policy: SitePolicy) -> SiteCheck:
         problem = "its policy changed since its checks ran"
     elif record.data_version != data_version(policy):
         problem = "its data files changed since its checks ran"
-    if problem is not None:
+    if problem is not None or record is None:  # record is None only with a problem: this narrows its type
         log.error("site %s refuses every request until its operator runs `fedpose site check --policy ...`: %s",
                   policy.site, problem)
         raise Refusal(RefusalCode.MISCONFIGURED,
@@ -310,7 +310,7 @@ def site_info(policy: SitePolicy) -> SiteInfo:
         epsilon_spent=spend["site_epsilon"],
         min_sigma=min_sigma_for(policy), sample_rate=policy.sample_rate, steps_per_round=policy.steps_per_round,
         clip_norm=policy.clip_norm, psi=policy.psi, psi_min=policy.psi_min, augment=policy.augment,
-        accountant=policy.accountant, methods=policy.methods, unit=policy.unit,
+        accountant=policy.accountant, methods=policy.allowed_methods, unit=policy.unit,
         max_records_per_patient=policy.max_records_per_patient,
     )
 

@@ -30,7 +30,7 @@ def evaluation_log(policy: SitePolicy) -> Path:
     return Path(policy.ledger_path).parent / "evaluation.jsonl"
 
 
-def _eval_records(policy: SitePolicy, private: list[PoseRecord]) -> list[PoseRecord] | None:
+def _eval_records(policy: SitePolicy, eval_path: str, private: list[PoseRecord]) -> list[PoseRecord] | None:
     """The held-out records (cached per file version); None, with the reason logged, when unusable."""
     from client.site_data import data_version, load_split_dir
     from shared.data.split import check_disjoint
@@ -39,7 +39,7 @@ def _eval_records(policy: SitePolicy, private: list[PoseRecord]) -> list[PoseRec
     if key not in _LOADED:
         records: list[PoseRecord] | None = None
         try:
-            records = load_split_dir(policy.eval_path, "held-out evaluation data")
+            records = load_split_dir(eval_path, "held-out evaluation data")
             check_disjoint(records, private)
             if any(r.headbox is None for r in records):
                 raise ValueError("PCKh needs a head box for every record")
@@ -57,7 +57,7 @@ def evaluate_global(model: Any, policy: SitePolicy, private: list[PoseRecord], *
     """Score the received global model on the site's held-out data; the row stays in evaluation.jsonl."""
     if not policy.eval_path:
         return None
-    records = _eval_records(policy, private)
+    records = _eval_records(policy, policy.eval_path, private)
     if records is None:
         return None
     from shared.train import evaluate

@@ -127,7 +127,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
     status["site"] = policy.site
     status["policy"] = {"path": str(policy_path), "valid": True, "error": None, "plain": plain_policy(policy),
                         "guarantee": guarantee_in_force(policy),
-                        "methods": list(policy.methods), "unit": policy.unit, "epsilon": policy.epsilon,
+                        "methods": list(policy.allowed_methods), "unit": policy.unit, "epsilon": policy.epsilon,
                         "delta": policy.delta, "sample_rate": policy.sample_rate,
                         "expected_batch": policy.expected_batch, "round_seconds": policy.round_seconds}
     record = read_site_check(policy)

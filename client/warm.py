@@ -156,8 +156,13 @@ def serve(socket_path: str, approved: str) -> None:
     listener.listen(16)
     print(f"fedpose warm start: ready on {socket_path}", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set() or listener.close())
-    signal.signal(signal.SIGINT, lambda *_: stop.set() or listener.close())
+
+    def _stop(*_: object) -> None:
+        stop.set()
+        listener.close()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         while not stop.is_set():
             try:

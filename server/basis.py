@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shared.config import Config
 from shared.data.records import PoseRecord
 from shared.federation_messages import basis_record
+
+if TYPE_CHECKING:  # the model module is imported where it is used (it is not needed to plan a round)
+    from shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class BasisKeeper:
     def due(self, round: int) -> bool:
         return self.needed and (self.version == 0 or round - self.version >= self.every)
 
-    def refresh(self, round: int, model: torch.nn.Module, trainable: list[str]) -> float:
+    def refresh(self, round: int, model: PoseNet, trainable: list[str]) -> float:
         """New version for ``round`` if due; returns seconds spent computing V on the server."""
         if not self.due(round):
             return 0.0

@@ -61,7 +61,8 @@ def bound_updates(updates: list[dict[str, torch.Tensor]], global_weights: dict[s
         raise ValueError("bound_updates needs at least one update")
     deltas = [{name: u[name].to(torch.float64) - global_weights[name].to(torch.float64) for name in u}
               for u in updates]
-    norms = [float(torch.sqrt(sum((d * d).sum() for d in delta.values()))) for delta in deltas]
+    # as_tensor: sum() of tensors is typed Tensor | 0; each delta has tensors, so it returns its (exact) sum
+    norms = [float(torch.sqrt(torch.as_tensor(sum((d * d).sum() for d in delta.values())))) for delta in deltas]
     tau = sorted(norms)[(len(norms) + 1) // 2 - 1]
     out, scaled = [], []
     for i, (delta, norm) in enumerate(zip(deltas, norms)):

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from server.report import append_round, write_plot, write_report, write_rounds
 from shared.config import Config, ConfigError, dump_config
 from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
 from shared.provenance import configure_numerics, provenance
+
+if TYPE_CHECKING:  # the model module is imported where it is used
+    from shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +123,11 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
 
     ledger = ServerLedger(paths.ledger)
     optimizer_state = None
-    if resume and not paths.checkpoint.exists() and ledger.get_meta("federation") is not None:
+    history: list[dict[str, Any]]
+    if resume and not paths.checkpoint.exists() and (known := ledger.get_meta("federation")) is not None:
         # The server died before its first checkpoint: the sites may already have charged round 1 of this
         # federation, so it starts again under the SAME id (a site then replays or resends, never spends twice).
-        federation, history, start = ledger.get_meta("federation"), [], 1
+        federation, history, start = known, [], 1
         ledger.reconcile({"spend": [], "events": [], "reports": [], "sites": [], "meta": {}}, through_round=0)
         write_rounds(paths.rounds, [])
         log.info("resuming federation %s before its first checkpoint: from round 1", federation)
@@ -182,9 +186,9 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         noticed += changed
         if len(active) < cfg.federation.min_sites:  # no site is asked to train for a round that cannot count
             if active or waiting:
-                why = "; ".join(f"{s}: {r}" for s, r in waiting.items()) or "the others have no rounds left"
+                waits = "; ".join(f"{s}: {r}" for s, r in waiting.items()) or "the others have no rounds left"
                 stopped = (f"round {rnd}: only {len(active)} site(s) can take part ({', '.join(active) or 'none'}), "
-                           f"fewer than federation.min_sites={cfg.federation.min_sites} ({why}); stopping")
+                           f"fewer than federation.min_sites={cfg.federation.min_sites} ({waits}); stopping")
                 log.warning("%s", stopped)
                 noticed.append(Event(site="(server)", kind="stopped", code=0, reason=stopped))
             else:
@@ -200,8 +204,8 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
             from flwr.app import RecordDict
 
             request = TrainRequest(federation=federation, round=rnd, site=site, sigma=plans[site].sigma,
-                                   sample_rate=plans[site].sample_rate, steps=plans[site].steps_per_round, basis_version=keeper.version,
-                                   basis_mode=cfg.federation.basis_mode, config=cfg)
+                                   sample_rate=plans[site].sample_rate, steps=plans[site].steps_per_round,
+                                   basis_version=keeper.version, basis_mode=cfg.federation.basis_mode, config=cfg)
             content = RecordDict({ARRAYS: arrays, CONFIG: request.to_record()})
             if force_basis:
                 keeper.forget(site)
@@ -215,14 +219,16 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         down = {site: payload_bytes(c) for site, c in contents.items()}
         replies = exchange(grid, contents, node_of, rnd, cfg.federation.round_timeout)
         global_now = {name: named[name].detach().clone() for name in trainable}
-        bounds = {"global_weights": global_now, "max_update_norm": cfg.federation.max_update_norm}
-        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper, **bounds)
+        bound = cfg.federation.max_update_norm
+        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper, global_weights=global_now,
+                                  max_update_norm=bound)
         if outcome.need_basis:  # a site lost its cached V: send it once more, with V
             retry = {site: content_for(site, force_basis=True) for site in outcome.need_basis}
             for site, c in retry.items():
                 down[site] += payload_bytes(c)
             again = exchange(grid, retry, node_of, rnd, cfg.federation.round_timeout)
-            more = process_replies(again, expected=expected, plans=plans, keeper=keeper, **bounds)
+            more = process_replies(again, expected=expected, plans=plans, keeper=keeper, global_weights=global_now,
+                                   max_update_norm=bound)
             for name in ("updates", "spends", "events", "reports", "need_basis", "accepted"):
                 getattr(outcome, name).extend(getattr(more, name))
             outcome.statuses.update(more.statuses)
@@ -270,7 +276,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         recheck |= set(missed) | {e.site for e in outcome.events if e.kind == "refused"}
         recheck |= {s for s, (status, _) in ledger.statuses().items() if status == "refused" and s in plans}
         down = {site: b for site, b in down.items() if site not in missed}  # nothing reached a dead node
-        record = {
+        record: dict[str, Any] = {
             "round": rnd,
             "pckh_mean": float(report["pckh"]["mean"]),
             "pckh@0.1_mean": float(report["pckh@0.1"]["mean"]),
@@ -309,7 +315,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     return metrics
 
 
-def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger: ServerLedger,
+def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerLedger,
            plans: dict[str, SitePlan], history: list[dict[str, Any]], federation: str, *,
            seconds: float) -> dict[str, Any]:
     """Final model, metrics.json (per-site spend, global claim = max over sites), report.md and the plot."""
@@ -323,7 +329,7 @@ def finish(cfg: Config, paths: Paths, model: torch.nn.Module, val: list, ledger:
     if done:
         ledger.set_statuses(done)
     statuses = ledger.statuses()
-    per_site = {}
+    per_site: dict[str, dict[str, Any]] = {}
     for site, plan in sorted(plans.items()):
         rows = [r for r in ledger.rows() if r["site"] == site and r["state"] in ("completed", "interrupted")]
         per_site[site] = {

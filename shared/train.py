@@ -31,7 +31,7 @@ from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
 from shared.pixelization.spec import PixelizeSpec
 from shared.privacy.audit_hooks import AuditHooks, ReleasedStep
 from shared.privacy.fpdp import DPSpec, dp_gradient
-from shared.privacy.psi import DPPixelize, PsiBatch, apply_psi, make_psi
+from shared.privacy.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
 from shared.privacy.sampling import augmented_copies, poisson_sample
 from shared.privacy.subspace import column_major, compute_basis
 from shared.weight_average import WeightAverage
@@ -52,7 +52,7 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_psi_from(privacy: PrivacyConfig, generator: torch.Generator) -> Callable[..., torch.Tensor]:
+def make_psi_from(privacy: PrivacyConfig, generator: torch.Generator) -> FeatureMap:
     """psi of the config: Gaussian blur (sigma = psi_param * min(H, W)), pixelation (block psi_param px) or
     DP pixelization (its noise seeded from ``generator``, the run's noise source)."""
     if privacy.psi == "blur":
@@ -68,7 +68,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "index"}
 
 
-def psi_on(psi: Callable[..., torch.Tensor], batch: dict[str, torch.Tensor], device: torch.device) -> PsiBatch:
+def psi_on(psi: FeatureMap, batch: dict[str, torch.Tensor], device: torch.device) -> PsiBatch:
     """``apply_psi`` on ``batch`` moved to ``device``; a per-record psi (dp-pixelize) also gets the indices."""
     moved = to_device(batch, device)
     if getattr(psi, "per_record", False):

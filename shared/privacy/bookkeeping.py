@@ -108,8 +108,11 @@ def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, str,
     """module name -> (module, rule kind, {attr: parameter name}) for the layers that own ``names``."""
     plan: dict[str, tuple[nn.Module, str, dict[str, str]]] = {}
     for name in names:
-        module_name, module, attr = _owner(model, name)  # type: ignore[misc]  (supports() checked it)
-        kind = _rule_kind(module, attr)
+        owner = _owner(model, name)
+        kind = None if owner is None else _rule_kind(owner[1], owner[2])
+        if owner is None or kind is None:  # supports() checked every name first
+            raise ValueError(f"{name}: no book-keeping rule covers this parameter")
+        module_name, module, attr = owner
         entry = plan.setdefault(module_name, (module, kind, {}))
         entry[2][attr] = name
     return plan
@@ -136,7 +139,9 @@ class Tape:
         if bool(odd.any()):
             rows = odd.nonzero().flatten()
             exact = self._exact(rows)
-            norms[rows] = torch.sqrt(sum(v.reshape(len(rows), -1).pow(2).sum(1) for v in exact.values()))
+            # as_tensor: sum() of tensors is typed Tensor | 0 (exact holds at least one tensor)
+            total = sum(v.reshape(len(rows), -1).pow(2).sum(1) for v in exact.values())
+            norms[rows] = torch.sqrt(torch.as_tensor(total))
         return norms
 
     def per_sample(self) -> dict[str, Tensor]:
@@ -167,7 +172,7 @@ class Tape:
                 summed[name].add_(scaled.to(summed[name].dtype))
 
 
-def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor, Tensor], grad: Tensor | None,
+def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor | None, Tensor], grad: Tensor | None,
           shapes: dict[str, torch.Size]) -> Instantiated | LinearLike:
     """The rule of one layer from its input, its output and the loss's gradient there."""
     module, kind, names = entry
@@ -175,6 +180,8 @@ def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor, Tens
     grad = torch.zeros_like(out) if grad is None else grad.detach()
     if kind == "bias_table":
         return bias_table(module, grad, dict(names), shapes)
+    if x is None:  # a layer called with keyword arguments only: its input was not seen
+        raise RuntimeError(f"a {kind} layer ran without a positional input; book-keeping needs it")
     return RULES[kind](module, x.detach(), grad, dict(names), shapes)
 
 
@@ -200,7 +207,7 @@ def iter_tapes(
     by_row = bool(combine_names) and getattr(loss_fn, "combine_takes_rows", False)
     for start in range(0, size, chunk_size):
         chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
-        seen: dict[str, tuple[Tensor, Tensor]] = {}
+        seen: dict[str, tuple[Tensor | None, Tensor]] = {}
 
         def hook_for(key: str):
             def hook(module: nn.Module, args: tuple, output: Tensor) -> None:

@@ -202,6 +202,7 @@ def _noisy_private_sum(
     if spec.unit == "patient" or spec.multiplicity > 1:
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient, or of one record whose
         # K augmented copies form its group.
+        assert groups is not None  # _check_unit_groups refused None here (this narrows the type)
         summed, norms, zeroed = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
             chunk_size=spec.chunk_size,
@@ -222,6 +223,7 @@ def _noisy_private_sum(
     grads = summed
     if spec.projects:
         # g = V (V^T g): post-processing of the noisy gradient, no privacy cost.
+        assert basis is not None  # refused above when the method projects (this narrows the type)
         flat = project(basis, flatten(grads))  # (p,)
         grads = {name: value.clone() for name, value in unflatten(flat, like=grads).items()}
     return grads, norms, zeroed
@@ -375,6 +377,7 @@ def dp_gradient(
     if on_private is not None:
         on_private(grads)
     if spec.uses_public:
+        assert psi_batch is not None  # refused above when the method uses psi(x) (this narrows the type)
         public = public_gradient(loss_fn, params, psi_batch)
         if _all_finite(public):
             grads = {name: grads[name] + public[name] for name in grads}

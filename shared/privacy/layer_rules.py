@@ -9,6 +9,7 @@ tiny clip factor) and every sample's gradient (for the public basis).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,8 @@ class LinearLike:
             if part is not None:
                 sq = torch.linalg.vector_norm(part.reshape(part.shape[0], -1), dim=1).square_()
                 total = sq if total is None else total.add_(sq)
+        if total is None:
+            raise RuntimeError(f"no weight or bias to take the norm of in {sorted(self.names)}")
         return total
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, keep: Tensor | None) -> None:
@@ -170,11 +173,18 @@ def _linear(module: nn.Linear, x: Tensor, g: Tensor, names, shapes) -> LinearLik
     return LinearLike(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]), names, shapes)
 
 
+def _padding(module: nn.Conv2d) -> tuple[int, ...]:
+    """The conv's padding in pixels (a padding given by name, 'same' or 'valid', is not unfolded here)."""
+    if isinstance(module.padding, str):
+        raise ValueError(f"conv padding {module.padding!r}: book-keeping needs the padding in pixels")
+    return module.padding
+
+
 def _unfold(module: nn.Conv2d, x: Tensor) -> Tensor:
     """(b, C_in, H, W) -> (b, C_in kh kw, T) patches in the weight's (c, i, j) order."""
     if module.kernel_size == (1, 1) and module.stride == (1, 1) and module.padding == (0, 0):
         return x.reshape(x.shape[0], x.shape[1], -1)
-    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=_padding(module), stride=module.stride)
 
 
 def _conv(module: nn.Conv2d, x: Tensor, g: Tensor, names, shapes) -> LinearLike:
@@ -187,7 +197,7 @@ def _depthwise_weight(module: nn.Conv2d, x: Tensor, g: Tensor) -> Tensor:
     channels: sample i's gradient for channel c correlates its padded input with the output gradient ``g``
     used as a kernel, dilated by the conv's stride and strided by its dilation. No unfolded copy of the input
     (kh kw times its size) and no tap-by-tap loop: 3-4x faster than either on a pose model's maps."""
-    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = module.kernel_size, module.stride, module.dilation, module.padding
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = module.kernel_size, module.stride, module.dilation, _padding(module)
     b, c, h, w = g.shape
     xp = F.pad(x, (pw, pw, ph, ph)).reshape(1, b * c, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
     out = F.conv2d(xp, g.reshape(b * c, 1, h, w), stride=(dh, dw), dilation=(sh, sw), groups=b * c)
@@ -227,7 +237,7 @@ def _layer_norm(module: nn.LayerNorm, x: Tensor, g: Tensor, names, shapes) -> In
 _UNIT_AFFINES: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def _unit_affine(shape: torch.Size, like: Tensor) -> tuple[Tensor, Tensor]:
+def _unit_affine(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor]:
     """Ones and zeros of a layer norm's shape, made once per shape, dtype and device (never written to)."""
     key = (tuple(shape), like.dtype, like.device)
     if key not in _UNIT_AFFINES:
@@ -242,8 +252,12 @@ def bias_table(module: nn.Module, g: Tensor, names, shapes) -> Instantiated:
     per_pair = g.reshape(b, -1, heads, n * n).sum(1)  # (b, heads, N*N)
     name = names["attention_biases"]
     table = per_pair.new_zeros((b, *shapes[name]))
-    table.index_add_(2, module.bias_index.reshape(-1).to(g.device), per_pair)
+    index = module.bias_index
+    if not isinstance(index, Tensor):  # _rule_kind checked it; this narrows nn.Module's attribute type
+        raise TypeError(f"bias_index of {type(module).__name__} is not a tensor")
+    table.index_add_(2, index.reshape(-1).to(g.device), per_pair)
     return Instantiated({name: table})
 
 
-RULES = {"linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "layer_norm": _layer_norm}
+RULES: dict[str, Callable[..., Instantiated | LinearLike]] = {
+    "linear": _linear, "conv": _conv, "grouped_conv": _grouped_conv, "layer_norm": _layer_norm}

@@ -36,7 +36,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -52,11 +52,13 @@ IMAGE_KEY = "image"
 
 
 class FeatureMap(Protocol):
-    """A deterministic map (B, C, H, W) -> (B, C, H, W) with a name for claims."""
+    """A deterministic map (B, C, H, W) -> (B, C, H, W) with a name for claims (a per-record map, DPPixelize,
+    also takes the records' indices)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    def __call__(self, images: Tensor) -> Tensor: ...
+    def __call__(self, images: Tensor, *args: Any, **kwargs: Any) -> Tensor: ...
 
     def describe(self) -> str: ...
 
@@ -201,8 +203,8 @@ class DPPixelize:
                 f"to m={self.spec.m} pixels, released once per record")
 
 
-def make_psi(name: str, **params: float | int) -> GaussianBlur | Pixelate:
-    """Build a feature map by name: "gaussian_blur" (default in configs) or "pixelate"."""
+def make_psi(name: str, **params: Any) -> GaussianBlur | Pixelate:
+    """Build a feature map by name: "gaussian_blur" (default in configs) or "pixelate" (each checks its params)."""
     if name in ("gaussian_blur", "blur"):
         return GaussianBlur(**params)
     if name == "pixelate":

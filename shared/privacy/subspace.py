@@ -22,7 +22,7 @@ V and the sites' gradients agree coordinate by coordinate.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -231,6 +231,7 @@ def compute_basis(
     size = batch_size_of(public_batch)
     _check_basis_request(k, size)
     total = sum(value.numel() for value in params.values())
+    chunks: Iterator[dict[str, Tensor]]
     if bookkeeping.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
         chunks = (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, public_batch,
                                                                      chunk_size=chunk_size))
