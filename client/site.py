@@ -276,4 +276,5 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
         drop_basis_cache(policy, request.federation)
     elif basis is not None:
         cache_basis(policy, request.federation, request.basis_version, basis)
-    return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord({**metrics})})  # {**}: typed as its values
+    # {**metrics}: a display, so that mypy types it as the record's values (dict is invariant)
+    return RecordDict({ARRAYS: weights_record(weights), METRICS: MetricRecord({**metrics})})

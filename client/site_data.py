@@ -212,8 +212,9 @@ def check_ledger_continuity(policy: SitePolicy, id_file: Path) -> str:
     with SiteLedger(ledger_path, site=policy.site) as ledger:
         current = ledger.ledger_id()
     if known is not None and known != current:
-        raise PrivacyRefusal(f"site ledger {ledger_path} is not the ledger this site had (id {current}, expected {known}): "
-                         f"restore the right one from its backup; to start a new budget on purpose, delete {id_file}")
+        raise PrivacyRefusal(f"site ledger {ledger_path} is not the ledger this site had "
+                         f"(id {current}, expected {known}): restore the right one from its backup; to start a new "
+                         f"budget on purpose, delete {id_file}")
     if known is None:
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(current + "\n")

@@ -31,8 +31,8 @@ from typing import Any
 
 # What a ClientApp process imports before it reaches its message: third-party only. The bundle's own modules
 # (client, shared) are imported by each child from the checked bundle, never from this process.
-PRELOAD = ("torch", "torch.func", "torch._dynamo", "torch._functorch.eager_transforms", "torch._inductor", "numpy", "cv2",
-           "yaml", "statistics", "opacus", "opacus.accountants.analysis.rdp", "flwr.app", "flwr.clientapp",
+PRELOAD = ("torch", "torch.func", "torch._dynamo", "torch._functorch.eager_transforms", "torch._inductor", "numpy",
+           "cv2", "yaml", "statistics", "opacus", "opacus.accountants.analysis.rdp", "flwr.app", "flwr.clientapp",
            "flwr.supernode.runtime.run_clientapp", "flwr.supernode.cli.flwr_clientapp")
 _HEADER = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
