@@ -55,13 +55,11 @@ Feature-DP is an explicit opt-in (P17): under fdp/fpdp the server reads, exactly
 the ``public_batch_size`` records a step draws (without replacement, never more than the site holds), so
 they are allowed only with ``release_blurred_images_and_labels: true``; ``methods`` then defaults to all four.
 
-Privacy unit (issue #11). ``unit`` and ``max_records_per_patient`` are optional
-version-2 fields: a policy without them means exactly what it meant before
-(record level, no cap stated), so the version is not bumped. At patient level
-``sample_rate`` is q_p, the Poisson rate over PATIENTS (expected patients per
-step / patients at the site), the data must carry patient ids, delta must be
-below 1 / patients, and a request for the other unit is refused (either way:
-a site's q means one unit). The cap is the site's own: a request's
+Privacy unit. ``unit`` and ``max_records_per_patient`` are optional version-2 fields: a policy without them
+means exactly what it meant before (record level, no cap stated), so the version is not bumped. At patient
+level ``sample_rate`` is q_p, the Poisson rate over PATIENTS (expected patients per step / patients at the
+site), the data must carry patient ids, delta must be below 1 / patients, and a request for the other unit is
+refused (either way: a site's q means one unit). The cap is the site's own: a request's
 ``privacy.max_records_per_patient`` is not read.
 """
 
@@ -191,16 +189,14 @@ class SitePolicy:
             object.__setattr__(self, "methods", methods)
         bad = [m for m in methods if m not in PRIVATE_METHODS]
         if bad or not methods:
-            raise ValueError(
-                f"site policy: methods={list(methods)} must be a non-empty subset of {list(PRIVATE_METHODS)} "
-                "(nonprivate training is never accepted)"
-            )
+            raise ValueError(f"site policy: methods={list(methods)} must be a non-empty subset of "
+                             f"{list(PRIVATE_METHODS)} (nonprivate training is never accepted)")
         feature = [m for m in methods if m in FEATURE_DP]
         if feature and not self.release_blurred_images_and_labels:
-            raise ValueError(
-                f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, a blurred "
-                "copy of each image drawn for the public term and its pose labels, and estimate how many records "
-                f"this site holds. To opt in, add the line `{OPT_IN}`; otherwise list only {list(RECORD_LEVEL)}")
+            raise ValueError(f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, "
+                             "a blurred copy of each image drawn for the public term and its pose labels, and "
+                             "estimate how many records this site holds. To opt in, add the line "
+                             f"`{OPT_IN}`; otherwise list only {list(RECORD_LEVEL)}")
         _count("public_batch_size", self.public_batch_size)
         for name in ("data_path", "ledger_path"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
@@ -208,10 +204,8 @@ class SitePolicy:
         if self.public_path and not self.public_digest:
             raise ValueError("site policy: public_path needs public_digest, the manifest digest of that public set "
                              "that this site's operator approved (`fedpose site-policy --check` prints it)")
-        if self.public_digest is not None and (
-            not isinstance(self.public_digest, str) or len(self.public_digest) != 64
-            or any(c not in "0123456789abcdef" for c in self.public_digest)
-        ):
+        if self.public_digest is not None and (not isinstance(self.public_digest, str) or len(self.public_digest) != 64
+                                               or any(c not in "0123456789abcdef" for c in self.public_digest)):
             raise ValueError(f"site policy: public_digest={self.public_digest!r} must be a sha256 hex digest")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"site policy: seed={self.seed!r} must be a non-negative int or null")
@@ -219,13 +213,12 @@ class SitePolicy:
             raise ValueError(f"site policy: unit={self.unit!r} must be one of {list(UNITS)}")
         if self.max_records_per_patient is not None:
             _count("max_records_per_patient", self.max_records_per_patient)
-        if (len(self.max_input_size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 32
-                                                 for v in self.max_input_size)):
+        sizes = self.max_input_size
+        if len(sizes) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 32 for v in sizes):
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
         if self.round_seconds is not None:
             _positive("round_seconds", self.round_seconds)
         from shared.data.face import FACE_TASKS, valid_face_tasks
-
         if not valid_face_tasks(self.face_tasks):
             raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
                              f"{list(FACE_TASKS)}")
@@ -233,9 +226,7 @@ class SitePolicy:
     @property
     def allowed_methods(self) -> tuple[str, ...]:
         """``methods`` as ``__post_init__`` resolved it: never None on a constructed policy."""
-        if self.methods is None:
-            raise AssertionError("SitePolicy.methods is resolved in __post_init__")
-        return self.methods
+        return self.methods or ()
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
