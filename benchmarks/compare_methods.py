@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.config import METHODS, load_config, replace  # noqa: E402
-from shared.runs import run_train  # noqa: E402
+from fedpose.shared.config import METHODS, load_config, replace  # noqa: E402
+from fedpose.shared.runs import run_train  # noqa: E402
 
 
 def main() -> None:

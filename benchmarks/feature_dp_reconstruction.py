@@ -5,9 +5,9 @@ measured on a real site.
         [--png docs/img/feature-dp-reconstruction.png] [--out benchmarks/results]
 
 A site that opted in to Feature-DP (``release_blurred_images_and_labels: true``, a public batch of one
-record) answers one fpdp request whose weights are crafted (``shared.experiments.reconstruction``) and
+record) answers one fpdp request whose weights are crafted (``fedpose.shared.experiments.reconstruction``) and
 whose basis V leaves the read tensors out. The script reads the reply as the server would
-(``shared.experiments.reconstruction_read``), finds which of the site's records the labels belong to,
+(``fedpose.shared.experiments.reconstruction_read``), finds which of the site's records the labels belong to,
 and prints the PSNR of the rebuilt psi(x) (at the crafted trunk's block resolution) and the label error.
 It writes a picture (the record, psi(x), psi(x) at the trunk's resolution, what the server rebuilt; joints
 drawn) and a JSON with the numbers and provenance. The site's data is the config's (the embedded synthetic
@@ -34,8 +34,8 @@ SCALE = 4  # the picture's pixels per model-input pixel
 
 def site_policy(cfg, data: Path, ledger: Path):
     """The site's own policy: Feature-DP opted in, a public batch of one record, its q and normaliser."""
-    from client.policy import policy_from_dict
-    from client.site_data import load_split_dir
+    from fedpose.client.policy import policy_from_dict
+    from fedpose.client.site_data import load_split_dir
 
     n = len(load_split_dir(data, "site data"))
     return policy_from_dict({
@@ -59,7 +59,7 @@ def _canvas(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 def _draw(canvas: np.ndarray, joints: np.ndarray, visible: np.ndarray, colour: tuple[int, int, int]) -> np.ndarray:
     import cv2
 
-    from shared.data.joints import SKELETON
+    from fedpose.shared.data.joints import SKELETON
 
     out = canvas.copy()
     pts = [tuple(int(round(v * SCALE)) for v in j) for j in joints]
@@ -98,18 +98,18 @@ def picture(path: Path, size: tuple[int, int], raw: torch.Tensor, psi: torch.Ten
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from client.policy import min_sigma_for
-    from client.site import handle_train, prepare_site
-    from shared.config import load_config
-    from shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
-    from shared.experiments.reconstruction_read import (
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.site import handle_train, prepare_site
+    from fedpose.shared.config import load_config
+    from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
+    from fedpose.shared.experiments.reconstruction_read import (
         find_record, planes_of, psnr, public_gradient_of, read_reply, render, score,
     )
-    from shared.federation_messages import ARRAYS, record_tensors
-    from shared.model.posenet import apply_strategy, build_model
-    from shared.provenance import provenance
-    from shared.runs import ensure_data
-    from shared.train import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.federation_messages import ARRAYS, record_tensors
+    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.provenance import provenance
+    from fedpose.shared.runs import ensure_data
+    from fedpose.shared.train import make_dataset, make_psi_from, psi_on
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     readout = read_reply(crafted, grads, cfg.model, public_batch_size=cfg.train.public_batch_size)
 
     # scoring only: the site's records, psi of each canonical crop as the public term sees it
-    from client.site_data import load_split_dir
+    from fedpose.client.site_data import load_split_dir
 
     canonical = make_dataset(load_split_dir(data, "site data"), cfg, train=False)
     batch = canonical.batch(list(range(len(canonical))))

@@ -47,7 +47,7 @@ BASIS_TARGET = 0.10
 def _model(cfg: Any) -> tuple[Any, list[str], int]:
     import torch
 
-    from shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import apply_strategy, build_model
 
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data.input_size)
@@ -62,7 +62,8 @@ def downlink(cfg: Any, rounds: int, everies: list[int]) -> dict[str, Any]:
     import torch
     from flwr.app import Array, ArrayRecord, RecordDict
 
-    from shared.federation_messages import ARRAYS, CONFIG, TrainRequest, basis_record, payload_bytes, weights_record
+    from fedpose.shared.federation_messages import (ARRAYS, CONFIG, TrainRequest, basis_record, payload_bytes,
+                                                    weights_record)
 
     model, trainable, p = _model(cfg)
     request = TrainRequest(federation="bench", round=1, site="site-0", sigma=1.0, sample_rate=0.1,
@@ -110,12 +111,12 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
 
     import torch
 
-    from shared.config import replace
-    from shared.data.mpii import load_split
-    from shared.model.posenet import make_loss_fn
-    from shared.privacy.noise import make_generator
-    from shared.runs import ensure_data
-    from shared.train import local_train, make_dataset, public_basis_at
+    from fedpose.shared.config import replace
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.model.posenet import make_loss_fn
+    from fedpose.shared.privacy.noise import make_generator
+    from fedpose.shared.runs import ensure_data
+    from fedpose.shared.train import local_train, make_dataset, public_basis_at
 
     n_private = 2 * max(batches)
     small = replace(cfg, **{
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from shared.config import load_config, replace
+    from fedpose.shared.config import load_config, replace
 
     root = Path(__file__).resolve().parents[1]
     results: dict[str, Any] = {}

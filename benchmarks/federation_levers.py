@@ -1,11 +1,11 @@
 """Which levers make a DP federation learn: an in-process federation on the real training code (not a test).
 
-No Flower processes: each round, every site runs ``shared.train.local_train`` on its own private
+No Flower processes: each round, every site runs ``fedpose.shared.train.local_train`` on its own private
 split with its own Poisson sampling and its own sigma (calibrated for rounds x local_steps at
 q = B / n exactly as server/plan.py does), the site-side basis exactly as client/site_basis.py
 ``obtain_basis`` does for ``basis_mode: site`` (``public_basis_at`` at the received global weights,
 a new version every ``privacy.basis_every`` rounds as server/basis.py decides), then
-``server.run.fedavg`` (+ the server optimizer of server/aggregate.py) and ``shared.train.evaluate``
+``fedpose.server.run.fedavg`` (+ the server optimizer of server/aggregate.py) and ``fedpose.shared.train.evaluate``
 on the val split. Site optimizer state is kept through shared/optim_state.py (real files).
 
 Levers (CLI flags): --site-optimizer keep|fresh, --server-optimizer none|momentum|adam, --server-lr,
@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tqdm.auto import tqdm
 
-from server.aggregate import ServerOptimizer
-from server.plan import _calibrated
-from server.combine import aggregate, bound_updates
-from shared.config import load_config, replace
-from shared.data.mpii import load_split
-from shared.model.posenet import apply_strategy, make_loss_fn
-from shared.optim_state import keep_site_optimizer, site_optimizer
-from shared.runs import ensure_data, initial_model
-from shared.train import (
+from fedpose.server.aggregate import ServerOptimizer
+from fedpose.server.plan import _calibrated
+from fedpose.server.combine import aggregate, bound_updates
+from fedpose.shared.config import load_config, replace
+from fedpose.shared.data.mpii import load_split
+from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
+from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
+from fedpose.shared.runs import ensure_data, initial_model
+from fedpose.shared.train import (
     evaluate,
     local_train,
     make_dataset,

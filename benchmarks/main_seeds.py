@@ -30,12 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from server.report import read_rounds  # noqa: E402
-from shared.provenance import provenance  # noqa: E402
+from fedpose.server.report import read_rounds  # noqa: E402
+from fedpose.shared.provenance import provenance  # noqa: E402
 
 
 def command(config: str, seed: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "simulate", "--config", config, "--seed", str(seed),
+    return [sys.executable, "-m", "fedpose.cli.main", "simulate", "--config", config, "--seed", str(seed),
             "--set", f"pretrain.seed={seed}", "--set", f"pretrain.out={out / f'pretrained-{seed}'}",
             "--out", str(out / f"seed-{seed}"), "--quiet"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.provenance import provenance  # noqa: E402
+from fedpose.shared.provenance import provenance  # noqa: E402
 
 
 def parse_recipe(text: str) -> tuple[str, list[str]]:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 run = out / f"{name}-{capability}-{seed}"
                 if not (run / "metrics.json").is_file():
-                    cmd = [sys.executable, "-m", "cli.main", "pretrain", "--config", args.config, "--out", str(run),
-                           "--set", f"pretrain.seed={seed}", "--quiet"]
+                    cmd = [sys.executable, "-m", "fedpose.cli.main", "pretrain", "--config", args.config, "--out",
+                           str(run), "--set", f"pretrain.seed={seed}", "--quiet"]
                     cmd += [a for s in sets for a in ("--set", s)]
                     if args.data:
                         cmd += ["--set", f"data.root={args.data}"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.config import config_from_dict  # noqa: E402
+from fedpose.shared.config import config_from_dict  # noqa: E402
 
 
 def bench_config(root: Path, **train: object) -> object:
@@ -45,7 +45,7 @@ SPAN_CANARIES = 300  # in-span canaries share k = 16 dimensions: 100 / 300 / 100
 
 def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[dict]) -> list[dict]:
     """Audit rows of ``methods``; rows of other methods are kept from ``previous`` (the last run)."""
-    from shared.experiments.audit import AuditSpec, run_audit
+    from fedpose.shared.experiments.audit import AuditSpec, run_audit
 
     cfg = bench_config(root)
     longer = bench_config(root, epochs=12)  # 84 steps: what an in-span audit needs to catch the control
@@ -72,7 +72,7 @@ def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[d
 
 
 def run_membership(root: Path, out: Path) -> dict:
-    from shared.experiments.membership import MiaSpec, run_mia
+    from fedpose.shared.experiments.membership import MiaSpec, run_mia
 
     cfg = bench_config(root, batch_size=16, epochs=30)
     res = run_mia(cfg, MiaSpec(methods=("nonprivate", "dpsgd", "fpdp"), models=6, pool=96, split="site-0", seed=0),
@@ -84,8 +84,8 @@ def run_membership(root: Path, out: Path) -> dict:
 
 
 def run_reidentification(root: Path, out: Path) -> dict:
-    from edge.reid import ReidSpec, run_reid
-    from shared.data.synth import WardSpec, ensure_ward
+    from fedpose.edge.reid import ReidSpec, run_reid
+    from fedpose.shared.data.synth import WardSpec, ensure_ward
 
     ward = ensure_ward(root / "reid-ward", WardSpec(sites=1, per_site=240, public=8, val=8, seed=12, image_size=128),
                        progress=False)

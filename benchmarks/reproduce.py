@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-FEDPOSE = ("{py}", "-m", "cli.main")
+FEDPOSE = ("{py}", "-m", "fedpose.cli.main")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     run = out / "pretrained"
     if not (run / "metrics.json").is_file():
-        cmd = [sys.executable, "-m", "cli.main", "pretrain", "--config", "default", "--out", str(run), "--quiet"]
+        cmd = [sys.executable, "-m", "fedpose.cli.main", "pretrain", "--config", "default", "--out", str(run),
+               "--quiet"]
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             print(f"failed: {run}", file=sys.stderr)
             return 1

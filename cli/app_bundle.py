@@ -23,8 +23,9 @@ from pathlib import Path
 
 DISTRIBUTION = "fedpose"  # the installed distribution: the app's name, version and description
 PUBLISHER = "fedpose"
-PACKAGES = ("shared", "client", "server", "configs")  # the import roots the bundle carries: code and configs
-COMPONENTS = {"serverapp": "server.server_app:app", "clientapp": "client.client_app:app"}
+ROOT_PACKAGE = "fedpose"  # the one import root; the bundle holds fedpose/__init__.py and the packages below
+PACKAGES = ("shared", "client", "server", "configs")  # the packages of fedpose the bundle carries: code and configs
+COMPONENTS = {"serverapp": "fedpose.server.server_app:app", "clientapp": "fedpose.client.client_app:app"}
 MARK = "# Written by fedpose server build-app"  # the first line of the pyproject.toml it writes
 
 
@@ -38,11 +39,11 @@ def _toml(value: object) -> str:
 
 def pyproject() -> str:
     """The app's pyproject.toml: the installed release's name and version, the app's components and run config."""
-    from shared.run_config import RUN_CONFIG_DEFAULTS
+    from fedpose.shared.run_config import RUN_CONFIG_DEFAULTS
 
     dist = metadata.distribution(DISTRIBUTION)
     core = [r for r in dist.requires or [] if ";" not in r]  # what the apps import besides the train extra
-    app = {"publisher": PUBLISHER, "fab-include": [f"{p}/**" for p in PACKAGES] + ["pyproject.toml"]}
+    app = {"publisher": PUBLISHER, "fab-include": [f"{ROOT_PACKAGE}/**", "pyproject.toml"]}
     lines = [MARK + f" from {DISTRIBUTION} {dist.version}: the Flower app the sites approve.", "",
              "[project]", f"name = {_toml(dist.metadata['Name'])}", f"version = {_toml(dist.version)}",
              f"description = {_toml(dist.metadata['Summary'] or '')}",
@@ -74,8 +75,12 @@ def write_app(out: Path) -> Path:
         for child in out.iterdir():
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    root = out / ROOT_PACKAGE
+    root.mkdir()
+    shutil.copyfile(package_folder(ROOT_PACKAGE) / "__init__.py", root / "__init__.py")
     for name in PACKAGES:
-        shutil.copytree(package_folder(name), out / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(package_folder(f"{ROOT_PACKAGE}.{name}"), root / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (out / "pyproject.toml").write_text(pyproject())
     return out
 

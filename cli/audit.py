@@ -13,11 +13,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cli.main import _add_common, _load, add_json, emit_json
+from fedpose.cli.main import _add_common, _load, add_json, emit_json
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from shared.experiments.audit import AuditSpec, run_audit
+    from fedpose.shared.experiments.audit import AuditSpec, run_audit
 
     cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
                        "train.epochs": args.epochs, "privacy.unit": args.unit})
@@ -60,7 +60,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_mia(args: argparse.Namespace) -> int:
-    from shared.experiments.membership import MiaSpec, run_mia
+    from fedpose.shared.experiments.membership import MiaSpec, run_mia
 
     cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
                        "train.epochs": args.epochs})
@@ -85,7 +85,7 @@ def cmd_mia(args: argparse.Namespace) -> int:
 
 
 def cmd_reid(args: argparse.Namespace) -> int:
-    from edge.reid import ReidSpec, run_reid
+    from fedpose.edge.reid import ReidSpec, run_reid
 
     spec = ReidSpec(epsilons=args.epsilons, cells=args.cells, m=args.m, n=args.n, steps=args.steps,
                     train_per_identity=args.train_per_identity, color=not args.gray, seed=args.seed)

@@ -7,7 +7,7 @@ It reads the same files as ``fedpose site status`` / ``fedpose server status`` o
 ``/`` (the page), ``/api/status`` (JSON) and ``/metrics`` (Prometheus), bound to 127.0.0.1 unless
 ``--host`` says otherwise; then a token is required (printed, or given with ``--token``). Without a token
 it answers only requests addressed to a loopback name (``Host`` 127.0.0.1, localhost or [::1]), so that a
-web page cannot read it by DNS rebinding (``shared.console_web``).
+web page cannot read it by DNS rebinding (``fedpose.shared.console_web``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from shared.console_web import start_console
+    from fedpose.shared.console_web import start_console
 
     if bool(args.policy) == bool(args.out):
         raise ValueError("console: give --policy (a site's console) or --out (the server's run folder), one of them")
     if args.policy:
-        from client.site_status import site_metrics, site_status
+        from fedpose.client.site_status import site_metrics, site_status
 
         policy = Path(args.policy).expanduser().resolve()
         site_status(policy)  # fail now on an unreadable policy or ledger, not on the first page view
@@ -34,7 +34,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
         metrics, title = site_metrics, "fedpose site console"
     else:
-        from server.status import server_metrics, server_status
+        from fedpose.server.status import server_metrics, server_status
 
         out = Path(args.out).expanduser().resolve()
         server_status(out)

@@ -1,6 +1,6 @@
 """``fedpose data synth | convert | split``: the synthetic ward, real datasets to fedpose's layout, and splits.
 
-Registered by ``cli.main``; handlers import what they need inside.
+Registered by ``fedpose.cli.main``; handlers import what they need inside.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.main import _add_common
+from fedpose.cli.main import _add_common
 
 
 def cmd_data_synth(args: argparse.Namespace) -> int:
-    from shared.data.synth import WardSpec, generate_ward
+    from fedpose.shared.data.synth import WardSpec, generate_ward
 
     spec = WardSpec(
         sites=args.sites, per_site=args.per_site, public=args.public, val=args.val, seed=args.seed,
@@ -28,7 +28,7 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
-    from shared.data.convert import convert
+    from fedpose.shared.data.convert import convert
 
     out = convert(args.format, args.annotations, args.images, args.out, headboxes=args.headboxes, copy=args.copy)
     if (out / "headboxes.json").is_file():
@@ -45,7 +45,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_data_split(args: argparse.Namespace) -> int:
-    from shared.data.convert import split_dataset
+    from fedpose.shared.data.convert import split_dataset
 
     counts = split_dataset(args.input, args.out, sites=args.sites, public=args.public, val=args.val, seed=args.seed,
                            copy=args.copy)
@@ -57,7 +57,7 @@ def cmd_data_split(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from shared.data.convert import FORMATS
+    from fedpose.shared.data.convert import FORMATS
 
     data = sub.add_parser("data", help="datasets: the synthetic ward, real datasets to the layout, splits"
                           ).add_subparsers(dest="data_command", required=True)

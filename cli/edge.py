@@ -1,10 +1,10 @@
 """``fedpose edge ...``: export, TensorRT build, camera pipeline, demo clip, DP pixelization.
 
-``register(subparsers)`` is called by ``cli.main``; every handler imports its
+``register(subparsers)`` is called by ``fedpose.cli.main``; every handler imports its
 modules lazily so ``fedpose --help`` never loads onnx, TensorRT or torch.
 Handlers raise ValueError / FileNotFoundError / ImportError / RuntimeError
-with a message; ``cli.main`` prints it in one line with its exit code. pixelize and restore live in
-``cli.edge_pixelize``.
+with a message; ``fedpose.cli.main`` prints it in one line with its exit code. pixelize and restore live in
+``fedpose.cli.edge_pixelize``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cli.edge_pixelize import cmd_pixelize, cmd_restore
+from fedpose.cli.edge_pixelize import cmd_pixelize, cmd_restore
 
 
 # ---------------------------------------------------------------------------
@@ -22,8 +22,8 @@ from cli.edge_pixelize import cmd_pixelize, cmd_restore
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from edge.export import INPUT_NAME, export_onnx, parse_batch, parse_input_size
-    from shared.model.posenet import load_checkpoint
+    from fedpose.edge.export import INPUT_NAME, export_onnx, parse_batch, parse_input_size
+    from fedpose.shared.model.posenet import load_checkpoint
 
     batch = parse_batch(args.batch)
     input_size = parse_input_size(args.input) if args.input else None
@@ -45,10 +45,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
     import numpy as np
 
-    from cli.main import load_cli_config
-    from edge.quantize import compare_precisions, quantize_int8, record_crops
-    from shared.data.mpii import load_split
-    from shared.runs import ensure_data
+    from fedpose.cli.main import load_cli_config
+    from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.runs import ensure_data
 
     cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None})
     root = ensure_data(cfg)  # data.source synthetic: the ward is generated on first use
@@ -75,7 +75,7 @@ def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from edge.trt_build import (
+    from fedpose.edge.trt_build import (
         build_engine,
         check_build_request,
         parse_profile,
@@ -99,8 +99,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cli.main import emit_json
-    from edge.pipeline import (
+    from fedpose.cli.main import emit_json
+    from fedpose.edge.pipeline import (
         FrameSource,
         PipelineOptions,
         ReconnectPolicy,
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         parse_roi,
         run_pipeline,
     )
-    from edge.runtime import make_runtime
+    from fedpose.edge.runtime import make_runtime
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -148,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _ground_truth(source: str) -> dict[str, Any] | None:
     """The ground truth beside a video file (``clip.mp4.json`` from ``edge demo-video``), or None."""
-    from edge.demo_video import load_truth, sidecar_path
+    from fedpose.edge.demo_video import load_truth, sidecar_path
 
     path = sidecar_path(source)
     if "://" in source or source.strip().isdigit() or not path.is_file():
@@ -159,7 +159,7 @@ def _ground_truth(source: str) -> dict[str, Any] | None:
 
 
 def cmd_demo_video(args: argparse.Namespace) -> int:
-    from edge.demo_video import DemoSpec, parse_size, write_demo_video
+    from fedpose.edge.demo_video import DemoSpec, parse_size, write_demo_video
 
     spec = DemoSpec(frames=args.frames, size=parse_size(args.size), seed=args.seed, fps=args.fps, style=args.style)
     sidecar = write_demo_video(args.out, spec)
@@ -180,7 +180,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``edge`` command group to the main parser."""
-    from cli.main import add_config, add_json
+    from fedpose.cli.main import add_config, add_json
 
     edge = subparsers.add_parser("edge", help="deployment on cameras: export, TensorRT, pipeline, DP pixelization")
     sub = edge.add_subparsers(dest="edge_command", required=True)

@@ -1,5 +1,5 @@
 """``fedpose edge pixelize | restore``: DP pixelization of images, folders and videos, and restoring a frame
-from its compact NPZ. Registered with the other edge commands by ``cli.edge``; handlers import what they need
+from its compact NPZ. Registered with the other edge commands by ``fedpose.cli.edge``; handlers import what they need
 inside, so a camera without torch runs them.
 """
 
@@ -62,7 +62,7 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
     import cv2
     import numpy as np
 
-    from edge.pixelize import (
+    from fedpose.edge.pixelize import (
         PixelizeSpec,
         load_mask,
         pixelize,
@@ -88,7 +88,7 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
     if args.mask == "pose":
         if not args.model:
             raise ValueError("--mask pose estimates the body region with a pose model: pass --model model.onnx|.pt")
-        from edge.runtime import make_runtime
+        from fedpose.edge.runtime import make_runtime
 
         runtime = make_runtime(args.model, args.backend)
         mask_source = "keypoints"
@@ -128,8 +128,8 @@ def _pose_mask(runtime: Any, image: Any) -> Any:
     import cv2
     import numpy as np
 
-    from edge.pixelize import body_mask_from_keypoints
-    from edge.prepost import postprocess, preprocess
+    from fedpose.edge.pixelize import body_mask_from_keypoints
+    from fedpose.edge.prepost import postprocess, preprocess
 
     bgr = image if image.ndim == 3 else cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
     h, w = image.shape[:2]
@@ -142,7 +142,7 @@ def _pose_mask(runtime: Any, image: Any) -> Any:
 def cmd_restore(args: argparse.Namespace) -> int:
     import cv2
 
-    from edge.pixelize import restore
+    from fedpose.edge.pixelize import restore
 
     src = Path(args.input)
     if not src.is_file():

@@ -1,9 +1,9 @@
 """``fedpose simulate | ledger | certs | site-policy``: the federation's command line.
 
-Registered by ``cli.main`` when this module exists. Handlers import what they
+Registered by ``fedpose.cli.main`` when this module exists. Handlers import what they
 need inside, so ``fedpose --help`` stays instant. The handlers of ``ledger``
-and ``site-policy`` live in ``cli.ledger`` and ``cli.site_policy``, the key
-material of ``certs`` in ``cli.certs``.
+and ``site-policy`` live in ``fedpose.cli.ledger`` and ``fedpose.cli.site_policy``, the key
+material of ``certs`` in ``fedpose.cli.certs``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.certs import LOOPBACK_NAMES, make_certs
-from cli.ledger import cmd_ledger
-from cli.simulation import flower_env
-from cli.site_policy import cmd_site_policy
-from shared.errors import ConfigError
+from fedpose.cli.certs import LOOPBACK_NAMES, make_certs
+from fedpose.cli.ledger import cmd_ledger
+from fedpose.cli.simulation import flower_env
+from fedpose.cli.site_policy import cmd_site_policy
+from fedpose.shared.errors import ConfigError
 
 # ---------------------------------------------------------------------------
 # simulate
@@ -44,8 +44,8 @@ def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 
-    from client import client_app as site_app
-    from server import server_app as central_app
+    from fedpose.client import client_app as site_app
+    from fedpose.server import server_app as central_app
 
     server = ServerApp()
     client = ClientApp()
@@ -69,11 +69,11 @@ def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
 def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
     """Data, pretrained weights, site policies and each site's own checks (P2 disjointness, duplicates), and
     the run's config file; returns its path."""
-    from client.policy import load_policy, write_policy
-    from client.policy_resolve import default_policy
-    from client.site_data import prepare_site
-    from shared.config import dump_config
-    from shared.runs import ensure_data, ensure_pretrained
+    from fedpose.client.policy import load_policy, write_policy
+    from fedpose.client.policy_resolve import default_policy
+    from fedpose.client.site_data import prepare_site
+    from fedpose.shared.config import dump_config
+    from fedpose.shared.runs import ensure_data, ensure_pretrained
 
     ensure_data(cfg, progress=progress)
     if cfg.train.strategy != "scratch":
@@ -89,7 +89,7 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from cli.main import emit_json, load_cli_config
+    from fedpose.cli.main import emit_json, load_cli_config
 
     out = Path(args.out).expanduser().resolve()
     overrides: dict[str, Any] = {"federation.out": str(out)}
@@ -106,7 +106,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if (out / "checkpoint.pt").exists() or (out / "ledger.sqlite").exists():
             raise ValueError(f"{out} already holds a federation: continue it with --resume or choose another --out")
         cfg = load_cli_config(args, overrides)
-    from server.prepare import absolute_paths
+    from fedpose.server.prepare import absolute_paths
 
     cfg = absolute_paths(cfg)  # Ray workers may run elsewhere
     check_simulation_sites(cfg)
@@ -116,7 +116,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": bool(args.resume)}
     sites = len(cfg.data.train_splits)
 
-    from cli.simulation import run_local_simulation
+    from fedpose.cli.simulation import run_local_simulation
 
     status = run_local_simulation(out, run_config, sites=sites, quiet=args.quiet or args.json)
     metrics_path = out / "metrics.json"
@@ -130,9 +130,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def print_summary(metrics: dict[str, Any], out: Path) -> None:
-    from cli.main import data_line
-    from server.report import read_rounds
-    from shared.metrics import pckh_table
+    from fedpose.cli.main import data_line
+    from fedpose.server.report import read_rounds
+    from fedpose.shared.metrics import pckh_table
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))
@@ -155,7 +155,7 @@ def print_summary(metrics: dict[str, Any], out: Path) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from cli.provision import _inside_git_tree
+    from fedpose.cli.provision import _inside_git_tree
 
     repo = _inside_git_tree(Path(args.out).expanduser().resolve())
     if repo is not None:
@@ -172,7 +172,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from cli.main import add_config, add_json
+    from fedpose.cli.main import add_config, add_json
 
     sim = sub.add_parser("simulate", help="run the federation in Flower's simulation (one process, Ray)")
     add_config(sim)
@@ -254,6 +254,6 @@ def register(sub: Any) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from cli.main import main
+    from fedpose.cli.main import main
 
     sys.exit(main())

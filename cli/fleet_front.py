@@ -13,7 +13,7 @@ server's certificate and forwards, over TLS, exactly the Fleet API's routes as F
 reaching the SuperLink. The SuperNodes' own authentication headers are passed on unchanged: the
 SuperLink still checks them.
 
-Given a command after ``--`` (the SuperLink's), the front starts it under ``cli.processes``' guard,
+Given a command after ``--`` (the SuperLink's), the front starts it under ``fedpose.cli.processes``' guard,
 waits for it to answer, serves until it exits (and exits with its code) or until the front is
 stopped (and stops it, with everything it started). A command that would make the SuperLink listen on
 every interface, or on the front's own address, is refused.
@@ -164,7 +164,7 @@ def _start_superlink(cmd: list[str]) -> subprocess.Popen:
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.Popen([sys.executable, "-m", "cli.processes", "--", *cmd], env=env)
+    return subprocess.Popen([sys.executable, "-m", "fedpose.cli.processes", "--", *cmd], env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:

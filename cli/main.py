@@ -31,7 +31,7 @@ def _setup_logging(verbose: bool, quiet: bool = False) -> None:
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
     """``--set key=value`` pairs (the value read as YAML: 0.5, true, [64, 48], null) as dotted overrides."""
-    from shared.config import ConfigError, parse_yaml
+    from fedpose.shared.config import ConfigError, parse_yaml
 
     out: dict[str, Any] = {}
     for item in items or []:
@@ -45,7 +45,7 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
 def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None, *, path: Any = None) -> Any:
     """The command's config: its --config (a file or a shipped name), then its --set pairs, then ``overrides``
     (the command's own flags that were given)."""
-    from shared.config import load_config
+    from fedpose.shared.config import load_config
 
     merged = {**parse_sets(getattr(args, "set", None)),
               **{k: v for k, v in (overrides or {}).items() if v is not None}}
@@ -58,8 +58,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     """The resolved config: the shipped defaults, the file, then every --set."""
-    from shared.config import to_dict
-    from shared.yaml_io import yaml_text
+    from fedpose.shared.config import to_dict
+    from fedpose.shared.yaml_io import yaml_text
 
     data = to_dict(load_cli_config(args))
     if not emit_json(args, data):
@@ -93,8 +93,8 @@ def data_line(metrics: dict[str, Any]) -> str:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from shared.metrics import pckh_table
-    from shared.runs import run_pretrain
+    from fedpose.shared.metrics import pckh_table
+    from fedpose.shared.runs import run_pretrain
 
     cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data,
                        "data.source": "files" if args.data else None})
@@ -110,8 +110,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shared.metrics import pckh_table
-    from shared.runs import run_train
+    from fedpose.shared.metrics import pckh_table
+    from fedpose.shared.runs import run_train
 
     cfg = _load(
         args,
@@ -152,11 +152,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from shared.data.face import FACES_FILE
-    from shared.data.mpii import load_mpii, prediction_rows
-    from shared.metrics import pckh_table
-    from shared.model.posenet import load_checkpoint
-    from shared.train import evaluate, write_json
+    from fedpose.shared.data.face import FACES_FILE
+    from fedpose.shared.data.mpii import load_mpii, prediction_rows
+    from fedpose.shared.metrics import pckh_table
+    from fedpose.shared.model.posenet import load_checkpoint
+    from fedpose.shared.train import evaluate, write_json
 
     data = Path(args.data)
     ann = data / "annotations.json"
@@ -176,7 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(pckh_table({Path(args.checkpoint).parent.name or "model": report["pckh"]}))
         print(f"PCKh@0.1 mean: {report['pckh@0.1']['mean']:.2f}  ({len(records)} people)")
         if "face" in report:
-            from shared.face_metrics import face_lines
+            from fedpose.shared.face_metrics import face_lines
 
             print("\n".join(face_lines(report["face"])))
         if args.predictions:
@@ -238,7 +238,7 @@ class SuggestingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.config import METHODS, STRATEGIES, UNITS
+    from fedpose.shared.config import METHODS, STRATEGIES, UNITS
 
     parser = SuggestingParser(
         prog="fedpose", description="Federated, differentially private 2D human pose estimation."
@@ -331,8 +331,9 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 def _extensions() -> list[Callable[[Any], None]]:
     """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
     out = []
-    for module in ("cli.data", "cli.fed", "cli.provision", "cli.server", "cli.site", "cli.console", "cli.edge",
-                   "cli.audit", "cli.study"):
+    for module in ("fedpose.cli.data", "fedpose.cli.fed", "fedpose.cli.provision", "fedpose.cli.server",
+                   "fedpose.cli.site", "fedpose.cli.console", "fedpose.cli.edge", "fedpose.cli.audit",
+                   "fedpose.cli.study"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:
@@ -363,7 +364,7 @@ def install_hint(err: ModuleNotFoundError) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every project error is one line on stderr and an exit code of ``ExitCode``."""
-    from shared.errors import ExitCode, PrivacyRefusal
+    from fedpose.shared.errors import ExitCode, PrivacyRefusal
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -86,14 +86,15 @@ def guard(cmd: list[str]) -> int:
 
 
 def start_warm(approved: Path) -> tuple[Any, Path] | None:
-    """Start the warm-start server (``client.warm``) on a socket in a private folder; None if it cannot start."""
+    """Start the warm-start server (``fedpose.client.warm``) on a socket in a private folder; None if it cannot
+    start."""
     folder = Path(tempfile.mkdtemp(prefix="fedpose-warm-"))  # 0700, and short: a socket path has 107 bytes at most
     sock = folder / "clientapp.sock"
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
-                            env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "fedpose.client.warm", "--socket", str(sock), "--approved",
+                             str(approved)], env=env)
     deadline = time.monotonic() + 60
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -115,10 +116,10 @@ def stop_warm(proc: Any, sock: Path) -> None:
     shutil.rmtree(sock.parent, ignore_errors=True)
 
 
-if __name__ == "__main__":  # python -m cli.processes -- CMD...: what LocalSuperLink runs
+if __name__ == "__main__":  # python -m fedpose.cli.processes -- CMD...: what LocalSuperLink runs
     args = sys.argv[1:]
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        raise SystemExit("usage: python -m cli.processes -- COMMAND [ARGS...]")
+        raise SystemExit("usage: python -m fedpose.cli.processes -- COMMAND [ARGS...]")
     raise SystemExit(guard(args))

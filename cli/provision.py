@@ -11,7 +11,7 @@ registers the public keys the sites sent (``site-keys/<site>.pub``). The SuperLi
 only; the sites' address is ``fedpose server front`` (cli/fleet_front.py), which passes its Fleet API
 alone. Private keys are written at 0600, never inside a git work tree (a kit there is one ``git add``
 away from being published).
-The texts are the templates of ``cli.kit_templates``, which the deployment guide shows too.
+The texts are the templates of ``fedpose.cli.kit_templates``, which the deployment guide shows too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 import shutil
 from pathlib import Path
 
-from cli import kit_templates as kit
+from fedpose.cli import kit_templates as kit
 
 log = logging.getLogger("fedpose")
 
@@ -51,10 +51,10 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
               constraints: str | None = None) -> dict[str, Path]:
     """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}. Each kit holds
     the fedpose wheel and constraints.txt it installs from (``wheel``/``constraints``, else the checkout's)."""
-    from cli.certs import make_certs
-    from cli.kit_wheel import kit_install_files
-    from client.policy import FEATURE_DP
-    from shared.config import dump_config
+    from fedpose.cli.certs import make_certs
+    from fedpose.cli.kit_wheel import kit_install_files
+    from fedpose.client.policy import FEATURE_DP
+    from fedpose.shared.config import dump_config
 
     out = out.expanduser().resolve()
     repo = _inside_git_tree(out)
@@ -121,7 +121,7 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from cli.main import load_cli_config
+    from fedpose.cli.main import load_cli_config
 
     cfg = load_cli_config(args)
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
@@ -137,7 +137,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from cli.main import add_config
+    from fedpose.cli.main import add_config
 
     prov = sub.add_parser("provision", help="write a kit per site (CA cert, policy template, kit.json, SuperNode "
                                             "start script and systemd unit; no private key) and one for the server")

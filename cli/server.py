@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ExitCode
+from fedpose.shared.errors import ExitCode
 
 # ``fedpose server run``: 0 finished completed; FAILED when the run failed, was stopped or was not submitted.
 RUN_FAILED = NOT_SUBMITTED = ExitCode.FAILED
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from cli.main import load_cli_config
-    from server.prepare import prepare_server
+    from fedpose.cli.main import load_cli_config
+    from fedpose.server.prepare import prepare_server
 
     prepare_server(load_cli_config(args), Path(args.out), progress=not args.quiet)
     return 0
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             print("finished")
         return 0
-    from server.outcome import read_outcome
+    from fedpose.server.outcome import read_outcome
 
     outcome = read_outcome(out) if (out / "outcome.json").is_file() and \
         (out / "outcome.json").stat().st_mtime >= submitted_at else None  # this run's, not an earlier one's
@@ -125,7 +125,7 @@ def round_line(r: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from server.status import server_status
+    from fedpose.server.status import server_status
 
     status = server_status(args.out)
     if args.json:
@@ -148,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from cli.main import add_config
+    from fedpose.cli.main import add_config
 
     server = sub.add_parser("server", help="the federation server: prepare its data and weights, run and follow "
                                            "a federation, its status")
@@ -179,9 +179,9 @@ def register(sub: Any) -> None:
     run.add_argument("--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=cmd_run)
 
-    from cli.app_bundle import register as register_build_app
-    from cli.fleet_front import register as register_front
-    from cli.register_sites import register as register_sites
+    from fedpose.cli.app_bundle import register as register_build_app
+    from fedpose.cli.fleet_front import register as register_front
+    from fedpose.cli.register_sites import register as register_sites
 
     register_build_app(ss)
     register_sites(ss)

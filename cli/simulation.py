@@ -1,7 +1,7 @@
 """``fedpose simulate`` on Flower's supported simulation path: a local SuperLink in simulation mode and ``flwr run``.
 
 The SuperLink runs as a child of this command, on free ports of 127.0.0.1 with its state in the run
-folder, and stops with it. The app is this fedpose (its ``server.server_app`` and ``client.client_app``,
+folder, and stops with it. The app is this fedpose (its ``fedpose.server.server_app`` and ``fedpose.client.client_app``,
 exactly the deployment's); each simulated site is a Flower node with a ``partition-id``, so it takes the
 site policy ``fedpose simulate`` wrote for it. Ray gives each site one CPU and, when CUDA is present, an
 equal share of the GPUs; every site prints the device it trains on.
@@ -85,8 +85,8 @@ dependencies = []
 publisher = "fedpose"
 
 [tool.flwr.app.components]
-serverapp = "server.server_app:app"
-clientapp = "client.client_app:app"
+serverapp = "fedpose.server.server_app:app"
+clientapp = "fedpose.client.client_app:app"
 
 [tool.flwr.app.config]
 config = ""
@@ -147,7 +147,7 @@ class LocalSuperLink:
     def __enter__(self) -> LocalSuperLink:
         # Under cli.processes' guard: killed with this command, even by kill -9, with the SuperExec, the
         # simulation runtime and Ray it starts (they would otherwise finish the federation on their own).
-        cmd = [sys.executable, "-m", "cli.processes", "--",
+        cmd = [sys.executable, "-m", "fedpose.cli.processes", "--",
                _bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
                "--host", "127.0.0.1", "--port", str(self.port),
                "--database", str(self.log.with_name("superlink.db"))]

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 
-from cli.processes import start_warm, stop_warm  # noqa: E402
-from cli.supervise import supervise  # noqa: E402,F401  (tests import it from here)
+from fedpose.cli.processes import start_warm, stop_warm  # noqa: E402
+from fedpose.cli.supervise import supervise  # noqa: E402,F401  (tests import it from here)
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from client.app_trust import fab_digest, parse_approved
+    from fedpose.client.app_trust import fab_digest, parse_approved
 
     digest = fab_digest(args.bundle)
     path = Path(args.approved).expanduser()
@@ -51,8 +51,8 @@ def _supernode_args(rest: list[str]) -> list[str]:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """The site's own SuperNode key pair: the private key never leaves the site; the operator registers the .pub."""
-    from cli.certs import key_comment, node_key_pair, write_key_file
-    from cli.provision import _inside_git_tree
+    from fedpose.cli.certs import key_comment, node_key_pair, write_key_file
+    from fedpose.cli.provision import _inside_git_tree
 
     out = Path(args.out).expanduser().resolve()
     repo = _inside_git_tree(out)
@@ -99,8 +99,8 @@ def cmd_set_data(args: argparse.Namespace) -> int:
     """Name the site's data in its policy and derive the public sample rate q = B / n from it, once."""
     import yaml
 
-    from client.site_data import load_split_dir
-    from shared.data.patients import group_by_patient
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.patients import group_by_patient
 
     path = Path(args.policy).expanduser().resolve()
     data = Path(args.data).expanduser().resolve()
@@ -125,7 +125,7 @@ def cmd_set_data(args: argparse.Namespace) -> int:
 
 def cmd_approve_public(args: argparse.Namespace) -> int:
     """Show the public set, then write its path and digest into the policy: what the site trusts as public."""
-    from client.site_data import load_split_dir, public_digest
+    from fedpose.client.site_data import load_split_dir, public_digest
 
     path = Path(args.policy).expanduser().resolve()
     public = Path(args.public).expanduser().resolve()
@@ -145,7 +145,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Everything an operator checks, in one place; exit 0 healthy, 1 not (the reasons are printed)."""
     import json
 
-    from client.site_status import site_status
+    from fedpose.client.site_status import site_status
 
     status = site_status(args.policy, approved=args.approved, superlink=args.superlink, ca=args.ca)
     if args.json:
@@ -185,8 +185,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """The site's own checks of its policy and data, recorded for its SuperNode (run after any change)."""
-    from cli.site_policy import report_check
-    from client.policy import load_policy
+    from fedpose.cli.site_policy import report_check
+    from fedpose.client.policy import load_policy
 
     path = Path(args.policy).expanduser().resolve()
     report_check(load_policy(path), path)
@@ -207,13 +207,13 @@ def _with_policy(supernode_args: list[str], policy: Path) -> list[str]:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from client.app_trust import gated_env, load_approved, write_shim
+    from fedpose.client.app_trust import gated_env, load_approved, write_shim
 
     supernode_args = _supernode_args(list(args.supernode_args))
     supernode = supernode_command(poll=args.poll)  # a bad --poll or no Flower: refused before any check runs
     if args.policy:
-        from cli.site_policy import report_check
-        from client.policy import load_policy
+        from fedpose.cli.site_policy import report_check
+        from fedpose.client.policy import load_policy
 
         policy = Path(args.policy).expanduser().resolve()
         report_check(load_policy(policy), policy)  # the checks that read private data run here, once, not per message
@@ -241,20 +241,20 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def supernode_command(*, poll: float) -> list[str]:
-    """The SuperNode's command (its arguments follow): Flower's SuperNode through ``cli.supernode_poll`` when the
-    site looks for messages more often than Flower's 3 s, else Flower's own ``flower-supernode`` (found beside
+    """The SuperNode's command (its arguments follow): Flower's SuperNode through ``fedpose.cli.supernode_poll`` when
+    the site looks for messages more often than Flower's 3 s, else Flower's own ``flower-supernode`` (found beside
     this Python first, then on PATH)."""
     import importlib.util
     import os
 
-    from shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
+    from fedpose.shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
 
     CappedTime(poll)  # refuses a poll outside (0, 3] before anything starts
     if poll < FLOWER_IDLE_WAIT:
         if importlib.util.find_spec("flwr.supernode") is None:
             raise FileNotFoundError("Flower's SuperNode is not installed: install fedpose (it depends on flwr) in "
                                     "this environment")
-        return [sys.executable, "-m", "cli.supernode_poll", "--poll", repr(poll), "--"]
+        return [sys.executable, "-m", "fedpose.cli.supernode_poll", "--poll", repr(poll), "--"]
     exe = shutil.which("flower-supernode", path=os.pathsep.join(
         [str(Path(sys.executable).parent), *filter(None, [os.environ.get("PATH")])]))
     if exe is None:

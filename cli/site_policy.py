@@ -10,8 +10,8 @@ from pathlib import Path
 
 def _units(policy_data: dict, base: Path) -> int:
     """The site's privacy units (records, or patients at patient level) in its data: read locally, once."""
-    from client.site_data import load_split_dir
-    from shared.data.patients import group_by_patient
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.patients import group_by_patient
 
     data = Path(policy_data["data_path"])
     records = load_split_dir(data if data.is_absolute() else base / data, "site data")
@@ -21,8 +21,8 @@ def _units(policy_data: dict, base: Path) -> int:
 
 
 def cmd_site_policy(args: argparse.Namespace) -> int:
-    from client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
-    from client.site_data import load_split_dir, public_digest
+    from fedpose.client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
+    from fedpose.client.site_data import load_split_dir, public_digest
 
     if args.check:
         policy = load_policy(args.check)
@@ -68,8 +68,8 @@ def report_check(policy, policy_path: Path) -> None:
 
     The ledger's id is kept in ``ledger.id`` beside the policy: a ledger lost later is refused, not re-created.
     """
-    from client.policy import min_sigma_for
-    from client.site_data import prepare_site, spend_so_far
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.site_data import prepare_site, spend_so_far
 
     check = prepare_site(policy, id_file=policy_path.parent / "ledger.id")
     spend = spend_so_far(policy, None)

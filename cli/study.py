@@ -1,11 +1,11 @@
 """``fedpose study``: the privacy-utility grid, one subprocess per cell, resumable, with tables and figures.
 
-Registered by ``cli.main``. The grid and its cells are ``shared/experiments/study.py``;
+Registered by ``fedpose.cli.main``. The grid and its cells are ``shared/experiments/study.py``;
 this module runs them: the data and the public pretrained weights every cell
 needs are prepared once here, then each unfinished cell runs in its own
-process (``python -m cli.study CELL_DIR``) so parallel cells never share
+process (``python -m fedpose.cli.study CELL_DIR``) so parallel cells never share
 torch's threads: ``--jobs N`` processes with cores / N threads each.
-A centralized cell is ``shared.runs.run_train``; a federated one is
+A centralized cell is ``fedpose.shared.runs.run_train``; a federated one is
 ``fedpose simulate`` (Flower simulation, one site per private split); the
 pretrained baseline evaluates the public-pretrained weights.
 """
@@ -32,7 +32,7 @@ CELL_CONFIG = "cell-config.yaml"  # the cell's run config, as the study resolved
 
 def prepare(cells: list[Any], *, progress: bool) -> None:
     """Data and public pretrained weights of every distinct cache the cells use (cached; run once, here)."""
-    from shared.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.runs import ensure_data, ensure_pretrained
 
     done: set[tuple[str, str]] = set()
     for cell in cells:
@@ -49,8 +49,8 @@ def prepare(cells: list[Any], *, progress: bool) -> None:
 def write_cell(out: Path, cell: Any) -> Path:
     """The cell's folder with what its process needs: cell.json and cell-config.yaml (not config.yaml: a
     federated cell's folder is its federation's --out, where the server saves the config.yaml it resumes with)."""
-    from shared.config import dump_config
-    from shared.experiments.study import cell_dir
+    from fedpose.shared.config import dump_config
+    from fedpose.shared.experiments.study import cell_dir
 
     path = cell_dir(out, cell)
     path.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def portable_metrics(metrics: dict[str, Any], cell: Any) -> dict[str, Any]:
 
 def record_cell(out: Path, record: Path, cell: Any) -> None:
     """Keep a finished cell's description and metrics in ``record/<id>.json`` (small: meant to be committed)."""
-    from shared.experiments.study import cell_dir
+    from fedpose.shared.experiments.study import cell_dir
 
     metrics = portable_metrics(json.loads((cell_dir(out, cell) / "metrics.json").read_text()), cell)
     record.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def record_cell(out: Path, record: Path, cell: Any) -> None:
 
 def restore_cells(out: Path, record: Path, cells: list[Any]) -> int:
     """Cells recorded in ``record`` but not finished in ``out`` become finished there (another clone ran them)."""
-    from shared.experiments.study import cell_dir, is_done
+    from fedpose.shared.experiments.study import cell_dir, is_done
 
     restored = 0
     for cell in cells:
@@ -120,20 +120,20 @@ def restore_cells(out: Path, record: Path, cells: list[Any]) -> int:
 
 def run_cell(path: Path) -> None:
     """Run the cell in ``path`` (in this process) and write its metrics.json last (the done marker)."""
-    from shared.config import load_config
+    from fedpose.shared.config import load_config
 
     spec = json.loads((path / "cell.json").read_text())
     # The thread count ``fedpose study`` gave this cell (cores / jobs, or --threads) is the run's own count: the
     # runtime section is never part of a cell's id, so the cell stays the same point of the grid.
     cfg = load_config(path / CELL_CONFIG, {"runtime.threads": int(os.environ.get("OMP_NUM_THREADS", "1"))})
     if spec["kind"] == "train":
-        from shared.runs import run_train
+        from fedpose.shared.runs import run_train
 
         run_train(cfg, path, progress=False)
     elif spec["kind"] == "pretrained":
-        from shared.model.posenet import load_checkpoint
-        from shared.runs import ensure_data, ensure_pretrained, load_records
-        from shared.train import evaluate, write_json
+        from fedpose.shared.model.posenet import load_checkpoint
+        from fedpose.shared.runs import ensure_data, ensure_pretrained, load_records
+        from fedpose.shared.train import evaluate, write_json
 
         t0 = time.perf_counter()
         weights = ensure_pretrained(cfg, progress=False)
@@ -143,7 +143,7 @@ def run_cell(path: Path) -> None:
                                            "epsilon": None, **report,
                                            "seconds": round(time.perf_counter() - t0, 2)})
     elif spec["kind"] == "federated":
-        from cli.main import main
+        from fedpose.cli.main import main
 
         args = ["simulate", "--config", str(path / CELL_CONFIG), "--out", str(path), "--quiet", "--set",
                 f"runtime.threads={cfg.runtime.threads}"]
@@ -163,7 +163,7 @@ def start_of(cfg: Any) -> str:
     """What a cell starts from: the SHA-256 of the pretrained weights it loads, or "scratch"."""
     import hashlib
 
-    from shared.runs import ensure_pretrained
+    from fedpose.shared.runs import ensure_pretrained
 
     if cfg.train.strategy == "scratch":
         return "scratch"
@@ -206,7 +206,7 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
     t0 = time.perf_counter()
     try:
         with open(path / "log.txt", "ab") as fh:
-            code = subprocess.call([sys.executable, "-m", "cli.study", str(path)], stdout=fh,
+            code = subprocess.call([sys.executable, "-m", "fedpose.cli.study", str(path)], stdout=fh,
                                    stderr=subprocess.STDOUT, env=env)
     finally:
         slots.put(gpu)
@@ -216,8 +216,8 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
 def cmd_study(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from shared.experiments.study import collect, expand, is_done, load_study
-    from shared.experiments.study_report import write_report
+    from fedpose.shared.experiments.study import collect, expand, is_done, load_study
+    from fedpose.shared.experiments.study_report import write_report
 
     if args.jobs < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
@@ -308,11 +308,11 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_study)
 
 
-if __name__ == "__main__":  # one cell, in its own process: python -m cli.study CELL_DIR
+if __name__ == "__main__":  # one cell, in its own process: python -m fedpose.cli.study CELL_DIR
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m cli.study CELL_DIR (run by fedpose study)")
+        raise SystemExit("usage: python -m fedpose.cli.study CELL_DIR (run by fedpose study)")
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -1,4 +1,4 @@
-"""Flower's SuperNode with its message polling at the site's interval: ``python -m cli.supernode_poll``.
+"""Flower's SuperNode with its message polling at the site's interval: ``python -m fedpose.cli.supernode_poll``.
 
 Flower 1.41's SuperNode asks the SuperLink for a message and, when there is none, sleeps 3 s before it asks
 again; once a ClientApp has started on a message, it looks for the reply every 0.5 s. Every round therefore
@@ -8,12 +8,12 @@ to 0.5 s late. Flower has no setting for either wait, so ``fedpose site start`` 
 (``flwr.supernode.start_client_internal``) at ``--poll`` seconds. Nothing else changes: the same arguments,
 the same code, the same messages; an idle site sends the SuperLink one small pull request per ``--poll``
 seconds instead of one per 3 s. The SuperNode's pulls of a message's objects retry after 0.05 s instead of
-Flower's 1 s (``shared.flower_waits``).
+Flower's 1 s (``fedpose.shared.flower_waits``).
 
 When the installed Flower no longer has that loop (another version), the SuperNode runs unchanged and says
 so on stderr: the site still works, with Flower's own waits.
 
-    python -m cli.supernode_poll --poll 0.2 -- <flower-supernode arguments>
+    python -m fedpose.cli.supernode_poll --poll 0.2 -- <flower-supernode arguments>
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from shared.flower_waits import FLOWER_IDLE_WAIT, cap_waits, quick_pulls
+from fedpose.shared.flower_waits import FLOWER_IDLE_WAIT, cap_waits, quick_pulls
 
 LOOP_MODULE = "flwr.supernode.start_client_internal"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cli.supernode_poll", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fedpose.cli.supernode_poll", description=__doc__.splitlines()[0])
     parser.add_argument("--poll", type=float, default=0.2,
                         help=f"seconds between two looks for a message or a reply (Flower's own: "
                              f"{FLOWER_IDLE_WAIT:g} and 0.5; default 0.2)")

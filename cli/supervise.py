@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cli.processes import become_subreaper, reap_orphans
-from shared.errors import ExitCode
+from fedpose.cli.processes import become_subreaper, reap_orphans
+from fedpose.shared.errors import ExitCode
 
 _RETRYABLE_EXITS = (0, 1)
 REFUSED_ACTIVATION = "[code: 2004]"  # what Flower's SuperNode prints when the SuperLink refuses to activate it

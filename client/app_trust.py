@@ -18,7 +18,7 @@ installed or imported:
     flower-supernode (subprocess isolation)
       -> flower-superexec -> ``flwr-clientapp`` (found on PATH)
            = the site's shim (``fedpose site start`` puts it first on PATH)
-           -> ``python -m client.app_trust --approved FILE -- <flwr-clientapp args>``
+           -> ``python -m fedpose.client.app_trust --approved FILE -- <flwr-clientapp args>``
               -> Flower's run_clientapp: the pulled FAB is checked, and an unapproved
               one is refused in place of ``install_from_fab``
 
@@ -196,7 +196,8 @@ def install_gate(runtime: Any, approved: frozenset[str]) -> None:
 
 
 def run_gate(argv: Sequence[str]) -> None:
-    """``python -m client.app_trust --approved FILE -- <flwr-clientapp arguments>``: Flower's ClientApp process, gated.
+    """``python -m fedpose.client.app_trust --approved FILE -- <flwr-clientapp arguments>``: Flower's ClientApp
+    process, gated.
 
     The approved digests are read here, before Flower connects to the
     SuperNode; an unreadable file stops the process (the task then fails, and
@@ -205,7 +206,7 @@ def run_gate(argv: Sequence[str]) -> None:
     """
     args = list(argv)
     if len(args) < 2 or args[0] != "--approved":
-        raise ValueError("usage: python -m client.app_trust --approved FILE -- <flwr-clientapp arguments>")
+        raise ValueError("usage: python -m fedpose.client.app_trust --approved FILE -- <flwr-clientapp arguments>")
     approved = load_approved(args[1])
     rest = args[2:]
     if rest and rest[0] == "--":
@@ -216,14 +217,16 @@ def run_gate(argv: Sequence[str]) -> None:
     install_gate(runtime, approved)
     # Flower starts this process while the SuperNode still fetches the message's objects: look again after
     # 0.05 s, not after Flower's 1 s.
-    from shared.flower_waits import quick_pulls
+    from fedpose.shared.flower_waits import quick_pulls
 
     quick_pulls(runtime, "pull_and_inflate_object_from_tree")
     private_flower_home()  # installed fresh from the checked bytes; nothing on disk is reused
     # The approved bundle must be loaded from its own directory, not from the site's installed package
-    # this gate was imported from: forget the site's ``client`` and ``shared`` modules (the closures above
-    # keep what they use).
-    for name in [m for m in sys.modules if m.split(".")[0] in ("client", "shared")]:
+    # this gate was imported from: forget the site's ``fedpose`` root and its ``client`` and ``shared`` modules
+    # (the closures above keep what they use). A bundle that holds no fedpose/ folder (built by ``flwr build`` in
+    # a checkout) is then served by the site's own install.
+    for name in [m for m in sys.modules if m == "fedpose" or m.split(".")[:2] in (["fedpose", "client"],
+                                                                                     ["fedpose", "shared"])]:
         del sys.modules[name]
     sys.argv = [SHIM_NAME, *rest]
     flwr_clientapp()
@@ -235,7 +238,7 @@ def write_shim(directory: str | Path, *, approved: str | Path, python: str | Non
 
     Put ``directory`` first on the SuperNode's PATH (``fedpose site start`` does):
     Flower's SuperExec starts ``flwr-clientapp`` by name. With ``warm_socket``, the shim first asks the
-    site's warm-start server (``client.warm``) to fork the gated ClientApp from its already imported
+    site's warm-start server (``fedpose.client.warm``) to fork the gated ClientApp from its already imported
     libraries; when that server is not there it runs the gate itself, as it does without one.
     """
     approved_path = Path(approved).expanduser().resolve()
@@ -254,7 +257,8 @@ def write_shim(directory: str | Path, *, approved: str | Path, python: str | Non
         "def cold():\n"
         "    env = dict(os.environ)\n"
         "    env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')\n"
-        "    os.execve(PYTHON, [PYTHON, '-m', 'client.app_trust', '--approved', APPROVED, '--', *sys.argv[1:]], env)\n"
+        "    os.execve(PYTHON, [PYTHON, '-m', 'fedpose.client.app_trust', '--approved', APPROVED, '--',\n"
+        "                       *sys.argv[1:]], env)\n"
         "sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
         "try:\n"
         "    if WARM is None: raise OSError\n"

@@ -1,4 +1,4 @@
-"""Flower ClientApp of a hospital site: thin glue around ``client.site``.
+"""Flower ClientApp of a hospital site: thin glue around ``fedpose.client.site``.
 
 Deployment (one SuperNode per hospital)::
 
@@ -7,11 +7,11 @@ Deployment (one SuperNode per hospital)::
         --node-config "site-policy='/etc/fedpose/policy.yaml'"
 
 Simulation: each virtual node's policy is derived from its partition id
-(see ``client.site.resolve_policy``).
+(see ``fedpose.client.site.resolve_policy``).
 
 Messages handled: ``query`` (who are you, what do you accept) and ``train``
 (one round of local FP-DP-SGD). A refusal, and any failure, is a typed
-``Error`` reply (``shared.federation_messages.RefusalCode``) ending with the
+``Error`` reply (``fedpose.shared.federation_messages.RefusalCode``) ending with the
 site's spend; its text never depends on private data (P10).
 """
 
@@ -27,11 +27,11 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.policy_resolve import resolve_policy
-from client.site import handle_train
-from client.site_data import site_info, spend_so_far
-from shared.app_logging import setup_app_logging
-from shared.federation_messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
+from fedpose.client.policy_resolve import resolve_policy
+from fedpose.client.site import handle_train
+from fedpose.client.site_data import site_info, spend_so_far
+from fedpose.shared.app_logging import setup_app_logging
+from fedpose.shared.federation_messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,14 @@ app = ClientApp()
 
 
 def setup_logging() -> None:
-    setup_app_logging("client", "shared")
+    setup_app_logging("fedpose.client", "fedpose.shared")
 
 
 def _error(msg: Message, policy: Any, code: int, reason: str, federation: str | None,
            round: int | None = None) -> Message:
     """A typed error reply whose reason ends with the site's spend from its own ledger (when readable); the
     refusal is also kept in the site's own ledger for its operator (``fedpose site status``)."""
-    from client.ledger import SiteLedger
+    from fedpose.client.ledger import SiteLedger
 
     try:
         with SiteLedger(policy.ledger_path, site=policy.site) as ledger:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.privacy.accountant import StepRecord
-from shared.privacy.ledger import (
+from fedpose.shared.privacy.accountant import StepRecord
+from fedpose.shared.privacy.ledger import (
     DEFAULT_BUSY_TIMEOUT,
     check_entry,
     connect,

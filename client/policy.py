@@ -75,9 +75,9 @@ from typing import Any
 
 import yaml
 
-from shared.config import read_yaml
-from shared.privacy.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
-from shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-exported for the site)
+from fedpose.shared.config import read_yaml
+from fedpose.shared.privacy.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
+from fedpose.shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-exported for the site)
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class SitePolicy:
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
         if self.round_seconds is not None:
             _positive("round_seconds", self.round_seconds)
-        from shared.data.face import FACE_TASKS, valid_face_tasks
+        from fedpose.shared.data.face import FACE_TASKS, valid_face_tasks
         if not valid_face_tasks(self.face_tasks):
             raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
                              f"{list(FACE_TASKS)}")

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from client.policy import FEATURE_DP, SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
-from client.site_data import load_split_dir
-from shared.config import Config
-from shared.data.patients import group_by_patient, stated_group_size
-from shared.data.split import manifest_digest as public_digest
+from fedpose.client.policy import FEATURE_DP, SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
+from fedpose.client.site_data import load_split_dir
+from fedpose.shared.config import Config
+from fedpose.shared.data.patients import group_by_patient, stated_group_size
+from fedpose.shared.data.split import manifest_digest as public_digest
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]
             raise ValueError("node config: data-path is no longer read; the site policy's data_path names the data")
         return load_policy(str(node_config["site-policy"]))
     if "partition-id" in node_config:
-        from shared.run_config import config_from_run_config, out_dir
+        from fedpose.shared.run_config import config_from_run_config, out_dir
 
         cfg = config_from_run_config(run_config)
         return simulation_policy(cfg, out_dir(run_config, cfg), int(node_config["partition-id"]))
@@ -104,7 +104,7 @@ def simulation_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     path = out / "sites" / splits[index] / "policy.yaml"
     if path.is_file():
         return load_policy(path)
-    from client.site_data import prepare_site
+    from fedpose.client.site_data import prepare_site
 
     policy = default_policy(cfg, out, index)
     write_policy(path, policy)

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from client.policy import SitePolicy, psi_strength, sigma_shortfall
-from shared.federation_messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
-from shared.privacy.psi import psi_label_of
+from fedpose.client.policy import SitePolicy, psi_strength, sigma_shortfall
+from fedpose.shared.federation_messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
+from fedpose.shared.privacy.psi import psi_label_of
 
 PROJECTED = ("proj", "fpdp")
 WITH_PSI = ("fdp", "fpdp")

@@ -7,7 +7,7 @@ and refuses (``Refusal``, nothing trained, ledger unchanged) anything weaker tha
 - a method the policy does not allow; another privacy unit; a sample rate other than the policy's;
   more local steps than ``steps_per_round``; another clip norm; for fdp/fpdp another psi kind or a
   weaker psi; another augmentation setting; a model or an input larger than the policy's bounds;
-- sigma below the site's own minimum (``client.policy.sigma_shortfall``);
+- sigma below the site's own minimum (``fedpose.client.policy.sigma_shortfall``);
 - weights or a basis V that are malformed, non-finite or of the wrong shape;
 - a site whose own checks are not current for its policy and files (``site_ready``);
 - then, inside the ledger transaction: more rounds than ``rounds_per_federation`` or
@@ -22,7 +22,7 @@ chunk size, its normaliser, P15) and a reply checked finite is stored, and the r
 before it leaves.
 
 A charged round is one release (P16): its row is bound to the digest of the whole request
-(``client.request.request_digest``: weights, basis, every config field, the app bundle). A
+(``fedpose.client.request.request_digest``: weights, basis, every config field, the app bundle). A
 (federation, round) asked again gets its stored reply when it is done, and its stored failure when it
 failed after the charge (final: the noise seed is erased, nothing runs again). Only a round whose
 process died mid-way stays charged, and only the identical request replays it, on the same seed and
@@ -30,9 +30,9 @@ the same data, so it is never spent twice and never evaluated on other inputs. W
 in the policy the answer of a charged round leaves at a multiple of that period after the request
 arrived (``hold_reply``), not when training happened to end.
 
-This module is the round itself; the steps it calls live beside it: ``client.request`` (parse, check
-against the policy, load weights), ``client.site_data`` (the site's own checks), ``client.site_basis``
-(V), ``client.replies`` (stored replies) and ``client.policy_resolve`` (which policy a node runs under).
+This module is the round itself; the steps it calls live beside it: ``fedpose.client.request`` (parse, check
+against the policy, load weights), ``fedpose.client.site_data`` (the site's own checks), ``fedpose.client.site_basis``
+(V), ``fedpose.client.replies`` (stored replies) and ``fedpose.client.policy_resolve`` (which policy a node runs under).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from client.ledger import Mechanism, SiteLedger
-from client.policy import SitePolicy
-from client.replies import repeated_round, store_reply
-from client.request import (
+from fedpose.client.ledger import Mechanism, SiteLedger
+from fedpose.client.policy import SitePolicy
+from fedpose.client.replies import repeated_round, store_reply
+from fedpose.client.request import (
     PROJECTED,
     WITH_PSI,
     check_model_size,
@@ -61,15 +61,15 @@ from client.request import (
     request_digest,
     running_bundle,
 )
-from client.site_basis import cache_basis, drop_basis_cache, obtain_basis
-from client.site_data import SiteCheck, load_checked, site_ready
-from shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
-from shared.privacy.accountant import StepRecord
-from shared.privacy.psi import psi_label_of
+from fedpose.client.site_basis import cache_basis, drop_basis_cache, obtain_basis
+from fedpose.client.site_data import SiteCheck, load_checked, site_ready
+from fedpose.shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
+from fedpose.shared.privacy.accountant import StepRecord
+from fedpose.shared.privacy.psi import psi_label_of
 
 # Names other code and the tests have imported from client.site; their homes are the modules above.
-from client.policy_resolve import default_policy, resolve_policy, simulation_policy  # noqa: F401
-from client.site_data import check_site, load_split_dir, prepare_site, public_digest, site_info, spend_so_far  # noqa: F401
+from fedpose.client.policy_resolve import default_policy, resolve_policy, simulation_policy  # noqa: F401
+from fedpose.client.site_data import check_site, load_split_dir, prepare_site, public_digest, site_info, spend_so_far  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class SiteFailure(RuntimeError):
 @contextmanager
 def site_lock(policy: SitePolicy) -> Iterator[None]:
     """One round at a time per site, across processes (Flower starts one per message); released on death."""
-    from shared.private_files import open_private, private_dir
+    from fedpose.shared.private_files import open_private, private_dir
 
     path = Path(policy.ledger_path).with_suffix(".lock")
     private_dir(path.parent)  # made 0700, the lock 0600, whatever the umask (secrets at rest)
@@ -120,8 +120,8 @@ def _augment_seed(secret: int) -> int:
 
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
-    from shared.model.posenet import apply_strategy, build_model
-    from shared.train import select_device
+    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.train import select_device
 
     arrived = time.monotonic()
     request = parse_request(content)
@@ -176,7 +176,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
 
 def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> dict[str, Any]:
     """Check the budget and commit the round's spend (state charged) before any private record is read."""
-    from shared.privacy.noise import round_secret
+    from fedpose.shared.privacy.noise import round_secret
 
     method = request.config.train.method
     psi = psi_label_of(request.config.privacy) if method in WITH_PSI else None
@@ -213,11 +213,11 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     import torch
     from flwr.app import MetricRecord, RecordDict
 
-    from client.site_eval import evaluate_global
-    from shared.optim_state import keep_site_optimizer, site_optimizer
-    from shared.privacy.noise import generator_from_secret, make_generator
-    from shared.provenance import configure_numerics
-    from shared.train import local_train, make_dataset, round_span
+    from fedpose.client.site_eval import evaluate_global
+    from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
+    from fedpose.shared.privacy.noise import generator_from_secret, make_generator
+    from fedpose.shared.provenance import configure_numerics
+    from fedpose.shared.train import local_train, make_dataset, round_span
 
     cfg = request.config
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from client.policy import SitePolicy
-from client.site_data import load_public
-from shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
-from shared.private_files import open_private, private_dir
-from shared.privacy.subspace import check_orthonormal
+from fedpose.client.policy import SitePolicy
+from fedpose.client.site_data import load_public
+from fedpose.shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
+from fedpose.shared.private_files import open_private, private_dir
+from fedpose.shared.privacy.subspace import check_orthonormal
 
 if TYPE_CHECKING:  # the model module is imported where it is used
-    from shared.model.posenet import PoseNet
+    from fedpose.shared.model.posenet import PoseNet
 
 _CACHE_NAME = re.compile(r"(?P<federation>[A-Za-z0-9_.-]+)-v(?P<version>[0-9]+)\.npy")
 
@@ -114,8 +114,8 @@ def obtain_basis(content: Any, request: TrainRequest, model: PoseNet, trainable:
     public = load_public(policy)  # approved by digest and disjoint from the private data (the site's checks)
     if public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
-    from shared.model.posenet import make_loss_fn
-    from shared.train import make_dataset, public_basis_at
+    from fedpose.shared.model.posenet import make_loss_fn
+    from fedpose.shared.train import make_dataset, public_basis_at
 
     t0 = time.perf_counter()
     device = next(model.parameters()).device

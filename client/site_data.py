@@ -25,17 +25,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from client.ledger import SiteLedger
-from client.policy import FEATURE_DP, SitePolicy, min_sigma_for, policy_to_dict
-from shared.data.mpii import load_split
-from shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
-from shared.data.records import PoseRecord
-from shared.data.split import content_hash
-from shared.errors import PrivacyRefusal
-from shared.data.split import manifest_digest as public_digest
-from shared.federation_messages import Refusal, RefusalCode, SiteInfo
-from shared.private_files import open_private, private_dir
-from shared.privacy.accountant import check_delta
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.policy import FEATURE_DP, SitePolicy, min_sigma_for, policy_to_dict
+from fedpose.shared.data.mpii import load_split
+from fedpose.shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.data.split import content_hash
+from fedpose.shared.errors import PrivacyRefusal
+from fedpose.shared.data.split import manifest_digest as public_digest
+from fedpose.shared.federation_messages import Refusal, RefusalCode, SiteInfo
+from fedpose.shared.private_files import open_private, private_dir
+from fedpose.shared.privacy.accountant import check_delta
 
 log = logging.getLogger(__name__)
 

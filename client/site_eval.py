@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client.policy import SitePolicy
-from shared.data.records import PoseRecord
-from shared.private_files import open_private, private_dir
+from fedpose.client.policy import SitePolicy
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.private_files import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ def evaluation_log(policy: SitePolicy) -> Path:
 
 def _eval_records(policy: SitePolicy, eval_path: str, private: list[PoseRecord]) -> list[PoseRecord] | None:
     """The held-out records (cached per file version); None, with the reason logged, when unusable."""
-    from client.site_data import data_version, load_split_dir
-    from shared.data.split import check_disjoint
+    from fedpose.client.site_data import data_version, load_split_dir
+    from fedpose.shared.data.split import check_disjoint
 
     key = (policy.eval_path, policy.data_path, data_version(policy))
     if key not in _LOADED:
@@ -60,7 +60,7 @@ def evaluate_global(model: Any, policy: SitePolicy, private: list[PoseRecord], *
     records = _eval_records(policy, policy.eval_path, private)
     if records is None:
         return None
-    from shared.train import evaluate
+    from fedpose.shared.train import evaluate
 
     t0 = time.perf_counter()
     report, _, _ = evaluate(model, records)

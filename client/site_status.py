@@ -13,15 +13,15 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from shared.federation_messages import RefusalCode
-from shared.privacy.claims import public_labels
+from fedpose.shared.federation_messages import RefusalCode
+from fedpose.shared.privacy.claims import public_labels
 
 RECENT = 25  # rows and refusals shown
 
 
 def guarantee_in_force(policy: Any) -> str:
     """The guarantee this site's policy allows, in one line (``fedpose site status``, the console)."""
-    from client.policy import FEATURE_DP
+    from fedpose.client.policy import FEATURE_DP
 
     unit = "patient" if policy.unit == "patient" else "record"
     feature = [m for m in policy.methods if m in FEATURE_DP]
@@ -34,7 +34,7 @@ def guarantee_in_force(policy: Any) -> str:
 
 def plain_policy(policy: Any) -> list[str]:
     """What the policy means, in sentences a data-protection officer can check."""
-    from client.policy import FEATURE_DP, min_sigma_for
+    from fedpose.client.policy import FEATURE_DP, min_sigma_for
 
     unit = "patient-level (every image of one person)" if policy.unit == "patient" else "record-level (one image)"
     methods = set(policy.methods)
@@ -107,11 +107,11 @@ def _kit(policy_path: Path) -> dict[str, Any]:
 def site_status(policy_path: str | Path, *, approved: str | Path | None = None, superlink: str | None = None,
                 ca: str | Path | None = None) -> dict[str, Any]:
     """Everything an operator checks before and during a pilot; ``healthy`` is False when any of it fails."""
-    from client.app_trust import parse_approved
-    from client.ledger import SiteLedger
-    from client.policy import load_policy
-    from client.site_data import data_version, policy_fingerprint, read_site_check
-    from shared.privacy.accountant import epsilon_spent
+    from fedpose.client.app_trust import parse_approved
+    from fedpose.client.ledger import SiteLedger
+    from fedpose.client.policy import load_policy
+    from fedpose.client.site_data import data_version, policy_fingerprint, read_site_check
+    from fedpose.shared.privacy.accountant import epsilon_spent
 
     policy_path = Path(policy_path).expanduser().resolve()
     kit = _kit(policy_path)
@@ -167,7 +167,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
     history = [(r["sigma"], r["sample_rate"], r["steps"]) for r in rows]
 
     def eps(selected: list[tuple]) -> float:
-        from shared.privacy.accountant import StepRecord
+        from fedpose.shared.privacy.accountant import StepRecord
 
         records = [StepRecord(sigma=s, sample_rate=q, steps=k) for s, q, k in selected]
         return epsilon_spent(records, delta=policy.delta, accountant=policy.accountant) if records else 0.0

@@ -4,7 +4,7 @@ Flower 1.41 starts a new ``flwr-clientapp`` process for every message, and each 
 Flower's runtime again before it could look at its message: about 1.5 s of a site's time per message on a
 2-core machine (``benchmarks/deploy_round.py``). ``fedpose site start`` therefore starts this server first:
 it imports those libraries once and never runs anything else (no model, no data, no thread pool), and for
-every message the site's gate shim (``client.app_trust.write_shim``) asks it to fork a child that runs the
+every message the site's gate shim (``fedpose.client.app_trust.write_shim``) asks it to fork a child that runs the
 gated ClientApp exactly as the shim would have run it itself: same arguments, environment, working folder
 and standard streams (passed over the socket), the approved list read again, the bundle installed fresh.
 Each message still gets a process of its own; only the import work is shared, copy-on-write.
@@ -12,7 +12,7 @@ Each message still gets a process of its own; only the import work is shared, co
 The socket is in a private folder (0700) of the site's user. When the server is not running, the shim
 runs the gate itself (the cold path), so a site works the same with or without it.
 
-    python -m client.warm --socket PATH --approved FILE
+    python -m fedpose.client.warm --socket PATH --approved FILE
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _child(request: dict[str, Any], fds: list[int], approved: str) -> None:
             signal.signal(sig, signal.SIG_DFL)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        from client.app_trust import run_gate
+        from fedpose.client.app_trust import run_gate
 
         run_gate(["--approved", approved, "--", *request["argv"]])
         code = 0
@@ -177,7 +177,7 @@ def serve(socket_path: str, approved: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client.warm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fedpose.client.warm", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
     parser.add_argument("--approved", required=True, help="the site's approved bundles file (read per message)")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """A synthetic ward clip with ground truth, so the pipeline can be tried and tested without a camera.
 
-One person (a fixed identity from ``shared.data.synth``) moves through a
+One person (a fixed identity from ``fedpose.shared.data.synth``) moves through a
 sequence of sampled poses (standing, walking, arms raised, bending); the
 joints are interpolated with a smooth step between key poses placed at
 different spots of the room, and every frame is drawn by ``render_frame``
@@ -10,7 +10,7 @@ room and its clutter stay put while the person moves).
 The ground truth goes to a JSON sidecar next to the video
 (``clip.mp4`` -> ``clip.mp4.json``): per frame the 16 joints in frame pixels
 and their visibility, the person box in the training crops' convention
-(``shared.data.synth.person_box``, as (x, y, w, h)), plus the ROI that contains the whole motion (what an
+(``fedpose.shared.data.synth.person_box``, as (x, y, w, h)), plus the ROI that contains the whole motion (what an
 installer would configure as "the bed area").
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS
-from shared.data.records import PIXEL_STD
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.records import PIXEL_STD
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _fit_into(joints: np.ndarray, region: tuple[float, float, float, float], rng
 
 def render_demo(spec: DemoSpec) -> tuple[list[np.ndarray], dict]:
     """Frames (H, W, 3) uint8 BGR and the ground-truth dict (without writing anything)."""
-    from shared.data.synth import (
+    from fedpose.shared.data.synth import (
         PUBLIC_STYLE,
         make_identity,
         person_box,

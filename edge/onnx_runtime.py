@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.runtime_base import Runtime
-from shared.model.face_decode import FACE_OUTPUTS
+from fedpose.edge.runtime_base import Runtime
+from fedpose.shared.model.face_decode import FACE_OUTPUTS
 
 
 # What ``fedpose edge run --device`` asks onnxruntime for, in order of preference (onnxruntime falls back along

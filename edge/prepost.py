@@ -6,10 +6,10 @@ postprocess: SimCC logits -> keypoints in input pixels (``decode_simcc``) ->
 mapped back through the inverse affine map to frame pixels.
 
 Boxes are (x, y, w, h) in frame pixels. The crop uses the training
-convention of ``shared.data.transforms.affine_matrix`` (centre + scale, box
+convention of ``fedpose.shared.data.transforms.affine_matrix`` (centre + scale, box
 of side 200 * scale widened to the input's aspect ratio), so a box made by
 ``box_to_center_scale`` from a tight person box frames the person the way
-training crops did (``shared.data.synth.person_box``: 1.25 x the extent).
+training crops did (``fedpose.shared.data.synth.person_box``: 1.25 x the extent).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 import cv2
 import numpy as np
 
-from shared.data.records import PIXEL_STD
-from shared.data.transforms import affine_matrix, box_corners, invert_affine
-from shared.model.simcc_decode import decode_simcc
+from fedpose.shared.data.records import PIXEL_STD
+from fedpose.shared.data.transforms import affine_matrix, box_corners, invert_affine
+from fedpose.shared.model.simcc_decode import decode_simcc
 
 # Person box = this factor x the extent of the keypoints (the training crops' convention).
 BOX_PADDING = 1.25
@@ -129,7 +129,7 @@ def postprocess(
 
 
 def face_to_frame(face: dict[str, np.ndarray], matrices: np.ndarray) -> list[dict[str, Any]]:
-    """Decoded face outputs (``shared.model.face_decode.decode_face``, input px) -> one JSON-ready dict per crop
+    """Decoded face outputs (``fedpose.shared.model.face_decode.decode_face``, input px) -> one JSON-ready dict per crop
     in frame pixels.
 
     Keys, as the model has the tasks: presence (probability), box [x1, y1, x2, y2] (the hull of the mapped

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from shared.data.records import PoseRecord
+from fedpose.shared.data.records import PoseRecord
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ QUANTIZED_OPS: tuple[str, ...] = ("Conv", "MatMul")
 
 def record_crops(records: Sequence[PoseRecord], input_size: tuple[int, int]) -> np.ndarray:
     """Un-augmented crops of records' person boxes: (N, 3, H, W) float32 RGB in [0, 1]."""
-    from shared.data.dataset import PoseDataset
+    from fedpose.shared.data.dataset import PoseDataset
 
     if not records:
         raise ValueError("no records to crop: the split is empty")
@@ -93,8 +93,8 @@ def quantize_int8(
         quantize_static,
     )
 
-    from edge.export import check_qdq_zero_points, unsupported_ops
-    from edge.trt_build import read_onnx_info
+    from fedpose.edge.export import check_qdq_zero_points, unsupported_ops
+    from fedpose.edge.trt_build import read_onnx_info
 
     info = read_onnx_info(fp32_onnx)
     if info.fp16:
@@ -194,9 +194,9 @@ class PrecisionReport:
 
 def evaluate_runtime(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> dict[str, dict[str, float]]:
     """PCKh@0.5 / @0.1 of any runtime on records with head boxes (un-augmented record boxes)."""
-    from shared.data.transforms import inverse_transform, record_boxes
-    from shared.metrics import pckh_report
-    from shared.model.simcc import decode_simcc
+    from fedpose.shared.data.transforms import inverse_transform, record_boxes
+    from fedpose.shared.metrics import pckh_report
+    from fedpose.shared.model.simcc import decode_simcc
 
     if not records:
         raise ValueError("nothing to evaluate: no records")
@@ -221,7 +221,7 @@ def compare_precisions(
     fp32_onnx: str | Path, int8_onnx: str | Path, records: Sequence[PoseRecord], *, threads: int | None = None
 ) -> PrecisionReport:
     """PCKh of both files on ``records`` (the val split), for the export report."""
-    from edge.onnx_runtime import OnnxRuntime
+    from fedpose.edge.onnx_runtime import OnnxRuntime
 
     with OnnxRuntime(fp32_onnx, threads=threads) as fp32, OnnxRuntime(int8_onnx, threads=threads) as int8:
         return PrecisionReport(

@@ -9,7 +9,7 @@ the person in each remaining frame after that frame was released as
 
 - clean (upper baseline: the camera frame itself),
 - plain Gaussian blur (a non-DP redaction baseline),
-- DP pixelization (``edge.pixelize``), uniform grid (Algorithm 2) or region
+- DP pixelization (``fedpose.edge.pixelize``), uniform grid (Algorithm 2) or region
   adaptive (Algorithm 3, the body cells split n x n, mask from the
   ground-truth joints), for each eps and cell side b.
 
@@ -35,7 +35,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from edge.pixelize import PixelizeSpec, body_mask_from_keypoints, pixelize
+from fedpose.edge.pixelize import PixelizeSpec, body_mask_from_keypoints, pixelize
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ReidSpec:
 
 def person_crop(frame: np.ndarray, center: np.ndarray, scale: float) -> np.ndarray:
     """(H, W[, 3]) frame -> (C, 64, 64) float32 crop in [0, 1] of the person box (C = 1 or 3)."""
-    from shared.data.transforms import affine_matrix, warp_image
+    from fedpose.shared.data.transforms import affine_matrix, warp_image
 
     matrix = affine_matrix(center, scale, CROP)
     crop = warp_image(frame, matrix, CROP).astype(np.float32) / 255.0
@@ -149,8 +149,8 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
     """Train the attacker on clean crops of ``split``, measure top-1 on every release; writes reid.json/png."""
     from tqdm.auto import tqdm
 
-    from shared.data.mpii import load_split
-    from shared.data.synth import load_identities
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.synth import load_identities
 
     t0 = time.perf_counter()
     records = load_split(Path(root), split)
@@ -210,7 +210,7 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
                        "mask (adaptive) is not protected; over F frames of one person the guarantee composes to "
                        "F x eps")
     if out is not None:
-        from shared.train import write_json
+        from fedpose.shared.train import write_json
 
         out = Path(out)
         write_json(out / "reid.json", result)

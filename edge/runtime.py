@@ -10,7 +10,7 @@ PyTorch, ``.onnx`` -> onnxruntime, ``.plan``/``.engine`` -> TensorRT) unless
 and is a context manager (``close`` frees sessions / device memory), so the
 camera pipeline never needs to know which one it holds. Heavy backends are
 imported inside their constructors, and this factory imports each backend module only
-when it is picked (the interface lives in ``edge.runtime_base``).
+when it is picked (the interface lives in ``fedpose.edge.runtime_base``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from edge.runtime_base import Runtime
+from fedpose.edge.runtime_base import Runtime
 
 Backend = Literal["torch", "onnxruntime", "tensorrt"]
 BACKENDS: tuple[str, ...] = ("torch", "onnxruntime", "tensorrt")
@@ -61,24 +61,24 @@ def make_runtime(
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
     if kind == "torch":
-        from edge.torch_runtime import TorchRuntime
+        from fedpose.edge.torch_runtime import TorchRuntime
 
         return TorchRuntime(path, device="cpu" if device == "cpu" else "cuda", threads=threads)
     if kind == "onnxruntime":
-        from edge.onnx_runtime import OnnxRuntime
+        from fedpose.edge.onnx_runtime import OnnxRuntime
 
-        from edge.onnx_runtime import providers_for
+        from fedpose.edge.onnx_runtime import providers_for
 
         return OnnxRuntime(path, providers=providers or providers_for(device), threads=threads)
-    from edge.trt_runtime import TensorRTRuntime
+    from fedpose.edge.trt_runtime import TensorRTRuntime
 
     return TensorRTRuntime(path)
 
 
 _BACKEND_CLASSES = {
-    "TorchRuntime": "edge.torch_runtime",
-    "OnnxRuntime": "edge.onnx_runtime",
-    "TensorRTRuntime": "edge.trt_runtime",
+    "TorchRuntime": "fedpose.edge.torch_runtime",
+    "OnnxRuntime": "fedpose.edge.onnx_runtime",
+    "TensorRTRuntime": "fedpose.edge.trt_runtime",
 }
 
 

@@ -1,5 +1,5 @@
 """The inference interface every backend implements (``Runtime``): input checking, fixed-batch
-chunking and the context-manager protocol. Backends subclass it; ``edge.runtime.make_runtime``
+chunking and the context-manager protocol. Backends subclass it; ``fedpose.edge.runtime.make_runtime``
 picks one.
 """
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.runtime_base import Runtime
+from fedpose.edge.runtime_base import Runtime
 
 
 class TorchRuntime(Runtime):
@@ -17,9 +17,9 @@ class TorchRuntime(Runtime):
     def __init__(self, model_path: str | Path, *, device: str = "cpu", threads: int | None = None) -> None:
         import torch
 
-        from edge.export.outputs import exported_module
-        from edge.export.spec import OUTPUT_NAMES, export_outputs
-        from shared.model.posenet import load_checkpoint
+        from fedpose.edge.export.outputs import exported_module
+        from fedpose.edge.export.spec import OUTPUT_NAMES, export_outputs
+        from fedpose.shared.model.posenet import load_checkpoint
 
         self.model_path = Path(model_path)
         if threads is not None:

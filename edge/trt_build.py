@@ -31,7 +31,7 @@ TensorRT versions:
 
 ``tensorrt`` is imported inside ``build_engine`` only; everything that
 validates the request (``check_build_request``, ``trtexec_command``) works
-without it, and without the ``onnx`` package (``edge.onnx_proto`` reads the
+without it, and without the ``onnx`` package (``fedpose.edge.onnx_proto`` reads the
 file): the build runs in the camera's slim install.
 """
 
@@ -101,10 +101,10 @@ def parse_profile(value: str) -> tuple[int, int, int]:
 def read_onnx_info(onnx_path: str | Path) -> OnnxInfo:
     """Input name, batch, (H, W), FP16 and Q/DQ presence of an exported model.
 
-    Read with ``edge.onnx_proto`` (the protobuf wire format, no ``onnx`` package): the engine is built in
+    Read with ``fedpose.edge.onnx_proto`` (the protobuf wire format, no ``onnx`` package): the engine is built in
     the camera's slim install, which has no train extra (docs/how-to/jetson.md).
     """
-    from edge.onnx_proto import FLOAT16, ProtoError, read_graph
+    from fedpose.edge.onnx_proto import FLOAT16, ProtoError, read_graph
 
     path = Path(onnx_path)
     if not path.is_file():

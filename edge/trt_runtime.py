@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from edge.runtime_base import Runtime
-from edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
-from shared.model.face_decode import FACE_OUTPUTS
+from fedpose.edge.runtime_base import Runtime
+from fedpose.edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
+from fedpose.shared.model.face_decode import FACE_OUTPUTS
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import Config
+from fedpose.shared.config import Config
 
 
 class ServerOptimizer:

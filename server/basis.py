@@ -2,7 +2,7 @@
 
 Every ``privacy.basis_every`` rounds V is recomputed at the current global
 weights from public data only (P2): the top-k directions of m per-sample
-gradients on S_pub (``shared.train.public_basis_at``). Its version is the
+gradients on S_pub (``fedpose.shared.train.public_basis_at``). Its version is the
 round it was made for.
 
 - ``basis_mode: broadcast`` - the server computes V and sends it as its own
@@ -24,12 +24,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from shared.config import Config
-from shared.data.records import PoseRecord
-from shared.federation_messages import basis_record
+from fedpose.shared.config import Config
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.federation_messages import basis_record
 
 if TYPE_CHECKING:  # the model module is imported where it is used (it is not needed to plan a round)
-    from shared.model.posenet import PoseNet
+    from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class BasisKeeper:
         if self.mode == "site":
             log.info("basis version %d: sites compute V from their public set", round)
             return 0.0
-        from shared.model.posenet import make_loss_fn
-        from shared.train import make_dataset, public_basis_at
+        from fedpose.shared.model.posenet import make_loss_fn
+        from fedpose.shared.train import make_dataset, public_basis_at
 
         t0 = time.perf_counter()
         device = next(model.parameters()).device

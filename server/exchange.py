@@ -8,12 +8,12 @@ import logging
 import time
 from typing import Any
 
-from server.ledger import Event, ServerLedger
-from server.plan import SitePlan, can_afford
-from server.policy_watch import watch
-from server.replies import Reply
-from shared.config import Config
-from shared.federation_messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
+from fedpose.server.ledger import Event, ServerLedger
+from fedpose.server.plan import SitePlan, can_afford
+from fedpose.server.policy_watch import watch
+from fedpose.server.replies import Reply
+from fedpose.shared.config import Config
+from fedpose.shared.federation_messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +215,9 @@ def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePla
     A site with budget left whose SuperNode is offline (crashed, restarting) or silent is waited for,
     up to ``federation.round_timeout``, when without it fewer than ``min_sites`` could train: no site
     is asked to train for a round that could not be aggregated. A site whose next round would exceed
-    its budget or its planned rounds is marked (``server.outcome.closing_status``) and never asked again.
+    its budget or its planned rounds is marked (``fedpose.server.outcome.closing_status``) and never asked again.
     """
-    from server.outcome import closing_status
+    from fedpose.server.outcome import closing_status
 
     recheck = set() if recheck is None else recheck
     deadline = time.monotonic() + cfg.federation.round_timeout

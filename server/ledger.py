@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.plan import SitePlan
-from shared.privacy.accountant import StepRecord
-from shared.privacy.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
+from fedpose.server.plan import SitePlan
+from fedpose.shared.privacy.accountant import StepRecord
+from fedpose.shared.privacy.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from server.ledger import Event, ServerLedger
-from server.plan import SitePlan, can_afford
-from shared.privacy.accountant import StepRecord
+from fedpose.server.ledger import Event, ServerLedger
+from fedpose.server.plan import SitePlan, can_afford
+from fedpose.shared.privacy.accountant import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import functools
 import logging
 from dataclasses import asdict, dataclass
 
-from shared.config import Config, ConfigError
-from shared.federation_messages import SiteInfo
-from shared.privacy.accountant import StepRecord, calibrate_sigma, epsilon_spent
-from shared.privacy.psi import psi_strength
+from fedpose.shared.config import Config, ConfigError
+from fedpose.shared.federation_messages import SiteInfo
+from fedpose.shared.privacy.accountant import StepRecord, calibrate_sigma, epsilon_spent
+from fedpose.shared.privacy.psi import psi_strength
 
 log = logging.getLogger(__name__)
 

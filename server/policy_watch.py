@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from server.ledger import Event, ServerLedger
-from server.plan import SitePlan, incompatibility
-from shared.config import Config
-from shared.federation_messages import SiteInfo
+from fedpose.server.ledger import Event, ServerLedger
+from fedpose.server.plan import SitePlan, incompatibility
+from fedpose.shared.config import Config
+from fedpose.shared.federation_messages import SiteInfo
 
 log = logging.getLogger(__name__)
 

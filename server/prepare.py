@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.config import Config, ConfigError, dump_config, replace
+from fedpose.shared.config import Config, ConfigError, dump_config, replace
 
 
 def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
@@ -39,8 +39,8 @@ def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
 def require_prepared(cfg: Config, *, config_path: str = "<this run's config>") -> None:
     """Refuse to start a federation whose public data or pretrained weights are missing, or whose
     paths are relative (they would depend on the directory the SuperLink was started from)."""
-    from shared.data.mpii import load_split
-    from shared.runs import pretrained_problem
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.runs import pretrained_problem
 
     root = Path(cfg.data.root).expanduser().resolve()
     fix = f"prepare the server first: fedpose server prepare --config {config_path} --out DIR"
@@ -66,9 +66,9 @@ def prepare_server(cfg: Config, out: str | Path, *, progress: bool = True,
     """Make or check the public split, the validation split and the pretrained weights; write
     ``out/server.yaml`` (absolute paths). The config's relative paths (data, pretrained weights, results)
     are taken under ``out``, so everything the server needs lies there. Returns the config's path."""
-    from shared.data.mpii import load_split
-    from shared.data.split import check_disjoint, check_no_duplicates, manifest_digest
-    from shared.runs import ensure_data, pretrained_problem, run_pretrain
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.split import check_disjoint, check_no_duplicates, manifest_digest
+    from fedpose.shared.runs import ensure_data, pretrained_problem, run_pretrain
 
     out = Path(out).expanduser().resolve()
     cfg = absolute_paths(cfg, out)

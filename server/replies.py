@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from server.basis import BasisKeeper
-from server.ledger import Event, Report, Spend
-from server.plan import SitePlan
-from server.validate import parse_ran, parse_weights, update_norm
-from shared.federation_messages import RefusalCode, parse_spend_suffix
+from fedpose.server.basis import BasisKeeper
+from fedpose.server.ledger import Event, Report, Spend
+from fedpose.server.plan import SitePlan
+from fedpose.server.validate import parse_ran, parse_weights, update_norm
+from fedpose.shared.federation_messages import RefusalCode, parse_spend_suffix
 
 log = logging.getLogger(__name__)
 

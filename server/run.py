@@ -10,8 +10,8 @@ mean: one hostile site cannot dominate), evaluate on the validation split and
 checkpoint weights + ledger + round atomically.
 
 The loop is here (``run_federation``, ``finish``); what it calls lives
-beside it: ``server.exchange`` (the Grid), ``server.replies`` (sorting
-replies), ``server.combine`` (aggregation).
+beside it: ``fedpose.server.exchange`` (the Grid), ``fedpose.server.replies`` (sorting
+replies), ``fedpose.server.combine`` (aggregation).
 """
 
 from __future__ import annotations
@@ -25,25 +25,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.aggregate import server_optimizer
-from server.basis import BasisKeeper
-from server.checkpoint import ServerState, load_state, save_state
-from server.combine import aggregate, bound_updates, fedavg  # noqa: F401  (fedavg, Reply: imported by tests)
-from server.exchange import describe_sites, exchange, sites_for_round
-from server.ledger import Event, ServerLedger
-from server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
+from fedpose.server.aggregate import server_optimizer
+from fedpose.server.basis import BasisKeeper
+from fedpose.server.checkpoint import ServerState, load_state, save_state
+from fedpose.server.combine import aggregate, bound_updates, fedavg  # noqa: F401  (fedavg, Reply: imported by tests)
+from fedpose.server.exchange import describe_sites, exchange, sites_for_round
+from fedpose.server.ledger import Event, ServerLedger
+from fedpose.server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
                             sole_server)
-from server.plan import SitePlan, left_out, plan_site
-from server.policy_watch import watch
-from server.prepare import require_prepared
-from server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
-from server.report import append_round, write_plot, write_report, write_rounds
-from shared.config import Config, ConfigError, dump_config
-from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
-from shared.provenance import configure_numerics, provenance
+from fedpose.server.plan import SitePlan, left_out, plan_site
+from fedpose.server.policy_watch import watch
+from fedpose.server.prepare import require_prepared
+from fedpose.server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
+from fedpose.server.report import append_round, write_plot, write_report, write_rounds
+from fedpose.shared.config import Config, ConfigError, dump_config
+from fedpose.shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
+from fedpose.shared.provenance import configure_numerics, provenance
 
 if TYPE_CHECKING:  # the model module is imported where it is used
-    from shared.model.posenet import PoseNet
+    from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,10 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
 
 
 def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
-    from shared.data.mpii import load_split
-    from shared.model.posenet import apply_strategy
-    from shared.runs import initial_model
-    from shared.train import evaluate
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.runs import initial_model
+    from fedpose.shared.train import evaluate
 
     t_start = time.perf_counter()
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
@@ -319,10 +319,10 @@ def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerL
            plans: dict[str, SitePlan], history: list[dict[str, Any]], federation: str, *,
            seconds: float) -> dict[str, Any]:
     """Final model, metrics.json (per-site spend, global claim = max over sites), report.md and the plot."""
-    from shared.model.posenet import save_checkpoint
-    from shared.data.digest import data_identity
-    from shared.privacy.claims import privacy_claim
-    from shared.train import evaluate, write_json
+    from fedpose.shared.model.posenet import save_checkpoint
+    from fedpose.shared.data.digest import data_identity
+    from fedpose.shared.privacy.claims import privacy_claim
+    from fedpose.shared.train import evaluate, write_json
 
     report, _, _ = evaluate(model, val)
     done = final_statuses(ledger, plans)  # finished, exhausted or stopped: no site stays 'active'
@@ -346,7 +346,7 @@ def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerL
         }
     epsilon = max((s["epsilon"] for s in per_site.values()), default=0.0)
     delta = max((s["delta"] for s in per_site.values()), default=cfg.privacy.delta)
-    from shared.privacy.psi import psi_label_of
+    from fedpose.shared.privacy.psi import psi_label_of
 
     psi = psi_label_of(cfg.privacy) if cfg.train.method in ("fdp", "fpdp") else None
     seeded = ledger.get_meta("seeded") == "1"

@@ -1,4 +1,4 @@
-"""Flower ServerApp of fedpose: thin glue around ``server.run.run_federation``.
+"""Flower ServerApp of fedpose: thin glue around ``fedpose.server.run.run_federation``.
 
 Run config (``[tool.flwr.app.config]`` in pyproject.toml; override with
 ``flwr run . <connection> --run-config "key=value ..."``):
@@ -19,10 +19,10 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from server.run import run_federation
-from shared.app_logging import setup_app_logging
-from shared.flower_waits import quick_pulls
-from shared.run_config import resume_flag, server_config
+from fedpose.server.run import run_federation
+from fedpose.shared.app_logging import setup_app_logging
+from fedpose.shared.flower_waits import quick_pulls
+from fedpose.shared.run_config import resume_flag, server_config
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ app = ServerApp()
 
 
 def setup_logging() -> None:
-    setup_app_logging("server", "shared", defer_to_root=True)
+    setup_app_logging("fedpose.server", "fedpose.shared", defer_to_root=True)
 
 
 def serve(grid: Grid, context: Context) -> dict:
@@ -44,7 +44,7 @@ def serve(grid: Grid, context: Context) -> dict:
 
 def quick_reply_pulls(grid: Grid) -> None:
     """Replies are listed before their objects have all arrived at the SuperLink; the deployment engine's grid
-    pulls those again after 0.05 s, not after Flower's 1 s (``shared.flower_waits``). The simulation's grid
+    pulls those again after 0.05 s, not after Flower's 1 s (``fedpose.shared.flower_waits``). The simulation's grid
     pulls no objects."""
     import sys
 

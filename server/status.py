@@ -33,7 +33,7 @@ def _rounds(out: Path) -> list[dict[str, Any]]:
 
 def server_status(out: str | Path) -> dict[str, Any]:
     """The run in ``out``: rounds with PCKh, per-site epsilon against budget, events, resumes, and its state."""
-    from shared.privacy.accountant import StepRecord, epsilon_spent
+    from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
 
     out = Path(out)
     ledger = out / "ledger.sqlite"
@@ -45,7 +45,7 @@ def server_status(out: str | Path) -> dict[str, Any]:
     planned = None
     config = out / "config.yaml"
     if config.is_file():
-        from shared.config import load_config
+        from fedpose.shared.config import load_config
 
         planned = load_config(config).federation.rounds
     conn = _ro(ledger)
@@ -96,7 +96,7 @@ def run_state(out: Path, metrics: dict[str, Any] | None) -> tuple[str, str]:
     """``finished`` (metrics.json written), ``running`` (a server process holds the folder), ``failed`` (the
     server recorded why it could not go on) or ``stopped`` (no process holds it: killed, or its machine went
     down); with a reason for every state but running."""
-    from server.outcome import held, read_outcome
+    from fedpose.server.outcome import held, read_outcome
 
     if metrics is not None:
         return "finished", metrics.get("stopped") or ""

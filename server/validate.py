@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared.federation_messages import ARRAYS, METRICS, REPLY_METRICS, record_tensors
+from fedpose.shared.federation_messages import ARRAYS, METRICS, REPLY_METRICS, record_tensors
 
 log = logging.getLogger(__name__)
 

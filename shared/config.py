@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from shared.config_build import build_dataclass
-from shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
-from shared.data.face import FACE_TASKS, valid_face_tasks
-from shared.data.synth import WardSpec
-from shared.errors import ConfigError
-from shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
+from fedpose.shared.config_build import build_dataclass
+from fedpose.shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from fedpose.shared.data.face import FACE_TASKS, valid_face_tasks
+from fedpose.shared.data.synth import WardSpec
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
 
 Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Unit = Literal["record", "patient"]
@@ -361,7 +361,7 @@ def shipped_configs() -> list[str]:
     """Names of the configs installed with fedpose (``configs/<name>.yaml``)."""
     from importlib import resources
 
-    return sorted(p.name[:-5] for p in resources.files("configs").iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in resources.files("fedpose.configs").iterdir() if p.name.endswith(".yaml"))
 
 
 def config_path(name: str | Path) -> Path:
@@ -370,7 +370,7 @@ def config_path(name: str | Path) -> Path:
 
     path, text = Path(name).expanduser(), str(name)
     by_name = "/" not in text and not text.endswith((".yaml", ".yml"))
-    shipped = resources.files("configs") / f"{text}.yaml" if by_name else None
+    shipped = resources.files("fedpose.configs") / f"{text}.yaml" if by_name else None
     if path.is_file() or (shipped is not None and shipped.is_file()):
         return path if path.is_file() else Path(str(shipped))
     missing = f"no config file {text!r} and no shipped config of that name" if by_name else \

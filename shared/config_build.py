@@ -1,7 +1,7 @@
 """Frozen dataclasses from plain data (parsed YAML), checked against their type hints at the boundary.
 
 The one builder behind the run config, its sections read from checkpoints and messages, and the study axes
-(``shared.config``): ``Literal``, ``Optional``/unions, fixed and variable tuples, nested dataclasses and finite
+(``fedpose.shared.config``): ``Literal``, ``Optional``/unions, fixed and variable tuples, nested dataclasses and finite
 numbers; a failure names the dotted key path.
 """
 
@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from shared.errors import ConfigError
+from fedpose.shared.errors import ConfigError
 
 
 def _convert(value: Any, tp: Any, path: str) -> Any:

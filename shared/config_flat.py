@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shared.errors import ConfigError
+from fedpose.shared.errors import ConfigError
 
 
 def flatten_plain(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The read-only web console: a small local HTTP server, one page, a JSON status and Prometheus metrics.
 
-Both sides use it (``client.site_status`` for a hospital site, ``server.status`` for the federation
+Both sides use it (``fedpose.client.site_status`` for a hospital site, ``fedpose.server.status`` for the federation
 server): they hand it a function that reads the same files the CLI reads (ledgers, the policy, the
 run's folder) and returns the status as plain data, so there is no second source of truth. Every
 request reads the files again; the page refreshes itself every few seconds while a run is live.

@@ -8,11 +8,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.data.dataset import FACE_KEYS, PoseDataset
-from shared.data.records import PoseRecord
-from shared.metrics import pckh_report
-from shared.model.posenet import PoseNet
-from shared.model.simcc import decode_simcc
+from fedpose.shared.data.dataset import FACE_KEYS, PoseDataset
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.metrics import pckh_report
+from fedpose.shared.model.posenet import PoseNet
+from fedpose.shared.model.simcc import decode_simcc
 
 
 @torch.no_grad()
@@ -49,10 +49,10 @@ def evaluate(
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores).
 
-    A model with face tasks also gets ``report["face"]`` (``shared.face_metrics.face_report``, in the input
+    A model with face tasks also gets ``report["face"]`` (``fedpose.shared.face_metrics.face_report``, in the input
     crop's pixels) over the records that carry face labels.
     """
-    from shared.data.transforms import inverse_transform, record_boxes
+    from fedpose.shared.data.transforms import inverse_transform, record_boxes
 
     if not records:
         raise ValueError("nothing to evaluate: the split has no records")
@@ -73,8 +73,8 @@ def evaluate(
 
 
 def _face_report(model: PoseNet, face_out: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> dict[str, Any]:
-    from shared.face_metrics import face_report
-    from shared.model.face_decode import decode_face, split_face
+    from fedpose.shared.face_metrics import face_report
+    from fedpose.shared.model.face_decode import decode_face, split_face
 
     out = np.concatenate([o for o, _ in face_out])
     labels = {k: np.concatenate([lab[k] for _, lab in face_out]) for k in face_out[0][1]}  # canonical crops

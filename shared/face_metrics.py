@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.data.face import degrees_between, interocular
+from fedpose.shared.data.face import degrees_between, interocular
 
 ANGLES = ("yaw", "pitch", "roll")
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.config import Config, config_from_dict, to_dict
+from fedpose.shared.config import Config, config_from_dict, to_dict
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS, PCKH_EXCLUDED, PCKH_GROUPS
+from fedpose.shared.data.joints import NUM_JOINTS, PCKH_EXCLUDED, PCKH_GROUPS
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.config import Config, TrainConfig
+from fedpose.shared.config import Config, TrainConfig
 
 
 def state_path(ledger_path: str | Path, federation: str) -> Path:
@@ -33,7 +33,7 @@ def state_path(ledger_path: str | Path, federation: str) -> Path:
 
 def save_state(path: str | Path, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], kind: str) -> None:
     """Write the optimizer state with the shapes of its parameters (temp file + rename: atomic)."""
-    from shared.private_files import open_private, private_dir
+    from fedpose.shared.private_files import open_private, private_dir
 
     path = Path(path)
     private_dir(path.parent, own=True)  # a site's state: its own account only (0700, the file 0600)
@@ -65,7 +65,7 @@ def load_state(path: str | Path, optimizer: torch.optim.Optimizer, params: list[
 
 
 def trainable_params(model: torch.nn.Module, trainable: list[str]) -> list[torch.Tensor]:
-    """The parameters in the order ``shared.train.local_train`` gives them to its optimizer."""
+    """The parameters in the order ``fedpose.shared.train.local_train`` gives them to its optimizer."""
     named = dict(model.named_parameters())
     return [named[name] for name in trainable]
 
@@ -75,7 +75,7 @@ def site_optimizer(cfg: Config, model: torch.nn.Module, trainable: list[str], le
     """The optimizer for this round: None (``fresh``: local_train makes one) or the kept one, loaded from disk."""
     if cfg.federation.site_optimizer != "keep":
         return None
-    from shared.train import make_optimizer
+    from fedpose.shared.train import make_optimizer
 
     params = trainable_params(model, trainable)
     opt = make_optimizer(params, cfg.train)

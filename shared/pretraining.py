@@ -1,7 +1,7 @@
 """Non-private pretraining on public data only: the starting point of finetune / full training.
 
 BatchNorm is active here (batch statistics are fine without privacy) and is folded
-into the convolutions before any private step (``shared.model``).
+into the convolutions before any private step (``fedpose.shared.model``).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.data.dataset import PoseDataset
-from shared.model.posenet import PoseNet
-from shared.train import to_device
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.model.posenet import PoseNet
+from fedpose.shared.train import to_device
 
 
 def pretrain_loop(

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.config import Config, ConfigError, load_config, parse_yaml
+from fedpose.shared.config import Config, ConfigError, load_config, parse_yaml
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {"config": "configs/default.yaml", "overrides": "", "out": "", "resume": False}
 

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from shared.config import Config, ConfigError, dump_config
-from shared.data.mpii import load_split
-from shared.data.patients import PatientGroups, group_by_patient, stated_group_size
-from shared.data.records import PoseRecord
-from shared.data.split import check_disjoint, check_no_duplicates
-from shared.data.dataset import PoseDataset
-from shared.data.digest import data_identity
-from shared.data.synth import ensure_faces, ensure_ward
-from shared.data.transforms import Augment
-from shared.model.posenet import (
+from fedpose.shared.config import Config, ConfigError, dump_config
+from fedpose.shared.data.mpii import load_split
+from fedpose.shared.data.patients import PatientGroups, group_by_patient, stated_group_size
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.data.split import check_disjoint, check_no_duplicates
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.data.digest import data_identity
+from fedpose.shared.data.synth import ensure_faces, ensure_ward
+from fedpose.shared.data.transforms import Augment
+from fedpose.shared.model.posenet import (
     PoseNet,
     build_model,
     build_pretrain_model,
@@ -33,15 +33,15 @@ from shared.model.posenet import (
     load_tinyvit_weights,
     save_checkpoint,
 )
-from shared.model.tinyvit import fuse_batchnorm
-from shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
-from shared.privacy.claims import privacy_claim
-from shared.privacy.group import group_privacy
-from shared.privacy.psi import psi_label_of
-from shared.privacy.noise import make_generator
-from shared.pretraining import pretrain_loop
-from shared.provenance import configure_numerics, provenance
-from shared.train import (
+from fedpose.shared.model.tinyvit import fuse_batchnorm
+from fedpose.shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from fedpose.shared.privacy.claims import privacy_claim
+from fedpose.shared.privacy.group import group_privacy
+from fedpose.shared.privacy.psi import psi_label_of
+from fedpose.shared.privacy.noise import make_generator
+from fedpose.shared.pretraining import pretrain_loop
+from fedpose.shared.provenance import configure_numerics, provenance
+from fedpose.shared.train import (
     PRIVATE,
     config_fingerprint,
     evaluate,

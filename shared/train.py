@@ -20,21 +20,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.allocator import keep_freed_memory
-from shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig
-from shared.data.dataset import PoseDataset
-from shared.data.patients import PatientGroups
-from shared.data.records import PoseRecord
-from shared.data.transforms import Augment
-from shared.evaluation import evaluate, predict  # noqa: F401  (re-exported: runs, sites and tests import them from here)
-from shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
-from shared.pixelization.spec import PixelizeSpec
-from shared.privacy.audit_hooks import AuditHooks, ReleasedStep
-from shared.privacy.fpdp import DPSpec, dp_gradient
-from shared.privacy.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
-from shared.privacy.sampling import augmented_copies, poisson_sample
-from shared.privacy.subspace import column_major, compute_basis
-from shared.weight_average import WeightAverage
+from fedpose.shared.allocator import keep_freed_memory
+from fedpose.shared.config import Config, ConfigError, Method, PrivacyConfig, TrainConfig
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.data.patients import PatientGroups
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.data.transforms import Augment
+from fedpose.shared.evaluation import evaluate, predict  # noqa: F401  (re-exported: runs, sites and tests import them from here)
+from fedpose.shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.shared.privacy.audit_hooks import AuditHooks, ReleasedStep
+from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
+from fedpose.shared.privacy.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.sampling import augmented_copies, poisson_sample
+from fedpose.shared.privacy.subspace import column_major, compute_basis
+from fedpose.shared.weight_average import WeightAverage
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def local_train(
     gradient and the V it was projected with; production callers leave it None.
 
     ``privacy.unit == "patient"`` (issue #11): ``patients`` groups the records
-    of ``private`` by patient (``shared.data.patients.group_by_patient``, which
+    of ``private`` by patient (``fedpose.shared.data.patients.group_by_patient``, which
     has already left out records beyond the cap); each step Poisson-samples
     patients with q = train.batch_size / patients (or ``sample_rate``), takes
     all of their records and clips each patient's mean gradient
@@ -366,7 +366,7 @@ def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: i
 
 def config_fingerprint(cfg: Config, *sections: str) -> dict[str, Any]:
     """The config sections that determine a cached artefact (compared on reuse)."""
-    from shared.config_flat import identity_flat, unflatten
+    from fedpose.shared.config_flat import identity_flat, unflatten
 
     d = unflatten(identity_flat(cfg))
     return {s: d[s] for s in sections}

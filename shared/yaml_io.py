@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from shared.errors import ConfigError
+from fedpose.shared.errors import ConfigError
 
 # Largest YAML file (config, site policy) read: real ones are a few KB.
 MAX_YAML_BYTES = 1 << 20

@@ -38,7 +38,7 @@ def tiny_dict(root: Path, *, sites: int = 2, rounds: int = 2, **sections: dict[s
 
 
 def tiny_config(root: Path, **kwargs: Any) -> Any:
-    from shared.config import config_from_dict
+    from fedpose.shared.config import config_from_dict
 
     return config_from_dict(tiny_dict(root, **kwargs))
 
@@ -50,7 +50,7 @@ def world_root(tmp_path_factory: Any) -> Path:
 
 def prepare_world(root: Path, **kwargs: Any) -> Any:
     """Tiny config with its data generated and pretrained weights cached under ``root``."""
-    from shared.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.runs import ensure_data, ensure_pretrained
 
     cfg = tiny_config(root, **kwargs)
     ensure_data(cfg, progress=False)
@@ -131,7 +131,7 @@ def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.2) -> No
 
 def fedpose_cli(*args: str) -> None:
     """The ``fedpose`` command line, in process."""
-    from cli.main import main
+    from fedpose.cli.main import main
 
     assert main(list(args)) == 0
 
@@ -220,7 +220,7 @@ class Pilot:
     def start_site(self, i: int, log_name: str | None = None, *extra: str) -> subprocess.Popen:
         """Site ``i``'s SuperNode through ``fedpose site start`` (the app-approval gate), key node-(i+1)."""
         proc = start([
-            sys.executable, "-m", "cli.main", "site", "start", "--approved", str(self.approved(i)),
+            sys.executable, "-m", "fedpose.cli.main", "site", "start", "--approved", str(self.approved(i)),
             "--policy", str(self.policy(i)), *extra, "--",
             "--root-certificates", str(self.certs / "ca.crt"), "--superlink", f"127.0.0.1:{self.link}",
             "--auth-supernode-private-key", str(self.certs / f"node-{i + 1}"),
@@ -293,9 +293,10 @@ def ledger_rows(path: Path, sql: str = "SELECT * FROM spend ORDER BY id", params
 
 
 class InProcessGrid:
-    """A Flower Grid whose nodes are the real site handlers (``client.client_app.on_query / on_train``), in process.
+    """A Flower Grid whose nodes are the real site handlers (``fedpose.client.client_app.on_query / on_train``), in
+    process.
 
-    The server's own round loop (``server.run.run_federation``) drives it: planning from the sites'
+    The server's own round loop (``fedpose.server.run.run_federation``) drives it: planning from the sites'
     declarations, requests, the sites' checks, training and ledgers, replies, aggregation, the claim.
     Flower's simulation (Ray) runs the same handlers; ``tests/test_federation_sim.py`` covers that path.
     """
@@ -317,7 +318,7 @@ class InProcessGrid:
     def send_and_receive(self, messages, timeout=None):
         from flwr.app import MessageType
 
-        from client.client_app import on_query, on_train
+        from fedpose.client.client_app import on_query, on_train
 
         replies = []
         for message in messages:

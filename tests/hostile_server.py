@@ -51,8 +51,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.serverapp import Grid, ServerApp
 
-    from shared.config import replace
-    from shared.federation_messages import (
+    from fedpose.shared.config import replace
+    from fedpose.shared.federation_messages import (
         ARRAYS,
         BASIS,
         CONFIG,
@@ -62,14 +62,14 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         basis_record,
         weights_record,
     )
-    from shared.model.posenet import apply_strategy
-    from shared.runs import initial_model
+    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.runs import initial_model
 
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from server.exchange import wait_for_nodes
+        from fedpose.server.exchange import wait_for_nodes
 
         node = wait_for_nodes(grid, 1, 180)[0]
         log: list[dict[str, Any]] = []
@@ -188,8 +188,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         # The Feature-DP read-out (P17): crafted weights and a V that leaves the read tensors out give the server
         # psi(x) and the exact labels of the record drawn when the public batch is one record. This site opted in
         # to Feature-DP but pins its public batch: a request for one record is refused.
-        from shared.experiments.reconstruction import attack_config, craft_weights, outside_basis
-        from shared.model.posenet import build_model
+        from fedpose.shared.experiments.reconstruction import attack_config, craft_weights, outside_basis
+        from fedpose.shared.model.posenet import build_model
 
         crafted_model = build_model(cfg.model, cfg.data.input_size)
         read_out = craft_weights(crafted_model)
@@ -199,8 +199,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         send("read-out-one-record", train(round=5, config=one_record, weights=read_out.state, steps=1,
                                           basis_mode="broadcast", basis=read_basis))
         # The site's operator withdraws the opt-in: its policy pins the record-level methods again.
-        from client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
-        from client.site_data import prepare_site
+        from fedpose.client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
+        from fedpose.client.site_data import prepare_site
 
         withdrawn = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["dpsgd", "proj"],
                                       "release_blurred_images_and_labels": False})
@@ -215,12 +215,12 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
 
 def main(argv: list[str]) -> int:
     config_path, out, results = Path(argv[0]), Path(argv[1]), Path(argv[2])
-    from cli.fed import prepare_simulation, simulation_apps
-    from cli.simulation import flower_env
-    from client.policy import load_policy, policy_to_dict, write_policy
-    from shared.config import load_config
-    from shared.data.mpii import load_split
-    from shared.data.records import content_hash
+    from fedpose.cli.fed import prepare_simulation, simulation_apps
+    from fedpose.cli.simulation import flower_env
+    from fedpose.client.policy import load_policy, policy_to_dict, write_policy
+    from fedpose.shared.config import load_config
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.records import content_hash
 
     cfg = load_config(config_path)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,12 +228,12 @@ def main(argv: list[str]) -> int:
     prepare_simulation(cfg, out, progress=False)
     site = cfg.data.train_splits[0]
     policy_path = out / "sites" / site / "policy.yaml"
-    from client.policy import policy_from_dict
+    from fedpose.client.policy import policy_from_dict
 
     pinned = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["fpdp"],
                                "lifetime_rounds": 4, "rounds_per_federation": 4})
     write_policy(policy_path, pinned)
-    from client.site_data import prepare_site
+    from fedpose.client.site_data import prepare_site
 
     prepare_site(pinned)  # the site's operator checks the changed policy
     private_hash = content_hash(load_split(Path(cfg.data.root), site)[0].image)

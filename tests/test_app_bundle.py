@@ -15,9 +15,11 @@ import tomllib
 
 from federation_support import REPO, bin_path, flower_env
 
+from fedpose.cli.app_bundle import PACKAGES
+
 
 def test_build_app_writes_the_app_that_flwr_builds_into_the_bundle_it_wrote(tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
 
     app = tmp_path / "srv" / "app"
     assert main(["server", "build-app", "--out", str(app)]) == 0
@@ -28,10 +30,15 @@ def test_build_app_writes_the_app_that_flwr_builds_into_the_bundle_it_wrote(tmp_
     # the app's Flower configuration is the repository's own, from one description
     ours = tomllib.loads((app / "pyproject.toml").read_text())
     repo = tomllib.loads((REPO / "pyproject.toml").read_text())
+    # (but for what it carries: the installed fedpose package here, the same packages' folders in a checkout)
+    carried = ["fedpose/**", "pyproject.toml"]
+    assert ours["tool"]["flwr"]["app"].pop("fab-include") == carried
+    assert repo["tool"]["flwr"]["app"].pop("fab-include") == [f"{p}/**" for p in PACKAGES] + ["pyproject.toml"]
     assert ours["tool"]["flwr"]["app"] == repo["tool"]["flwr"]["app"]
     assert (ours["project"]["name"], ours["project"]["version"]) == (repo["project"]["name"],
                                                                      repo["project"]["version"])
-    assert (app / "configs" / "default.yaml").is_file() and (app / "server" / "server_app.py").is_file()
+    assert (app / "fedpose" / "configs" / "default.yaml").is_file()
+    assert (app / "fedpose" / "server" / "server_app.py").is_file()
     assert not list(app.rglob("__pycache__"))
     # `flwr build`, as the kit's README says it (in a folder of its own), gives the same bytes
     build = tmp_path / "build"
@@ -42,15 +49,15 @@ def test_build_app_writes_the_app_that_flwr_builds_into_the_bundle_it_wrote(tmp_
     (built,) = build.glob("*.fab")
     assert built.read_bytes() == fab.read_bytes()
     # the components load from the app folder alone (what a SuperNode does with the bundle)
-    code = "import server.server_app, client.client_app, sys; print(server.server_app.__file__)"
+    code = "import fedpose.server.server_app as s, fedpose.client.client_app, sys; print(s.__file__)"
     env = {k: v for k, v in flower_env(tmp_path / "h").items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code], cwd=app, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith(str(app)), done.stdout + done.stderr
 
     # again (a new release): the folder build-app wrote is replaced, the same bytes come out
-    (app / "server" / "stale.py").write_text("x = 1\n")
+    (app / "fedpose" / "server" / "stale.py").write_text("x = 1\n")
     assert main(["server", "build-app", "--out", str(app)]) == 0
-    assert not (app / "server" / "stale.py").exists()
+    assert not (app / "fedpose" / "server" / "stale.py").exists()
     assert hashlib.sha256(fab.read_bytes()).hexdigest() == digest
     # a folder it did not write is never emptied
     other = tmp_path / "mine"
@@ -63,7 +70,7 @@ def test_build_app_writes_the_app_that_flwr_builds_into_the_bundle_it_wrote(tmp_
 
 
 def test_server_run_names_build_app_when_its_app_folder_is_not_an_app(tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
 
     assert main(["server", "run", "--connection", "pilot", "--out", str(tmp_path / "run"), "--app",
                  str(tmp_path)]) != 0

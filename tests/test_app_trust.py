@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cli.main import main as cli_main
-from client.app_trust import (
+from fedpose.cli.main import main as cli_main
+from fedpose.client.app_trust import (
     UnapprovedAppError,
     check_fab,
     fab_digest,
@@ -100,7 +100,7 @@ def test_gate_refuses_at_install_after_flower_holds_the_message(bundle):
 def test_gate_refuses_a_run_whose_app_id_or_version_differ_from_the_bundle(bundle):
     """#21 finding 8: Flower loads the app from a path built from the SuperLink's fab_id / fab_version; a
     version holding '/..' would load code that was never checked. Only the bundle's own names pass."""
-    from client.app_trust import bundle_metadata
+    from fedpose.client.app_trust import bundle_metadata
 
     digest = hashlib.sha256(bundle).hexdigest()
     assert bundle_metadata(bundle) == (RUN.fab_id, RUN.fab_version)
@@ -123,7 +123,7 @@ def test_each_gated_clientapp_installs_into_a_fresh_home_never_reusing_a_directo
     from flwr.cli.install import install_from_fab
     from flwr.common.config import get_project_dir
 
-    from client.app_trust import private_flower_home
+    from fedpose.client.app_trust import private_flower_home
 
     digest = hashlib.sha256(bundle).hexdigest()
     shared = tmp_path / "supernode-home"
@@ -202,8 +202,8 @@ def test_warm_start_forks_the_gated_clientapp_and_the_shim_falls_back_cold(tmp_p
     sock = Path(tempfile.mkdtemp(prefix="fedpose-test-")) / "s.sock"
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    server = subprocess.Popen([sys.executable, "-m", "client.warm", "--socket", str(sock), "--approved", str(approved)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([sys.executable, "-m", "fedpose.client.warm", "--socket", str(sock), "--approved",
+                               str(approved)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
@@ -234,8 +234,8 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     import importlib
     import time
 
-    from cli.supernode_poll import LOOP_MODULE
-    from shared.flower_waits import cap_waits
+    from fedpose.cli.supernode_poll import LOOP_MODULE
+    from fedpose.shared.flower_waits import cap_waits
 
     loop = importlib.import_module(LOOP_MODULE)
     source = inspect.getsource(loop.start_client_internal) + inspect.getsource(loop._push_messages)
@@ -253,10 +253,10 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
 
     # The SuperNode behind the cap is Flower's own entry point, with the site's arguments and exit codes.
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
-    done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--poll", "0.2", "--", "--help"], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.supernode_poll", "--poll", "0.2", "--", "--help"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0 and "--superlink" in done.stdout, done.stdout + done.stderr
-    done = subprocess.run([sys.executable, "-m", "cli.supernode_poll", "--", "--no-such-flag"], env=env,
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.supernode_poll", "--", "--no-such-flag"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2, done.stdout + done.stderr  # a usage error, which the supervisor never retries
 
@@ -273,7 +273,7 @@ def test_processes_that_wait_for_a_messages_objects_look_again_soon_in_the_insta
     gated ClientApp and the ServerApp retry after 0.05 s (at most 0.5 s apart, within Flower's time limit)."""
     import importlib
 
-    from shared.flower_waits import FIRST_RETRY, LONGEST_RETRY, quick_pulls
+    from fedpose.shared.flower_waits import FIRST_RETRY, LONGEST_RETRY, quick_pulls
     from flwr.supercore.constant import PULL_INITIAL_BACKOFF, PULL_MAX_TIME
 
     assert PULL_INITIAL_BACKOFF >= 1  # what the site would wait otherwise

@@ -4,7 +4,7 @@ A crafted but finite global model can make one record's per-sample gradient over
 after inf - inf) while every other record's stays finite. If that gradient reached the noisy sum, the
 site's reply would be NaN exactly when the target record was sampled: a membership oracle that no
 amount of noise hides. These tests drive that attack on the clipping helpers and through the real
-site path (``client.site.handle_train``, real SQLite ledger, the real pose model with crafted weights).
+site path (``fedpose.client.site.handle_train``, real SQLite ledger, the real pose model with crafted weights).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.privacy.clipping import clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.clipping import clipped_grad_sum, clipped_group_sum
 
 P = 6
 
@@ -105,10 +105,10 @@ def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     some activation overflows float32, which happens first for the image with the largest activations.
     Bisection on log s finds an s at which exactly one record (the target) overflows.
     """
-    from shared.model.posenet import apply_strategy, make_loss_fn
-    from shared.privacy.persample import per_sample_grads, per_sample_norms
-    from shared.runs import initial_model
-    from shared.train import make_dataset
+    from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
+    from fedpose.shared.privacy.persample import per_sample_grads, per_sample_norms
+    from fedpose.shared.runs import initial_model
+    from fedpose.shared.train import make_dataset
 
     model = initial_model(cfg, progress=False)
     trainable = apply_strategy(model, cfg.train.strategy)
@@ -147,22 +147,22 @@ def test_a_crafted_model_cannot_turn_the_reply_into_a_membership_oracle(world, t
     gradient contributes zero, the reply is finite, the round is spent as any other, and only the site's
     own log counts the zeroed contributions.
     """
-    from client.ledger import SiteLedger
-    from client.policy import min_sigma_for
-    from client.site import handle_train
-    from shared.data.mpii import load_split
-    from shared.federation_messages import ARRAYS, METRICS, record_tensors
+    from fedpose.client.ledger import SiteLedger
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.site import handle_train
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.federation_messages import ARRAYS, METRICS, record_tensors
     from test_federation_site import _policy, _request
 
     cfg = world
     records = load_split(Path(cfg.data.root), "site-0")
     state, target = _target_trigger(cfg, records)
     policy = _policy(cfg, tmp_path, sample_rate=1.0, expected_batch=float(len(records)), seed=3)
-    from client.site_data import prepare_site
+    from fedpose.client.site_data import prepare_site
 
     prepare_site(policy)
     sigma = min_sigma_for(policy)
-    with caplog.at_level(logging.INFO, logger="client"):
+    with caplog.at_level(logging.INFO, logger="fedpose.client"):
         reply = handle_train(_request(cfg, state, sigma=sigma, steps=2, sample_rate=1.0), policy)
     weights = record_tensors(reply[ARRAYS])
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())

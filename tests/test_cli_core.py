@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.main import main
+from fedpose.cli.main import main
 
 METRIC_KEYS = {
     "method", "strategy", "epsilon", "target_epsilon", "delta", "sigma", "sample_rate", "steps", "clip",
@@ -105,8 +105,8 @@ def test_every_command_follows_the_cli_conventions(capsys):
     """--version; -v/-q and help text on every option of every command; the exit-code scheme is the documented one."""
     import argparse
 
-    from cli.main import _leaves, build_parser, main
-    from shared.errors import ExitCode
+    from fedpose.cli.main import _leaves, build_parser, main
+    from fedpose.shared.errors import ExitCode
 
     parser = build_parser()
     with pytest.raises(SystemExit) as done:
@@ -142,7 +142,7 @@ def test_a_mistyped_option_gets_a_suggestion(argv, typo, suggestion, capsys):
 
 def test_server_run_says_the_exit_codes_it_returns(capsys):
     """Its help and the operator's guide said 1 (failed or stopped) and 3 (not submitted); it returns 5 for both."""
-    from cli.server import NOT_SUBMITTED, RUN_FAILED
+    from fedpose.cli.server import NOT_SUBMITTED, RUN_FAILED
     from federation_support import REPO
 
     with pytest.raises(SystemExit):
@@ -155,7 +155,7 @@ def test_server_run_says_the_exit_codes_it_returns(capsys):
 
 
 def test_simulate_prints_flowers_log_plain_through_a_pipe_and_coloured_on_a_terminal():
-    from cli.simulation import clean_log_line
+    from fedpose.cli.simulation import clean_log_line
 
     ray = ("\x1b[36m(ClientAppActor pid=7)\x1b[0m 10:06:17 INFO client.site: trained\x1b[32m [repeated 3x across "
            "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication.)\x1b[0m")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, config_from_dict, flatten, load_config, replace, unflatten
+from fedpose.shared.config import ConfigError, config_from_dict, flatten, load_config, replace, unflatten
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,8 +81,8 @@ def test_one_source_of_defaults_and_config_show_resolves_every_set(capsys):
     (before, strategy, epochs, psi strength and rounds differed); data.source alone has no default, on purpose."""
     import json
 
-    from cli.main import main
-    from shared.config import Config, flatten, load_config
+    from fedpose.cli.main import main
+    from fedpose.shared.config import Config, flatten, load_config
 
     shipped, defaults = flatten(load_config("default")), flatten(Config())
     assert {k for k in shipped if shipped[k] != defaults[k]} == {"data.source"}

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from shared.data import synth
-from shared.data.coco import load_coco
-from shared.data.dataset import PoseDataset, collate
-from shared.data.joints import FLIP_PAIRS, JOINT_NAMES, NUM_JOINTS
-from shared.data.mpii import load_mpii, load_split
-from shared.data.records import PoseRecord, content_hash, inside, sanitize_joints
-from shared.data.split import check_disjoint
-from shared.data.transforms import (
+from fedpose.shared.data import synth
+from fedpose.shared.data.coco import load_coco
+from fedpose.shared.data.dataset import PoseDataset, collate
+from fedpose.shared.data.joints import FLIP_PAIRS, JOINT_NAMES, NUM_JOINTS
+from fedpose.shared.data.mpii import load_mpii, load_split
+from fedpose.shared.data.records import PoseRecord, content_hash, inside, sanitize_joints
+from fedpose.shared.data.split import check_disjoint
+from fedpose.shared.data.transforms import (
     Augment,
     affine_matrix,
     flip_horizontal,
@@ -79,7 +79,7 @@ def test_a_ward_drawn_by_several_processes_is_the_same_ward(tmp_path: Path, ward
 
 
 def test_a_runs_data_identity_counts_the_records_of_each_split(ward: Path) -> None:
-    from shared.data.digest import data_identity
+    from fedpose.shared.data.digest import data_identity
 
     found = data_identity(ward, ["site-0", "public", "val"])
     assert found["records"] == {"site-0": TINY.per_site, "public": TINY.public, "val": TINY.val}
@@ -92,7 +92,7 @@ TINY_WARD_DIGEST = "59d6619e3dcbb12149fa62e19639a04aacd56a079d7b31d401298323c05a
 
 
 def test_the_synthetic_ward_is_pixel_for_pixel_the_pinned_one(ward: Path) -> None:
-    from shared.data.records import content_hash
+    from fedpose.shared.data.records import content_hash
 
     digest = hashlib.sha256()
     for path in sorted(p for p in ward.rglob("*") if p.is_file()):
@@ -190,7 +190,7 @@ def test_sites_differ_and_public_style_is_separate() -> None:
 
 def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, ward: Path) -> None:
     """The study's domain-shift ablation: data.synth.public_style = shifted."""
-    from shared.config import config_from_dict
+    from fedpose.shared.config import config_from_dict
 
     shifted = synth.generate_ward(tmp_path / "shifted", dataclasses.replace(TINY, public_style="shifted"),
                                   progress=False)
@@ -210,7 +210,7 @@ def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, wa
     cfg = config_from_dict({"data": {"synth": {"public_style": "shifted"}}})
     assert cfg.data.synth.public_style == "shifted"
     # Pretrained weights cached before the field existed are still this config's (their fingerprint lacks it).
-    from shared.train import config_fingerprint
+    from fedpose.shared.train import config_fingerprint
 
     assert "public_style" not in config_fingerprint(config_from_dict({}), "data")["data"]["synth"]
     assert config_fingerprint(cfg, "data")["data"]["synth"]["public_style"] == "shifted"
@@ -370,7 +370,7 @@ def test_coco_fixture_maps_to_mpii_joints() -> None:
 
 
 def test_coco_unlabelled_face_leaves_head_invisible() -> None:
-    from shared.data.coco import coco_to_mpii
+    from fedpose.shared.data.coco import coco_to_mpii
 
     kp = np.zeros((17, 3))
     kp[5:, :2] = np.arange(24).reshape(12, 2) + 10

@@ -85,7 +85,7 @@ def test_the_cli_reference_lists_no_hidden_option():
 
 
 def test_every_fedpose_command_in_the_docs_parses():
-    from cli.main import build_parser
+    from fedpose.cli.main import build_parser
 
     bad, seen = [], 0
     for page in USER_DOCS:
@@ -146,7 +146,7 @@ def test_the_centralized_tutorial_prints_what_its_page_shows(tmp_path):
     sets = [f"{k}={json.dumps(v)}" for k, v in _flat(data).items() if not k.startswith(("federation.", "runtime."))]
     sets.append("train.epochs=2")
     argv = [a if a != "runs/fpdp" else str(tmp_path / "fpdp") for a in argv]
-    done = subprocess.run([sys.executable, "-m", "cli.main", *argv, *[x for s in sets for x in ("--set", s)],
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", *argv, *[x for s in sets for x in ("--set", s)],
                            "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     for shown in re.findall(r"^(PCKh@0.5 mean: |data: synthetic ward at |privacy: epsilon spent = )", page, re.M):
@@ -181,8 +181,8 @@ def test_the_quickstart_runs_as_its_page_says_on_a_tiny_ward(tmp_path):
         argv = [a.replace("runs/", f"{tmp_path}/runs/") for a in argv]
         if argv[0] == "simulate":  # as the page runs it, not --quiet: its output is what a user reads
             argv += [x for s in sets for x in ("--set", s)]
-        done = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+        done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", *argv], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)
         if argv[0] == "simulate":  # read through a pipe: no terminal codes, no Ray markers, Flower's lines once

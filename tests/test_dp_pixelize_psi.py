@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from federation_support import prepare_world, world_root
-from shared.config import ConfigError, config_from_dict, replace
-from shared.config_flat import identity_flat
-from shared.pixelization.spec import PixelizeSpec
-from shared.privacy.claims import privacy_claim
-from shared.privacy.psi import DPPixelize, Pixelate, apply_psi, psi_label_of
+from fedpose.shared.config import ConfigError, config_from_dict, replace
+from fedpose.shared.config_flat import identity_flat
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.shared.privacy.claims import privacy_claim
+from fedpose.shared.privacy.psi import DPPixelize, Pixelate, apply_psi, psi_label_of
 
 
 def _gray(batch: int, h: int = 32, w: int = 24) -> torch.Tensor:
@@ -84,8 +84,8 @@ def world(tmp_path_factory):
 
 
 def test_a_centralized_run_trains_on_the_releases_and_claims_the_composition(world, tmp_path, monkeypatch):
-    import shared.train as train_module
-    from shared.runs import run_train
+    import fedpose.shared.train as train_module
+    from fedpose.shared.runs import run_train
 
     cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "privacy.psi": "dp-pixelize",
                             "privacy.psi_param": 4, "privacy.psi_eps": 2.0, "privacy.psi_m": 2})
@@ -112,7 +112,7 @@ def test_a_centralized_run_trains_on_the_releases_and_claims_the_composition(wor
 
 
 def test_a_federation_refuses_dp_pixelize_before_anything_runs(world, tmp_path):
-    from server.run import run_federation
+    from fedpose.server.run import run_federation
 
     cfg = replace(world, **{"privacy.psi": "dp-pixelize", "privacy.psi_param": 4})
     with pytest.raises(ConfigError, match="centralized runs only"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge.export import (
+from fedpose.edge.export import (
     INPUT_NAME,
     OUTPUT_NAMES,
     TRT10_ONNX_OPS,
@@ -30,8 +30,8 @@ from edge.export import (
     unsupported_ops,
     verify_onnx,
 )
-from edge.quantize import compare_precisions, quantize_int8, record_crops
-from edge.trt_build import (
+from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
+from fedpose.edge.trt_build import (
     TRT_INSTALL_HINT,
     build_engine,
     check_build_request,
@@ -39,8 +39,8 @@ from edge.trt_build import (
     read_onnx_info,
     trtexec_command,
 )
-from shared.config import ModelConfig
-from shared.model.posenet import build_model
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.model.posenet import build_model
 
 INPUT = (64, 48)
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None and importlib.util.find_spec("cuda") is not None
@@ -220,8 +220,8 @@ def test_fp16_export_runs(model, tmp_path):
 
 
 def test_int8_qdq_runs_and_reports_accuracy(model, exported, tmp_path):
-    from shared.data.mpii import load_split
-    from shared.data.synth import WardSpec, generate_ward
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.synth import WardSpec, generate_ward
 
     root = generate_ward(tmp_path / "ward", WardSpec(sites=1, per_site=1, public=24, val=8, seed=3), progress=False)
     public, val = load_split(root, "public"), load_split(root, "val")
@@ -325,7 +325,7 @@ def test_build_without_tensorrt_gives_install_hint(exported, tmp_path):
 def test_tensorrt_engine_matches_onnxruntime(exported, tmp_path):  # pragma: no cover - needs an NVIDIA GPU
     if not torch.cuda.is_available():
         pytest.skip("TensorRT is installed but no CUDA GPU is visible")
-    from edge.runtime import make_runtime
+    from fedpose.edge.runtime import make_runtime
 
     plan = build_engine(exported["dynamic"][0], tmp_path / "m.plan", precision="fp32", batch=(1, 2, 4))
     x = np.random.default_rng(0).random((3, 3, *INPUT), dtype=np.float32)
@@ -341,8 +341,8 @@ def test_reduced_precision_engines_agree_with_onnxruntime(model, exported, tmp_p
     docs/how-to/edge.md states (keypoints within 1 input pixel for 95% of joints at FP16, 2 px at INT8)."""
     if not torch.cuda.is_available():
         pytest.skip("TensorRT is installed but no CUDA GPU is visible")
-    from edge.runtime import make_runtime
-    from shared.model.simcc_decode import decode_simcc
+    from fedpose.edge.runtime import make_runtime
+    from fedpose.shared.model.simcc_decode import decode_simcc
 
     source = exported["dynamic"][0]
     if precision == "int8":

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # Runs one fedpose command in-process and fails if it pulled in the training stack.
 RUN = """
 import sys
-from cli.main import main
+from fedpose.cli.main import main
 code = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "flwr", "ray", "opacus", "scipy", "onnx") if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
@@ -66,18 +66,24 @@ def test_the_edge_extra_installs_no_training_stack(slim):
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"onnxruntime", "opencv-python-headless", "numpy", "fedpose"} <= names
     assert not names & {"torch", "flwr", "ray", "opacus", "onnxruntime-gpu", "scipy", "matplotlib"}, names
-    where = subprocess.run([str(slim), "-c", "import cli, sys; print(cli.__file__)"], cwd=slim.parent,
+    where = subprocess.run([str(slim), "-c", "import fedpose.cli as cli; print(cli.__file__)"], cwd=slim.parent,
                            capture_output=True, text=True, check=True).stdout
     assert "site-packages" in where  # the installed wheel, not this checkout
+    # one import root: nothing of ours beside fedpose/ in site-packages (another distribution's server/ or
+    # shared/ would overwrite ours, and a user's own folder of that name would shadow it)
+    files = subprocess.run([str(slim), "-m", "pip", "show", "--files", "fedpose"], capture_output=True, text=True,
+                           check=True).stdout.split("Files:", 1)[1].split()
+    tops = {f.split("/")[0] for f in files if not f.startswith("..")}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"fedpose"}, sorted(tops)
 
 
 def test_camera_commands_run_without_torch(slim, tmp_path):
     import cv2
     import torch
 
-    from edge.export import export_onnx
-    from shared.config import ModelConfig
-    from shared.model.posenet import build_model
+    from fedpose.edge.export import export_onnx
+    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="tinyvit-small"), (64, 48)).eval()
@@ -94,6 +100,10 @@ def test_camera_commands_run_without_torch(slim, tmp_path):
     frames = sorted((tmp_path / "run" / "pixelized").glob("*.npz"))
     assert len(frames) == 16 and (tmp_path / "run" / "annotated.mp4").is_file()
     assert "Released by this run" in done.stdout  # the claim is printed
+    # the demo clip has its ground truth beside it: the run scores itself, printed and in summary.json
+    assert "accuracy vs ground truth" in done.stdout and "PCK@0.2" in done.stdout
+    accuracy = json.loads((tmp_path / "run" / "summary.json").read_text())["accuracy"]
+    assert 0.0 <= accuracy["pck@0.2"] <= 1.0
 
     restored = tmp_path / "restored.png"
     done = _fedpose(slim, "edge", "restore", "--in", str(frames[0]), "--out", str(restored), cwd=tmp_path)
@@ -118,9 +128,9 @@ def test_engine_build_needs_neither_onnx_nor_torch(slim, tmp_path):
     missing TensorRT, with its install hint (never asking for the train extra or `onnx`)."""
     import torch
 
-    from edge.export import export_onnx
-    from shared.config import ModelConfig
-    from shared.model.posenet import build_model
+    from fedpose.edge.export import export_onnx
+    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="tinyvit-small"), (64, 48)).eval()

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 import torch
 
-from cli.main import main as cli_main
-from edge.demo_video import DemoSpec, load_truth, render_demo, sidecar_path, write_demo_video
-from edge.export import export_onnx
-from edge.pipeline import (
+from fedpose.cli.main import main as cli_main
+from fedpose.edge.demo_video import DemoSpec, load_truth, render_demo, sidecar_path, write_demo_video
+from fedpose.edge.export import export_onnx
+from fedpose.edge.pipeline import (
     KEYPOINTS_FILE,
     FrameSource,
     PipelineOptions,
@@ -41,9 +41,9 @@ from edge.pipeline import (
     parse_pixelize,
     run_pipeline,
 )
-from edge.runtime import make_runtime
-from shared.config import ModelConfig
-from shared.model.posenet import build_model
+from fedpose.edge.runtime import make_runtime
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.model.posenet import build_model
 
 INPUT = (64, 48)
 CLIP = DemoSpec(frames=48, size=(192, 144), seed=0, key_every=16, style="public")
@@ -177,9 +177,9 @@ def trained(tmp_path_factory):
     """A trained model exported to ONNX: FEDPOSE_EDGE_CHECKPOINT if set, else pretrained here with run_pretrain."""
     import os
 
-    from shared.config import config_from_dict
-    from shared.model.posenet import load_checkpoint
-    from shared.runs import run_pretrain
+    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.model.posenet import load_checkpoint
+    from fedpose.shared.runs import run_pretrain
 
     root = tmp_path_factory.mktemp("trained")
     path = os.environ.get("FEDPOSE_EDGE_CHECKPOINT")
@@ -300,8 +300,8 @@ def _errors_vs_truth(rows: list[dict], truth: dict, size: tuple[int, int]) -> tu
     The baseline is the clip's average pose in crop coordinates put into the run's own boxes: what a model
     that ignores the pixels could at best output, given the same crops.
     """
-    from edge.prepost import box_to_center_scale
-    from shared.data.transforms import affine_matrix, invert_affine, warp_points
+    from fedpose.edge.prepost import box_to_center_scale
+    from fedpose.shared.data.transforms import affine_matrix, invert_affine, warp_points
 
     pred = np.array([r["keypoints"] for r in rows])[..., :2]  # (F, 16, 2)
     gt = truth["joints"]
@@ -350,9 +350,9 @@ def test_pipeline_keypoints_match_ground_truth(trained, clip, tmp_path):
 
 def test_int8_accuracy_drop_on_trained_model(trained, tmp_path):
     """INT8 vs FP32 PCKh of a trained model on a small synthetic val split (needs FEDPOSE_EDGE_CHECKPOINT)."""
-    from edge.quantize import compare_precisions, quantize_int8, record_crops
-    from shared.data.mpii import load_split
-    from shared.data.synth import WardSpec, generate_ward
+    from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.synth import WardSpec, generate_ward
 
     root = generate_ward(tmp_path / "ward", WardSpec(sites=1, per_site=1, public=64, val=64, seed=5), progress=False)
     size = tuple(trained.model.input_size)
@@ -477,7 +477,7 @@ def test_unreadable_frames_are_skipped_and_max_frames_stops(random_onnx, clip, t
 
 
 def test_cli_export_then_run(tmp_path, clip, capsys):
-    from shared.model.posenet import save_checkpoint
+    from fedpose.shared.model.posenet import save_checkpoint
 
     torch.manual_seed(2)
     save_checkpoint(tmp_path / "model.pt", build_model(ModelConfig(variant="tinyvit-small"), INPUT))
@@ -504,7 +504,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "FPS" in out and "p50" in out and "p95" in out
-    from edge.pixelize import pixelize_claim
+    from fedpose.edge.pixelize import pixelize_claim
 
     spec, _ = parse_pixelize("eps=1,b=8,m=8,n=2")
     assert pixelize_claim(spec, mask_source="keypoints", frames=12) in out
@@ -516,7 +516,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     assert _frame_count(run_dir / "annotated.mp4") == 12
     npz = sorted((run_dir / "pixelized").glob("*.npz"))
     assert len(npz) == 12
-    from edge.pixelize import load_npz
+    from fedpose.edge.pixelize import load_npz
 
     released = load_npz(npz[5])
     assert released.b == 8 and released.s_b == 4 and released.channels == 1
@@ -555,7 +555,7 @@ def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
                      "--seed", "1"])
     text = capsys.readouterr().out
     assert code == 0 and out.is_file() and "keypoints" in text
-    from edge.pixelize import load_npz
+    from fedpose.edge.pixelize import load_npz
 
     released = load_npz(out)
     assert released.channels == 3 and released.s_b == 4
@@ -622,7 +622,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     derived from the raw frames and NOT protected. An explicit --overlay draws the skeleton, and then the
     claim says so.
     """
-    from edge.pixelize import load_npz
+    from fedpose.edge.pixelize import load_npz
 
     frames = 8
     run_dir = tmp_path / "run"
@@ -669,7 +669,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
 
 
 def test_cli_device_maps_to_onnxruntime_providers_and_prints_the_ones_used(random_onnx, clip, tmp_path, capsys):
-    from edge.onnx_runtime import providers_for
+    from fedpose.edge.onnx_runtime import providers_for
 
     assert providers_for("tensorrt")[0] == "TensorrtExecutionProvider"
     assert providers_for("cpu") == ["CPUExecutionProvider"]
@@ -715,10 +715,11 @@ def test_sigterm_ends_the_camera_run_with_its_outputs_finalised(random_onnx, tmp
     source = tmp_path / "long.mp4"
     write_demo_video(source, DemoSpec(frames=600, size=(192, 144), seed=1, style="public"))
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "edge", "run", "--model", str(random_onnx), "--source",
-                             str(source), "--out", str(out), "--video", "--pixelize", "eps=0.5,b=16,m=16,n=4",
-                             "--threads", "1"], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": "."})
+    proc = subprocess.Popen([sys.executable, "-m", "fedpose.cli.main", "edge", "run", "--model", str(random_onnx),
+                             "--source", str(source), "--out", str(out), "--video", "--pixelize",
+                             "eps=0.5,b=16,m=16,n=4", "--threads", "1"], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": "."})
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -787,7 +788,7 @@ def test_cli_stream_that_never_opens_gives_up_within_the_first_open_budget(rando
 
 
 def test_cli_sizes_are_written_height_first(tmp_path, capsys):
-    from edge.pixelize import PixelizeSpec, pixelize, save_npz
+    from fedpose.edge.pixelize import PixelizeSpec, pixelize, save_npz
 
     image = np.random.default_rng(0).integers(0, 256, (96, 128), dtype=np.uint8)  # 96x128 (HxW)
     save_npz(pixelize(image, PixelizeSpec(eps=1, b=16, m=4), rng=np.random.default_rng(0)), tmp_path / "f.npz")

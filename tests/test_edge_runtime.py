@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from edge.export import export_onnx
-from edge.onnx_runtime import OnnxRuntime
-from edge.pipeline import BoxTracker
-from edge.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
-from edge.runtime import backend_for, make_runtime
-from edge.torch_runtime import TorchRuntime
-from shared.config import ModelConfig
-from shared.data.transforms import affine_matrix, warp_points
-from shared.model.posenet import build_model, save_checkpoint
+from fedpose.edge.export import export_onnx
+from fedpose.edge.onnx_runtime import OnnxRuntime
+from fedpose.edge.pipeline import BoxTracker
+from fedpose.edge.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
+from fedpose.edge.runtime import backend_for, make_runtime
+from fedpose.edge.torch_runtime import TorchRuntime
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.data.transforms import affine_matrix, warp_points
+from fedpose.shared.model.posenet import build_model, save_checkpoint
 
 INPUT = (64, 48)
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None and importlib.util.find_spec("cuda") is not None
@@ -47,7 +47,7 @@ def _model_file(files, backend):
     if backend == "tensorrt":
         if not HAS_TRT or not torch.cuda.is_available():
             pytest.skip(TRT_SKIP)
-        from edge.trt_build import build_engine  # pragma: no cover - GPU only
+        from fedpose.edge.trt_build import build_engine  # pragma: no cover - GPU only
 
         plan = files["root"] / "model.plan"  # pragma: no cover
         if not plan.exists():  # pragma: no cover

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import ModelConfig
-from shared.data import synth
-from shared.data.face import LANDMARK_NAMES, FaceLabels, read_faces, write_faces
-from shared.data.transforms import Augment
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.data import synth
+from fedpose.shared.data.face import LANDMARK_NAMES, FaceLabels, read_faces, write_faces
+from fedpose.shared.data.transforms import Augment
 
 SPEC = synth.WardSpec(sites=1, per_site=60, public=40, val=20, seed=3, image_size=128, images_per_identity=4)
 INPUT = (64, 48)
@@ -78,7 +78,7 @@ def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(ward):
             np.testing.assert_allclose(face.head_pose, want.head_pose, atol=1e-3)
             assert np.array_equal(face.visible, want.visible)
     # the pose reader attaches them to the records
-    from shared.data.mpii import load_split
+    from fedpose.shared.data.mpii import load_split
 
     records = load_split(root, "val")
     assert [r.face is not None for r in records] == [f is not None for f in faces]
@@ -113,8 +113,8 @@ def test_face_file_errors_name_the_problem(tmp_path):
 
 
 def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
-    from shared.data.dataset import PoseDataset
-    from shared.data.mpii import load_split
+    from fedpose.shared.data.dataset import PoseDataset
+    from fedpose.shared.data.mpii import load_split
 
     root = ward
     synth.ensure_faces(root, SPEC, "site-0")
@@ -141,7 +141,7 @@ def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
         a = plain[i]
         if a["face_present"] < 1:
             continue
-        from shared.data.transforms import affine_matrix, transform_face
+        from fedpose.shared.data.transforms import affine_matrix, transform_face
 
         rec = records[i]
         m = affine_matrix(rec.center, rec.scale, INPUT)
@@ -155,7 +155,7 @@ def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
         flips += 1
     assert flips > 10
     # an empty Poisson batch keeps every face key, correctly shaped
-    from shared.data.dataset import FACE_KEYS, KEYS
+    from fedpose.shared.data.dataset import FACE_KEYS, KEYS
 
     assert set(ds[0]) == set(KEYS) | set(FACE_KEYS) == set(ds.batch([0, 1]))
     empty = ds.batch([])
@@ -187,10 +187,10 @@ def _face_batch(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("strategy,uncertainty", [("finetune", True), ("full", False)])
 def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertainty):
-    from shared.model.face_head import loss_terms
-    from shared.model.posenet import apply_strategy, build_model, make_loss_fn
-    from shared.privacy import bookkeeping
-    from shared.privacy.clipping import clipped_grad_sum
+    from fedpose.shared.model.face_head import loss_terms
+    from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
+    from fedpose.shared.privacy import bookkeeping
+    from fedpose.shared.privacy.clipping import clipped_grad_sum
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=ALL_TASKS, task_uncertainty=uncertainty), INPUT)
@@ -220,7 +220,7 @@ def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertaint
 
 
 def test_head_pose_loss_wraps_around_180_degrees():
-    from shared.model.face_head import face_losses
+    from fedpose.shared.model.face_head import face_losses
 
     out = torch.zeros(2, 3)
     out[:, :] = 179.0 / 90.0
@@ -231,7 +231,7 @@ def test_head_pose_loss_wraps_around_180_degrees():
 
 
 def test_checkpoint_keeps_the_face_head(tmp_path):
-    from shared.model.posenet import build_model, load_checkpoint, save_checkpoint
+    from fedpose.shared.model.posenet import build_model, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=("landmarks", "detect")), INPUT).eval()
@@ -261,12 +261,12 @@ def face_world(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
 def test_face_heads_train_under_every_method(face_world, method):
-    from shared.runs import initial_model, load_records
-    from shared.train import local_train, make_dataset, public_basis_at, select_device
+    from fedpose.shared.runs import initial_model, load_records
+    from fedpose.shared.train import local_train, make_dataset, public_basis_at, select_device
 
     cfg = face_world
     model = initial_model(cfg, progress=False)
-    from shared.model.posenet import apply_strategy
+    from fedpose.shared.model.posenet import apply_strategy
 
     trainable = apply_strategy(model, cfg.train.strategy)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("face_head.")}
@@ -277,7 +277,7 @@ def test_face_heads_train_under_every_method(face_world, method):
     public = make_dataset(load_records(cfg.data.root, cfg.data.public_split), cfg, train=False)
     basis = None
     if method in ("proj", "fpdp"):
-        from shared.model.posenet import make_loss_fn
+        from fedpose.shared.model.posenet import make_loss_fn
 
         basis = public_basis_at(model, make_loss_fn(model, trainable), trainable, public, cfg.privacy,
                                 select_device("cpu"))
@@ -292,7 +292,7 @@ def test_face_heads_train_under_every_method(face_world, method):
 
 
 def test_a_face_run_reports_the_face_metrics_and_names_its_labels_in_the_claim(face_world, tmp_path):
-    from shared.runs import run_train
+    from fedpose.shared.runs import run_train
 
     run_train(face_world, tmp_path / "run", progress=False)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -313,14 +313,14 @@ def test_a_face_run_reports_the_face_metrics_and_names_its_labels_in_the_claim(f
 def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     import onnx
 
-    from edge.demo_video import DemoSpec, load_truth, write_demo_video
-    from edge.export import export_onnx, export_outputs
-    from edge.onnx_runtime import OnnxRuntime
-    from edge.pipeline import FrameSource, PipelineOptions, run_pipeline
-    from edge.pipeline.outputs import release_claim
-    from edge.pixelize import PixelizeSpec
-    from edge.torch_runtime import TorchRuntime
-    from shared.model.posenet import build_model, save_checkpoint
+    from fedpose.edge.demo_video import DemoSpec, load_truth, write_demo_video
+    from fedpose.edge.export import export_onnx, export_outputs
+    from fedpose.edge.onnx_runtime import OnnxRuntime
+    from fedpose.edge.pipeline import FrameSource, PipelineOptions, run_pipeline
+    from fedpose.edge.pipeline.outputs import release_claim
+    from fedpose.edge.pixelize import PixelizeSpec
+    from fedpose.edge.torch_runtime import TorchRuntime
+    from fedpose.shared.model.posenet import build_model, save_checkpoint
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=ALL_TASKS), INPUT).eval()
@@ -434,9 +434,9 @@ def _aflw(tmp_path, *, mirror_names: bool = False, flip_roll: bool = False):
 
 @pytest.mark.parametrize("mirror_names,flip_roll", [(False, False), (True, False), (False, True)])
 def test_aflw_converts_to_the_layout_with_its_conventions_checked(tmp_path, mirror_names, flip_roll):
-    from shared.data.aflw import ATTRIBUTES, load_aflw
-    from shared.data.convert import convert
-    from shared.data.mpii import load_split
+    from fedpose.shared.data.aflw import ATTRIBUTES, load_aflw
+    from fedpose.shared.data.convert import convert
+    from fedpose.shared.data.mpii import load_split
 
     database, images, truth = _aflw(tmp_path, mirror_names=mirror_names, flip_roll=flip_roll)
     records, report = load_aflw(database, images)
@@ -465,7 +465,7 @@ def test_aflw_converts_to_the_layout_with_its_conventions_checked(tmp_path, mirr
 def test_aflw_refuses_what_is_not_an_aflw_database(tmp_path):
     import sqlite3
 
-    from shared.data.aflw import load_aflw
+    from fedpose.shared.data.aflw import load_aflw
 
     (tmp_path / "img").mkdir()
     sqlite3.connect(tmp_path / "other.sqlite").execute("CREATE TABLE t (x)").connection.close()
@@ -476,7 +476,7 @@ def test_aflw_refuses_what_is_not_an_aflw_database(tmp_path):
 
 
 def test_face_metrics_on_hand_made_predictions():
-    from shared.face_metrics import face_lines, face_report
+    from fedpose.shared.face_metrics import face_lines, face_report
 
     eyes = np.array([[10.0, 20.0], [20.0, 20.0], [15.0, 25.0], [12.0, 30.0], [18.0, 30.0]])
     truth = {"labelled": np.array([1, 1, 1, 0], bool), "present": np.array([1, 1, 0, 1], bool),
@@ -502,18 +502,18 @@ def test_face_metrics_on_hand_made_predictions():
 
 
 def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_world, tmp_path):
-    from client.policy import min_sigma_for
-    from shared.federation_messages import ARRAYS, Refusal, RefusalCode
-    from shared.runs import initial_model
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode
+    from fedpose.shared.runs import initial_model
     from test_federation_site import _policy, _request, _rows
 
     cfg = face_world
     state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
     allowed = _policy(cfg, tmp_path / "a", face_tasks=list(ALL_TASKS), methods=["dpsgd"])
-    from client.site import handle_train
+    from fedpose.client.site import handle_train
 
     reply = handle_train(_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
-    from shared.federation_messages import record_tensors
+    from fedpose.shared.federation_messages import record_tensors
 
     weights = record_tensors(reply[ARRAYS])
     moved = [k for k in weights if k.startswith("face_head.") and not torch.equal(weights[k], state[k])]

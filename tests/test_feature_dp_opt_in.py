@@ -12,7 +12,7 @@ within Feature-DP's definition, so:
 - the console, ``fedpose site status`` and the printed claim say which guarantee is in force and, under Feature-DP,
   that the server can read the blurred images and labels exactly.
 
-Real files: the tiny synthetic world, real SQLite ledgers, ``client.site.handle_train``.
+Real files: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.policy import min_sigma_for
-from client.site import handle_train
-from shared.config import replace
-from shared.federation_messages import Refusal, RefusalCode
+from fedpose.client.policy import min_sigma_for
+from fedpose.client.site import handle_train
+from fedpose.shared.config import replace
+from fedpose.shared.federation_messages import Refusal, RefusalCode
 from test_federation_site import _policy, _request, _rows
 from test_site_releases import world  # noqa: F401 (the shared tiny world)
 
@@ -55,7 +55,7 @@ def test_a_policy_without_methods_trains_the_record_level_methods_only(world, tm
 
 @pytest.mark.invariant("P17")
 def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
-    from cli import kit_templates as kit
+    from fedpose.cli import kit_templates as kit
 
     text = kit.POLICY
     assert "release_blurred_images_and_labels: false" in text
@@ -83,10 +83,10 @@ def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
 def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
     from pathlib import Path
 
-    import shared.train as train_module
-    from shared.data.mpii import load_split
-    from shared.runs import initial_model
-    from shared.train import local_train, make_dataset
+    import fedpose.shared.train as train_module
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.runs import initial_model
+    from fedpose.shared.train import local_train, make_dataset
 
     cfg, _ = world
     records = load_split(Path(cfg.data.root), "site-0")[:6]
@@ -113,8 +113,8 @@ def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world
 
 @pytest.mark.invariant("P17")
 def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world, tmp_path):
-    from client.site_status import guarantee_in_force, plain_policy
-    from shared.privacy.claims import privacy_claim
+    from fedpose.client.site_status import guarantee_in_force, plain_policy
+    from fedpose.shared.privacy.claims import privacy_claim
 
     cfg, _ = world
     record = _policy(cfg, tmp_path / "r", release_blurred_images_and_labels=False, prepare=False)

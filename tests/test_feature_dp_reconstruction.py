@@ -1,9 +1,9 @@
 """P17 measured: what one Feature-DP reply gives a server that crafts the weights, and that a site which pins
 the record-level methods gives it nothing.
 
-Real files throughout: the tiny synthetic world, real SQLite ledgers, ``client.site.handle_train``; the
-server's side is ``shared.experiments.reconstruction`` (crafted weights, V outside the read tensors) and
-``shared.experiments.reconstruction_read`` (the read-out and its score).
+Real files throughout: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``; the
+server's side is ``fedpose.shared.experiments.reconstruction`` (crafted weights, V outside the read tensors) and
+``fedpose.shared.experiments.reconstruction_read`` (the read-out and its score).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.policy import min_sigma_for
-from client.site import handle_train, load_split_dir, site_info
-from shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
-from shared.experiments.reconstruction_read import (
+from fedpose.client.policy import min_sigma_for
+from fedpose.client.site import handle_train, load_split_dir, site_info
+from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
+from fedpose.shared.experiments.reconstruction_read import (
     find_record,
     planes_of,
     psnr,
@@ -25,7 +25,7 @@ from shared.experiments.reconstruction_read import (
     render,
     score,
 )
-from shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _q, _rows
 
 # The read-out is exact up to float32 rounding (measured: about 130 dB, joints within 3e-7 px). 80 dB is an
@@ -43,7 +43,7 @@ def world(tmp_path_factory):
 
 
 def _crafted(cfg):
-    from shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import apply_strategy, build_model
 
     model = build_model(cfg.model, cfg.data.input_size)
     crafted = craft_weights(model)
@@ -53,7 +53,7 @@ def _crafted(cfg):
 
 def _site_psi(cfg, policy):
     """Every record of the site's data: psi(x) of its canonical crop, as the public term sees it, and labels."""
-    from shared.train import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.train import make_dataset, make_psi_from, psi_on
 
     records = load_split_dir(Path(policy.data_path), "site data")
     canonical = make_dataset(records, cfg, train=False)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from federation_support import Pilot, app_snapshot, bin_path, ledger_rows, prepare_world, start, stop, world_root
-from shared.config import dump_config
-from shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.config import dump_config
+from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["accepted"] == ["site-0", "site-1"] for r in rounds)
     assert all(r["basis_version"] == 1 for r in rounds)
-    from shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import apply_strategy, build_model
 
     model = build_model(cfg.model, cfg.data.input_size)
     named = dict(model.named_parameters())

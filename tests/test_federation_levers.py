@@ -11,13 +11,13 @@ import pytest
 import torch
 from federation_support import prepare_world, world_root
 
-from client.policy import min_sigma_for, policy_from_dict
-from client.site import handle_train
-from server.aggregate import ServerOptimizer, server_optimizer
-from server.run import fedavg
-from shared.config import ConfigError, replace
-from shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
-from shared.optim_state import load_state, save_state, state_path
+from fedpose.client.policy import min_sigma_for, policy_from_dict
+from fedpose.client.site import handle_train
+from fedpose.server.aggregate import ServerOptimizer, server_optimizer
+from fedpose.server.run import fedavg
+from fedpose.shared.config import ConfigError, replace
+from fedpose.shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
+from fedpose.shared.optim_state import load_state, save_state, state_path
 
 
 def _w(*values: float) -> dict[str, torch.Tensor]:
@@ -26,7 +26,7 @@ def _w(*values: float) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from shared.runs import initial_model
+    from fedpose.shared.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     model = initial_model(cfg, progress=False)
@@ -127,7 +127,7 @@ def test_state_round_trip_and_refusals(tmp_path):
 
 def _policy(cfg, tmp_path, *, rounds: int):
     """The tiny world's site-0 under a policy that pins this config's mechanism, its checks run."""
-    from client.site import load_split_dir, prepare_site, public_digest
+    from fedpose.client.site import load_split_dir, prepare_site, public_digest
 
     root = Path(cfg.data.root)
     policy = policy_from_dict({
@@ -179,9 +179,9 @@ def test_fresh_site_optimizer_writes_no_state(world, tmp_path):
 
 def test_a_resumed_server_takes_the_same_fedadam_step_as_one_that_never_stopped(tmp_path):
     """The server optimizer's moments travel in the server checkpoint (issue #9): resuming does not reset them."""
-    from server.checkpoint import ServerState
-    from server.checkpoint import load_state as load_server_state
-    from server.checkpoint import save_state as save_server_state
+    from fedpose.server.checkpoint import ServerState
+    from fedpose.server.checkpoint import load_state as load_server_state
+    from fedpose.server.checkpoint import save_state as save_server_state
 
     gen = torch.Generator().manual_seed(0)
     w = {"a": torch.randn(4, 3, generator=gen), "b": torch.randn(5, generator=gen)}

@@ -28,8 +28,8 @@ from federation_support import (
     world_root,
 )
 
-from shared.config import dump_config
-from shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.config import dump_config
+from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,8 @@ def test_simulation_two_rounds_with_server_kill_and_resume(tmp_path: Path, tmp_p
     dump_config(cfg, config_path)
     out = tmp_path / "out"
     env = flower_env(tmp_path / "flwr-home")
-    cmd = [sys.executable, "-m", "cli.main", "simulate", "--config", str(config_path), "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "fedpose.cli.main", "simulate", "--config", str(config_path), "--out", str(out),
+           "--quiet"]
 
     first = start(cmd, tmp_path / "first.log", env)
     try:
@@ -106,15 +107,15 @@ def test_simulation_two_rounds_with_server_kill_and_resume(tmp_path: Path, tmp_p
     assert metrics["epsilon"] == max(s["epsilon"] for s in metrics["sites"].values())
     assert metrics["rounds"] == 2 and "Feature-DP" in metrics["claim"]
 
-    from shared.model.posenet import load_checkpoint
+    from fedpose.shared.model.posenet import load_checkpoint
 
     model, meta = load_checkpoint(out / "model.pt")
     assert meta["rounds"] == 2 and tuple(model.input_size) == tuple(cfg.data.input_size)
     assert (out / "federation.png").stat().st_size > 1000
     assert "| 2 |" in (out / "report.md").read_text()
 
-    listed = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--db", str(out / "ledger.sqlite"), "--json"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    listed = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "ledger", "--db", str(out / "ledger.sqlite"),
+                             "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     rows = json.loads(listed.stdout)
     assert len(rows) == 4
     for key in ("site", "round", "sigma", "sample_rate", "steps", "delta", "epsilon", "budget"):

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.ledger import SiteLedger
-from client.policy import load_policy, min_sigma_for, policy_from_dict, sigma_shortfall, write_policy
-from client.site import handle_train, site_info
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.policy import load_policy, min_sigma_for, policy_from_dict, sigma_shortfall, write_policy
+from fedpose.client.site import handle_train, site_info
 from federation_support import REPO, flower_env, prepare_world, start, stop, wait_for, world_root
-from shared.config import dump_config, replace
-from shared.federation_messages import (
+from fedpose.shared.config import dump_config, replace
+from fedpose.shared.federation_messages import (
     ARRAYS,
     BASIS,
     CONFIG,
@@ -33,13 +33,13 @@ from shared.federation_messages import (
     record_tensors,
     weights_record,
 )
-from shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from shared.model.posenet import apply_strategy
-    from shared.runs import initial_model
+    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     model = initial_model(cfg, progress=False)
@@ -50,14 +50,14 @@ def world(tmp_path_factory):
 
 
 def _digest(cfg) -> str:
-    from client.site import load_split_dir, public_digest
+    from fedpose.client.site import load_split_dir, public_digest
 
     return public_digest(load_split_dir(Path(cfg.data.root) / "public", "public set"))
 
 
 def _policy(cfg, tmp_path: Path, *, max_rounds: int = 2, prepare: bool = True, **overrides):
     """A site policy over the tiny world's site-0; ``prepare``: run the site's own checks (its operator's step)."""
-    from client.site_data import prepare_site
+    from fedpose.client.site_data import prepare_site
 
     data = {
         "policy_version": 3, "site": "site-0", "epsilon": 2.0, "delta": 1e-3, "lifetime_rounds": max_rounds,
@@ -201,7 +201,7 @@ def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tm
     the public set is left out of training with an alert for the operator, never a visible refusal (P13)."""
     import shutil
 
-    from client.site_data import check_site, prepare_site, site_ready
+    from fedpose.client.site_data import check_site, prepare_site, site_ready
 
     cfg, state, _, _ = world
     policy = _policy(cfg, tmp_path)
@@ -219,7 +219,7 @@ def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tm
     with pytest.raises(ValueError, match="digest"):
         check_site(_policy(cfg, tmp_path / "a", public_path=str(public), prepare=False))
     # ... and approving that set anyway leaves the overlapping private record out, with an alert, locally.
-    from client.site import load_split_dir, public_digest
+    from fedpose.client.site import load_split_dir, public_digest
 
     approved = _policy(cfg, tmp_path / "b", public_path=str(public),
                        public_digest=public_digest(load_split_dir(public, "public")), prepare=False)
@@ -263,11 +263,11 @@ def test_policy_file_is_validated(world, tmp_path):
 
 CHILD = """
 import sys
-from client.policy import load_policy
-from client.site import handle_train
-from shared.config import load_config
-from shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
-from shared.runs import initial_model
+from fedpose.client.policy import load_policy
+from fedpose.client.site import handle_train
+from fedpose.shared.config import load_config
+from fedpose.shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
+from fedpose.shared.runs import initial_model
 from flwr.app import RecordDict
 
 cfg = load_config(sys.argv[1], {"train.method": "dpsgd"})

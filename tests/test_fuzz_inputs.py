@@ -85,7 +85,7 @@ config_dicts = st.fixed_dictionaries({}, optional={
 @FUZZ
 @given(config_dicts)
 def test_config_from_dict_fuzz(data: dict) -> None:
-    from shared.config import Config, config_from_dict
+    from fedpose.shared.config import Config, config_from_dict
 
     cfg = _check(config_from_dict, data)
     if cfg is not None:
@@ -106,7 +106,7 @@ yaml_text = st.one_of(
 @FUZZ
 @given(st.one_of(yaml_text.map(str.encode), st.binary(max_size=100)))
 def test_yaml_config_file_fuzz(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from shared.config import load_config
+    from fedpose.shared.config import load_config
 
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_bytes(raw)
@@ -125,13 +125,13 @@ policy_values = st.one_of(scalars.filter(lambda v: not (isinstance(v, int) and a
                                         "min_sigma", "public_path", "accountant", "methods", "seed", "x"]),
                        policy_values, max_size=12))
 def test_policy_from_dict_fuzz(data: dict) -> None:
-    from client.policy import policy_from_dict
+    from fedpose.client.policy import policy_from_dict
 
     _check(policy_from_dict, data)
 
 
 def test_policy_huge_integer_epsilon() -> None:
-    from client.policy import policy_from_dict
+    from fedpose.client.policy import policy_from_dict
 
     for key in ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm"):
         data = {"policy_version": 3, "site": "a", "epsilon": 1.0, "delta": 1e-5, "lifetime_rounds": 1,
@@ -146,7 +146,7 @@ def test_policy_huge_integer_epsilon() -> None:
 @FUZZ
 @given(st.one_of(yaml_text.map(str.encode), st.binary(max_size=60)))
 def test_load_policy_fuzz(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from client.policy import load_policy
+    from fedpose.client.policy import load_policy
 
     path = tmp_path_factory.mktemp("pol") / "policy.yaml"
     path.write_bytes(raw)
@@ -182,7 +182,7 @@ mpii_entry = st.one_of(plain, st.fixed_dictionaries({
 @FUZZ
 @given(st.one_of(st.lists(mpii_entry, max_size=3), plain))
 def test_mpii_reader_fuzz(split: Path, entries: object) -> None:
-    from shared.data.mpii import load_mpii
+    from fedpose.shared.data.mpii import load_mpii
 
     ann = split / "annotations.json"
     ann.write_text(json.dumps(entries))
@@ -208,7 +208,7 @@ coco_img = st.fixed_dictionaries({"id": st.one_of(st.integers(0, 2), plain), "fi
                                                "annotations": st.one_of(st.lists(coco_ann, max_size=3), plain),
                                                "categories": st.just([{"id": 1, "name": "person"}])})))
 def test_coco_reader_fuzz(split: Path, data: object) -> None:
-    from shared.data.coco import load_coco
+    from fedpose.shared.data.coco import load_coco
 
     ann = split / "coco.json"
     ann.write_text(json.dumps(data))
@@ -228,7 +228,7 @@ big = st.one_of(st.integers(-2, 64), st.integers(0, 2**40), st.sampled_from([200
        dtype=st.sampled_from(["float32", "float64", "int64", "bool", "U1"]), value=st.floats(-1, 300))
 def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, height, width, channels, simple,
                           complex_n, mask, dtype, value) -> None:
-    from edge.pixelize import restore
+    from fedpose.edge.pixelize import restore
 
     path = tmp_path_factory.mktemp("npz") / "f.npz"
     with open(path, "wb") as f:
@@ -245,7 +245,7 @@ def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, heig
 @FUZZ
 @given(st.binary(max_size=300))
 def test_npz_restore_random_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from edge.pixelize import restore
+    from fedpose.edge.pixelize import restore
 
     path = tmp_path_factory.mktemp("npz") / "r.npz"
     path.write_bytes(b"PK\x03\x04" + raw if raw[:1] == b"\0" else raw)
@@ -261,8 +261,8 @@ pix_tokens = st.lists(st.tuples(st.sampled_from(["eps", "b", "m", "n", "noise", 
 @FUZZ
 @given(st.one_of(pix_tokens.map(lambda ts: ",".join(f"{k}={v}" for k, v in ts)), st.text(max_size=30)))
 def test_pixelize_option_parser_fuzz(text: str) -> None:
-    from edge.pipeline import parse_pixelize
-    from edge.pixelize import PixelizeSpec
+    from fedpose.edge.pipeline import parse_pixelize
+    from fedpose.edge.pixelize import PixelizeSpec
 
     parsed = _check(parse_pixelize, text)
     if parsed is not None:

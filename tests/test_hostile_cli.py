@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import main
+from fedpose.cli.main import main
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], code: int, *needles: str) -> str:
@@ -54,7 +54,7 @@ def test_non_utf8_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
 
 
 def test_predictions_use_the_annotations_one_based_convention(tmp_path: Path) -> None:
-    from shared.data.mpii import MATLAB_OFFSET, load_mpii, prediction_rows
+    from fedpose.shared.data.mpii import MATLAB_OFFSET, load_mpii, prediction_rows
 
     images = tmp_path / "images"
     (images / "sub").mkdir(parents=True)

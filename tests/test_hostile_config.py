@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, config_from_dict, load_config, read_yaml
+from fedpose.shared.config import ConfigError, config_from_dict, load_config, read_yaml
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
@@ -54,7 +54,7 @@ def test_scientific_notation_without_dot_is_a_float(tmp_path: Path) -> None:
 
 
 def test_overrides_use_the_same_reader() -> None:
-    from shared.run_config import parse_overrides
+    from fedpose.shared.run_config import parse_overrides
 
     assert parse_overrides("privacy.delta=1e-6 train.lr=3e-4") == {"privacy.delta": 1e-6, "train.lr": 3e-4}
 
@@ -103,7 +103,7 @@ def test_val_split_must_differ_from_public_and_train(val: str) -> None:
 
 
 def test_min_sites_above_train_splits_refused() -> None:
-    from cli.fed import check_simulation_sites
+    from fedpose.cli.fed import check_simulation_sites
 
     cfg = config_from_dict({"federation": {"min_sites": 4}, "data": {"train_splits": ["site-0", "site-1", "site-2"]}})
     with pytest.raises(ConfigError, match=r"federation\.min_sites"):

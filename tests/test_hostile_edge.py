@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge.pipeline import parse_pixelize, parse_roi
-from edge.pixelize import PixelizeSpec, load_npz, pixelize, restore, save_npz
+from fedpose.edge.pipeline import parse_pixelize, parse_roi
+from fedpose.edge.pixelize import PixelizeSpec, load_npz, pixelize, restore, save_npz
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_declared_huge_frame_refused_before_allocation(tmp_path: Path) -> None:
     path = _npz(tmp_path / "big.npz", **_frame_fields(b=200000, s_b=200000, height=200000, width=200000))
     assert path.stat().st_size < 4096
     result = _bounded(f"""
-        from edge.pixelize import restore
+        from fedpose.edge.pixelize import restore
         try:
             restore({str(path)!r})
         except ValueError as err:
@@ -85,7 +85,7 @@ def test_zip_bomb_mask_refused_from_its_header(tmp_path: Path) -> None:
     path = _zip_bomb(tmp_path / "bomb.npz", 30000)  # 900 MB of mask in ~1 MB
     assert path.stat().st_size < 2_000_000
     result = _bounded(f"""
-        from edge.pixelize import restore
+        from fedpose.edge.pixelize import restore
         try:
             restore({str(path)!r})
         except ValueError as err:
@@ -159,7 +159,7 @@ def test_non_finite_or_absurd_roi_refused(text: str) -> None:
 
 
 def test_roi_outside_the_frame_refused() -> None:
-    from edge.pipeline import BoxTracker
+    from fedpose.edge.pipeline import BoxTracker
 
     tracker = BoxTracker(parse_roi("500,500,20,20"), threshold=0.1)
     with pytest.raises(ValueError, match="--roi.*outside"):
@@ -170,7 +170,7 @@ def test_roi_outside_the_frame_refused() -> None:
 
 
 def test_negative_threads_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from cli.main import main
+    from fedpose.cli.main import main
 
     code = main(["edge", "run", "--model", str(tmp_path / "m.onnx"), "--source", "x.mp4",
                  "--out", str(tmp_path / "o"), "--threads", "-2"])
@@ -182,8 +182,8 @@ def test_negative_threads_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def _checkpoint(tmp_path: Path, **changes: object) -> Path:
-    from shared.config import ModelConfig
-    from shared.model.posenet import build_model, save_checkpoint
+    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.model.posenet import build_model, save_checkpoint
 
     path = tmp_path / "model.pt"
     save_checkpoint(path, build_model(ModelConfig(hidden=16, joint_channels=4), (32, 32)))
@@ -211,7 +211,7 @@ def test_broken_checkpoints_are_value_errors(tmp_path: Path, changes: dict) -> N
 
     path = _checkpoint(tmp_path, **changes)
     result = _bounded(f"""
-        from shared.model.posenet import load_checkpoint
+        from fedpose.shared.model.posenet import load_checkpoint
         try:
             load_checkpoint({str(path)!r})
         except ValueError as err:
@@ -221,7 +221,7 @@ def test_broken_checkpoints_are_value_errors(tmp_path: Path, changes: dict) -> N
 
 
 def test_nan_weights_refused(tmp_path: Path) -> None:
-    from shared.model.posenet import load_checkpoint
+    from fedpose.shared.model.posenet import load_checkpoint
 
     path = _checkpoint(tmp_path)
     payload = torch.load(path, weights_only=True)

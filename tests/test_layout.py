@@ -13,8 +13,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("shared", "client", "server", "edge", "cli")
+ROOT_PACKAGE = "fedpose"  # the one import root: fedpose.shared is shared/, and so on (pyproject.toml)
 MAX_LINES = 400
 
 # Files allowed over MAX_LINES for now (none: shared/train.py and shared/config.py were split
@@ -50,7 +53,7 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     """Absolute name of the module a `from ... import` names."""
     if node.level == 0:
         return node.module or ""
-    base = module.split(".")
+    base = [ROOT_PACKAGE, *module.split(".")]
     if not is_package:
         base = base[:-1]
     if node.level > 1:
@@ -63,10 +66,13 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"
     found: set[str] = set()
+    bare: list[str] = []
 
     def add(name: str) -> None:
-        # The longest project module that `name` is or lies inside.
-        parts = name.split(".")
+        # The longest project module that `name` is or lies inside (imported through the fedpose root).
+        if name.split(".")[0] in PACKAGES:
+            bare.append(name)
+        parts = name.removeprefix(ROOT_PACKAGE + ".").split(".")
         while parts:
             candidate = ".".join(parts)
             if candidate in modules:
@@ -81,12 +87,14 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(module, is_package, node)
             for alias in node.names:
-                sub = f"{target}.{alias.name}"
+                sub = f"{target}.{alias.name}".removeprefix(ROOT_PACKAGE + ".")
                 if sub in modules:
                     found.add(sub)  # `from pkg import submodule`
                 else:
                     add(target)
     found.discard(module)
+    if bare:
+        found.add("BARE:" + ",".join(sorted(set(bare))))
     return found
 
 
@@ -109,7 +117,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         counter[0] += 1
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
+        for w in sorted(graph.get(v, ())):  # (a BARE: entry is no module: skipped below)
             if w not in graph:
                 continue
             if w not in index:
@@ -162,11 +170,17 @@ def test_no_import_cycle():
     )
 
 
+def test_every_import_goes_through_the_fedpose_root():
+    """`import shared...` would find a user's own shared/ (or another distribution's) before ours."""
+    bare = [f"{m}: {t[5:]}" for m, targets in sorted(_graph().items()) for t in targets if t.startswith("BARE:")]
+    assert not bare, "imports not under fedpose.:\n  " + "\n  ".join(bare)
+
+
 def test_dependency_direction():
     bad = []
     for module, targets in sorted(_graph().items()):
         top = module.split(".")[0]
-        for t in sorted(targets):
+        for t in sorted(t for t in targets if not t.startswith("BARE:")):
             other = t.split(".")[0]
             if other != top and other not in ALLOWED[top]:
                 bad.append(f"{module} imports {t}")
@@ -183,3 +197,17 @@ def test_the_library_never_imports_the_experiments():
     bad = [f"{m} imports {t}" for m, targets in sorted(_graph().items()) for t in sorted(targets)
            if m.startswith("shared.") and not m.startswith("shared.experiments") and t.startswith("shared.experiments")]
     assert not bad, "\n".join(bad)
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """pyproject.toml lists fedpose's packages one by one (package-dir maps them onto the folders): a package folder
+    left out would be missing from the wheel a site or a camera installs, while this checkout still imports it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {ROOT_PACKAGE} | {
+        ".".join((ROOT_PACKAGE, *init.parent.relative_to(ROOT).parts))
+        for top in (*PACKAGES, "configs") for init in (ROOT / top).rglob("__init__.py")}
+    assert set(project["packages"]) == folders
+    assert {name: ROOT / folder for name, folder in project["package-dir"].items()} == {
+        ROOT_PACKAGE: ROOT / ROOT_PACKAGE, **{f"{ROOT_PACKAGE}.{top}": ROOT / top for top in (*PACKAGES, "configs")}}

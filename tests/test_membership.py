@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from shared.config import config_from_dict
-from shared.experiments.membership import (
+from fedpose.shared.config import config_from_dict
+from fedpose.shared.experiments.membership import (
     MiaSpec,
     attack_scores,
     evaluate_attacks,
@@ -88,7 +88,7 @@ def test_mia_end_to_end_on_a_tiny_ward(tmp_path):
 
 @pytest.mark.slow
 def test_cli_attack_mia_refuses_bad_input(tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
 
     assert main(["attack", "mia", "--methods", "nonprivate,bogus", "--out", str(tmp_path)]) == 3
     assert "methods" in capsys.readouterr().err

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.data.joints import NUM_JOINTS
-from shared.metrics import gt_as_detections, oks_ap, pckh, pckh_report, pckh_table
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.metrics import gt_as_detections, oks_ap, pckh, pckh_report, pckh_table
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 COCO_JSON = FIXTURES / "coco" / "test_coco.json"

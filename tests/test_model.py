@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import ModelConfig
-from shared.model.posenet import (
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.model.posenet import (
     PoseNet,
     apply_strategy,
     build_model,
@@ -17,8 +17,8 @@ from shared.model.posenet import (
     save_checkpoint,
     trainable_names,
 )
-from shared.model.simcc import decode_simcc, gaussian_targets
-from shared.model.tinyvit import fuse_batchnorm, is_fused, resample_attention_biases, tinyvit
+from fedpose.shared.model.simcc import decode_simcc, gaussian_targets
+from fedpose.shared.model.tinyvit import fuse_batchnorm, is_fused, resample_attention_biases, tinyvit
 
 # Key names and shapes of timm's tiny_vit_5m_224 (embed (64,128,160,320), depths (2,2,6,2),
 # heads (2,4,5,10), windows (7,7,14,7)), pinned so that TinyViT checkpoints keep loading.
@@ -108,7 +108,7 @@ def test_a_map_smaller_than_its_window_attends_as_the_zero_padded_window_does():
     are those of the padded window. A trainable or tapped bias table keeps the padded window."""
     import torch.nn.functional as F
 
-    from shared.model.tinyvit_blocks import TinyVitBlock
+    from fedpose.shared.model.tinyvit_blocks import TinyVitBlock
 
     torch.manual_seed(0)
     block = TinyVitBlock(dim=32, num_heads=2, window=7, mlp_ratio=2.0, local_conv_size=3)
@@ -229,7 +229,7 @@ def test_the_attention_bias_index_numbers_offsets_in_first_seen_order(window):
     order the offsets are first seen over the row-major points (timm's layout, which checkpoints assume)."""
     import itertools
 
-    from shared.model.tinyvit_blocks import _offset_index
+    from fedpose.shared.model.tinyvit_blocks import _offset_index
 
     points = list(itertools.product(range(window), range(window)))
     seen: dict[tuple[int, int], int] = {}

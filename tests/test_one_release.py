@@ -15,7 +15,7 @@ and only the identical request replays it.
 A crash is simulated with ``KeyboardInterrupt`` raised from inside training (``_die_after_reading``): like SIGKILL or
 a power cut, it is not an ``Exception``, so no failure handler of the site runs, as none would in a dead process.
 
-Real files throughout: the tiny synthetic world, real SQLite ledgers, ``client.site.handle_train``.
+Real files throughout: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.policy import min_sigma_for
-from client.site import SiteFailure, handle_train
-from shared.config import replace
-from shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.client.policy import min_sigma_for
+from fedpose.client.site import SiteFailure, handle_train
+from fedpose.shared.config import replace
+from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _request, _rows
 from test_site_releases import _die_after_reading, world  # noqa: F401 (the shared tiny world)
 
 
 def _count_training(monkeypatch) -> list[int]:
     """Count the rounds that reach local training (each one reads private data on the round's noise)."""
-    import shared.train as train_module
+    import fedpose.shared.train as train_module
 
     real = train_module.local_train
     calls: list[int] = []

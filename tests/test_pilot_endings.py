@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from federation_support import REPO, Pilot, prepare_world, start, wait_for, world_root
-from shared.config import dump_config, replace
+from fedpose.shared.config import dump_config, replace
 
 pytestmark = pytest.mark.slow
 
 
 def _fedpose(pilot: Pilot, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=pilot.env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "fedpose.cli.main", *args], cwd=REPO, env=pilot.env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_path: Path, tmp_path_factory) -> None:
@@ -60,7 +60,7 @@ def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_pat
 
         # a copied kit: site-0's key on a second SuperNode while the first is connected
         t0 = time.monotonic()
-        copy = start([sys.executable, "-m", "cli.main", "site", "start", "--approved", str(pilot.approved(0)),
+        copy = start([sys.executable, "-m", "fedpose.cli.main", "site", "start", "--approved", str(pilot.approved(0)),
                       "--policy", str(pilot.policy(0)), "--retry-pause", "3", "--",
                       "--root-certificates", str(pilot.certs / "ca.crt"), "--superlink", f"127.0.0.1:{pilot.link}",
                       "--auth-supernode-private-key", str(pilot.certs / "node-1"),

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from client.ledger import Mechanism, SiteLedger
+from fedpose.client.ledger import Mechanism, SiteLedger
 from federation_support import REPO
-from server.ledger import Report, ServerLedger, Spend
-from server.plan import SitePlan
-from shared.privacy.accountant import StepRecord, epsilon_spent
-from shared.privacy.reconcile import reconcile
+from fedpose.server.ledger import Report, ServerLedger, Spend
+from fedpose.server.plan import SitePlan
+from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.reconcile import reconcile
 
 WHEEL = f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"  # the wheel a kit carries
 MECH = Mechanism(method="fpdp", psi="blur(0.06)", clip_norm=1.0, augment=True)
@@ -71,7 +71,7 @@ def test_reconcile_finds_a_round_the_server_never_saw_and_flags_under_reporting(
     assert b.site_lifetime > b.site_run
     assert not result.ok and any("UNDER-REPORTED" in line for line in result.lines())
     # The CLI prints it and fails.
-    run = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--reconcile", str(server),
+    run = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "ledger", "--reconcile", str(server),
                           str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite")], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 1 and "round 2: spent at the site" in run.stdout, run.stdout + run.stderr
@@ -81,7 +81,7 @@ def test_reconcile_finds_a_round_the_server_never_saw_and_flags_under_reporting(
     _server_ledger(server2, ["a", "b"], rounds=1, reports={"b": two})
     result = reconcile(server2, [tmp_path / "a.sqlite", tmp_path / "b.sqlite"])
     assert result.ok and result.sites[1].only_at_site == [2]
-    run = subprocess.run([sys.executable, "-m", "cli.main", "ledger", "--reconcile", str(server2),
+    run = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "ledger", "--reconcile", str(server2),
                           str(tmp_path / "b.sqlite"), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and json.loads(run.stdout)["ok"] is True
 
@@ -121,8 +121,8 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     """Each site makes its own key pair (``fedpose site keygen``): the operator never holds a site's private key."""
     import shutil
 
-    from cli.provision import provision
-    from shared.config import config_from_dict
+    from fedpose.cli.provision import provision
+    from fedpose.shared.config import config_from_dict
 
     cfg = config_from_dict({})
     kits = provision(tmp_path / "kits", sites=["hospital-a", "hospital-b"], hosts=["server.example.org"], port=8000,
@@ -136,7 +136,7 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
         # what the site installs from, and the README's command for it (tests/test_site_kit.py runs it)
         assert (kit / "constraints.txt").read_text() == (REPO / "constraints.txt").read_text()
         with zipfile.ZipFile(kit / WHEEL) as wheel:
-            assert "server/server_app.py" in wheel.namelist() and "configs/default.yaml" in wheel.namelist()
+            assert {"fedpose/server/server_app.py", "fedpose/configs/default.yaml"} <= set(wheel.namelist())
         readme = (kit / "README.txt").read_text()
         assert f"/opt/fedpose/venv/bin/pip install -c constraints.txt './{WHEEL}[train]'" in readme
         assert json.loads((kit / "kit.json").read_text())["superlink"] == "server.example.org:8000"
@@ -188,15 +188,15 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
 
 
 def test_fedpose_certs_refuses_to_write_keys_into_the_repository(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "cli.main", "certs", "--out", str(REPO / "certs-test"), "--nodes", "1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "certs", "--out", str(REPO / "certs-test"),
+                          "--nodes", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "git work tree" in run.stderr
     assert not (REPO / "certs-test").exists()
 
 
 def test_policy_files_as_people_write_them(tmp_path):
     """Issue #9.10: `delta: 1e-5` written by hand is a number; a binary file's error names the file."""
-    from client.policy import load_policy
+    from fedpose.client.policy import load_policy
 
     text = """policy_version: 3
 site: hospital-a
@@ -232,8 +232,8 @@ ledger_path: ledger.sqlite
 
 def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_nothing(tmp_path, monkeypatch):
     from federation_support import tiny_config
-    from server.prepare import require_prepared
-    from shared.config import ConfigError, replace
+    from fedpose.server.prepare import require_prepared
+    from fedpose.shared.config import ConfigError, replace
 
     cfg = tiny_config(tmp_path / "abs")
     with pytest.raises(ConfigError, match="fedpose server prepare") as info:
@@ -250,10 +250,10 @@ def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_not
 
 
 def test_fedpose_server_prepare_makes_the_public_data_and_weights_in_steps(tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
     from federation_support import tiny_dict
-    from server.prepare import require_prepared
-    from shared.config import load_config
+    from fedpose.server.prepare import require_prepared
+    from fedpose.shared.config import load_config
 
     (tmp_path / "cfg.yaml").write_text(json.dumps(tiny_dict(tmp_path / "server")))
     assert main(["server", "prepare", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "srv"),
@@ -276,13 +276,13 @@ def test_fedpose_server_prepare_makes_the_public_data_and_weights_in_steps(tmp_p
 def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_numbers(tmp_path, tmp_path_factory):
     import shutil
 
-    from client.site import handle_train
-    from client.site_eval import evaluation_log
+    from fedpose.client.site import handle_train
+    from fedpose.client.site_eval import evaluation_log
     from federation_support import prepare_world, world_root
-    from shared.config import replace
-    from shared.data.mpii import load_split
-    from shared.federation_messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
-    from shared.runs import initial_model
+    from fedpose.shared.config import replace
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.federation_messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
+    from fedpose.shared.runs import initial_model
     from test_federation_site import _policy, _q
 
     cfg = prepare_world(world_root(tmp_path_factory))
@@ -307,7 +307,7 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
         assert set(reply[METRICS].keys()) == set(REPLY_METRICS)
         assert set(reply.keys()) == {ARRAYS, METRICS}
     # A refused request (here: past the policy's 2 rounds) is never evaluated: no work, no row.
-    from shared.federation_messages import Refusal
+    from fedpose.shared.federation_messages import Refusal
 
     request = TrainRequest(federation="fed-eval", round=3, site="site-0", sigma=5.0, sample_rate=_q(cfg), steps=1,
                            basis_version=0, basis_mode="broadcast", config=cfg)
@@ -317,7 +317,7 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
 
 
 def _info(**changes):
-    from shared.federation_messages import SiteInfo
+    from fedpose.shared.federation_messages import SiteInfo
 
     base = dict(site="a", epsilon=2.0, delta=1e-3, lifetime_rounds=6, rounds_per_federation=6, rounds_done=0,
                 epsilon_spent=0.0, min_sigma=0.9, sample_rate=0.2, steps_per_round=2, clip_norm=1.0, psi="blur",
@@ -329,8 +329,8 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
     """Item 7: a site that edits its policy mid-federation (or while the server is down) shows up as a
     policy-changed event naming each field; a change the plan no longer satisfies marks it refused."""
     from federation_support import tiny_config
-    from server.policy_watch import watch
-    from server.report import write_plot, write_report
+    from fedpose.server.policy_watch import watch
+    from fedpose.server.report import write_plot, write_report
 
     cfg = tiny_config(tmp_path / "data", federation={"local_steps": 2})
     path = tmp_path / "server.sqlite"
@@ -384,9 +384,9 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
 
 def test_an_unfilled_kit_policy_says_which_command_fills_it_in_one_line(tmp_path, capsys):
     """The kit's template leaves data_path, sample_rate, public_path and public_digest: each has a command."""
-    from cli.main import main
-    from cli.provision import provision
-    from shared.config import config_from_dict
+    from fedpose.cli.main import main
+    from fedpose.cli.provision import provision
+    from fedpose.shared.config import config_from_dict
 
     kits = provision(tmp_path / "kits", sites=["a"], hosts=["127.0.0.1"], port=8000, cfg=config_from_dict({}))
     policy = kits["a"] / "policy.yaml"
@@ -404,13 +404,13 @@ def test_a_lost_ledger_is_refused_not_silently_recreated(tmp_path, capsys):
     replaced ledger until the backup is restored."""
     import shutil
 
-    from cli.main import main
+    from fedpose.cli.main import main
     from federation_support import prepare_world, world_root  # noqa: F401
     from test_federation_site import _policy
 
     cfg = prepare_world(tmp_path / "world")
     policy = _policy(cfg, tmp_path / "site", prepare=False)
-    from client.policy import write_policy
+    from fedpose.client.policy import write_policy
 
     path = write_policy(tmp_path / "site" / "policy.yaml", policy)
     assert main(["site", "check", "--policy", str(path)]) == 0
@@ -425,7 +425,7 @@ def test_a_lost_ledger_is_refused_not_silently_recreated(tmp_path, capsys):
     shutil.copy(tmp_path / "backup.sqlite", ledger)  # restored from its backup
     assert main(["site", "check", "--policy", str(path)]) == 0
     other = tmp_path / "other.sqlite"
-    from client.ledger import SiteLedger
+    from fedpose.client.ledger import SiteLedger
 
     with SiteLedger(other, site=policy.site) as fresh:
         fresh.ledger_id()

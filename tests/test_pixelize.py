@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge.pixelize import (
+from fedpose.edge.pixelize import (
     PixelizedFrame,
     PixelizeSpec,
     body_mask_from_keypoints,

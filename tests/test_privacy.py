@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shared.privacy.claims import privacy_claim
-from shared.privacy.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
-from shared.privacy.noise import gaussian_noise_like, make_generator
-from shared.privacy.clipping import clip_factors, clipped_grad_sum
-from shared.privacy.persample import mean_grad, per_sample_grads, per_sample_norms
-from shared.privacy.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
-from shared.privacy.sampling import poisson_sample
-from shared.privacy.subspace import (
+from fedpose.shared.privacy.claims import privacy_claim
+from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
+from fedpose.shared.privacy.noise import gaussian_noise_like, make_generator
+from fedpose.shared.privacy.clipping import clip_factors, clipped_grad_sum
+from fedpose.shared.privacy.persample import mean_grad, per_sample_grads, per_sample_norms
+from fedpose.shared.privacy.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.sampling import poisson_sample
+from fedpose.shared.privacy.subspace import (
     check_orthonormal,
     compute_basis,
     flatten,
@@ -205,10 +205,10 @@ def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
 
 @pytest.mark.invariant("P7")
 def test_seeded_generator_warns_not_for_production(caplog):
-    with caplog.at_level(logging.WARNING, logger="shared.privacy.noise"):
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.noise"):
         make_generator(None, "cpu")
     assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="shared.privacy.noise"):
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.noise"):
         make_generator(7, "cpu")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "not for production" in warnings[0].getMessage().lower()
@@ -289,7 +289,7 @@ def test_projection_basis_spans_top_singular_subspace():
 def test_the_basis_of_g_as_it_comes_chunk_by_chunk_and_tensor_by_tensor_is_the_basis_of_g():
     """compute_basis never copies the per-sample gradients into one m x p matrix: it builds V from G's row chunks
     (chunks of public samples) and column groups (tensors) as they come, with the same V as from G itself."""
-    from shared.privacy.subspace import basis_from_blocks
+    from fedpose.shared.privacy.subspace import basis_from_blocks
 
     gen = torch.Generator().manual_seed(5)
     grads = torch.randn(23, 300, generator=gen) * torch.linspace(3, 0.1, 300)
@@ -309,9 +309,9 @@ def test_every_basis_a_step_projects_with_is_laid_out_column_by_column(toy, tmp_
     row, V^T g took 2.7x as long, every step of a round. The server's V, the V a site takes off the wire (whatever
     layout the server sent) or from its cache, and the V the training loop is handed all come in that layout,
     with the same values."""
-    from client.site_basis import cache_basis, cached_basis
-    from shared.federation_messages import basis_record, record_basis
-    from shared.privacy.subspace import basis_from_blocks, column_major
+    from fedpose.client.site_basis import cache_basis, cached_basis
+    from fedpose.shared.federation_messages import basis_record, record_basis
+    from fedpose.shared.privacy.subspace import basis_from_blocks, column_major
     from tests.test_site_releases import _policy_stub
 
     def by_columns(basis: torch.Tensor) -> bool:

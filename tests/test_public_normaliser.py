@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.site import handle_train
-from shared.config import replace
-from shared.federation_messages import ARRAYS, record_tensors
+from fedpose.client.site import handle_train
+from fedpose.shared.config import replace
+from fedpose.shared.federation_messages import ARRAYS, record_tensors
 from test_site_releases import _subset, world  # noqa: F401  (the module's world fixture)
 from test_federation_site import _policy, _request
 

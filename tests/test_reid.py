@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from edge.reid import ReidSpec, person_crop, run_reid
-from shared.data.synth import WardSpec, generate_ward
+from fedpose.edge.reid import ReidSpec, person_crop, run_reid
+from fedpose.shared.data.synth import WardSpec, generate_ward
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_bad_sweeps_are_refused():
 
 @pytest.mark.slow
 def test_cli_attack_reid(ward, tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
 
     code = main(["attack", "reid", "--data", str(ward), "--epsilons", "1", "--cells", "16", "--steps", "20",
                  "--gray", "--out", str(tmp_path), "--quiet"])

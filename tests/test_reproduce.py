@@ -60,7 +60,7 @@ def test_every_rendered_table_comes_from_a_file_an_entry_writes_and_no_table_is_
 
 def test_every_command_parses_with_the_tools_it_names(tmp_path):
     """Each fedpose command parses with fedpose's own parser; each script knows every flag given to it."""
-    from cli.main import build_parser
+    from fedpose.cli.main import build_parser
 
     reproduce = _reproduce()
     helps: dict[str, str] = {}
@@ -68,7 +68,7 @@ def test_every_command_parses_with_the_tools_it_names(tmp_path):
         for part in entry.commands:
             argv = reproduce.command(part, tmp_path / entry.name)
             assert argv[0] == sys.executable
-            if argv[1:3] == ["-m", "cli.main"]:
+            if argv[1:3] == ["-m", "fedpose.cli.main"]:
                 try:
                     build_parser().parse_args(argv[3:])
                 except SystemExit as err:
@@ -91,14 +91,14 @@ def test_every_command_parses_with_the_tools_it_names(tmp_path):
 def test_an_entry_runs_its_commands_logs_them_and_is_not_rerun(tmp_path, capsys):
     reproduce = _reproduce()
     demo = reproduce.Entry("demo", "a real command", (
-        ("{py}", "-m", "cli.main", "edge", "demo-video", "--out", "{out}/demo.mp4", "--frames", "4"),))
+        ("{py}", "-m", "fedpose.cli.main", "edge", "demo-video", "--out", "{out}/demo.mp4", "--frames", "4"),))
     assert reproduce.run_entry(demo, tmp_path / "demo")
     done = json.loads((tmp_path / "demo" / "done.json").read_text())
     assert done["steps"][0]["exit_code"] == 0 and (tmp_path / "demo" / "demo.mp4").stat().st_size > 0
     assert (tmp_path / "demo" / "1.log").exists()
     broken = reproduce.Entry("broken", "a command that fails", (
-        ("{py}", "-m", "cli.main", "edge", "demo-video", "--out", "{out}/x.mp4", "--size", "not-a-size"),
-        ("{py}", "-m", "cli.main", "edge", "demo-video", "--out", "{out}/never.mp4", "--frames", "4"),))
+        ("{py}", "-m", "fedpose.cli.main", "edge", "demo-video", "--out", "{out}/x.mp4", "--size", "not-a-size"),
+        ("{py}", "-m", "fedpose.cli.main", "edge", "demo-video", "--out", "{out}/never.mp4", "--frames", "4"),))
     assert not reproduce.run_entry(broken, tmp_path / "broken")
     assert not (tmp_path / "broken" / "done.json").exists() and not (tmp_path / "broken" / "never.mp4").exists()
     assert "failed (exit" in capsys.readouterr().out

@@ -27,7 +27,7 @@ class DyingGrid(InProcessGrid):
         self.dies, self.at, self.dead = dies, at, False
 
     def push_messages(self, messages):
-        from shared.federation_messages import CONFIG
+        from fedpose.shared.federation_messages import CONFIG
 
         live, ids = [], []
         for message in messages:
@@ -44,8 +44,8 @@ class DyingGrid(InProcessGrid):
 
 
 def _federation(tmp_path: Path, tmp_path_factory, **changes):
-    from cli.fed import prepare_simulation
-    from shared.config import replace
+    from fedpose.cli.fed import prepare_simulation
+    from fedpose.shared.config import replace
 
     cfg = prepare_world(world_root(tmp_path_factory))
     out = tmp_path / "fed"
@@ -60,13 +60,13 @@ def test_a_site_that_paid_for_a_discarded_round_is_named_and_nobody_trains_alone
     round 3 site-1 does not answer: site-0 is not asked to train alone; the run stops and says why."""
     import logging
 
-    from server.run import run_federation
-    from server.status import server_status
+    from fedpose.server.run import run_federation
+    from fedpose.server.status import server_status
 
     cfg, out, run_config = _federation(tmp_path, tmp_path_factory, **{"federation.rounds": 3,
                                                                       "federation.round_timeout": 2.0})
     grid = DyingGrid(run_config, sites=2, dies=2, at=2)
-    with caplog.at_level(logging.INFO, logger="server"):
+    with caplog.at_level(logging.INFO, logger="fedpose.server"):
         run_federation(grid, cfg, out)
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2], rounds
@@ -94,8 +94,8 @@ def test_labels_after_a_finish_agree_and_a_spent_budget_ends_in_one_clear_line(t
     """Both sites run every round their policy allows: both read `finished`. A second federation with every
     lifetime round spent stops before training with one line naming each site's reason, and its folder then
     reads `failed` with that reason, never `running`."""
-    from server.run import run_federation
-    from server.status import server_status
+    from fedpose.server.run import run_federation
+    from fedpose.server.status import server_status
 
     cfg, out, run_config = _federation(tmp_path, tmp_path_factory, **{"federation.rounds": 1})
     grid = InProcessGrid(run_config, sites=2)
@@ -107,7 +107,7 @@ def test_labels_after_a_finish_agree_and_a_spent_budget_ends_in_one_clear_line(t
     assert {s: v["status"] for s, v in status["sites"].items()} == labels
 
     again = tmp_path / "again"
-    from server.run import FederationStopped
+    from fedpose.server.run import FederationStopped
 
     with pytest.raises(FederationStopped) as info:
         run_federation(grid, cfg, again)
@@ -121,8 +121,8 @@ def test_labels_after_a_finish_agree_and_a_spent_budget_ends_in_one_clear_line(t
 def test_a_run_folder_no_server_holds_reads_stopped_not_running(tmp_path):
     """A server killed mid-run leaves no metrics.json: while a process holds the run folder it is `running`,
     once none does it is `stopped`."""
-    from server.ledger import ServerLedger
-    from server.status import server_status
+    from fedpose.server.ledger import ServerLedger
+    from fedpose.server.status import server_status
 
     out = tmp_path / "run"
     out.mkdir()
@@ -145,9 +145,9 @@ def test_a_run_folder_no_server_holds_reads_stopped_not_running(tmp_path):
 def test_server_prepare_out_holds_the_ward_and_the_weights(tmp_path, monkeypatch):
     """A config with relative paths (the shipped ones): `server prepare --out DIR` writes everything under DIR,
     nothing under the folder it was started from."""
-    from cli.main import main
+    from fedpose.cli.main import main
     from federation_support import tiny_dict
-    from shared.config import load_config
+    from fedpose.shared.config import load_config
 
     config = tiny_dict(tmp_path)
     config["data"]["root"] = "data/ward"
@@ -169,11 +169,11 @@ def test_sites_that_ran_their_planned_rounds_read_alike_and_none_stays_active(tm
     """After a finish: two sites that both ran their 2 planned rounds (one reporting a spend a hair above its
     budget, as its own accountant at its own delta may) read the same label; a site the federation left
     after 1 of its 2 rounds reads `stopped`, never `active`; each reason says what it spent."""
-    from server.ledger import Report, ServerLedger, Spend
-    from server.plan import SitePlan
-    from server.run import Paths, finish
-    from shared.data.mpii import load_split
-    from shared.runs import initial_model
+    from fedpose.server.ledger import Report, ServerLedger, Spend
+    from fedpose.server.plan import SitePlan
+    from fedpose.server.run import Paths, finish
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     paths = Paths(tmp_path / "run")

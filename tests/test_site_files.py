@@ -6,7 +6,7 @@ outcome of the site's checks (its record count), its held-out scores and its opt
 the site makes is 0700 and each of these files 0600, whether or not a systemd unit sets a umask for it.
 
 Real files throughout: the tiny synthetic world, real SQLite ledgers (their -wal and -shm files included),
-``client.site.handle_train``.
+``fedpose.client.site.handle_train``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.ledger import SiteLedger
-from client.policy import min_sigma_for
-from client.site import handle_train
-from shared.config import replace
-from shared.federation_messages import BASIS, basis_record
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.policy import min_sigma_for
+from fedpose.client.site import handle_train
+from fedpose.shared.config import replace
+from fedpose.shared.federation_messages import BASIS, basis_record
 from test_federation_site import _policy, _request, world  # noqa: F401 (the shared tiny world)
 
 
@@ -116,7 +116,7 @@ def test_an_older_sites_files_are_narrowed_to_its_own_account(world, tmp_path, u
 
 
 def test_the_servers_ledger_is_0600_too(tmp_path, umask_022):
-    from server.ledger import ServerLedger
+    from fedpose.server.ledger import ServerLedger
 
     out = tmp_path / "run" / "fed"
     with ServerLedger(out / "ledger.sqlite"):

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.fleet_front import healthy
+from fedpose.cli.fleet_front import healthy
 from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
-from shared.config import dump_config, replace
+from fedpose.shared.config import dump_config, replace
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 _run(fill(command, subst), server, env)
                 bundle = srv / "app.fab"
                 # built from the kit's wheel as installed (no checkout), and a site's own rebuild is the same bytes
-                where = _run("python -c 'import server.server_app as s; print(s.__file__)'", tmp_path, env)
+                where = _run("python -c 'import fedpose.server.server_app as s; print(s.__file__)'", tmp_path, env)
                 assert where.startswith(str(venv)) and "site-packages" in where, where
                 _run(f"fedpose server build-app --out {tmp_path / 'site-check' / 'app'}", tmp_path, env)
                 assert (tmp_path / "site-check" / "app.fab").read_bytes() == bundle.read_bytes()

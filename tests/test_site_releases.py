@@ -8,7 +8,7 @@ through the DP-noised update.
 - queries and refused requests read no private record (the site's checks ran once, by its operator);
 - with ``round_seconds`` a charged round's answer leaves at a fixed deadline.
 
-Real files throughout: the tiny synthetic world, real SQLite ledgers, ``client.site.handle_train``.
+Real files throughout: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.ledger import SiteLedger
-from client.policy import min_sigma_for
-from client.site import SiteFailure, handle_train
-from client.site_data import prepare_site, site_info
-from shared.config import replace
-from shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.policy import min_sigma_for
+from fedpose.client.site import SiteFailure, handle_train
+from fedpose.client.site_data import prepare_site, site_info
+from fedpose.shared.config import replace
+from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _request, _rows
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from federation_support import prepare_world, world_root
-    from shared.runs import initial_model
+    from fedpose.shared.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
@@ -43,7 +43,7 @@ def world(tmp_path_factory):
 
 def _fail_after_reading(monkeypatch) -> list[int]:
     """Make local training read its first private batch, then fail (an out-of-memory error, say)."""
-    import shared.train as train_module
+    import fedpose.shared.train as train_module
 
     real = train_module.local_train
     seen: list[int] = []
@@ -72,7 +72,7 @@ def test_a_failure_after_private_data_was_read_is_already_paid_for(world, tmp_pa
 def _die_after_reading(monkeypatch):
     """Make local training read its first private batch, then the process dies (not an ``Exception``: no handler
     of the site runs, as none would in a killed process)."""
-    import shared.train as train_module
+    import fedpose.shared.train as train_module
 
     real = train_module.local_train
 
@@ -93,7 +93,7 @@ def test_an_unfinished_round_replays_on_its_own_seed_and_is_never_spent_twice(wo
     real = _die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)
-    monkeypatch.setattr("shared.train.local_train", real)
+    monkeypatch.setattr("fedpose.shared.train.local_train", real)
     replayed = handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)
     uninterrupted = handle_train(_request(cfg, state, sigma=sigma, steps=2), clean)
     a, b = record_tensors(replayed[ARRAYS]), record_tensors(uninterrupted[ARRAYS])
@@ -129,7 +129,7 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkey
     real = _die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         handle_train(_request(cfg, state, sigma=sigma), policy)
-    monkeypatch.setattr("shared.train.local_train", real)
+    monkeypatch.setattr("fedpose.shared.train.local_train", real)
     _cut(data, 39)  # one record fewer
     # until its operator checks the changed data the site refuses everything, generically
     with pytest.raises(Refusal) as refused:
@@ -144,7 +144,7 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkey
 
 @pytest.mark.invariant("P13")
 def test_the_site_pins_its_chunk_size_and_bounds_the_model_and_input(world, tmp_path, monkeypatch):
-    import shared.privacy.fpdp as fpdp
+    import fedpose.shared.privacy.fpdp as fpdp
 
     cfg, state = world
     policy = _policy(cfg, tmp_path, chunk_size=3)
@@ -176,8 +176,8 @@ def test_the_site_pins_its_chunk_size_and_bounds_the_model_and_input(world, tmp_
 def test_queries_and_refusals_read_no_private_record(world, tmp_path, monkeypatch):
     """Before: every message (Flower starts a process per message) re-ran the start-up checks, decoding and
     hashing every private image, so even a refused request's latency tracked n."""
-    import shared.data.mpii as mpii
-    import shared.data.split as split
+    import fedpose.shared.data.mpii as mpii
+    import fedpose.shared.data.split as split
 
     cfg, state = world
     policy = _policy(cfg, tmp_path)  # the operator ran the checks
@@ -194,7 +194,7 @@ def test_queries_and_refusals_read_no_private_record(world, tmp_path, monkeypatc
 
     monkeypatch.setattr(mpii, "load_mpii", load)
     monkeypatch.setattr(split, "content_hash", digest)
-    monkeypatch.setattr("client.site_data.content_hash", digest)
+    monkeypatch.setattr("fedpose.client.site_data.content_hash", digest)
     info = site_info(policy)  # a query
     with pytest.raises(Refusal) as refused:  # a request below the site's noise floor
         handle_train(_request(cfg, state, sigma=0.5 * min_sigma_for(policy)), policy)
@@ -222,7 +222,7 @@ def test_a_charged_rounds_answer_leaves_at_the_sites_deadline(world, tmp_path, m
 def test_a_round_past_its_deadline_leaves_at_the_next_multiple_of_it(world, tmp_path, monkeypatch):
     """Before: a round longer than round_seconds left when training ended, so its departure tracked the realised
     private batch (Pearson 0.92 in a review). Now it waits for the next multiple of the period."""
-    import shared.train as train_module
+    import fedpose.shared.train as train_module
 
     cfg, state = world
     period = 2.0
@@ -260,7 +260,7 @@ def test_a_reply_is_checked_finite_before_it_leaves(world, tmp_path):
 def test_a_reply_carries_the_update_and_the_declared_spend_only_whatever_the_sites_size(world, tmp_path):
     """P10: a reply holds the trained tensors and exactly the metrics of REPLY_METRICS, each from the request, the
     policy and the ledger: a site with half the records sends the same metrics (no n, no loss, no timing)."""
-    from shared.federation_messages import METRICS, REPLY_METRICS
+    from fedpose.shared.federation_messages import METRICS, REPLY_METRICS
 
     cfg, state = world
     metrics = []
@@ -296,8 +296,8 @@ def test_data_that_would_break_the_claim_is_handled_locally_not_in_the_answer(wo
 
 def test_stored_replies_and_cached_bases_are_cleaned_by_exact_id(tmp_path):
     """Federation ``a`` must not delete what federation ``a-r1`` (or ``a-v1``) stored: ids, not prefixes."""
-    from client.replies import store_reply, stored_reply
-    from client.site_basis import cache_basis, cached_basis
+    from fedpose.client.replies import store_reply, stored_reply
+    from fedpose.client.site_basis import cache_basis, cached_basis
 
     policy = _policy_stub(tmp_path)
     weights = {"w": torch.zeros(2)}
@@ -316,7 +316,7 @@ def test_stored_replies_and_cached_bases_are_cleaned_by_exact_id(tmp_path):
 
 def _policy_stub(tmp_path: Path):
     """A policy whose files need not exist (the reply store and basis cache only use its ledger folder)."""
-    from client.policy import policy_from_dict
+    from fedpose.client.policy import policy_from_dict
 
     return policy_from_dict({"policy_version": 3, "site": "s", "epsilon": 1.0, "delta": 1e-5, "lifetime_rounds": 1,
                              "rounds_per_federation": 1, "sample_rate": 0.1, "expected_batch": 8,

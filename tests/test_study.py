@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError
+from fedpose.shared.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def study_text(**fields: str) -> str:
 
 
 def test_shipped_study_config_and_its_quick_grid_load():
-    from shared.experiments.study import load_study
+    from fedpose.shared.experiments.study import load_study
 
     full = load_study(REPO / "configs" / "study.yaml")
     assert full.axes.methods == ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
@@ -49,7 +49,7 @@ def test_shipped_study_config_and_its_quick_grid_load():
     quick = load_study(REPO / "configs" / "study.yaml", quick=True)
     assert len(quick.axes.epsilons) == 1 and quick.base.train.epochs == 1
     # The domain-shift ablation: the shifted public set is generated and pretrained on apart from the shared cache.
-    from shared.experiments.study import expand
+    from fedpose.shared.experiments.study import expand
 
     public_set = {c.config.data.synth.public_style: c for c in expand(full) if c.ablation == "public_set"}
     assert set(public_set) == {"public", "shifted"}
@@ -58,7 +58,7 @@ def test_shipped_study_config_and_its_quick_grid_load():
 
 
 def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):
-    from shared.experiments.study import expand, load_study
+    from fedpose.shared.experiments.study import expand, load_study
 
     cells = expand(load_study(write_study(tmp_path, study_text())))
     grid = [c for c in cells if not c.ablation]
@@ -80,7 +80,7 @@ def test_grid_expands_to_one_cell_per_point_and_seed(tmp_path):
 
 
 def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_path):
-    from shared.experiments.study import expand, load_study
+    from fedpose.shared.experiments.study import expand, load_study
 
     text = study_text(seeds="[1]", settings="[centralized]", epsilons="[0.8]") + (
         "ablations:\n  k: [{privacy.k: 10}, {privacy.k: 50}]\n  dplh: [{model.task_uncertainty: false}]\n"
@@ -120,21 +120,21 @@ def test_ablation_variants_resolve_and_the_default_variant_is_the_grid_cell(tmp_
     ],
 )
 def test_bad_study_configs_name_what_is_wrong(tmp_path, field, value, message):
-    from shared.experiments.study import expand, load_study
+    from fedpose.shared.experiments.study import expand, load_study
 
     with pytest.raises(ConfigError, match=message):
         expand(load_study(write_study(tmp_path, study_text(**{field: value}))))
 
 
 def test_quick_without_a_quick_section_is_refused(tmp_path):
-    from shared.experiments.study import load_study
+    from fedpose.shared.experiments.study import load_study
 
     with pytest.raises(ConfigError, match="no 'quick' section"):
         load_study(write_study(tmp_path, study_text()), quick=True)
 
 
 def test_gap_recovered_per_point_with_the_centralized_reference_for_federations():
-    from shared.experiments.study_report import gap_rows
+    from fedpose.shared.experiments.study_report import gap_rows
 
     def row(method, setting, eps, mean, seed=1):
         return {"method": method, "setting": setting, "strategy": "full", "clip": None if method == "nonprivate"
@@ -156,7 +156,7 @@ def test_gap_recovered_per_point_with_the_centralized_reference_for_federations(
 @pytest.mark.slow
 def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "cli.main", "study", "--config", str(REPO / "configs" / "study.yaml"),
+    cmd = [sys.executable, "-m", "fedpose.cli.main", "study", "--config", str(REPO / "configs" / "study.yaml"),
            "--out", str(tmp_path / "study"), "--quick"]
     first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -192,14 +192,14 @@ def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
 
 
 def test_parallel_cells_go_to_the_gpus_round_robin():
-    from cli.study import device_slots
+    from fedpose.cli.study import device_slots
 
     assert device_slots(3, 2) == [0, 1, 0] and device_slots(2, 0) == [None, None] and device_slots(1, 4) == [0]
 
 
 def test_progress_weights_cells_by_their_expected_cost(tmp_path):
-    from cli.study import cost
-    from shared.experiments.study import expand, load_study
+    from fedpose.cli.study import cost
+    from fedpose.shared.experiments.study import expand, load_study
 
     cells = {(c.setting, c.method, c.epsilon): c for c in expand(load_study(write_study(tmp_path, study_text())))}
     central = [cost(cells[("centralized", m, 0.8)]) for m in ("dpsgd", "fpdp")]
@@ -209,7 +209,7 @@ def test_progress_weights_cells_by_their_expected_cost(tmp_path):
 
 
 def test_report_only_runs_nothing_and_reports_what_is_finished(tmp_path, capsys):
-    from cli.main import main
+    from fedpose.cli.main import main
 
     config = write_study(tmp_path, study_text())
     assert main(["study", "--config", str(config), "--out", str(tmp_path / "out"), "--report-only", "--quiet"]) == 0
@@ -220,7 +220,7 @@ def test_report_only_runs_nothing_and_reports_what_is_finished(tmp_path, capsys)
 
 
 def test_grids_put_their_keys_over_the_axes_and_shared_cells_run_once(tmp_path):
-    from shared.experiments.study import expand, load_study
+    from fedpose.shared.experiments.study import expand, load_study
 
     text = study_text(methods="[dpsgd, fpdp]", epsilons="[0.8]", seeds="[1, 2]", baselines="[]") + (
         "grids:\n  - {methods: [nonprivate, dpsgd, fpdp]}\n  - {epsilons: [0.2, 0.8]}\n"
@@ -253,8 +253,8 @@ def test_reference_setting_pools_the_sites_batch_and_noise_of_the_federation(tmp
     import dataclasses
     import math
 
-    from shared.experiments.study import expand, load_study
-    from shared.runs import plan_sigma
+    from fedpose.shared.experiments.study import expand, load_study
+    from fedpose.shared.runs import plan_sigma
 
     text = study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
                       settings="[centralized, reference]") + "overrides: {federation.rounds: 19}\n"
@@ -275,21 +275,21 @@ def test_reference_setting_pools_the_sites_batch_and_noise_of_the_federation(tmp
 
 
 def test_noise_factor_only_adds_noise_and_a_federation_refuses_it():
-    from shared.config import load_config, replace
+    from fedpose.shared.config import load_config, replace
 
     cfg = load_config(REPO / "configs" / "default.yaml")
     for bad in (0.5, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="privacy.noise_factor: (must be a finite number >= 1|expected a finite)"):
             replace(cfg, **{"privacy.noise_factor": bad})  # (the type check names non-finite values itself)
-    from server.run import run_federation
+    from fedpose.server.run import run_federation
 
     with pytest.raises(ConfigError, match="privacy.noise_factor: for centralized reference runs only"):
         run_federation(None, replace(cfg, **{"privacy.noise_factor": 2.0}), REPO / "runs" / "never-written")
 
 
 def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, capsys):
-    from cli.main import main
-    from shared.experiments.study import GROUPS, cell_dir, expand, load_study
+    from fedpose.cli.main import main
+    from fedpose.shared.experiments.study import GROUPS, cell_dir, expand, load_study
 
     config = write_study(tmp_path, study_text(methods="[dpsgd]", epsilons="[0.8]", seeds="[1]", baselines="[]",
                                               settings="[centralized]"))
@@ -324,8 +324,8 @@ def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, c
 def test_relaunching_a_federated_cell_keeps_the_config_its_federation_saved(tmp_path):
     """A federated cell's folder is also its federation's --out, where the server saves the config it resumes
     with (config.yaml, absolute paths): launching the cell again must not overwrite that file."""
-    from cli.study import write_cell
-    from shared.experiments.study import cell_dir, expand, load_study
+    from fedpose.cli.study import write_cell
+    from fedpose.shared.experiments.study import cell_dir, expand, load_study
 
     config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
                                               settings="[federated]"))
@@ -343,8 +343,8 @@ def test_an_interrupted_federated_cell_resumes_only_from_the_weights_it_began_wi
     """A federated cell killed mid-run resumes from its checkpoint; one that began from other pretrained weights
     (the start was pretrained again in between, or it began before starts were kept) starts over instead of
     finishing on top of the other start."""
-    from cli.study import START, may_resume, write_cell
-    from shared.experiments.study import expand, load_study
+    from fedpose.cli.study import START, may_resume, write_cell
+    from fedpose.shared.experiments.study import expand, load_study
 
     config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
                                               settings="[federated]"))

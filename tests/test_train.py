@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from federation_support import prepare_world, world_root
-from shared.config import replace
-from shared.runs import initial_model, load_records
-from shared.train import lr_factor, local_train, make_dataset, round_span
+from fedpose.shared.config import replace
+from fedpose.shared.runs import initial_model, load_records
+from fedpose.shared.train import lr_factor, local_train, make_dataset, round_span
 
 
 def test_cosine_decays_from_one_towards_zero_and_constant_stays():
@@ -57,7 +57,7 @@ def test_local_train_follows_the_schedule_within_its_span(tiny, schedule):
 
 
 def test_psi_only_images_are_refused_for_private_methods():
-    from shared.config import ConfigError, Config, config_from_dict
+    from fedpose.shared.config import ConfigError, Config, config_from_dict
 
     assert Config().train.images == "raw"
     with pytest.raises(ConfigError, match="train.images"):
@@ -67,8 +67,8 @@ def test_psi_only_images_are_refused_for_private_methods():
 
 def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatch):
     """The psi(x)-only baseline: every training image is psi(canonical crop), never a raw or augmented one."""
-    import shared.train as train_mod
-    from shared.privacy.psi import apply_psi
+    import fedpose.shared.train as train_mod
+    from fedpose.shared.privacy.psi import apply_psi
 
     cfg, dataset = tiny
     cfg = replace(cfg, **{"train.method": "nonprivate", "train.images": "psi"})
@@ -96,9 +96,9 @@ def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatc
 _STEPS_FAULTS = """
 import resource, torch
 {setup}
-from shared.config import ModelConfig
-from shared.model.posenet import apply_strategy, build_model, make_loss_fn
-from shared.privacy.fpdp import DPSpec, dp_gradient
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
+from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
 
 torch.manual_seed(0)
 model = build_model(ModelConfig(variant="tinyvit-small"), (128, 96))

@@ -58,7 +58,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def cli_page() -> str:
-    from cli.main import build_parser
+    from fedpose.cli.main import build_parser
 
     parser = build_parser()
     lines = ["# Command-line reference", "",
@@ -118,7 +118,7 @@ def _field_docs(cls: Any) -> dict[str, str]:
 
 
 def config_page() -> str:
-    from shared.config import Config
+    from fedpose.shared.config import Config
 
     lines = ["# Configuration reference", "",
              "Generated from the config dataclasses (`shared/config.py`) by `tools/docs_reference.py`. A YAML file",
@@ -160,8 +160,8 @@ EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 
 
 def kit_blocks() -> dict[str, str]:
     """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
-    from cli import kit_templates as kit
-    from shared.config import load_config, replace
+    from fedpose.cli import kit_templates as kit
+    from fedpose.shared.config import load_config, replace
 
     cfg = replace(load_config("default"), **{"train.method": "proj"})  # as the operator's guide provisions
     paths = {"install": kit.INSTALL, "venv": kit.VENV, "state": kit.STATE, "user": kit.USER}

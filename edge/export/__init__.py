@@ -30,10 +30,10 @@ trt_ops (TensorRT 10 operator check), fold
 """
 
 
-from edge.export.exporter import export_onnx
-from edge.export.fold import fold_constants
-from edge.export.parity import verify_onnx
-from edge.export.spec import (
+from fedpose.edge.export.exporter import export_onnx
+from fedpose.edge.export.fold import fold_constants
+from fedpose.edge.export.parity import verify_onnx
+from fedpose.edge.export.spec import (
     DEFAULT_TOLERANCE,
     INPUT_NAME,
     OPSET,
@@ -45,7 +45,7 @@ from edge.export.spec import (
     parse_batch,
     parse_input_size,
 )
-from edge.export.trt_ops import (
+from fedpose.edge.export.trt_ops import (
     TRT10_CONSTANT_INPUTS,
     TRT10_ONNX_OPS,
     check_qdq_zero_points,

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
-from edge.export.fold import fold_constants
-from edge.export.outputs import exported_module
-from edge.export.parity import verify_onnx
-from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, OPSET, Batch, ExportError, ExportReport, export_outputs
-from edge.export.trt_ops import nonconstant_restricted_inputs, unsupported_ops
-from shared.model.face_decode import ordered
-from shared.model.posenet import PoseNet
+from fedpose.edge.export.fold import fold_constants
+from fedpose.edge.export.outputs import exported_module
+from fedpose.edge.export.parity import verify_onnx
+from fedpose.edge.export.spec import (DEFAULT_TOLERANCE, INPUT_NAME, OPSET, Batch, ExportError, ExportReport,
+                                      export_outputs)
+from fedpose.edge.export.trt_ops import nonconstant_restricted_inputs, unsupported_ops
+from fedpose.shared.model.face_decode import ordered
+from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 

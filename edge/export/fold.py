@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.export.spec import OPSET, ExportError
+from fedpose.edge.export.spec import OPSET, ExportError
 
 # Ops evaluated element-wise on partially known 1-D shape vectors.
 _PARTIAL_BINARY = {"Add", "Sub", "Mul", "Div", "Mod"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.model.face_decode import face_slices
-from shared.model.posenet import PoseNet
+from fedpose.shared.model.face_decode import face_slices
+from fedpose.shared.model.posenet import PoseNet
 
 
 class ExportedOutputs(torch.nn.Module):

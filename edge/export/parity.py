@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge.export.outputs import exported_module
-from edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, ExportError, export_outputs
-from shared.model.posenet import PoseNet
+from fedpose.edge.export.outputs import exported_module
+from fedpose.edge.export.spec import DEFAULT_TOLERANCE, INPUT_NAME, ExportError, export_outputs
+from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 

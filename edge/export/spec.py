@@ -61,7 +61,7 @@ def parse_input_size(value: str) -> tuple[int, int]:
 
 def export_outputs(model: object) -> tuple[str, ...]:
     """The output names of ``model``'s export: the pose outputs, then one per face task it has."""
-    from shared.model.face_decode import FACE_OUTPUTS, ordered
+    from fedpose.shared.model.face_decode import FACE_OUTPUTS, ordered
 
     cfg = getattr(model, "cfg", None)
     return OUTPUT_NAMES + tuple(FACE_OUTPUTS[t] for t in ordered(getattr(cfg, "face_tasks", ())))

@@ -28,11 +28,11 @@ frames, ``release_claim``), loop (``run_pipeline``).
 """
 
 
-from edge.pipeline.loop import run_pipeline
-from edge.pipeline.options import PipelineOptions, PipelineReport, parse_pixelize
-from edge.pipeline.outputs import KEYPOINTS_FILE, PIXELIZED_DIR, VIDEO_FILE, draw_skeleton, release_claim
-from edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError, is_live, parse_source
-from edge.pipeline.tracking import MAX_ROI_COORD, BoxTracker, parse_roi
+from fedpose.edge.pipeline.loop import run_pipeline
+from fedpose.edge.pipeline.options import PipelineOptions, PipelineReport, parse_pixelize
+from fedpose.edge.pipeline.outputs import KEYPOINTS_FILE, PIXELIZED_DIR, VIDEO_FILE, draw_skeleton, release_claim
+from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError, is_live, parse_source
+from fedpose.edge.pipeline.tracking import MAX_ROI_COORD, BoxTracker, parse_roi
 
 __all__ = [
     "BoxTracker",

@@ -15,8 +15,8 @@ from typing import Any
 import cv2
 import numpy as np
 
-from edge.pipeline.options import PipelineOptions, PipelineReport
-from edge.pipeline.outputs import (
+from fedpose.edge.pipeline.options import PipelineOptions, PipelineReport
+from fedpose.edge.pipeline.outputs import (
     KEYPOINTS_FILE,
     PIXELIZED_DIR,
     VIDEO_FILE,
@@ -27,10 +27,10 @@ from edge.pipeline.outputs import (
     draw_skeleton,
     release_claim,
 )
-from edge.pipeline.source import FrameSource
-from edge.pipeline.tracking import BoxTracker, _external_box
-from edge.prepost import face_to_frame, postprocess, preprocess
-from shared.model.face_decode import decode_face
+from fedpose.edge.pipeline.source import FrameSource
+from fedpose.edge.pipeline.tracking import BoxTracker, _external_box
+from fedpose.edge.prepost import face_to_frame, postprocess, preprocess
+from fedpose.shared.model.face_decode import decode_face
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
     Writes ``keypoints.jsonl`` (one JSON object per frame: frame, timestamp
     (Unix s), pos_ms (source position), box [x, y, w, h], box_source,
     keypoints 16 x [x, y, score], latency_ms, and face when the model has face tasks:
-    ``edge.prepost.face_to_frame``), optionally the annotated
+    ``fedpose.edge.prepost.face_to_frame``), optionally the annotated
     video and the pixelized frames (until ``max_eps`` is reached), and
     ``summary.json``. Returns the run's report.
     """
@@ -184,7 +184,7 @@ def run_pipeline(runtime: Any, source: FrameSource, options: PipelineOptions) ->
     report.track_lost = tracker.lost_count
     report.reacquired = tracker.reacquired
     if options.truth is not None and predicted:
-        from edge.pipeline.accuracy import pck_against_truth
+        from fedpose.edge.pipeline.accuracy import pck_against_truth
 
         report.accuracy = {"truth": str(options.truth.get("path", "")),
                            **pck_against_truth(np.array(predicted), options.truth["joints"], options.truth["visible"])}

@@ -22,7 +22,7 @@ def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
     """``"eps=0.5,b=16,m=16,n=4[,noise=laplace][,color=1]"`` -> (PixelizeSpec, color) or None."""
     if value is None:
         return None
-    from edge.pixelize import PixelizeSpec
+    from fedpose.edge.pixelize import PixelizeSpec
 
     fields: dict[str, str] = {}
     for part in value.split(","):
@@ -80,7 +80,7 @@ class PipelineOptions:
     # this; keypoints go on. None: no limit (the claim states F x eps for whatever was released).
     max_eps: float | None = None
     store: str = "npz"  # how pixelized frames are written: npz (noisy cell means, restorable), png or jpeg
-    # Ground truth of the source (a demo clip's sidecar, ``edge.demo_video.load_truth``): the run is scored
+    # Ground truth of the source (a demo clip's sidecar, ``fedpose.edge.demo_video.load_truth``): the run is scored
     # against it (PCK@0.2 of the person's height) in the report and summary.json.
     truth: dict[str, Any] | None = None
     # Frames in a row with fewer than half the joints at the score threshold before a warning is logged.

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.prepost import BOX_PADDING, box_from_keypoints, clip_box
+from fedpose.edge.prepost import BOX_PADDING, box_from_keypoints, clip_box
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from shared.pixelization.spec import PixelizeSpec, _is_int
+from fedpose.shared.pixelization.spec import PixelizeSpec, _is_int
 
 _MASK_SOURCES = ("none", "keypoints", "file")
 _KINDS = ("video", "images", "image")

@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS, SKELETON
+from fedpose.shared.data.joints import NUM_JOINTS, SKELETON
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from numpy.lib import format as npformat
 
-from shared.pixelization.frame import PixelizedFrame
-from shared.pixelization.spec import MAX_FRAME_PIXELS, MAX_NPZ_MEMBER_BYTES
+from fedpose.shared.pixelization.frame import PixelizedFrame
+from fedpose.shared.pixelization.spec import MAX_FRAME_PIXELS, MAX_NPZ_MEMBER_BYTES
 
 _NPZ_KEYS = ("simple_means", "complex_means", "cell_mask", "b", "s_b", "height", "width", "channels")
 

@@ -18,7 +18,7 @@ after undoing the roll is the right eye (as for the ward). The names decide the 
 corner seen); the reader checks on the faces with both eyes whether the names agree with the image and swaps
 them for all faces if they mostly do not. The angles are converted to degrees; roll and yaw signs are checked
 the same way against the eye line and the nose, and flipped if the file's convention is the mirror of ours
-(``shared.data.face``). What the reader found is logged and returned.
+(``fedpose.shared.data.face``). What the reader found is logged and returned.
 
 A face is a record of its own: the crop is centred on the face box at twice its side (head and shoulders);
 it has no body joints (all invisible), so only the face losses and the joints' visibility train on it.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.data.face import FaceLabels, wrap_degrees
-from shared.data.joints import NUM_JOINTS
-from shared.data.records import PIXEL_STD, PoseRecord, inside, open_image
+from fedpose.shared.data.face import FaceLabels, wrap_degrees
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.records import PIXEL_STD, PoseRecord, inside, open_image
 
 log = logging.getLogger(__name__)
 

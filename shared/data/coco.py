@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.data.joints import JOINT_NAMES, NUM_JOINTS
-from shared.data.mpii import image_path, image_size
-from shared.data.records import PIXEL_STD, PoseRecord, sanitize_joints
+from fedpose.shared.data.joints import JOINT_NAMES, NUM_JOINTS
+from fedpose.shared.data.mpii import image_path, image_size
+from fedpose.shared.data.records import PIXEL_STD, PoseRecord, sanitize_joints
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``convert`` reads MPII as mmpose / HRNet distribute it (``train.json`` / ``valid.json``, with the official
 ``mpii_gt_val.mat`` for the validation head boxes), COCO keypoints (mapped to the 16 MPII joints, see
-``shared.data.coco``) or AFLW's face database (face labels, ``shared.data.aflw``) and writes one split
+``fedpose.shared.data.coco``) or AFLW's face database (face labels, ``fedpose.shared.data.aflw``) and writes one split
 folder in the MPII json layout every fedpose command reads.
 ``split`` cuts one such folder into sites, a public split and a validation split: by patient when the
 data carries patient ids (``patients.json``), else by image, so that a person or an image is never on two
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.data.face import FACES_FILE, read_faces, write_faces
-from shared.data.mpii import box_to_json, load_mpii, load_split
+from fedpose.shared.data.face import FACES_FILE, read_faces, write_faces
+from fedpose.shared.data.mpii import box_to_json, load_mpii, load_split
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ def convert(fmt: str, annotations: str | Path, images: str | Path, out: str | Pa
     elif fmt == "aflw":
         if headboxes is not None:
             raise ValueError("--headboxes is for MPII: AFLW's face boxes are its records' head boxes")
-        from shared.data.aflw import ATTRIBUTES, load_aflw
+        from fedpose.shared.data.aflw import ATTRIBUTES, load_aflw
 
         records, _ = load_aflw(annotations, images)
         return write_split(records, out, copy=copy, attributes=ATTRIBUTES)
     elif fmt == "coco":
         if headboxes is not None:
             raise ValueError("--headboxes is for MPII: COCO has no head boxes (do not evaluate PCKh on COCO)")
-        from shared.data.coco import load_coco
+        from fedpose.shared.data.coco import load_coco
 
         records = load_coco(annotations, images)
     else:

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from shared.data.face import NUM_LANDMARKS
-from shared.data.joints import NUM_JOINTS
-from shared.data.records import PoseRecord, inside
-from shared.data.transforms import (
+from fedpose.shared.data.face import NUM_LANDMARKS
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.records import PoseRecord, inside
+from fedpose.shared.data.transforms import (
     Augment,
     affine_matrix,
     flip_horizontal,
@@ -77,7 +77,7 @@ class PoseDataset(Dataset):
     global state. With DataLoader workers pass ``worker_init_fn=
     PoseDataset.worker_init`` so that workers do not repeat one stream.
 
-    face_tasks adds the face labels (``FACE_KEYS``, ``shared.data.face``) moved with the crop; a record
+    face_tasks adds the face labels (``FACE_KEYS``, ``fedpose.shared.data.face``) moved with the crop; a record
     without face labels gets ``face_labelled`` 0 and no face loss.
 
     cache_images keeps decoded images in memory (fine for the 128 px ward; for

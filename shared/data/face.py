@@ -12,7 +12,7 @@ the centre of the top-left pixel at (0, 0)); angles are degrees:
 
 The sidecar file ``faces.json`` (one entry per record of a split, aligned with
 ``annotations.json``) is the documented annotation format; the embedded ward
-writes it and ``shared.data.aflw`` converts AFLW-style annotations to it.
+writes it and ``fedpose.shared.data.aflw`` converts AFLW-style annotations to it.
 """
 
 from __future__ import annotations

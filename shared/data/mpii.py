@@ -27,10 +27,10 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 
-from shared.data.face import FACES_FILE, read_faces
-from shared.data.joints import NUM_JOINTS
-from shared.data.patients import patient_sidecar, read_patient_ids
-from shared.data.records import PoseRecord, open_image, sanitize_joints
+from fedpose.shared.data.face import FACES_FILE, read_faces
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.patients import patient_sidecar, read_patient_ids
+from fedpose.shared.data.records import PoseRecord, open_image, sanitize_joints
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,8 @@ def load_mpii(
             ``mpii_gt_val.mat`` (its ``headboxes_src`` (2, 2, N) is aligned
             with the val json order). The count must match the annotations.
         patients: None, or a sidecar json list with one patient id per annotation
-            (``shared.data.patients``); the count must match the annotations.
-        faces: None, or a ``faces.json`` sidecar (``shared.data.face``) aligned with the annotations.
+            (``fedpose.shared.data.patients``); the count must match the annotations.
+        faces: None, or a ``faces.json`` sidecar (``fedpose.shared.data.face``) aligned with the annotations.
 
     Every image must exist (checked here, so a training run does not die
     hours later); its header is read to drop joints outside the image.
@@ -245,7 +245,7 @@ def load_split(root: str | Path, split: str) -> list[PoseRecord]:
     """Records of one split of our layout: ``<root>/<split>/{annotations,headboxes}.json, images/``.
 
     Patient ids come from the split's sidecar when it has one (``patients.json``, or the synthetic
-    ward's ``identities.json``: ``shared.data.patients.patient_sidecar``); MPII has none.
+    ward's ``identities.json``: ``fedpose.shared.data.patients.patient_sidecar``); MPII has none.
     """
     split_dir = Path(root) / split
     ann = split_dir / "annotations.json"

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.data.face import FaceLabels
-from shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.face import FaceLabels
+from fedpose.shared.data.joints import NUM_JOINTS
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,15 @@ class PoseRecord:
         center: (2,) float32 person-box centre in pixels.
         scale: person-box side / 200 (MPII convention), > 0.
         joints: (16,) x 2 float32 pixel coordinates in the order of
-            ``shared.data.joints.JOINT_NAMES``; invisible joints are stored as 0.
+            ``fedpose.shared.data.joints.JOINT_NAMES``; invisible joints are stored as 0.
         visible: (16,) bool, True where the joint is annotated and lies inside
             the image (MPII ``joints_vis``: an occluded but annotated joint is
             visible here).
         headbox: optional (2, 2) float32 [[x1, y1], [x2, y2]] head box for PCKh.
         patient: optional id of the person shown (the privacy unit of patient-level
-            DP, ``shared.data.patients``); None when the data carries no patient ids
+            DP, ``fedpose.shared.data.patients``); None when the data carries no patient ids
             (MPII, COCO).
-        face: optional face labels (``shared.data.face``) for the face tasks; None when the
+        face: optional face labels (``fedpose.shared.data.face``) for the face tasks; None when the
             data has no face annotation for this person.
 
     Arrays are copied and made read-only so a record really is immutable.

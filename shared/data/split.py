@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from shared.data.records import PoseRecord, content_hash
+from fedpose.shared.data.records import PoseRecord, content_hash
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from shared.data.face import LANDMARK_FLIP, NUM_LANDMARKS, FaceLabels, wrap_degrees
-from shared.data.joints import NUM_JOINTS, flip_permutation
-from shared.data.records import PIXEL_STD, PoseRecord, inside
+from fedpose.shared.data.face import LANDMARK_FLIP, NUM_LANDMARKS, FaceLabels, wrap_degrees
+from fedpose.shared.data.joints import NUM_JOINTS, flip_permutation
+from fedpose.shared.data.records import PIXEL_STD, PoseRecord, inside
 
 
 def _check_size(output_size: Sequence[int]) -> tuple[int, int]:
@@ -128,7 +128,7 @@ def transform_face(
     """A face through the crop's affine map (and the horizontal flip), in input pixels.
 
     Args:
-        matrix: (2, 3) image -> input map (``shared.data.transforms.affine_matrix``), rotating the content
+        matrix: (2, 3) image -> input map (``fedpose.shared.data.transforms.affine_matrix``), rotating the content
             ``rotation`` degrees counter-clockwise.
         flip_width: the input width when the crop is mirrored afterwards, else None.
         size_hw: (H, W) of the input; a face whose box centre leaves it is no longer present.

@@ -2,15 +2,15 @@
 
 Steinke, Nasr, Jagielski, "Privacy auditing with one (1) training run"
 (NeurIPS 2023). m canaries are each included independently with probability
-1/2, one private run of ``shared.train.local_train`` (the loop ``fedpose
+1/2, one private run of ``fedpose.shared.train.local_train`` (the loop ``fedpose
 train`` and every site use) trains with them, the auditor scores each canary,
 guesses the top ones IN and the bottom ones OUT, and the number of correct
-guesses gives eps_LB (``shared.privacy.audit_bound``). A sound mechanism gives
+guesses gives eps_LB (``fedpose.shared.privacy.audit_bound``). A sound mechanism gives
 eps_LB <= the accountant's epsilon except with probability 5%.
 
 Two kinds of canaries:
 - ``gradient`` (white-box): Dirac gradient canaries C e_j, each on a coordinate
-  of its own (``shared.privacy.canaries``), Poisson-sampled, clipped and noised
+  of its own (``fedpose.shared.privacy.canaries``), Poisson-sampled, clipped and noised
   with the records. The auditor sees every released update direction (the
   noisy, projected-if-any private gradient plus g_pub) and scores canary c by
   the sum over steps of its coordinate j_c. Releasing every step's noisy
@@ -44,22 +44,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.config import Config
-from shared.data.dataset import PoseDataset
-from shared.data.records import PoseRecord
-from shared.data.split import check_disjoint
-from shared.privacy.accountant import (
+from fedpose.shared.config import Config
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.data.split import check_disjoint
+from fedpose.shared.privacy.accountant import (
     StepRecord,
     calibrate_sigma,
     check_delta,
     epsilon_spent,
 )
-from shared.privacy.audit_bound import best_lower_bound
-from shared.privacy.canaries import DiracCanaries, SpanCanaries
-from shared.privacy.noise import make_generator
-from shared.privacy.psi import psi_label_of
-from shared.privacy.subspace import flatten
-from shared.runs import (
+from fedpose.shared.privacy.audit_bound import best_lower_bound
+from fedpose.shared.privacy.canaries import DiracCanaries, SpanCanaries
+from fedpose.shared.privacy.noise import make_generator
+from fedpose.shared.privacy.psi import psi_label_of
+from fedpose.shared.privacy.subspace import flatten
+from fedpose.shared.runs import (
     check_batch_size,
     ensure_data,
     initial_model,
@@ -67,7 +67,7 @@ from shared.runs import (
     private_records,
     training_records,
 )
-from shared.train import (
+from fedpose.shared.train import (
     AuditHooks,
     ReleasedStep,
     local_train,
@@ -238,7 +238,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
 
     released_coords = None
     if spec.mode == "gradient":
-        from shared.model.posenet import apply_strategy
+        from fedpose.shared.model.posenet import apply_strategy
 
         trainable = apply_strategy(model, cfg.train.strategy)
         named = dict(model.named_parameters())

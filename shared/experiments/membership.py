@@ -2,7 +2,7 @@
 
 Setting (Carlini et al., "Membership inference attacks from first
 principles", S&P 2022, "LiRA"): a pool of records; K models of one training
-method, each trained with ``shared.train.local_train`` on an independent
+method, each trained with ``fedpose.shared.train.local_train`` on an independent
 random half of the pool (each record IN with probability 1/2 per model).
 Every model in turn is the target and the other K - 1 its shadow models, so
 each record has about (K - 1) / 2 IN and (K - 1) / 2 OUT shadows:
@@ -33,17 +33,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.config import Config
-from shared.data.dataset import PoseDataset
-from shared.privacy.accountant import (
+from fedpose.shared.config import Config
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.privacy.accountant import (
     StepRecord,
     calibrate_sigma,
     check_delta,
     epsilon_spent,
 )
-from shared.privacy.noise import make_generator
-from shared.runs import ensure_data, initial_model, load_records
-from shared.train import (
+from fedpose.shared.privacy.noise import make_generator
+from fedpose.shared.runs import ensure_data, initial_model, load_records
+from fedpose.shared.train import (
     PRIVATE,
     local_train,
     make_dataset,
@@ -71,7 +71,7 @@ class MiaSpec:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        from shared.config import METHODS
+        from fedpose.shared.config import METHODS
 
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise ValueError(f"methods={self.methods!r} must be a non-empty subset of {METHODS}")

@@ -20,7 +20,7 @@ that pass every check a site makes:
   predicted SimCC distributions are uniform, and the coordinate heads' weight gradient on unit k is
   then (uniform - target_k) scaled by known constants: the exact SimCC target of joint k.
 
-``shared.experiments.reconstruction_read`` reads a reply back and scores it.
+``fedpose.shared.experiments.reconstruction_read`` reads a reply back and scores it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shared.config import Config, replace
-from shared.model.posenet import PoseNet
-from shared.model.tinyvit_blocks import ConvNorm, PatchMerging
+from fedpose.shared.config import Config, replace
+from fedpose.shared.model.posenet import PoseNet
+from fedpose.shared.model.tinyvit_blocks import ConvNorm, PatchMerging
 
 OFFSET = 16.0  # every kept value rides on this: GELU(x) == x exactly in float32 for x >= 5.37
 LUMA_BLOCK = 4  # px: the stem averages 4x4 blocks
@@ -241,7 +241,7 @@ def attack_content(cfg: Config, crafted: Crafted, basis: torch.Tensor | None, *,
     fpdp the broadcast V (version ``round``) that leaves the read tensors out. ``cfg`` from ``attack_config``."""
     from flwr.app import RecordDict
 
-    from shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, basis_record, weights_record
+    from fedpose.shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, basis_record, weights_record
 
     projected = cfg.train.method in ("proj", "fpdp")
     request = TrainRequest(federation=federation, round=round, site=site, sigma=sigma, sample_rate=sample_rate,

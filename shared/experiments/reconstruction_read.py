@@ -1,7 +1,7 @@
 """Read one Feature-DP reply back (docs/explanation/design.md P17): psi(x) at the crafted trunk's resolution
 and the exact pose labels of the record drawn for the public term, and score both against that record.
 
-With the weights of ``shared.experiments.reconstruction.craft_weights``, a plain-SGD step (no momentum, no
+With the weights of ``fedpose.shared.experiments.reconstruction.craft_weights``, a plain-SGD step (no momentum, no
 weight decay, learning rate lr, one step) and a basis V that leaves the read tensors out, the reply's read
 tensors are w - lr * g_pub exactly, and with a public batch of one record:
 
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.config import ModelConfig
-from shared.experiments.reconstruction import COLOUR_BLOCK, GATE, LUMA_BLOCK, OFFSET, Crafted
-from shared.model.posenet import IMAGENET_MEAN, IMAGENET_STD
+from fedpose.shared.config import ModelConfig
+from fedpose.shared.experiments.reconstruction import COLOUR_BLOCK, GATE, LUMA_BLOCK, OFFSET, Crafted
+from fedpose.shared.model.posenet import IMAGENET_MEAN, IMAGENET_STD
 
 
 @dataclass(frozen=True)

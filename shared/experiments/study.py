@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from shared.config import (
+from fedpose.shared.config import (
     Config,
     ConfigError,
     Method,
@@ -42,7 +42,7 @@ from shared.config import (
     to_dict,
     unflatten,
 )
-from shared.config_flat import identity_flat
+from fedpose.shared.config_flat import identity_flat
 
 Setting = Literal["centralized", "federated", "reference"]
 Baseline = Literal["psi-only", "pretrained"]

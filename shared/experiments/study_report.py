@@ -1,6 +1,6 @@
 """What a study writes: results.csv, tables.md (the paper's layout), gap recovered, the figures.
 
-Input is the rows of ``shared.experiments.study.collect`` (one per cell and seed); every
+Input is the rows of ``fedpose.shared.experiments.study.collect`` (one per cell and seed); every
 function here is post-processing of finished cells, so a partly finished
 study reports what it has.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shared.experiments.study import COLUMNS, GROUPS
+from fedpose.shared.experiments.study import COLUMNS, GROUPS
 
 PRIVATE_ORDER = ("dpsgd", "proj", "fdp", "fpdp")
 METHOD_ORDER = ("pretrained", "psi-only", "nonprivate", *PRIVATE_ORDER)
@@ -311,11 +311,11 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     import numpy as np
     from PIL import Image
 
-    from shared.data.joints import SKELETON
-    from shared.experiments.study import cell_dir
-    from shared.model.posenet import load_checkpoint
-    from shared.runs import load_records
-    from shared.train import evaluate
+    from fedpose.shared.data.joints import SKELETON
+    from fedpose.shared.experiments.study import cell_dir
+    from fedpose.shared.model.posenet import load_checkpoint
+    from fedpose.shared.runs import load_records
+    from fedpose.shared.train import evaluate
 
     def weights_of(cell: Any) -> Path:
         where = cell_dir(out, cell)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shared.data.face import FACE_TASKS, NUM_LANDMARKS, wrap_degrees
+from fedpose.shared.data.face import FACE_TASKS, NUM_LANDMARKS, wrap_degrees
 
 ANGLE_UNIT = 90.0  # degrees per unit of the head-pose output
 FACE_OUTPUTS: dict[str, str] = {"detect": "face_detect", "landmarks": "face_landmarks", "head_pose": "head_pose",

@@ -8,7 +8,7 @@ matrix that clipping, noise, projection and psi already work on, and each column
 (``combine_task_losses``). Every loss of a sample depends on that sample only, as per-sample clipping needs.
 
 The head's output is one (B, D) tensor, the tasks' blocks in ``FACE_TASKS`` order
-(``shared.model.face_decode``, torch-free, also holds the decode):
+(``fedpose.shared.model.face_decode``, torch-free, also holds the decode):
 - detect: presence logit, box (centre x, centre y, width, height) as fractions of the input width / height;
 - landmarks: 5 x (x, y) as fractions of the input size, then 5 visibility logits;
 - head_pose: (yaw, pitch, roll) / 90 degrees;
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.data.face import NUM_LANDMARKS
-from shared.model.face_decode import ANGLE_UNIT, face_slices, ordered
-from shared.model.tinyvit_blocks import LayerNorm2d
+from fedpose.shared.data.face import NUM_LANDMARKS
+from fedpose.shared.model.face_decode import ANGLE_UNIT, face_slices, ordered
+from fedpose.shared.model.tinyvit_blocks import LayerNorm2d
 
 # The loss columns each task adds, in order (names for logs and metrics).
 TASK_TERMS: dict[str, tuple[str, ...]] = {

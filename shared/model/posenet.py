@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shared.config import ConfigError, ModelConfig, Strategy
-from shared.data.joints import NUM_JOINTS
-from shared.model.face_head import FaceHead, face_losses, loss_terms
-from shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
-from shared.model.tinyvit import ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, init_fused_convs, is_fused
+from fedpose.shared.config import ConfigError, ModelConfig, Strategy
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.model.face_head import FaceHead, face_losses, loss_terms
+from fedpose.shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
+from fedpose.shared.model.tinyvit import (ARCHS, TinyVit, checkpoint_filter_fn, fuse_batchnorm, init_fused_convs,
+                                          is_fused)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class PoseNet(TinyVit):
         return self.head(self._trunk(images))
 
     def forward_with_face(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``forward`` plus the face head's (B, D) outputs (``shared.model.face_head``); needs face tasks."""
+        """``forward`` plus the face head's (B, D) outputs (``fedpose.shared.model.face_head``); needs face tasks."""
         if self.face_head is None:
             raise ValueError("this model has no face tasks (model.face_tasks is empty)")
         feats = self._trunk(images)
@@ -168,7 +169,7 @@ class PoseLoss:
 
     Frozen parameters and buffers are closed over (detached), so ``torch.func.grad``
     differentiates only what the strategy trains. It also shows the loss's structure
-    to book-keeping clipping (``shared.privacy.bookkeeping``): ``parts`` runs the model
+    to book-keeping clipping (``fedpose.shared.privacy.bookkeeping``): ``parts`` runs the model
     to the per-sample task losses, ``combine`` weighs them, and ``combine_names`` are
     the parameters only ``combine`` uses (the task-uncertainty weights).
     """
@@ -262,7 +263,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not isinstance(mc, dict) or not isinstance(state, dict):
         raise ValueError(f"checkpoint {path}: model_config and state_dict must be mappings")
     # Validate every dimension (ModelConfig's own bounds, DataConfig's input bounds) before building.
-    from shared.config import DataConfig, section_from_dict
+    from fedpose.shared.config import DataConfig, section_from_dict
 
     try:
         cfg = section_from_dict(ModelConfig, dict(mc), "model_config")

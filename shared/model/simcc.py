@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.simcc_decode import decode_simcc  # noqa: F401  (the decode lives torch-free)
-from shared.model.tinyvit_blocks import LayerNorm2d
+from fedpose.shared.model.simcc_decode import decode_simcc  # noqa: F401  (the decode lives torch-free)
+from fedpose.shared.model.tinyvit_blocks import LayerNorm2d
 
 
 class SimCCHead(nn.Module):

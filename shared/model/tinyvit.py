@@ -15,7 +15,7 @@ layout of timm's ``tiny_vit_5m_224`` (``patch_embed.*``, ``stages.N.*``,
 - the attention-bias index table is a plain tensor attribute, not a buffer,
   so ``functional_call`` never sees it and it is never saved.
 
-Order follows timm: blocks (``shared.model.tinyvit_blocks``), model, checkpoint
+Order follows timm: blocks (``fedpose.shared.model.tinyvit_blocks``), model, checkpoint
 filter, configs, factory.
 """
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.tinyvit_blocks import ConvLayer, ConvNorm, PatchEmbed, TinyVitStage
+from fedpose.shared.model.tinyvit_blocks import ConvLayer, ConvNorm, PatchEmbed, TinyVitStage
 
 
 # ---------------------------------------------------------------------------

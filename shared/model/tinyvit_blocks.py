@@ -1,6 +1,6 @@
 """TinyViT's building blocks (timm's order: blocks first), written for per-sample gradients: ConvNorm
 (foldable conv + BatchNorm), patch embedding, MBConv, patch merging, windowed attention with a
-batch-first layout, the attention block and stage, channel LayerNorm. See ``shared.model.tinyvit``.
+batch-first layout, the attention block and stage, channel LayerNorm. See ``fedpose.shared.model.tinyvit``.
 """
 
 from __future__ import annotations

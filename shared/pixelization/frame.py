@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, _is_int
+from fedpose.shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, _is_int
 
 
 @dataclass(frozen=True, eq=False)

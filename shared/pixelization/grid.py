@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.pixelization.spec import _MAX_PIXEL
+from fedpose.shared.pixelization.spec import _MAX_PIXEL
 
 # np.pad mode used to fill the frame up to a multiple of b. 'symmetric'
 # repeats the edge pixel (... c b a | a b c ...): the padding of a cell that

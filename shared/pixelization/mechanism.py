@@ -8,9 +8,10 @@ import logging
 
 import numpy as np
 
-from shared.pixelization.frame import PixelizedFrame
-from shared.pixelization.grid import _as_hwc, _block_any, _block_sums, _mirror_pad, _pad_amount, _pad_multiplicity
-from shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, PixelizeSpec
+from fedpose.shared.pixelization.frame import PixelizedFrame
+from fedpose.shared.pixelization.grid import (_as_hwc, _block_any, _block_sums, _mirror_pad, _pad_amount,
+                                             _pad_multiplicity)
+from fedpose.shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, PixelizeSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""What ``fedpose audit`` may attach to a private run of ``shared.train.local_train`` (never set in production).
+"""What ``fedpose audit`` may attach to a private run of ``fedpose.shared.train.local_train`` (never set in production).
 
 ``AuditHooks`` carries the canaries and the observer; ``ReleasedStep`` is what the
 observer sees after every step. Both are plain data: the audit itself lives in
-``shared.experiments.audit``, the canaries in ``shared.privacy.canaries``.
+``fedpose.shared.experiments.audit``, the canaries in ``fedpose.shared.privacy.canaries``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.data.dataset import PoseDataset
-from shared.privacy.canaries import DiracCanaries, SpanCanaries
+from fedpose.shared.data.dataset import PoseDataset
+from fedpose.shared.privacy.canaries import DiracCanaries, SpanCanaries
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,11 @@ class ReleasedStep:
 
 @dataclass(frozen=True)
 class AuditHooks:
-    """What ``fedpose audit`` adds to a private run (``shared.experiments.audit``); never set in production.
+    """What ``fedpose audit`` adds to a private run (``fedpose.shared.experiments.audit``); never set in production.
 
     canaries: gradient canaries (Dirac or in-span), drawn every step with the
     records' q and added to their clipped sum before the noise
-    (``shared.privacy.canaries``); in-span ones are built inside ``dp_gradient``
+    (``fedpose.shared.privacy.canaries``); in-span ones are built inside ``dp_gradient``
     on the V that step projects with.
     observe(released): called after every step with a ``ReleasedStep``: the
     white-box auditor's view.

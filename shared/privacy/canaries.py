@@ -20,7 +20,7 @@ and added to the same sum before the noise (P1), and the projection of
 proj / fpdp applies to it after the noise like to everything else.
 
 Nothing here is used in production: ``local_train`` and ``dp_gradient``
-take canaries only from the audit (``shared.experiments.audit``); their default is None.
+take canaries only from the audit (``fedpose.shared.experiments.audit``); their default is None.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.privacy.clipping import clip_factors
+from fedpose.shared.privacy.clipping import clip_factors
 
 log = logging.getLogger(__name__)
 

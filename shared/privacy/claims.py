@@ -8,7 +8,7 @@ claim text is produced in one place and worded for each method.
 
 Every claim names its privacy unit (issue #11). A record-level claim also says
 what it means for a patient filmed in several frames: the group-privacy bound
-(``shared.privacy.group``) at the most records a patient has, or, when that
+(``fedpose.shared.privacy.group``) at the most records a patient has, or, when that
 number is not known, that a patient with k records gets only (k eps, ...).
 A patient-level claim covers all of a patient's records at once.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 
-from shared.privacy.fpdp import FEATURE_METHODS, METHODS, PROJECTED_METHODS, UNITS
-from shared.privacy.group import group_privacy
+from fedpose.shared.privacy.fpdp import FEATURE_METHODS, METHODS, PROJECTED_METHODS, UNITS
+from fedpose.shared.privacy.group import group_privacy
 
 log = logging.getLogger(__name__)
 

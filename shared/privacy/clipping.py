@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from shared.privacy import bookkeeping
-from shared.privacy.persample import (
+from fedpose.shared.privacy import bookkeeping
+from fedpose.shared.privacy.persample import (
     LossFn,
     batch_size_of,
     check_params,
@@ -193,7 +193,7 @@ def clipped_group_sum(
     mean loss over their records, clipped as a whole, so adding or removing a
     patient with all of their records moves the sum by at most C, whatever the
     number of records. ``groups`` (B,) numbers the patients of the batch 0..G-1
-    with each patient's records contiguous (``shared.data.patients.PatientGroups.expand``).
+    with each patient's records contiguous (``fedpose.shared.data.patients.PatientGroups.expand``).
 
     Same per-record machinery and chunking as ``clipped_grad_sum``: per chunk
     each record's gradient, divided by its patient's record count, is summed

@@ -52,12 +52,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from shared.privacy.canaries import DiracGrads, SpanGrads
-from shared.privacy.noise import add_noise_and_scale_
-from shared.privacy.clipping import check_groups, clipped_grad_sum, clipped_group_sum
-from shared.privacy.persample import LossFn, batch_size_of, check_params, mean_grad
-from shared.privacy.psi import PsiBatch
-from shared.privacy.subspace import flatten, project, unflatten
+from fedpose.shared.privacy.canaries import DiracGrads, SpanGrads
+from fedpose.shared.privacy.noise import add_noise_and_scale_
+from fedpose.shared.privacy.clipping import check_groups, clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.persample import LossFn, batch_size_of, check_params, mean_grad
+from fedpose.shared.privacy.psi import PsiBatch
+from fedpose.shared.privacy.subspace import flatten, project, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def _noisy_private_sum(
     """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient,
     the number of non-finite contributions left out: P14).
 
-    ``canaries`` (audit only, ``shared.privacy.canaries``): extra per-sample
+    ``canaries`` (audit only, ``fedpose.shared.privacy.canaries``): extra per-sample
     gradients of this step's Poisson-drawn canaries, clipped to C and added to
     the same sum as the records' before the noise (at patient level a canary is
     a canary patient: one clipped C-vector in the per-patient sum). In-span

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from shared.private_files import narrow_if_present, private_dir, private_file
-from shared.privacy.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
+from fedpose.shared.private_files import narrow_if_present, private_dir, private_file
+from fedpose.shared.privacy.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def connect(path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> 
 
     Private at rest (it holds the rounds' noise seeds): a folder made for it is 0700, the file 0600 whatever
     the umask, and SQLite gives its -wal and -shm files the file's own mode; one an older fedpose left wider
-    is narrowed here (``shared.private_files``).
+    is narrowed here (``fedpose.shared.private_files``).
     """
     path = Path(path)
     try:

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.pixelization.mechanism import pixelize
-from shared.pixelization.spec import PixelizeSpec
+from fedpose.shared.pixelization.mechanism import pixelize
+from fedpose.shared.pixelization.spec import PixelizeSpec
 
 log = logging.getLogger(__name__)
 

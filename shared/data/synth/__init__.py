@@ -7,7 +7,7 @@ No pose dataset can be downloaded here, so the default runs on this one
   shoulder/elbow angles, torso bend, lean and twist, body yaw) posed within
   anatomical ranges for six kinds (``POSE_KINDS``), projected
   orthographically and drawn with anti-aliased OpenCV primitives in depth
-  order. Joints follow ``shared.data.joints`` and MPII's annotation habits
+  order. Joints follow ``fedpose.shared.data.joints`` and MPII's annotation habits
   (thorax on the shoulder line, upper neck a tenth of the way to the crown).
 - Non-IID sites: each ``SiteStyle`` fixes wall/floor palette, furniture,
   camera height (person size, vertical foreshortening), lighting, sensor
@@ -29,7 +29,7 @@ No pose dataset can be downloaded here, so the default runs on this one
 
 Images are BGR uint8 (OpenCV order) throughout. Coordinates in memory are
 0-based pixels; on disk they follow the MPII json convention (1-based,
-scale = box / 1.25 / 200, see ``shared.data.mpii``), written by the inverse
+scale = box / 1.25 / 200, see ``fedpose.shared.data.mpii``), written by the inverse
 of the reader's conversion so a round trip returns the same numbers.
 
 The package, one module per concept (each imports only those before it):
@@ -39,8 +39,8 @@ body (pose kinds, joint indices, proportions), rng (hashed per-image generators)
 (spec, samples, files on disk).
 """
 
-from shared.data.synth.background import render_background
-from shared.data.synth.body import (
+from fedpose.shared.data.synth.background import render_background
+from fedpose.shared.data.synth.body import (
     CHIN_FRACTION,
     HEAD_TOP,
     L_ANKLE,
@@ -61,13 +61,13 @@ from shared.data.synth.body import (
     R_WRIST,
     THORAX,
 )
-from shared.data.synth.identity import FACES, HAIR_STYLES, SHIRT_PATTERNS, Identity, make_identity
-from shared.data.synth.person import head_box, head_geometry, render_person
-from shared.data.synth.pose import place_pose, sample_pose, sample_pose_3d
-from shared.data.synth.render import person_box, render_frame
-from shared.data.synth.rng import _derive_rng  # noqa: F401  (tests check determinism through it)
-from shared.data.synth.styles import FLOOR_PATTERNS, FURNITURE, PUBLIC_STYLE, Colour, SiteStyle, site_style
-from shared.data.synth.ward import (
+from fedpose.shared.data.synth.identity import FACES, HAIR_STYLES, SHIRT_PATTERNS, Identity, make_identity
+from fedpose.shared.data.synth.person import head_box, head_geometry, render_person
+from fedpose.shared.data.synth.pose import place_pose, sample_pose, sample_pose_3d
+from fedpose.shared.data.synth.render import person_box, render_frame
+from fedpose.shared.data.synth.rng import _derive_rng  # noqa: F401  (tests check determinism through it)
+from fedpose.shared.data.synth.styles import FLOOR_PATTERNS, FURNITURE, PUBLIC_STYLE, Colour, SiteStyle, site_style
+from fedpose.shared.data.synth.ward import (
     FORMAT,
     FORMAT_VERSION,
     RENDER_VERSION,

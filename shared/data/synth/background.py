@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
-from shared.data.synth.draw import _SHIFT, _disc, _ellipse, _fill, _line, _pick, _poly, _rect, _shade
-from shared.data.synth.identity import _BRIGHT
-from shared.data.synth.rng import _u
-from shared.data.synth.styles import Colour, SiteStyle, _jitter_colour
+from fedpose.shared.data.synth.draw import _SHIFT, _disc, _ellipse, _fill, _line, _pick, _poly, _rect, _shade
+from fedpose.shared.data.synth.identity import _BRIGHT
+from fedpose.shared.data.synth.rng import _u
+from fedpose.shared.data.synth.styles import Colour, SiteStyle, _jitter_colour
 
 
 def render_background(style: SiteStyle, size: int, rng: np.random.Generator) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The body model's fixed parts: pose kinds, joint indices (see ``shared.data.joints``) and
+"""The body model's fixed parts: pose kinds, joint indices (see ``fedpose.shared.data.joints``) and
 proportions in units of standing height."""
 
 from __future__ import annotations

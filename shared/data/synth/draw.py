@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
-from shared.data.synth.styles import Colour
+from fedpose.shared.data.synth.styles import Colour
 
 _SHIFT = 4
 _ONE = 1 << _SHIFT

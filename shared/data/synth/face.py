@@ -17,11 +17,11 @@ import math
 
 import numpy as np
 
-from shared.data.face import NUM_LANDMARKS, FaceLabels, wrap_degrees
-from shared.data.records import inside
-from shared.data.synth.body import HEAD_TOP, THORAX
-from shared.data.synth.identity import FACES, Identity
-from shared.data.synth.person import face_layout, torso_facing
+from fedpose.shared.data.face import NUM_LANDMARKS, FaceLabels, wrap_degrees
+from fedpose.shared.data.records import inside
+from fedpose.shared.data.synth.body import HEAD_TOP, THORAX
+from fedpose.shared.data.synth.identity import FACES, Identity
+from fedpose.shared.data.synth.person import face_layout, torso_facing
 
 FACE_ATTRIBUTES: tuple[str, ...] = FACES
 

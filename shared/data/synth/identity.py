@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.data.synth.styles import Colour, _check_colour
+from fedpose.shared.data.synth.styles import Colour, _check_colour
 
 HAIR_STYLES: tuple[str, ...] = ("short", "long", "bald", "bun", "cap")
 SHIRT_PATTERNS: tuple[str, ...] = ("solid", "hstripes", "vstripes", "dots")

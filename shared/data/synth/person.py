@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS
-from shared.data.synth.body import (
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.synth.body import (
     _DIMS,
     CHIN_FRACTION,
     HEAD_TOP,
@@ -30,9 +30,9 @@ from shared.data.synth.body import (
     R_WRIST,
     THORAX,
 )
-from shared.data.synth.draw import _SHIFT, _disc, _ellipse, _fill, _line, _poly, _shade
-from shared.data.synth.identity import Identity
-from shared.data.synth.styles import Colour
+from fedpose.shared.data.synth.draw import _SHIFT, _disc, _ellipse, _fill, _line, _poly, _shade
+from fedpose.shared.data.synth.identity import Identity
+from fedpose.shared.data.synth.styles import Colour
 
 
 def _body_unit(joints: np.ndarray) -> float:

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS
-from shared.data.synth.body import (
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.synth.body import (
     _DIMS,
     HEAD_TOP,
     L_ANKLE,
@@ -28,8 +28,8 @@ from shared.data.synth.body import (
     R_WRIST,
     THORAX,
 )
-from shared.data.synth.rng import _u
-from shared.data.synth.styles import SiteStyle
+from fedpose.shared.data.synth.rng import _u
+from fedpose.shared.data.synth.styles import SiteStyle
 
 
 def _rx(deg: float) -> np.ndarray:

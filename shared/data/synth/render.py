@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 
-from shared.data.joints import NUM_JOINTS
-from shared.data.records import PIXEL_STD
-from shared.data.synth.background import render_background
-from shared.data.synth.body import (
+from fedpose.shared.data.joints import NUM_JOINTS
+from fedpose.shared.data.records import PIXEL_STD
+from fedpose.shared.data.synth.background import render_background
+from fedpose.shared.data.synth.body import (
     HEAD_TOP,
     L_ANKLE,
     L_HIP,
@@ -27,11 +27,11 @@ from shared.data.synth.body import (
     R_SHOULDER,
     THORAX,
 )
-from shared.data.synth.draw import _SHIFT, _ellipse, _fill, _line, _pick, _poly, _rect, _shade
-from shared.data.synth.identity import Identity
-from shared.data.synth.person import _body_unit, _draw_body, _facing, _lit, head_box
-from shared.data.synth.rng import _u
-from shared.data.synth.styles import Colour, SiteStyle, _jitter_colour
+from fedpose.shared.data.synth.draw import _SHIFT, _ellipse, _fill, _line, _pick, _poly, _rect, _shade
+from fedpose.shared.data.synth.identity import Identity
+from fedpose.shared.data.synth.person import _body_unit, _draw_body, _facing, _lit, head_box
+from fedpose.shared.data.synth.rng import _u
+from fedpose.shared.data.synth.styles import Colour, SiteStyle, _jitter_colour
 
 
 def _draw_bed(img: np.ndarray, j: np.ndarray, unit: float, bedding: Colour, rng: np.random.Generator) -> None:

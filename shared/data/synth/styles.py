@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.data.synth.body import POSE_KINDS
-from shared.data.synth.rng import _derive_rng
+from fedpose.shared.data.synth.body import POSE_KINDS
+from fedpose.shared.data.synth.rng import _derive_rng
 
 FURNITURE: tuple[str, ...] = (
     "window", "cabinet", "monitor", "iv_pole", "curtain", "bed", "bars", "chair", "door", "poster",

@@ -16,17 +16,17 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from shared.config_flat import without_as_before
-from shared.data.face import FACES_FILE, FaceLabels, write_faces
-from shared.data.mpii import box_to_json
-from shared.data.records import PoseRecord, inside
-from shared.data.synth.face import FACE_ATTRIBUTES, face_labels
-from shared.data.synth.identity import Identity, make_identity
-from shared.data.synth.person import head_box
-from shared.data.synth.pose import place_pose, sample_pose_3d
-from shared.data.synth.render import person_box, render_frame
-from shared.data.synth.rng import _derive_rng
-from shared.data.synth.styles import PUBLIC_STYLES, SiteStyle, site_style
+from fedpose.shared.config_flat import without_as_before
+from fedpose.shared.data.face import FACES_FILE, FaceLabels, write_faces
+from fedpose.shared.data.mpii import box_to_json
+from fedpose.shared.data.records import PoseRecord, inside
+from fedpose.shared.data.synth.face import FACE_ATTRIBUTES, face_labels
+from fedpose.shared.data.synth.identity import Identity, make_identity
+from fedpose.shared.data.synth.person import head_box
+from fedpose.shared.data.synth.pose import place_pose, sample_pose_3d
+from fedpose.shared.data.synth.render import person_box, render_frame
+from fedpose.shared.data.synth.rng import _derive_rng
+from fedpose.shared.data.synth.styles import PUBLIC_STYLES, SiteStyle, site_style
 
 log = logging.getLogger(__name__)
 
