@@ -408,8 +408,9 @@ def render_scale(records: list[dict[str, Any]]) -> str:
         enough = [n for n in sizes if points.get(("non-private", n)) and points.get(("proj, SGD momentum 0.9, 3e-3", n))
                   and statistics.mean(points[("proj, SGD momentum 0.9, 3e-3", n)])
                   >= 0.9 * statistics.mean(points[("non-private", n)])]
+        both = max(int(text.split(":")[0].replace(",", "")) for text in reached)
         notes.append(f"It reaches 90 % of non-private from {enough[0]:,} records per site." if enough else
-                     f"It reaches 90 % of non-private at none of the sizes measured (up to {max(sizes):,} per site).")
+                     f"It reaches 90 % of non-private at none of the sizes where both ran (up to {both:,} per site).")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
 
 
