@@ -138,6 +138,13 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/edge_latency.py", "--repeats", "200", "--frames", "300", "--threads", "2", "--out",
          "{out}/edge_latency.json"),
     ), results=("edge_latency.json",)),
+    Entry("edge-accuracy", "the camera on the demo clip against the same model on the validation split's crops, "
+                           "the public-pretrained start and the main command's federated model", (
+        (*FEDPOSE, "simulate", "--config", "configs/default.yaml", "--out", "{out}/federation", "--seed", "0",
+         "--quiet"),
+        ("{py}", "benchmarks/edge_accuracy.py", "--model", "pretrained=runs/pretrained/model.pt", "--model",
+         "federated={out}/federation/model.pt", "--threads", "1", "--out", "{out}/edge_accuracy.json"),
+    ), results=("edge_accuracy.json",)),
     Entry("benchmarks", "downlink, DP pixelization", (
         ("{py}", "benchmarks/federation.py", "--json", "{out}/federation.json"),
         ("{py}", "benchmarks/pixelize.py"),

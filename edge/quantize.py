@@ -192,16 +192,13 @@ class PrecisionReport:
         return float(self.fp32["pckh@0.1"]["mean"] - self.int8["pckh@0.1"]["mean"])
 
 
-def evaluate_runtime(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> dict[str, dict[str, float]]:
-    """PCKh@0.5 / @0.1 of any runtime on records with head boxes (un-augmented record boxes)."""
+def predict_records(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> np.ndarray:
+    """(N, K, 2) keypoints of any runtime on records' un-augmented crops, in the records' image pixels."""
     from fedpose.shared.data.transforms import inverse_transform, record_boxes
-    from fedpose.shared.metrics import pckh_report
     from fedpose.shared.model.simcc import decode_simcc
 
     if not records:
         raise ValueError("nothing to evaluate: no records")
-    if any(r.headbox is None for r in records):
-        raise ValueError("PCKh needs head boxes for every record")
     images = record_crops(records, runtime.input_size)
     h, w = runtime.input_size
     kps = []
@@ -210,7 +207,18 @@ def evaluate_runtime(runtime: Any, records: Sequence[PoseRecord], *, batch: int 
         kp, _ = decode_simcc(sx, sy, split_ratio=sx.shape[-1] / w)
         kps.append(kp)
     centers, scales = record_boxes(records)
-    pred = inverse_transform(np.concatenate(kps), centers, scales, (h, w))
+    return np.asarray(inverse_transform(np.concatenate(kps), centers, scales, (h, w)))
+
+
+def evaluate_runtime(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> dict[str, dict[str, float]]:
+    """PCKh@0.5 / @0.1 of any runtime on records with head boxes (un-augmented record boxes)."""
+    from fedpose.shared.metrics import pckh_report
+
+    if not records:
+        raise ValueError("nothing to evaluate: no records")
+    if any(r.headbox is None for r in records):
+        raise ValueError("PCKh needs head boxes for every record")
+    pred = predict_records(runtime, records, batch=batch)
     gt = np.stack([r.joints for r in records])
     vis = np.stack([r.visible for r in records])
     heads = np.stack([r.headbox for r in records])
