@@ -870,3 +870,28 @@ def test_cli_run_finds_the_person_on_the_demo_clip_and_reports_its_accuracy(trai
           f"sources {sorted({r['box_source'] for r in rows})}")
     assert sides.min() >= 0.1 * 240  # never collapses onto a few pixels
     assert acc["pck@0.2"] >= 0.8 * oracle_pck, (acc, oracle_pck)
+
+
+def test_a_tracked_box_that_covers_too_little_of_the_moving_person_is_reacquired(monkeypatch):
+    """A model whose keypoints shrink onto part of the body pulls the next crop onto that part, and the crop
+    after onto less: the track is dropped for the moving person's box as soon as it overlaps that box by
+    less than 0.7 (IoU), not only once it has nearly left it."""
+    from fedpose.edge.pipeline import tracking
+
+    moving = np.array([90.0, 40.0, 140.0, 160.0])  # (x, y, w, h) of what moves
+    monkeypatch.setattr(tracking.MotionFinder, "box", lambda self, frame: moving)
+    frame = np.zeros((240, 320, 3), np.uint8)
+    tracker = tracking.BoxTracker(None, threshold=0.3)
+    tracker.see(frame)
+    # confident keypoints on the lower half of the person: their box overlaps the moving one at IoU 0.57
+    keypoints = np.stack([np.linspace(110, 200, 16), np.linspace(80, 170, 16)], axis=1)
+    tracker.update(keypoints, np.ones(16), (240, 320))
+    tracker.see(frame)
+    box, source = tracker.box((240, 320))
+    assert source == "motion" and tracker.reacquired == 1
+    assert np.allclose(box, moving)
+    # keypoints over the whole person keep the track
+    keypoints = np.stack([np.linspace(110, 200, 16), np.linspace(60, 170, 16)], axis=1)
+    tracker.update(keypoints, np.ones(16), (240, 320))
+    tracker.see(frame)
+    assert tracker.box((240, 320))[1] == "track"
