@@ -399,22 +399,19 @@ def render_scale(records: list[dict[str, Any]]) -> str:
     for _, _, label, guarantee in _SCALE_ROWS:
         lines.append(f"| {label} | {guarantee} | " + " | ".join(_stat(points.get((label, n), [])) for n in sizes)
                      + " |")
-    reached = []
-    for n in sizes:
-        top, rec = points.get(("non-private", n)), points.get(("proj, SGD momentum 0.9, 3e-3", n))
-        if top and rec:
-            reached.append(f"{n:,}: {statistics.mean(rec) / statistics.mean(top):.2f}")
+    top_label, recipe_label = _SCALE_ROWS[0][2], _SCALE_ROWS[-1][2]
+    shares = {n: statistics.mean(points[(recipe_label, n)]) / statistics.mean(points[(top_label, n)])
+              for n in sizes if points.get((top_label, n)) and points.get((recipe_label, n))}
     notes = ["PCKh@0.5 on the 240-image validation split, mean ± std (seeds), centralized on the three sites' "
              "records at epsilon 0.8 (delta 1e-5), 30 epochs per record; the start is each run's own (the public "
              "split is the same at every size)."]
-    if reached:
-        notes.append("Record-level DP as a share of non-private at the same size: " + "; ".join(reached) + ".")
-        enough = [n for n in sizes if points.get(("non-private", n)) and points.get(("proj, SGD momentum 0.9, 3e-3", n))
-                  and statistics.mean(points[("proj, SGD momentum 0.9, 3e-3", n)])
-                  >= 0.9 * statistics.mean(points[("non-private", n)])]
-        both = max(int(text.split(":")[0].replace(",", "")) for text in reached)
+    if shares:
+        notes.append("Record-level DP as a share of non-private at the same size: "
+                     + "; ".join(f"{n:,}: {share:.2f}" for n, share in shares.items()) + ".")
+        enough = [n for n, share in shares.items() if share >= 0.9]
         notes.append(f"It reaches 90 % of non-private from {enough[0]:,} records per site." if enough else
-                     f"It reaches 90 % of non-private at none of the sizes where both ran (up to {both:,} per site).")
+                     f"It reaches 90 % of non-private at none of the sizes where both ran (up to {max(shares):,} "
+                     "per site).")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
 
 
@@ -426,10 +423,9 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = _scale_points(records)
-    colours = {"non-private": "black", "psi-only (blurred copies alone)": "tab:green", "fpdp": "tab:blue",
-               "proj, SGD momentum 0.9, 3e-3": "tab:orange", "start": "gray"}
+    colours = ("black", "tab:green", "tab:blue", "tab:orange")  # one per row of _SCALE_ROWS
     fig, ax = plt.subplots(figsize=(7, 5))
-    for (label, _, _, guarantee), colour in zip(((r[2], 0, 0, r[3]) for r in _SCALE_ROWS), colours.values()):
+    for (_, _, label, guarantee), colour in zip(_SCALE_ROWS, colours):
         sizes = sorted(n for (name, n) in points if name == label)
         if sizes:
             values = [points[(label, n)] for n in sizes]
