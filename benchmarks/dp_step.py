@@ -189,19 +189,33 @@ def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
     steps = _steps(variant, BATCH, BATCH, kinds)
     for step in steps.values():  # warm-up: allocations, kernels
         step()
+    # the garbage of the kind before (Opacus' hooks, vmap's wrappers) is collected before each step, not inside
+    # the next kind's timed step: a full collection took up to 0.18 s in this process
+    queue.put(_interleaved(steps, repeats, before=gc.collect))
+
+
+def _interleaved(steps: dict, repeats: int, *, before=lambda: None, after=lambda: None) -> dict[str, list[float]]:
+    """Each kind's step timed ``repeats`` times, round after round; every kind starts a round in turn and follows
+    every other one. ``before`` runs before the clock starts, ``after`` before it stops (a GPU's synchronisation
+    after a step belongs to the step)."""
     times: dict[str, list[float]] = {k: [] for k in steps}
     order = list(steps)
     for round_ in range(repeats):
-        shift = round_ % len(order)  # every kind starts a round in turn and follows every other one
+        shift = round_ % len(order)
         for kind in order[shift:] + order[:shift]:
-            step = steps[kind]
-            # the garbage of the kind before (Opacus' hooks, vmap's wrappers) is collected here, not inside the
-            # next kind's timed step: a full collection took up to 0.18 s in this process
-            gc.collect()
+            before()
             t0 = time.perf_counter()
-            step()
+            steps[kind]()
+            after()
             times[kind].append(time.perf_counter() - t0)
-    queue.put(times)
+    return times
+
+
+def _ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each kind's time over the round's non-private step, and FP-DP's over the non-private step on both batches."""
+    ratios = {kind: [t / b for t, b in zip(times[kind], times["nonprivate"])] for kind in times}
+    ratios["fpdp-vs-2x"] = [t / b for t, b in zip(times["fpdp"], times["nonprivate-2x"])]
+    return ratios
 
 
 def _memory(variant: str, kind: str, realised: int, queue) -> None:
@@ -256,18 +270,8 @@ def _cuda(args) -> dict:
             step()
             torch.cuda.synchronize()
             peak[kind] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        order = list(steps)
-        for round_ in range(args.repeats):
-            shift = round_ % len(order)
-            for kind in order[shift:] + order[:shift]:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                steps[kind]()
-                torch.cuda.synchronize()
-                times[kind].append(time.perf_counter() - t0)
-        ratios = {kind: [t / b for t, b in zip(times[kind], times["nonprivate"])] for kind in times}
-        ratios["fpdp-vs-2x"] = [t / b for t, b in zip(times["fpdp"], times["nonprivate-2x"])]
+        times = _interleaved(steps, args.repeats, before=torch.cuda.synchronize, after=torch.cuda.synchronize)
+        ratios = _ratios(times)
         result["variants"][variant] = {"ms": {k: _spread([1000 * t for t in ts]) for k, ts in times.items()},
                                        "ratio": {k: _spread(rs) for k, rs in ratios.items()}, "peak_mb": peak}
         print(f"\n{variant} @ {size_hw[0]}x{size_hw[1]}, batch {args.batch}, chunk {args.chunk}, "
@@ -355,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     "variants": {}}
     for variant in args.variants.split(","):
         times = _in_process(_time_variant, variant, args.repeats, kinds)
-        base, both = times["nonprivate"], times["nonprivate-2x"]
-        ratios = {kind: [t / b for t, b in zip(times[kind], base)] for kind in times}
-        ratios["fpdp-vs-2x"] = [t / b for t, b in zip(times["fpdp"], both)]
+        ratios = _ratios(times)
         reference = _in_process(_time_variant, variant, args.repeats, references)
         for kind in references[1:]:
             times[kind] = reference[kind]
