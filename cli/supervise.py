@@ -45,29 +45,33 @@ HEARTBEAT_INTERVAL = 30.0  # Flower's default (flwr.common.constant.HEARTBEAT_DE
 KEY_IN_USE = ExitCode.BAD_INPUT
 
 
-def _heartbeat_interval(cmd: list[str]) -> float:
+def _option(cmd: list[str], name: str) -> str | None:
+    """The value of the first ``name VALUE`` or ``name=VALUE`` in ``cmd`` (None without one)."""
     for i, arg in enumerate(cmd):
-        value = cmd[i + 1] if arg == "--heartbeat-interval" and i + 1 < len(cmd) else (
-            arg.split("=", 1)[1] if arg.startswith("--heartbeat-interval=") else None)
-        if value is not None:
-            try:
-                return max(float(value), HEARTBEAT_INTERVAL)
-            except ValueError:
-                break
-    return HEARTBEAT_INTERVAL
+        if arg == name and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _heartbeat_interval(cmd: list[str]) -> float:
+    value = _option(cmd, "--heartbeat-interval")
+    try:
+        return HEARTBEAT_INTERVAL if value is None else max(float(value), HEARTBEAT_INTERVAL)
+    except ValueError:
+        return HEARTBEAT_INTERVAL
 
 
 def _key_id(cmd: list[str]) -> str:
     """SHA-256 of the SuperNode's --auth-supernode-private-key file ("" without one, or when it cannot be read)."""
-    for i, arg in enumerate(cmd):
-        path = cmd[i + 1] if arg == "--auth-supernode-private-key" and i + 1 < len(cmd) else (
-            arg.split("=", 1)[1] if arg.startswith("--auth-supernode-private-key=") else None)
-        if path is not None:
-            try:
-                return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
-            except OSError:
-                return ""
-    return ""
+    path = _option(cmd, "--auth-supernode-private-key")
+    if path is None:
+        return ""
+    try:
+        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return ""
 
 
 def _recorded(alive: Path | None) -> tuple[int, str]:
