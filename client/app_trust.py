@@ -265,6 +265,8 @@ def write_shim(directory: str | Path, *, approved: str | Path, python: str | Non
         "    sock.connect(WARM)\n"
         "except OSError:\n"
         "    cold()\n"
+        # -S: no site-packages, so no fedpose root to import through; the folder holding client/ is put on the
+        # path and warm.py (standard library only at import) is imported by its folder's name
         "sys.path.insert(0, REPO)\n"
         "from client.warm import recv_frame, send_frame\n"
         "send_frame(sock, {'argv': sys.argv[1:], 'env': dict(os.environ), 'cwd': os.getcwd()}, [0, 1, 2])\n"

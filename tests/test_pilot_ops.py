@@ -445,7 +445,7 @@ def test_site_start_starts_again_a_supernode_that_gave_up_on_its_superlink_and_e
                      "n = len(runs.read_text()) if runs.exists() else 0\n"
                      "runs.write_text('x' * (n + 1))\n"
                      "sys.exit(0 if n == 0 else 2)\n")
-    code = ("import sys\nfrom cli.site import supervise\n"
+    code = ("import sys\nfrom fedpose.cli.supervise import supervise\n"
             f"sys.exit(supervise([sys.executable, {str(child)!r}], {{}}, retry_for=30, pause=0))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert runs.read_text() == "xx", done.stdout + done.stderr

@@ -129,7 +129,7 @@ def test_a_run_folder_no_server_holds_reads_stopped_not_running(tmp_path):
     ledger = ServerLedger(out / "ledger.sqlite")
     ledger.set_meta("federation", "f1")
     ledger.close()
-    code = ("import sys, time\nfrom pathlib import Path\nfrom server.outcome import sole_server\n"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom fedpose.server.outcome import sole_server\n"
             f"with sole_server(Path({str(out)!r})):\n    print('held', flush=True)\n    time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

@@ -140,6 +140,6 @@ def test_a_training_process_reuses_its_freed_memory_instead_of_taking_it_from_th
         return int(out.stdout.strip().splitlines()[-1])
 
     default = faults_of_five_steps("")
-    kept = faults_of_five_steps("from shared.allocator import keep_freed_memory\nassert keep_freed_memory()")
+    kept = faults_of_five_steps("from fedpose.shared.allocator import keep_freed_memory\nassert keep_freed_memory()")
     assert default > 5 * 1000, default  # the default takes memory from the OS again on every step
     assert kept < default / 10, (kept, default)  # kept: the steps reuse what the first ones took
