@@ -70,11 +70,16 @@ def cached_basis(policy: SitePolicy, federation: str, version: int) -> torch.Ten
 
 
 def check_basis(basis: torch.Tensor, *, p: int, k: int) -> None:
-    """Refuse a V that is not (p, k), not finite, or without orthonormal columns (to 1e-3)."""
-    if basis.dim() != 2 or tuple(basis.shape) != (p, k):
+    """Refuse a V that is not (p, k') with 1 <= k' <= k, not finite, or without orthonormal columns (to 1e-3).
+
+    Fewer than k columns is what the server sends when the public gradients span fewer directions
+    (``compute_basis``): a projection onto fewer orthonormal directions is still post-processing of the noised sum.
+    """
+    if basis.dim() != 2 or basis.shape[0] != p or not 1 <= basis.shape[1] <= k:
         raise Refusal(
             RefusalCode.BAD_BASIS,
-            f"basis has shape {tuple(basis.shape)}, expected ({p}, {k}) for the trainable parameters of this strategy",
+            f"basis has shape {tuple(basis.shape)}, expected ({p}, k') with 1 <= k' <= {k} for the trainable "
+            "parameters of this strategy",
         )
     if not bool(torch.isfinite(basis).all()):
         raise Refusal(RefusalCode.BAD_BASIS, "basis contains NaN or Inf")

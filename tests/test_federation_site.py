@@ -178,6 +178,25 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert not (tmp_path / "tight" / "basis-cache").exists()
 
 
+def test_a_basis_narrower_than_k_is_used_and_a_wider_one_refused(world, tmp_path):
+    """The public gradients can span fewer than k directions (the server's V then has fewer columns): projecting
+    onto fewer orthonormal directions is still post-processing of the noised sum, so the site trains with it; a V
+    wider than k would let noise into more directions than the site agreed to, and is refused."""
+    cfg, state, _, p = world
+    policy = _policy(cfg, tmp_path)
+    sigma = min_sigma_for(policy)
+    k = cfg.privacy.k
+    narrow, _ = torch.linalg.qr(torch.randn(p, k - 1, dtype=torch.float64))
+    content = _request(cfg, state, sigma=sigma, method="proj", basis_version=1)
+    content[BASIS] = basis_record(narrow.float(), version=1, dtype="float32")
+    handle_train(content, policy)
+    assert len(_rows(policy)) == 1
+    wide, _ = torch.linalg.qr(torch.randn(p, k + 1, dtype=torch.float64))
+    content = _request(cfg, state, sigma=sigma, method="proj", basis_version=2, round=2)
+    content[BASIS] = basis_record(wide.float(), version=2, dtype="float32")
+    assert _refusal(content, policy).code == RefusalCode.BAD_BASIS
+
+
 def test_the_basis_cache_holds_one_basis_during_a_federation_and_none_after_its_last_round(world, tmp_path):
     """A basis is p x k floats (180 MB per site for the default model): a site keeps the latest of a federation
     while it runs (a later round of the same version reuses it) and none once the federation's last round is done."""

@@ -747,3 +747,22 @@ def test_claims_state_the_right_guarantee():
         privacy_claim(
             method="dpsgd", epsilon=None, delta=1e-5, psi=None, seeded=False, accountant="rdp"
         )
+
+
+def test_compute_basis_keeps_the_public_rank_when_it_is_below_k(toy, caplog):
+    """Training can leave the public per-sample gradients with fewer than k numerically independent directions
+    (the shipped proj recipe did, past ~500 steps on larger wards). V then holds the genuine directions only, with
+    a warning, instead of ending the run: V is public and applied after the noise, so its width changes the
+    accuracy, never the privacy claim."""
+    loss_fn, params = toy
+    twice = {name: torch.cat([value, value, value]) for name, value in make_batch(2, seed=10).items()}  # rank 2
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.subspace"):
+        basis = compute_basis(loss_fn, params, twice, k=4, chunk_size=4)
+    assert basis.shape == (sum(v.numel() for v in params.values()), 2)
+    check_orthonormal(basis)
+    matrix = flatten_per_sample(loop_grads(loss_fn, params, twice)).double()  # (6, p)
+    svd_u = torch.linalg.svd(matrix.T, full_matrices=False)[0][:, :2]
+    torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-4)
+    assert "numerical rank 2 < k=4" in caplog.text and "2 directions" in caplog.text
+    with pytest.raises(ValueError, match="numerical rank 2"):  # asked for exactly k, it still refuses
+        projection_basis(matrix.float(), 3)

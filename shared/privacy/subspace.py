@@ -111,9 +111,12 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
     return basis_from_blocks([[grads]], k, rtol=rtol)
 
 
-def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT_RTOL) -> Tensor:
+def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT_RTOL,
+                      fewer: bool = False) -> Tensor:
     """``projection_basis`` of the G whose row chunk ``a`` and column group ``j`` is ``rows[a][j]`` (b_a x p_j):
-    G as the per-sample gradients come, chunk by chunk and tensor by tensor, never copied into one m x p matrix."""
+    G as the per-sample gradients come, chunk by chunk and tensor by tensor, never copied into one m x p matrix.
+    ``fewer``: when G's numerical rank r is below k, return its r genuine directions (p x r) with a warning
+    instead of refusing."""
     if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
         raise ValueError("G's blocks do not line up: every row chunk needs the same column groups")
     sizes = [row[0].shape[0] for row in rows]
@@ -144,10 +147,13 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
         raise ValueError("all public per-sample gradients are zero; cannot build a basis")
     kept = int((eigvals > rtol * top).sum().item())
     if kept < k:
-        raise ValueError(
-            f"public gradients have numerical rank {kept} < k={k} (eigenvalues of G G^T below "
-            f"{rtol:g} x max dropped); lower k to at most {kept} or use more diverse public samples"
-        )
+        rank = (f"public gradients have numerical rank {kept} < k={k} (eigenvalues of G G^T below "
+                f"{rtol:g} x max dropped)")
+        if not fewer:
+            raise ValueError(f"{rank}; lower k to at most {kept} or use more diverse public samples")
+        log.warning("%s: V keeps their %d directions; the update is projected onto fewer directions than "
+                    "asked (the privacy claim is unchanged: V is public and applied after the noise)", rank, kept)
+        k = kept
     order = torch.arange(m - 1, m - 1 - k, -1, device=device)  # top-k, descending
     lam = eigvals[order]  # (k,)
     coeffs = (eigvecs[:, order] / lam.sqrt()).to(torch.float32).T.contiguous()  # (k, m) = (U_k S_k^{-1})^T
@@ -226,6 +232,8 @@ def compute_basis(
     Invariant P2: the only data argument is the public batch (S_pub, never a
     site's records), so V is a function of S_pub and the current global
     weights alone. Memory: m x p float32 for G (kept as the chunks' per-sample gradients) plus one chunk's tape.
+    Training can leave the public gradients spanning fewer than k directions (their numerical rank r): V is then
+    p x r, with a warning, rather than a refusal that would end a run midway (``basis_from_blocks``).
     """
     check_params(params)
     size = batch_size_of(public_batch)
@@ -242,6 +250,6 @@ def compute_basis(
     for grads in chunks:
         b = next(iter(grads.values())).shape[0]
         rows.append([grads[name].reshape(b, -1) for name in names])
-    basis = basis_from_blocks(rows, k, rtol=rtol)
-    log.info("projection basis from %d public samples: p=%d, k=%d", size, total, k)
+    basis = basis_from_blocks(rows, k, rtol=rtol, fewer=True)
+    log.info("projection basis from %d public samples: p=%d, k=%d", size, total, basis.shape[1])
     return basis
