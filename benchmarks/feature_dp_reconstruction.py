@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     from fedpose.shared.model.posenet import apply_strategy, build_model
     from fedpose.shared.provenance import provenance
     from fedpose.shared.runs import ensure_data
-    from fedpose.shared.train import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.batches import make_dataset, make_psi_from, psi_on
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")

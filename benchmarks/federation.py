@@ -116,7 +116,8 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
     from fedpose.shared.model.posenet import make_loss_fn
     from fedpose.shared.privacy.noise import make_generator
     from fedpose.shared.runs import ensure_data
-    from fedpose.shared.train import local_train, make_dataset, public_basis_at
+    from fedpose.shared.batches import make_dataset, public_basis_at
+    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
     n_private = 2 * max(batches)
     small = replace(cfg, **{
@@ -144,8 +145,10 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
     def time_steps(b: int, steps: int = 2) -> tuple[float, float]:
         train = dataclasses.replace(cfg.train, batch_size=b)
         generator, _ = make_generator(0, "cpu")
-        result = local_train(model, private, method="fpdp", train=train, privacy=cfg.privacy, sigma=1.0,
-                             steps=steps, generator=generator, basis=basis, progress=False)
+        local_data = LocalData(private)
+        local_run = LocalRun(step_spec("fpdp", train, cfg.privacy, sigma=1.0, data=local_data), steps, train,
+                             cfg.privacy)
+        result = local_train(model, local_data, local_run, generator=generator, basis=basis, bar=None)
         return result.mean_batch, result.seconds / steps
 
     time_basis(min(ms))  # warm-up: first calls pay one-off costs (allocations, torch.func tracing)

@@ -39,13 +39,10 @@ from fedpose.shared.data.mpii import load_split
 from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
 from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
 from fedpose.shared.runs import ensure_data, initial_model
-from fedpose.shared.train import (
-    evaluate,
-    local_train,
-    make_dataset,
-    public_basis_at,
-    round_span,
-)
+from fedpose.shared.batches import make_dataset, public_basis_at
+from fedpose.shared.evaluation import evaluate
+from fedpose.shared.schedule import round_span
+from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
 
 def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tuple[float, ...] = ()) -> dict:
@@ -90,9 +87,11 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tupl
             ledger = ledger_dir / name / "ledger.sqlite"
             opt = site_optimizer(cfg, local, local_trainable, ledger, "levers")
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 10_007 + rnd)
-            local_train(local, data, method=method, train=cfg.train, privacy=cfg.privacy, sigma=sigma,
-                        steps=fed.local_steps, generator=gen, basis=basis, optimizer=opt,
-                        schedule_span=round_span(rnd, fed.local_steps, fed.rounds), progress=False)
+            local_data = LocalData(data)
+            local_run = LocalRun(step_spec(method, cfg.train, cfg.privacy, sigma=sigma, data=local_data),
+                                 fed.local_steps, cfg.train, cfg.privacy, schedule_span=round_span(rnd,
+                                 fed.local_steps, fed.rounds))
+            local_train(local, local_data, local_run, generator=gen, basis=basis, optimizer=opt, bar=None)
             keep_site_optimizer(cfg, opt, local, local_trainable, ledger, "levers")
             lnamed = dict(local.named_parameters())
             updates.append({k: lnamed[k].detach().clone() for k in local_trainable})  # uniform, as the server

@@ -41,7 +41,8 @@ from fedpose.shared.privacy.sampling import poisson_sample  # noqa: E402
 from fedpose.shared.privacy.subspace import flatten, unflatten  # noqa: E402
 from fedpose.shared.provenance import provenance  # noqa: E402
 from fedpose.shared.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records  # noqa: E402
-from fedpose.shared.train import make_dataset, public_basis_at, steps_per_epoch, to_device  # noqa: E402
+from fedpose.shared.batches import make_dataset, public_basis_at, to_device  # noqa: E402
+from fedpose.shared.schedule import steps_per_epoch  # noqa: E402
 
 
 LEARNING_RATES = {"adam": (1e-4, 1e-3), "sgd": (0.01, 0.1, 1.0)}  # one step of each size along the last update

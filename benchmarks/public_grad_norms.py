@@ -25,7 +25,7 @@ from fedpose.shared.model.posenet import TASK_SCALE, apply_strategy, make_loss_f
 from fedpose.shared.privacy.persample import iter_per_sample_grads, robust_norms  # noqa: E402
 from fedpose.shared.provenance import provenance  # noqa: E402
 from fedpose.shared.runs import ensure_data, initial_model, load_records  # noqa: E402
-from fedpose.shared.train import make_dataset, to_device  # noqa: E402
+from fedpose.shared.batches import make_dataset, to_device  # noqa: E402
 
 
 def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -> dict:  # noqa: ANN001

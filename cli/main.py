@@ -156,7 +156,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from fedpose.shared.data.mpii import load_mpii, prediction_rows
     from fedpose.shared.metrics import pckh_table
     from fedpose.shared.model.posenet import load_checkpoint
-    from fedpose.shared.train import evaluate, write_json
+    from fedpose.shared.evaluation import evaluate
+    from fedpose.shared.yaml_io import write_json
 
     data = Path(args.data)
     ann = data / "annotations.json"

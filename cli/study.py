@@ -133,7 +133,8 @@ def run_cell(path: Path) -> None:
     elif spec["kind"] == "pretrained":
         from fedpose.shared.model.posenet import load_checkpoint
         from fedpose.shared.runs import ensure_data, ensure_pretrained, load_records
-        from fedpose.shared.train import evaluate, write_json
+        from fedpose.shared.evaluation import evaluate
+        from fedpose.shared.yaml_io import write_json
 
         t0 = time.perf_counter()
         weights = ensure_pretrained(cfg, progress=False)

@@ -121,7 +121,7 @@ def _augment_seed(secret: int) -> int:
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
     from fedpose.shared.model.posenet import apply_strategy, build_model
-    from fedpose.shared.train import select_device
+    from fedpose.shared.provenance import select_device
 
     arrived = time.monotonic()
     request = parse_request(content)
@@ -217,7 +217,9 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
     from fedpose.shared.privacy.noise import generator_from_secret, make_generator
     from fedpose.shared.provenance import configure_numerics
-    from fedpose.shared.train import local_train, make_dataset, round_span
+    from fedpose.shared.batches import make_dataset
+    from fedpose.shared.schedule import round_span
+    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
     cfg = request.config
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)
@@ -230,14 +232,14 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     else:
         generator, seeded = make_generator(secret, "cpu")
     optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
-    result = local_train(
-        model, make_dataset(checked.private, cfg, train=True, seed=_augment_seed(secret)), method=cfg.train.method,
-        train=cfg.train, privacy=cfg.privacy, sigma=request.sigma, steps=request.steps, generator=generator,
-        basis=basis, sample_rate=policy.sample_rate, expected_batch=policy.expected_batch,
-        chunk_size=policy.chunk_size, optimizer=optimizer, patients=checked.patients,
-        schedule_span=round_span(request.round, request.steps, cfg.federation.rounds),
-        progress=progress, desc=f"{policy.site} round {request.round}",
-    )
+    data = LocalData(make_dataset(checked.private, cfg, train=True, seed=_augment_seed(secret)),
+                     patients=checked.patients)
+    step = step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=request.sigma, data=data,
+                     sample_rate=policy.sample_rate, expected_batch=policy.expected_batch, chunk_size=policy.chunk_size)
+    run = LocalRun(step, request.steps, cfg.train, cfg.privacy,
+                   schedule_span=round_span(request.round, request.steps, cfg.federation.rounds))
+    result = local_train(model, data, run, generator=generator, basis=basis, optimizer=optimizer,
+                         bar=f"{policy.site} round {request.round}" if progress else None)
     ran = (result.sigma, result.sample_rate, result.steps)
     if ran != (row["sigma"], row["sample_rate"], row["steps"]):  # pragma: no cover - local_train runs what it is given
         raise SiteFailure(f"the round ran {ran}, not the charged {(row['sigma'], row['sample_rate'], row['steps'])}")

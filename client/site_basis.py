@@ -120,7 +120,7 @@ def obtain_basis(content: Any, request: TrainRequest, model: PoseNet, trainable:
     if public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
     from fedpose.shared.model.posenet import make_loss_fn
-    from fedpose.shared.train import make_dataset, public_basis_at
+    from fedpose.shared.batches import make_dataset, public_basis_at
 
     t0 = time.perf_counter()
     device = next(model.parameters()).device

@@ -210,7 +210,7 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
                        "mask (adaptive) is not protected; over F frames of one person the guarantee composes to "
                        "F x eps")
     if out is not None:
-        from fedpose.shared.train import write_json
+        from fedpose.shared.yaml_io import write_json
 
         out = Path(out)
         write_json(out / "reid.json", result)

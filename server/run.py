@@ -97,7 +97,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.posenet import apply_strategy
     from fedpose.shared.runs import initial_model
-    from fedpose.shared.train import evaluate
+    from fedpose.shared.evaluation import evaluate
 
     t_start = time.perf_counter()
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
@@ -322,7 +322,8 @@ def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerL
     from fedpose.shared.model.posenet import save_checkpoint
     from fedpose.shared.data.digest import data_identity
     from fedpose.shared.privacy.claims import privacy_claim
-    from fedpose.shared.train import evaluate, write_json
+    from fedpose.shared.evaluation import evaluate
+    from fedpose.shared.yaml_io import write_json
 
     report, _, _ = evaluate(model, val)
     done = final_statuses(ledger, plans)  # finished, exhausted or stopped: no site stays 'active'

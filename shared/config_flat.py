@@ -73,3 +73,9 @@ def without_as_before(values: dict[str, Any], prefix: str = "") -> dict[str, Any
 def identity_flat(cfg: Any) -> dict[str, Any]:
     """``flatten(cfg)`` without the runtime section and the later-added fields that hold their as-before value."""
     return without_as_before({k: v for k, v in flatten(cfg).items() if not k.startswith(RUNTIME_SECTIONS)})
+
+
+def config_fingerprint(cfg: Any, *sections: str) -> dict[str, Any]:
+    """The config sections that determine a cached artefact (compared on reuse)."""
+    d = unflatten(identity_flat(cfg))
+    return {s: d[s] for s in sections}

@@ -75,7 +75,7 @@ def site_optimizer(cfg: Config, model: torch.nn.Module, trainable: list[str], le
     """The optimizer for this round: None (``fresh``: local_train makes one) or the kept one, loaded from disk."""
     if cfg.federation.site_optimizer != "keep":
         return None
-    from fedpose.shared.train import make_optimizer
+    from fedpose.shared.schedule import make_optimizer
 
     params = trainable_params(model, trainable)
     opt = make_optimizer(params, cfg.train)

@@ -41,16 +41,13 @@ from fedpose.shared.privacy.psi import psi_label_of
 from fedpose.shared.privacy.noise import make_generator
 from fedpose.shared.pretraining import pretrain_loop
 from fedpose.shared.provenance import configure_numerics, provenance
-from fedpose.shared.train import (
-    PRIVATE,
-    config_fingerprint,
-    evaluate,
-    local_train,
-    make_dataset,
-    select_device,
-    steps_per_epoch,
-    write_json,
-)
+from fedpose.shared.batches import make_dataset
+from fedpose.shared.config_flat import config_fingerprint
+from fedpose.shared.evaluation import evaluate
+from fedpose.shared.provenance import select_device
+from fedpose.shared.schedule import steps_per_epoch
+from fedpose.shared.train import PRIVATE, LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.yaml_io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -307,11 +304,9 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     public_eval = make_dataset(public, cfg, train=False)
     log.info("training %s/%s on %d private %ss (%d records): %d steps, q=%.4f, sigma=%.4f", method,
              cfg.train.strategy, n, unit, len(private), steps, min(1.0, cfg.train.batch_size / n), sigma)
-    result = local_train(
-        model, dataset, method=method, train=cfg.train, privacy=cfg.privacy, sigma=sigma, steps=steps,
-        generator=generator, public_basis=public_eval, patients=patients, progress=progress,
-        desc=f"train {method}",
-    )
+    data = LocalData(dataset, patients=patients, public=public_eval)
+    run = LocalRun(step_spec(method, cfg.train, cfg.privacy, sigma=sigma, data=data), steps, cfg.train, cfg.privacy)
+    result = local_train(model, data, run, generator=generator, bar=f"train {method}" if progress else None)
     epsilon = epsilon_replace = group_epsilon = group_delta = None
     released = None
     if method in PRIVATE:

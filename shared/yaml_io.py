@@ -1,4 +1,5 @@
-"""The one YAML reader and writer of the project (configs, site policies, run-config overrides).
+"""The one YAML reader and writer of the project (configs, site policies, run-config overrides), and the
+atomic JSON writer of its results (``write_json``).
 
 Strict on input: UTF-8 only, bounded size, no aliases, no duplicate keys, ``1e-5`` read as a
 float (YAML 1.2 float syntax); never writes anchors or aliases.
@@ -118,3 +119,14 @@ def yaml_text(data: Any) -> str:
 def dump_yaml(data: Any, path: str | Path) -> None:
     """Write plain data as YAML (no aliases, keys in order)."""
     Path(path).write_text(yaml_text(data))
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """``obj`` as indented JSON at ``path``, written to a temporary file and renamed: never half a file."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False))
+    tmp.replace(path)

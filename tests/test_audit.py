@@ -205,7 +205,9 @@ def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
     from fedpose.shared.privacy.canaries import SpanCanaries
     from fedpose.shared.privacy.noise import make_generator
     from fedpose.shared.runs import ensure_data, initial_model, load_records, private_records
-    from fedpose.shared.train import AuditHooks, local_train, make_dataset
+    from fedpose.shared.batches import make_dataset
+    from fedpose.shared.privacy.audit_hooks import AuditHooks
+    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
     root = ensure_data(cfg, progress=False)
     model = initial_model(cfg, progress=False)
@@ -224,10 +226,11 @@ def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
             return Recorded()
 
     hooks = AuditHooks(canaries=Spy(), observe=released.append)
-    local_train(model, make_dataset(private_records(root, cfg), cfg, train=True, seed=0), method="proj",
-                train=cfg.train, privacy=cfg.privacy, sigma=1.0, steps=6, generator=make_generator(0, "cpu")[0],
-                public_basis=make_dataset(load_records(root, cfg.data.public_split), cfg, train=False),
-                progress=False, audit=hooks)
+    local_data = LocalData(make_dataset(private_records(root, cfg), cfg, train=True, seed=0),
+                           public=make_dataset(load_records(root, cfg.data.public_split), cfg, train=False))
+    local_run = LocalRun(step_spec("proj", cfg.train, cfg.privacy, sigma=1.0, data=local_data), 6, cfg.train,
+                         cfg.privacy)
+    local_train(model, local_data, local_run, generator=make_generator(0, "cpu")[0], audit=hooks, bar=None)
     assert len(used) == len(released) == 6
     for step, (basis, seen) in enumerate(zip(used, released)):
         assert seen.step == step and seen.basis is basis  # the auditor sees the V the canaries were built on

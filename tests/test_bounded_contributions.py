@@ -108,7 +108,7 @@ def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
     from fedpose.shared.privacy.persample import per_sample_grads, per_sample_norms
     from fedpose.shared.runs import initial_model
-    from fedpose.shared.train import make_dataset
+    from fedpose.shared.batches import make_dataset
 
     model = initial_model(cfg, progress=False)
     trainable = apply_strategy(model, cfg.train.strategy)

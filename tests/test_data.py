@@ -210,7 +210,7 @@ def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, wa
     cfg = config_from_dict({"data": {"synth": {"public_style": "shifted"}}})
     assert cfg.data.synth.public_style == "shifted"
     # Pretrained weights cached before the field existed are still this config's (their fingerprint lacks it).
-    from fedpose.shared.train import config_fingerprint
+    from fedpose.shared.config_flat import config_fingerprint
 
     assert "public_style" not in config_fingerprint(config_from_dict({}), "data")["data"]["synth"]
     assert config_fingerprint(cfg, "data")["data"]["synth"]["public_style"] == "shifted"

@@ -84,19 +84,19 @@ def world(tmp_path_factory):
 
 
 def test_a_centralized_run_trains_on_the_releases_and_claims_the_composition(world, tmp_path, monkeypatch):
-    import fedpose.shared.train as train_module
+    import fedpose.shared.local_step as step_module
     from fedpose.shared.runs import run_train
 
     cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "privacy.psi": "dp-pixelize",
                             "privacy.psi_param": 4, "privacy.psi_eps": 2.0, "privacy.psi_m": 2})
     seen: list[dict[int, torch.Tensor]] = []
-    real = train_module.dp_gradient
+    real = step_module.dp_gradient
 
     def spy(loss_fn, params, *, psi_batch, **kwargs):
         seen.append({int(i): image.clone() for i, image in zip(psi_batch.tensors["index"], psi_batch.tensors["image"])})
         return real(loss_fn, params, psi_batch=psi_batch, **kwargs)
 
-    monkeypatch.setattr(train_module, "dp_gradient", spy)
+    monkeypatch.setattr(step_module, "dp_gradient", spy)
     metrics = run_train(cfg, tmp_path / "run", progress=False)
     assert len(seen) >= 2
     releases: dict[int, torch.Tensor] = {}

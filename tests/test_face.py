@@ -262,7 +262,9 @@ def face_world(tmp_path_factory):
 @pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
 def test_face_heads_train_under_every_method(face_world, method):
     from fedpose.shared.runs import initial_model, load_records
-    from fedpose.shared.train import local_train, make_dataset, public_basis_at, select_device
+    from fedpose.shared.batches import make_dataset, public_basis_at
+    from fedpose.shared.provenance import select_device
+    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
     cfg = face_world
     model = initial_model(cfg, progress=False)
@@ -281,9 +283,11 @@ def test_face_heads_train_under_every_method(face_world, method):
 
         basis = public_basis_at(model, make_loss_fn(model, trainable), trainable, public, cfg.privacy,
                                 select_device("cpu"))
-    result = local_train(model, private, method=method, train=cfg.train, privacy=cfg.privacy,
-                         sigma=0.0 if method == "nonprivate" else 1.0, steps=2,
-                         generator=torch.Generator().manual_seed(0), public_basis=public, basis=basis, progress=False)
+    local_data = LocalData(private, public=public)
+    local_run = LocalRun(step_spec(method, cfg.train, cfg.privacy, sigma=0.0 if method == "nonprivate" else 1.0,
+                         data=local_data), 2, cfg.train, cfg.privacy)
+    result = local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), basis=basis,
+                         bar=None)
     assert result.steps == 2
     moved = [n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])]
     assert moved, f"{method}: no face-head weight moved"

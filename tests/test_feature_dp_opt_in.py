@@ -83,32 +83,35 @@ def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
 def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
     from pathlib import Path
 
-    import fedpose.shared.train as train_module
+    import fedpose.shared.local_step as step_module
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.runs import initial_model
-    from fedpose.shared.train import local_train, make_dataset
+    from fedpose.shared.batches import make_dataset
+    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
     cfg, _ = world
     records = load_split(Path(cfg.data.root), "site-0")[:6]
     drawn: list[list[int]] = []
-    real = train_module.psi_on
+    real = step_module.psi_on
 
     def spy(psi, batch, device):  # under fdp only the public draw maps a batch by psi
         drawn.append(sorted(int(i) for i in batch["index"]))
         return real(psi, batch, device)
 
-    monkeypatch.setattr(train_module, "psi_on", spy)
+    monkeypatch.setattr(step_module, "psi_on", spy)
     fdp = replace(cfg, **{"train.method": "fdp", "train.public_batch_size": 6})
     model = initial_model(fdp, progress=False)
-    local_train(model, make_dataset(records, fdp, train=True, seed=0), method="fdp", train=fdp.train,
-                privacy=fdp.privacy, sigma=1.0, steps=3, sample_rate=0.5, expected_batch=3.0,
-                generator=torch.Generator().manual_seed(0))
+    local_data = LocalData(make_dataset(records, fdp, train=True, seed=0))
+    local_run = LocalRun(step_spec("fdp", fdp.train, fdp.privacy, sigma=1.0, data=local_data, sample_rate=0.5,
+                         expected_batch=3.0), 3, fdp.train, fdp.privacy)
+    local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), bar="train")
     assert drawn and all(len(set(d)) == len(d) == 6 for d in drawn)
     seven = replace(fdp, **{"train.public_batch_size": 7})
     with pytest.raises(ValueError, match="public_batch_size=7 is larger than the 6 records"):
-        local_train(model, make_dataset(records, seven, train=True, seed=0), method="fdp", train=seven.train,
-                    privacy=seven.privacy, sigma=1.0, steps=1, sample_rate=0.5, expected_batch=3.0,
-                    generator=torch.Generator().manual_seed(0))
+        local_data = LocalData(make_dataset(records, seven, train=True, seed=0))
+        local_run = LocalRun(step_spec("fdp", seven.train, seven.privacy, sigma=1.0, data=local_data,
+                             sample_rate=0.5, expected_batch=3.0), 1, seven.train, seven.privacy)
+        local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), bar="train")
 
 
 @pytest.mark.invariant("P17")

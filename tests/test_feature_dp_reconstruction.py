@@ -53,7 +53,7 @@ def _crafted(cfg):
 
 def _site_psi(cfg, policy):
     """Every record of the site's data: psi(x) of its canonical crop, as the public term sees it, and labels."""
-    from fedpose.shared.train import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.batches import make_dataset, make_psi_from, psi_on
 
     records = load_split_dir(Path(policy.data_path), "site data")
     canonical = make_dataset(records, cfg, train=False)

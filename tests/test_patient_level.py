@@ -305,6 +305,8 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
     """P4 at patient level: Poisson over patients with the q the result reports (the accountant's input)."""
     import torch
 
+    import fedpose.shared.local_step as step_module
+    import fedpose.shared.batches as batches
     import fedpose.shared.train as train_module
     from fedpose.shared.config import replace
     from fedpose.shared.data.mpii import load_split
@@ -316,9 +318,9 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
                             "privacy.max_records_per_patient": 3})
     kept, groups = group_by_patient(load_split(cfg.data.root, "site-0"), cap=3)
     assert groups.count == 5 and set(groups.sizes) == {3}
-    dataset = train_module.make_dataset(kept, cfg, train=True, seed=0)
+    dataset = batches.make_dataset(kept, cfg, train=True, seed=0)
     draws, steps_seen = [], []
-    real_sample, real_step = train_module.poisson_sample, train_module.dp_gradient
+    real_sample, real_step = step_module.poisson_sample, step_module.dp_gradient
 
     def sample(n, *, sample_rate, generator):
         out = real_sample(n, sample_rate=sample_rate, generator=generator)
@@ -329,11 +331,13 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
         steps_seen.append((spec, private_batch["image"].shape[0], groups))
         return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
 
-    monkeypatch.setattr(train_module, "poisson_sample", sample)
-    monkeypatch.setattr(train_module, "dp_gradient", step)
-    result = train_module.local_train(initial_model(cfg, progress=False), dataset, method="dpsgd", train=cfg.train,
-                                      privacy=cfg.privacy, sigma=1.0, steps=4, generator=make_generator(0)[0],
-                                      patients=groups, progress=False)
+    monkeypatch.setattr(step_module, "poisson_sample", sample)
+    monkeypatch.setattr(step_module, "dp_gradient", step)
+    local_data = train_module.LocalData(dataset, patients=groups)
+    local_run = train_module.LocalRun(train_module.step_spec("dpsgd", cfg.train, cfg.privacy, sigma=1.0,
+                                      data=local_data), 4, cfg.train, cfg.privacy)
+    result = train_module.local_train(initial_model(cfg, progress=False), local_data, local_run,
+                                      generator=make_generator(0)[0], bar=None)
     assert (result.unit, result.n, result.sample_rate) == ("patient", 5, pytest.approx(2 / 5))
     assert [(n, q) for n, q, _ in draws] == [(5, pytest.approx(0.4))] * 4
     for (_, _, sampled), (spec, records, step_groups) in zip(draws, steps_seen):
@@ -342,9 +346,11 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
         want = [j for j in range(len(sampled)) for _ in range(3)]
         assert step_groups.tolist() == want and step_groups.dtype == torch.long
     with pytest.raises(ValueError, match="patient"):  # patient unit without groups
-        train_module.local_train(initial_model(cfg, progress=False), dataset, method="dpsgd", train=cfg.train,
-                                 privacy=cfg.privacy, sigma=1.0, steps=1, generator=make_generator(0)[0],
-                                 progress=False)
+        local_data = train_module.LocalData(dataset)
+        local_run = train_module.LocalRun(train_module.step_spec("dpsgd", cfg.train, cfg.privacy, sigma=1.0,
+                                          data=local_data), 1, cfg.train, cfg.privacy)
+        train_module.local_train(initial_model(cfg, progress=False), local_data, local_run,
+                                 generator=make_generator(0)[0], bar=None)
 
 
 def test_fedpose_train_unit_patient_accounts_at_q_p_and_claims_patient_level(world, tmp_path):

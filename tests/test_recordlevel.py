@@ -182,22 +182,26 @@ def world(tmp_path_factory):
 
 
 def _train(cfg, steps, seen, monkeypatch, *, seed=0):
+    import fedpose.shared.local_step as step_module
+    import fedpose.shared.batches as batches
     import fedpose.shared.train as train_module
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.privacy.noise import make_generator
     from fedpose.shared.runs import initial_model
 
-    real_step = train_module.dp_gradient
+    real_step = step_module.dp_gradient
 
     def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
         seen.append((spec, private_batch["image"].clone(), groups))
         return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
 
-    monkeypatch.setattr(train_module, "dp_gradient", step)
-    dataset = train_module.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=seed)
+    monkeypatch.setattr(step_module, "dp_gradient", step)
+    dataset = batches.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=seed)
     model = initial_model(cfg, progress=False)
-    result = train_module.local_train(model, dataset, method=cfg.train.method, train=cfg.train, privacy=cfg.privacy,
-                                      sigma=1.0, steps=steps, generator=make_generator(seed)[0], progress=False)
+    local_data = train_module.LocalData(dataset)
+    local_run = train_module.LocalRun(train_module.step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=1.0,
+                                      data=local_data), steps, cfg.train, cfg.privacy)
+    result = train_module.local_train(model, local_data, local_run, generator=make_generator(seed)[0], bar=None)
     return model, result
 
 

@@ -31,6 +31,8 @@ def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeyp
     The augmented crop of a record (rescaled, rotated, flipped) shows pixels outside the record's
     canonical crop and a sharper effective blur; psi must be applied to the canonical crop.
     """
+    import fedpose.shared.local_step as step_module
+    import fedpose.shared.batches as batches
     import fedpose.shared.train as train_module
     from fedpose.shared.config import replace
     from fedpose.shared.data.dataset import PoseDataset
@@ -43,19 +45,21 @@ def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeyp
     records = load_split(Path(cfg.data.root), "site-0")
     dataset = PoseDataset(records, input_size=cfg.data.input_size, augment=Augment(), seed=0)
     canonical = PoseDataset(records, input_size=cfg.data.input_size, augment=None)
-    psi = train_module.make_psi_from(cfg.privacy, torch.Generator().manual_seed(0))
+    psi = batches.make_psi_from(cfg.privacy, torch.Generator().manual_seed(0))
     seen = []
-    real = train_module.dp_gradient
+    real = step_module.dp_gradient
 
     def spy(loss_fn, params, *, psi_batch, **kwargs):
         seen.append(psi_batch)
         return real(loss_fn, params, psi_batch=psi_batch, **kwargs)
 
-    monkeypatch.setattr(train_module, "dp_gradient", spy)
+    monkeypatch.setattr(step_module, "dp_gradient", spy)
     generator, _ = make_generator(0, "cpu")
     model = initial_model(cfg, progress=False)
-    train_module.local_train(model, dataset, method="fdp", train=cfg.train, privacy=cfg.privacy, sigma=1.0,
-                             steps=3, generator=generator, progress=False)
+    local_data = train_module.LocalData(dataset)
+    local_run = train_module.LocalRun(train_module.step_spec("fdp", cfg.train, cfg.privacy, sigma=1.0,
+                                      data=local_data), 3, cfg.train, cfg.privacy)
+    train_module.local_train(model, local_data, local_run, generator=generator, bar=None)
     assert len(seen) == 3
     everyone = canonical.batch(list(range(len(records))))
     psi_all = psi(everyone["image"])  # psi(x) of every record's canonical crop

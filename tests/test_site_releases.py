@@ -48,8 +48,8 @@ def _fail_after_reading(monkeypatch) -> list[int]:
     real = train_module.local_train
     seen: list[int] = []
 
-    def failing(model, private, **kwargs):
-        seen.append(len(private.batch([0])["image"]))  # a private record was read
+    def failing(model, data, run, **kwargs):
+        seen.append(len(data.private.batch([0])["image"]))  # a private record was read
         raise MemoryError("out of memory on the realised batch")
 
     monkeypatch.setattr(train_module, "local_train", failing)
@@ -76,8 +76,8 @@ def _die_after_reading(monkeypatch):
 
     real = train_module.local_train
 
-    def dying(model, private, **kwargs):
-        private.batch([0])
+    def dying(model, data, run, **kwargs):
+        data.private.batch([0])
         raise KeyboardInterrupt("the site process died mid-round")
 
     monkeypatch.setattr(train_module, "local_train", dying)

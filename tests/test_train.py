@@ -13,7 +13,9 @@ import torch
 from federation_support import prepare_world, world_root
 from fedpose.shared.config import replace
 from fedpose.shared.runs import initial_model, load_records
-from fedpose.shared.train import lr_factor, local_train, make_dataset, round_span
+from fedpose.shared.batches import make_dataset
+from fedpose.shared.schedule import lr_factor, round_span
+from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
 
 
 def test_cosine_decays_from_one_towards_zero_and_constant_stays():
@@ -47,13 +49,17 @@ def test_local_train_follows_the_schedule_within_its_span(tiny, schedule):
     train = replace(cfg, **{"train.schedule": schedule, "train.lr": 0.01}).train
     model = initial_model(cfg, progress=False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=train.lr)
-    local_train(model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=3,
-                generator=torch.Generator().manual_seed(0), optimizer=opt, schedule_span=(5, 8), progress=False)
+    local_data = LocalData(dataset)
+    local_run = LocalRun(step_spec("nonprivate", train, cfg.privacy, sigma=0.0, data=local_data), 3, train,
+                         cfg.privacy, schedule_span=(5, 8))
+    local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), optimizer=opt, bar=None)
     # the last of the 3 steps is global step 7 of 8
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * lr_factor(schedule, 7, 8))
     with pytest.raises(ValueError, match="do not fit"):
-        local_train(model, dataset, method="nonprivate", train=train, privacy=cfg.privacy, sigma=0.0, steps=3,
-                    generator=torch.Generator().manual_seed(0), schedule_span=(6, 8), progress=False)
+        local_data = LocalData(dataset)
+        local_run = LocalRun(step_spec("nonprivate", train, cfg.privacy, sigma=0.0, data=local_data), 3, train,
+                             cfg.privacy, schedule_span=(6, 8))
+        local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), bar=None)
 
 
 def test_psi_only_images_are_refused_for_private_methods():
@@ -67,24 +73,27 @@ def test_psi_only_images_are_refused_for_private_methods():
 
 def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatch):
     """The psi(x)-only baseline: every training image is psi(canonical crop), never a raw or augmented one."""
-    import fedpose.shared.train as train_mod
+    import fedpose.shared.local_step as step_module
+    import fedpose.shared.batches as batches
     from fedpose.shared.privacy.psi import apply_psi
 
     cfg, dataset = tiny
     cfg = replace(cfg, **{"train.method": "nonprivate", "train.images": "psi"})
     seen = []
-    real = train_mod.dp_gradient
+    real = step_module.dp_gradient
 
     def spy(loss_fn, params, *, private_batch, **kwargs):
         seen.append(private_batch["image"].clone())
         return real(loss_fn, params, private_batch=private_batch, **kwargs)
 
-    monkeypatch.setattr(train_mod, "dp_gradient", spy)
+    monkeypatch.setattr(step_module, "dp_gradient", spy)
     model = initial_model(cfg, progress=False)
-    local_train(model, dataset, method="nonprivate", train=cfg.train, privacy=cfg.privacy, sigma=0.0, steps=2,
-                generator=torch.Generator().manual_seed(0), progress=False)
+    local_data = LocalData(dataset)
+    local_run = LocalRun(step_spec("nonprivate", cfg.train, cfg.privacy, sigma=0.0, data=local_data), 2, cfg.train,
+                         cfg.privacy)
+    local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), bar=None)
     canonical = dataset.canonical()
-    everything = apply_psi(train_mod.make_psi_from(cfg.privacy, torch.Generator().manual_seed(0)),
+    everything = apply_psi(batches.make_psi_from(cfg.privacy, torch.Generator().manual_seed(0)),
                            canonical.batch(list(range(len(canonical))))).tensors["image"]
     assert len(seen) == 2
     for batch in seen:

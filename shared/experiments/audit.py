@@ -67,16 +67,12 @@ from fedpose.shared.runs import (
     private_records,
     training_records,
 )
-from fedpose.shared.train import (
-    AuditHooks,
-    ReleasedStep,
-    local_train,
-    make_dataset,
-    select_device,
-    steps_per_epoch,
-    to_device,
-    write_json,
-)
+from fedpose.shared.batches import make_dataset, to_device
+from fedpose.shared.privacy.audit_hooks import AuditHooks, ReleasedStep
+from fedpose.shared.provenance import select_device
+from fedpose.shared.schedule import steps_per_epoch
+from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.yaml_io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +268,10 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         hooks = AuditHooks(canaries=canaries, observe=observe)
         # At patient level each canary stands for a canary patient whose clipped mean gradient is the canary's
         # C-vector: drawn at q_p with the patients and added to their per-patient sum before the noise.
-        local_train(model, dataset, method=spec.method, train=cfg.train, privacy=cfg.privacy, sigma=sigma_ran,
-                    steps=steps, generator=generator, public_basis=public_eval, patients=patients,
-                    progress=progress, desc=desc, audit=hooks)
+        data = LocalData(dataset, patients=patients, public=public_eval)
+        run = LocalRun(step_spec(spec.method, cfg.train, cfg.privacy, sigma=sigma_ran, data=data), steps, cfg.train,
+                       cfg.privacy)
+        local_train(model, data, run, generator=generator, audit=hooks, bar=desc if progress else None)
         # The released gradient divides by B: a canary drawn k times contributes k C / B to its coordinate.
         if spec.placement == "span":
             released_coords = np.stack(coords_seen)  # (steps, k)
@@ -296,9 +293,11 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         hooks = AuditHooks(psi_source=psi_source)
         # The mechanism as it runs: Poisson rate q over the records the run was planned for, the noisy sum
         # divided by the public constant B = train.batch_size whatever the canaries included (P15).
-        local_train(model, train_set, method=spec.method, train=cfg.train, privacy=cfg.privacy, sigma=sigma_ran,
-                    steps=steps, generator=generator, public_basis=public_eval, sample_rate=q,
-                    expected_batch=float(cfg.train.batch_size), progress=progress, desc=desc, audit=hooks)
+        data = LocalData(train_set, public=public_eval)
+        step = step_spec(spec.method, cfg.train, cfg.privacy, sigma=sigma_ran, data=data, sample_rate=q,
+                         expected_batch=float(cfg.train.batch_size))
+        local_train(model, data, LocalRun(step, steps, cfg.train, cfg.privacy), generator=generator, audit=hooks,
+                    bar=desc if progress else None)
         scores = before - canary_losses(model, canary_set, device)  # how much training lowered each canary's loss
 
     bound = best_lower_bound(scores, included, delta=delta, confidence=spec.confidence)

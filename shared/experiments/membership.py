@@ -43,15 +43,11 @@ from fedpose.shared.privacy.accountant import (
 )
 from fedpose.shared.privacy.noise import make_generator
 from fedpose.shared.runs import ensure_data, initial_model, load_records
-from fedpose.shared.train import (
-    PRIVATE,
-    local_train,
-    make_dataset,
-    select_device,
-    steps_per_epoch,
-    to_device,
-    write_json,
-)
+from fedpose.shared.batches import make_dataset, to_device
+from fedpose.shared.provenance import select_device
+from fedpose.shared.schedule import steps_per_epoch
+from fedpose.shared.train import PRIVATE, LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.yaml_io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -214,11 +210,11 @@ def run_mia(cfg: Config, spec: MiaSpec, out: str | Path | None = None, *, progre
             if seed is not None:
                 torch.manual_seed(seed)
             model = initial_model(cfg, progress=False).to(device)
-            local_train(model, make_dataset(subset, cfg, train=True, seed=seed), method=method, train=cfg.train,
-                        privacy=cfg.privacy, sigma=sigma, steps=steps, generator=generator, public_basis=public,
-                        sample_rate=q if method in PRIVATE else None,
-                        expected_batch=float(cfg.train.batch_size) if method in PRIVATE else None,
-                        progress=False, desc=f"mia {method}")
+            data = LocalData(make_dataset(subset, cfg, train=True, seed=seed), public=public)
+            step = step_spec(method, cfg.train, cfg.privacy, sigma=sigma, data=data,
+                             sample_rate=q if method in PRIVATE else None,
+                             expected_batch=float(cfg.train.batch_size) if method in PRIVATE else None)
+            local_train(model, data, LocalRun(step, steps, cfg.train, cfg.privacy), generator=generator, bar=None)
             loss[k], conf[k] = per_record_stats(model, eval_set, device)
             bar.update(1)
         attacks = evaluate_attacks(loss, conf, members)

@@ -315,7 +315,7 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     from fedpose.shared.experiments.study import cell_dir
     from fedpose.shared.model.posenet import load_checkpoint
     from fedpose.shared.runs import load_records
-    from fedpose.shared.train import evaluate
+    from fedpose.shared.evaluation import evaluate
 
     def weights_of(cell: Any) -> Path:
         where = cell_dir(out, cell)

@@ -1,0 +1,144 @@
+"""The four phases of one local training step: sample, public batch, DP gradient, update.
+
+``StepPhases`` is built once per ``fedpose.shared.train.local_train`` call from its ready ``LocalRun``; the loop
+then calls, every step:
+
+1. ``sample``: a Poisson sample of the private records (q = the spec's sample rate; P4), or of patients at
+   patient level, or K augmented copies of each sampled record (augmentation multiplicity); nonprivate draws a
+   plain batch;
+2. ``public_batch``: for fdp / fpdp, psi of exactly ``train.public_batch_size`` canonical crops (P3, P13, P17);
+3. ``gradient``: V refreshed from public data when due (P2), then ``fpdp.dp_gradient`` (P1, P14, P15);
+4. ``update``: the optimizer step at the schedule's learning rate, and the iterate average.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from fedpose.shared.batches import make_psi_from, psi_on, public_basis_at, to_device
+from fedpose.shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
+from fedpose.shared.privacy.audit_hooks import AuditHooks, ReleasedStep
+from fedpose.shared.privacy.fpdp import dp_gradient
+from fedpose.shared.privacy.psi import PsiBatch
+from fedpose.shared.privacy.sampling import augmented_copies, poisson_sample
+from fedpose.shared.privacy.subspace import column_major
+from fedpose.shared.schedule import lr_factor, make_optimizer
+from fedpose.shared.weight_average import WeightAverage
+
+
+class StepPhases:
+    """The state one ``local_train`` call steps with, and its four phases (see the module docstring).
+
+    ``run``, ``data`` are ``fedpose.shared.train.LocalRun`` and ``LocalData``. Everything a step could
+    refuse is checked here, before the first step: nothing trains on a request that cannot finish.
+    """
+
+    def __init__(self, model: PoseNet, data, run, generator: torch.Generator, *, basis: torch.Tensor | None,
+                 optimizer: torch.optim.Optimizer | None, audit: AuditHooks | None) -> None:
+        spec, train, privacy = run.step, run.train, run.privacy
+        method = spec.method
+        if audit is not None and method == "nonprivate" and (audit.canaries is not None or audit.observe):
+            raise ValueError("the audit's canaries and observer watch a DP step; method='nonprivate' has none")
+        if spec.projects and basis is None and data.public is None:
+            raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
+        self.run, self.data, self.audit, self.generator = run, data, audit, generator
+        self.model = model
+        self.trainable = apply_strategy(model, train.strategy)
+        self.named = dict(model.named_parameters())
+        params = [self.named[name] for name in self.trainable]
+        self.loss_fn = make_loss_fn(model, self.trainable)
+        self.opt = optimizer or make_optimizer(params, train)
+        self.ema = WeightAverage(params, decay=train.ema) if train.ema > 0 else None
+        self.device = next(model.parameters()).device
+        self.basis = column_major(basis) if basis is not None else None  # the layout project() reads fastest
+        self.n = data.units(spec.unit)
+        self.private = data.private
+        self.psi_only = make_psi_from(privacy, generator) if train.images == "psi" else None
+        if self.psi_only is not None:
+            self.private = data.private.canonical()  # psi of each record's canonical crop, as fdp / fpdp's public term
+        self.psi = make_psi_from(privacy, generator) if spec.uses_public else None
+        self.canonical = None
+        if self.psi is not None:
+            use = audit.psi_source if audit is not None and audit.psi_source is not None else None
+            self.canonical = use if use is not None else data.private.canonical()
+            if len(self.canonical) < train.public_batch_size:  # a site's own check refuses this policy earlier
+                raise ValueError(f"train.public_batch_size={train.public_batch_size} is larger than the "
+                                 f"{len(self.canonical)} records its psi images are drawn from (without replacement)")
+        # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
+        self.pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        self.watched = audit is not None and audit.observe is not None
+        self.batch_sizes: list[int] = []
+        self.zeroed = self.public_zeroed = 0
+        self.seconds_basis = 0.0
+
+    def sample(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Phase 1: the private batch on the device, and its clipping groups (patients, augmented copies)."""
+        spec, n, groups = self.run.step, self.n, None
+        if spec.method == "nonprivate":
+            idx = torch.from_numpy(self.pub_rng.choice(n, size=min(self.run.train.batch_size, n), replace=False))
+            self.batch_sizes.append(int(idx.numel()))
+        elif spec.unit == "patient":
+            sampled = poisson_sample(n, sample_rate=spec.sample_rate, generator=self.generator)  # patients
+            rows, group_ids = self.data.patients.expand(sampled.tolist())
+            idx, groups = torch.tensor(rows, dtype=torch.long), torch.tensor(group_ids, dtype=torch.long)
+            self.batch_sizes.append(int(sampled.numel()))
+        else:
+            idx = poisson_sample(n, sample_rate=spec.sample_rate, generator=self.generator)
+            self.batch_sizes.append(int(idx.numel()))
+            if spec.multiplicity > 1:  # K augmented copies of each sampled record, clipped as one mean
+                idx, groups = augmented_copies(idx, spec.multiplicity)
+        raw = self.private.batch(idx.tolist())
+        if self.psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
+            tensors = psi_on(self.psi_only, raw, self.device).tensors
+            return {k: v for k, v in tensors.items() if k != "index"}, groups
+        return to_device(raw, self.device), groups
+
+    def public_batch(self) -> PsiBatch | None:
+        """Phase 2: psi of exactly public_batch_size distinct canonical crops (fdp / fpdp), else None.
+
+        The count never depends on how many records the site holds: the step's memory and time do not (P13), and
+        the draw shows the server psi(x) and the labels of that many records, nothing about how many there are (P17).
+        """
+        if self.psi is None or self.canonical is None:
+            return None
+        pub_idx = self.pub_rng.choice(len(self.canonical), size=self.run.train.public_batch_size, replace=False)
+        return psi_on(self.psi, self.canonical.batch(pub_idx.tolist()), self.device)
+
+    def gradient(self, step: int, batch: dict[str, torch.Tensor], groups: torch.Tensor | None,
+                 psi_batch: PsiBatch | None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Phase 3: V from public data when due (P2), then the step's update direction (``dp_gradient``)."""
+        spec, privacy = self.run.step, self.run.privacy
+        if spec.projects and self.data.public is not None and step % privacy.basis_every == 0:
+            started = time.perf_counter()
+            self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
+                                         self.device)
+            self.seconds_basis += time.perf_counter() - started
+        canaries = None
+        if self.audit is not None and self.audit.canaries is not None:
+            canaries = self.audit.canaries.draw(step, sample_rate=spec.sample_rate, generator=self.generator)
+        released: list[dict[str, torch.Tensor]] = []
+        current = {name: self.named[name].detach() for name in self.trainable}
+        grads, info = dp_gradient(self.loss_fn, current, spec=spec, private_batch=batch, psi_batch=psi_batch,
+                                  generator=self.generator, basis=self.basis, groups=groups, canaries=canaries,
+                                  on_private=released.append if self.watched else None)
+        self.zeroed += int(info["zeroed"])
+        self.public_zeroed += int(info["public_zeroed"])
+        if self.watched:
+            self.audit.observe(ReleasedStep(step=step, update=grads, private=released[0], basis=self.basis))
+        return grads, info
+
+    def update(self, step: int, grads: dict[str, torch.Tensor]) -> None:
+        """Phase 4: one optimizer step at the schedule's learning rate, then the iterate average."""
+        train = self.run.train
+        offset, total = self.run.span
+        for name in self.trainable:
+            self.named[name].grad = grads[name].to(self.named[name].dtype)
+        for group in self.opt.param_groups:
+            group["lr"] = train.lr * lr_factor(train.schedule, offset + step, total)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
