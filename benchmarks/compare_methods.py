@@ -1,6 +1,6 @@
 """Compare the five training methods on one config over several seeds (not a test).
 
-Runs ``fedpose train`` (shared.runs.run_train) for each method and seed with
+Runs ``fedpose train`` (shared.training.runs.run_train) for each method and seed with
 everything else from the config, then prints a markdown table of PCKh@0.5
 (mean +- std over seeds), PCKh@0.1, epsilon spent and seconds. Data and the
 public pretrained weights are generated once and shared by all runs.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.shared.config import METHODS, load_config, replace  # noqa: E402
-from fedpose.shared.runs import run_train  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
+from fedpose.shared.configuration.methods import METHODS  # noqa: E402
+from fedpose.shared.training.runs import run_train  # noqa: E402
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ def run_pilot(rounds: int, *, flags: tuple[str, ...], keep: Path | None) -> tupl
     """A federation of ``rounds`` rounds on a real SuperLink and two gated SuperNodes; its rounds and site logs."""
     from federation_support import Pilot, prepare_world
 
-    from fedpose.shared.config import dump_config
+    from fedpose.shared.configuration.schema import dump_config
 
     with tempfile.TemporaryDirectory(prefix="fedpose-deploy-bench-") as tmp:
         root = Path(tmp)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, default=None, help="copy the processes' logs into this folder")
     args = parser.parse_args(argv)
 
-    from fedpose.shared.provenance import provenance
+    from fedpose.shared.training.provenance import provenance
 
     started = time.time()
     result: dict = {"sites": 2, "modes": {}}

@@ -14,9 +14,9 @@ Timing runs the kinds a site runs (non-private, non-private over both batches, D
 per model, and the reference kinds (the generic path, Opacus) in a second one beside a non-private step of its
 own: with all of them in one process, the step after a reference kind paid for what that kind left behind
 (FP-DP's ratio read 1.17-1.20 there and 1.14-1.19 in a process of its own). Each process keeps its freed memory
-as ``local_train`` makes every training process do (``fedpose.shared.allocator``), runs interleaved rounds (kind after
-kind, round after round, the kind that starts a round rotating), garbage collected between steps (outside the
-timing: the reference kinds leave enough for one full collection to take 0.1-0.2 s of whichever step it fell
+as ``local_train`` makes every training process do (``fedpose.shared.training.allocator``), runs interleaved rounds
+(kind after kind, round after round, the kind that starts a round rotating), garbage collected between steps (outside
+the timing: the reference kinds leave enough for one full collection to take 0.1-0.2 s of whichever step it fell
 in), and reports each ratio's median over the rounds with its min-max spread: on a shared 2-core machine a
 ratio measured in two separate runs can move by 30%.
 Memory runs each configuration in its own process: the peak resident memory (live, see LIVE_MEMORY) above
@@ -72,7 +72,7 @@ def _setup(variant: str, *, opacus_compatible: bool = False, size_hw: tuple[int,
            device: str = "cpu"):
     import torch
 
-    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
 
     torch.manual_seed(0)
@@ -92,8 +92,8 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
     """{kind: step()} for one model; every kind updates the same model with SGD."""
     import torch
 
-    from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
-    from fedpose.shared.privacy.psi import GaussianBlur, apply_psi
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.psi import GaussianBlur, apply_psi
 
     model, names, loss_fn = _setup(variant, size_hw=size_hw, device=device)
     named = dict(model.named_parameters())
@@ -108,7 +108,7 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
         p = sum(named[n].numel() for n in names)
         sent = torch.linalg.qr(torch.randn(p, K, generator=torch.Generator().manual_seed(0)))[0].contiguous()
         if device == "cpu":  # V as a site trains with it: off the wire as the server sends it (float16), its layout
-            from fedpose.shared.federation_messages import basis_record, record_basis
+            from fedpose.shared.flower.messages import basis_record, record_basis
 
             basis = record_basis(basis_record(sent, version=1, dtype="float16"))[1]
         else:  # the same values and column layout without Flower (not installed on the GPU machine)
@@ -183,7 +183,7 @@ def _opacus_step(variant: str, batch, gen):
 
 
 def _time_variant(variant: str, repeats: int, kinds: list[str], queue) -> None:
-    from fedpose.shared.allocator import keep_freed_memory
+    from fedpose.shared.training.allocator import keep_freed_memory
 
     keep_freed_memory()  # as local_train does in every training process
     steps = _steps(variant, BATCH, BATCH, kinds)
@@ -229,8 +229,8 @@ def _memory(variant: str, kind: str, realised: int, queue) -> None:
 
 
 def _basis(repeats: int, queue, *, size_hw: tuple[int, int] = INPUT, device: str = "cpu", sync=lambda: None):
-    from fedpose.shared.allocator import keep_freed_memory
-    from fedpose.shared.privacy.subspace import compute_basis
+    from fedpose.shared.training.allocator import keep_freed_memory
+    from fedpose.shared.privacy.step.subspace import compute_basis
 
     if device == "cpu":
         keep_freed_memory()  # as public_basis_at does
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="batch with --device cuda (default: 256)")
     parser.add_argument("--chunk", type=int, default=32, help="per-sample chunk with --device cuda (default: 32)")
     args = parser.parse_args(argv)
-    from fedpose.shared.provenance import provenance
+    from fedpose.shared.training.provenance import provenance
 
     results = Path(__file__).resolve().parent / "results"
     command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])

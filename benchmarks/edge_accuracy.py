@@ -50,7 +50,9 @@ def val_crops_pck(runtime: Any, records: list) -> dict[str, Any]:
 def clip_pck(runtime: Any, clip: Path, out_dir: Path, *, true_boxes: bool) -> dict[str, Any]:
     """The pipeline's accuracy on a demo clip: tracked from the whole frame, or cropped at the true boxes."""
     from fedpose.edge.demo_video import load_truth
-    from fedpose.edge.pipeline import FrameSource, PipelineOptions, run_pipeline
+    from fedpose.edge.pipeline.source import FrameSource
+    from fedpose.edge.pipeline.options import PipelineOptions
+    from fedpose.edge.pipeline.loop import run_pipeline
 
     truth = load_truth(clip)
     boxes = truth["boxes"]
@@ -65,7 +67,7 @@ def clip_pck(runtime: Any, clip: Path, out_dir: Path, *, true_boxes: bool) -> di
 
 
 def measure(name: str, checkpoint: Path, records: list, clip: Path, work: Path, threads: int) -> dict[str, Any]:
-    from fedpose.edge.export import export_onnx
+    from fedpose.edge.export.exporter import export_onnx
     from fedpose.edge.runtime import make_runtime
     from fedpose.shared.model.posenet import load_checkpoint
 

@@ -73,10 +73,10 @@ def _stats(ms: list[float]) -> tuple[float, float]:
 def bench_case(variant: str, size: tuple[int, int], root: Path, *, threads: int, repeats: int,
                checkpoint: Path | None) -> tuple[dict[str, tuple[float, float]], list[float]]:
     """(p50, p95) ms per backend, and onnxruntime fp32's speed-up over eager in each round."""
-    from fedpose.edge.export import export_onnx
+    from fedpose.edge.export.exporter import export_onnx
     from fedpose.edge.quantize import quantize_int8
     from fedpose.edge.onnx_runtime import OnnxRuntime
-    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model, load_checkpoint
 
     if checkpoint is not None:
@@ -126,7 +126,9 @@ def bench_pipeline(root: Path, variant: str, size: tuple[int, int], *, threads: 
     """Per round: onnxruntime alone on ``frames`` crops (the bound, FPS), then ``run_pipeline`` on the demo clip
     with the same session (FPS, infer-path p50 ms); the two timed moments apart, so their ratio is fair."""
     from fedpose.edge.demo_video import DemoSpec, load_truth, write_demo_video
-    from fedpose.edge.pipeline import FrameSource, PipelineOptions, run_pipeline
+    from fedpose.edge.pipeline.source import FrameSource
+    from fedpose.edge.pipeline.options import PipelineOptions
+    from fedpose.edge.pipeline.loop import run_pipeline
     from fedpose.edge.onnx_runtime import OnnxRuntime
 
     clip = root / f"demo-{frames}.mp4"
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in verdicts:
         print(v)
     if args.out is not None:
-        from fedpose.shared.provenance import provenance
+        from fedpose.shared.training.provenance import provenance
 
         result = {
             "threads": args.threads, "repeats": args.repeats, "weights": weights,

@@ -99,17 +99,18 @@ def picture(path: Path, size: tuple[int, int], raw: torch.Tensor, psi: torch.Ten
 
 def main(argv: list[str] | None = None) -> dict:
     from fedpose.client.policy import min_sigma_for
-    from fedpose.client.site import handle_train, prepare_site
-    from fedpose.shared.config import load_config
+    from fedpose.client.site import handle_train
+    from fedpose.client.site_data import prepare_site
+    from fedpose.shared.configuration.schema import load_config
     from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
     from fedpose.shared.experiments.reconstruction_read import (
         find_record, planes_of, psnr, public_gradient_of, read_reply, render, score,
     )
-    from fedpose.shared.federation_messages import ARRAYS, record_tensors
+    from fedpose.shared.flower.messages import ARRAYS, record_tensors
     from fedpose.shared.model.posenet import apply_strategy, build_model
-    from fedpose.shared.provenance import provenance
-    from fedpose.shared.runs import ensure_data
-    from fedpose.shared.batches import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.training.provenance import provenance
+    from fedpose.shared.training.runs import ensure_data
+    from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")

@@ -62,7 +62,7 @@ def downlink(cfg: Any, rounds: int, everies: list[int]) -> dict[str, Any]:
     import torch
     from flwr.app import Array, ArrayRecord, RecordDict
 
-    from fedpose.shared.federation_messages import (ARRAYS, CONFIG, TrainRequest, basis_record, payload_bytes,
+    from fedpose.shared.flower.messages import (ARRAYS, CONFIG, TrainRequest, basis_record, payload_bytes,
                                                     weights_record)
 
     model, trainable, p = _model(cfg)
@@ -111,13 +111,13 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
 
     import torch
 
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.posenet import make_loss_fn
-    from fedpose.shared.privacy.noise import make_generator
-    from fedpose.shared.runs import ensure_data
-    from fedpose.shared.batches import make_dataset, public_basis_at
-    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+    from fedpose.shared.privacy.step.noise import make_generator
+    from fedpose.shared.training.runs import ensure_data
+    from fedpose.shared.training.batches import make_dataset, public_basis_at
+    from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     n_private = 2 * max(batches)
     small = replace(cfg, **{
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from fedpose.shared.config import load_config, replace
+    from fedpose.shared.configuration.schema import load_config, replace
 
     root = Path(__file__).resolve().parents[1]
     results: dict[str, Any] = {}

@@ -1,12 +1,13 @@
 """Which levers make a DP federation learn: an in-process federation on the real training code (not a test).
 
-No Flower processes: each round, every site runs ``fedpose.shared.train.local_train`` on its own private
+No Flower processes: each round, every site runs ``fedpose.shared.training.loop.local_train`` on its own private
 split with its own Poisson sampling and its own sigma (calibrated for rounds x local_steps at
 q = B / n exactly as server/plan.py does), the site-side basis exactly as client/site_basis.py
 ``obtain_basis`` does for ``basis_mode: site`` (``public_basis_at`` at the received global weights,
 a new version every ``privacy.basis_every`` rounds as server/basis.py decides), then
-``fedpose.server.run.fedavg`` (+ the server optimizer of server/aggregate.py) and ``fedpose.shared.train.evaluate``
-on the val split. Site optimizer state is kept through shared/optim_state.py (real files).
+``fedpose.server.combine.fedavg`` (+ the server optimizer of server/aggregate.py) and
+``fedpose.shared.training.loop.evaluate`` on the val split. Site optimizer state is kept through client/optim_state.py
+(real files).
 
 Levers (CLI flags): --site-optimizer keep|fresh, --server-optimizer none|momentum|adam, --server-lr,
 --server-momentum, --rounds, --local-steps, --lr, --optimizer, --schedule, --basis-every, --method.
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from fedpose.shared.configuration.methods import PRIVATE, PROJECTED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,15 +36,15 @@ from tqdm.auto import tqdm
 from fedpose.server.aggregate import ServerOptimizer
 from fedpose.server.plan import _calibrated
 from fedpose.server.combine import aggregate, bound_updates
-from fedpose.shared.config import load_config, replace
+from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
-from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
-from fedpose.shared.runs import ensure_data, initial_model
-from fedpose.shared.batches import make_dataset, public_basis_at
-from fedpose.shared.evaluation import evaluate
-from fedpose.shared.schedule import round_span
-from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
+from fedpose.shared.training.runs import ensure_data, initial_model
+from fedpose.shared.training.batches import make_dataset, public_basis_at
+from fedpose.shared.metrics.evaluation import evaluate
+from fedpose.shared.training.schedule import round_span
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
 
 def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tuple[float, ...] = ()) -> dict:
@@ -74,7 +76,7 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tupl
     ledger_dir = Path(tempfile.mkdtemp(prefix="levers-"))
     bar = tqdm(range(1, fed.rounds + 1), desc=f"seed {seed}", disable=not progress, dynamic_ncols=True)
     for rnd in bar:
-        if method in ("proj", "fpdp") and (version == 0 or rnd - version >= cfg.privacy.basis_every):
+        if method in PROJECTED and (version == 0 or rnd - version >= cfg.privacy.basis_every):
             # basis_mode site: every site computes the same V from the same public set at the same
             # received global weights, so computing it once here is what each site would get.
             version = rnd
@@ -131,7 +133,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/levers")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--local-steps", type=int)
-    parser.add_argument("--method", choices=["dpsgd", "proj", "fdp", "fpdp"])
+    parser.add_argument("--method", choices=PRIVATE)
     parser.add_argument("--site-optimizer", choices=["keep", "fresh"])
     parser.add_argument("--server-optimizer", choices=["none", "momentum", "adam"])
     parser.add_argument("--server-lr", type=float)

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fedpose.server.report import read_rounds  # noqa: E402
-from fedpose.shared.provenance import provenance  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
 
 
 def command(config: str, seed: int, out: Path) -> list[str]:

@@ -27,7 +27,9 @@ if __package__ in (None, ""):
     # Running as a script: make the repository root importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.edge.pixelize import PixelizeSpec, body_mask_from_keypoints, pixelize  # noqa: E402
+from fedpose.shared.pixelization.spec import PixelizeSpec  # noqa: E402
+from fedpose.edge.pixelize.masks import body_mask_from_keypoints  # noqa: E402
+from fedpose.shared.pixelization.mechanism import pixelize  # noqa: E402
 
 
 def _source_index(r: int, length: int) -> int:
@@ -45,7 +47,7 @@ def pixelize_loop(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference DP pixelization, one Python iteration per cell (benchmark and tests only).
 
-    Same definition as ``fedpose.edge.pixelize.pixelize`` written the obvious way:
+    Same definition as ``fedpose.shared.pixelization.mechanism.pixelize`` written the obvious way:
     symmetric mirror padding, a cell is complex when the mask touches one of
     its real pixels, per-cell noise scale 255 m C K / (s^2 eps) with K the
     largest multiplicity of a mirrored pixel in the cell, noise drawn in the

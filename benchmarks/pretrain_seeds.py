@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedpose.shared.provenance import provenance  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
 
 
 def parse_recipe(text: str) -> tuple[str, list[str]]:

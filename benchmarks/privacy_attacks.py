@@ -18,10 +18,11 @@ import logging
 import sys
 import time
 from pathlib import Path
+from fedpose.shared.configuration.methods import PRIVATE, PROJECTED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.shared.config import config_from_dict  # noqa: E402
+from fedpose.shared.configuration.schema import config_from_dict  # noqa: E402
 
 
 def bench_config(root: Path, **train: object) -> object:
@@ -51,8 +52,8 @@ def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[d
     longer = bench_config(root, epochs=12)  # 84 steps: what an in-span audit needs to catch the control
     rows = [r for r in previous if r["method"] not in methods]
     plan = []
-    for m in ("dpsgd", "proj", "fdp", "fpdp"):
-        span = m in ("proj", "fpdp")
+    for m in PRIVATE:
+        span = m in PROJECTED
         plan += [(cfg, m, e, "gradient", SPAN_CANARIES if span else 1000, 1.0) for e in (0.8, 4.0)]
     plan += [(cfg, "dpsgd", 4.0, "input", 48, 1.0), (cfg, "dpsgd", 0.8, "gradient", 1000, 0.01)]
     plan += [(cfg, m, 0.8, "gradient", SPAN_CANARIES, 0.01) for m in ("proj", "fpdp")]
@@ -85,7 +86,7 @@ def run_membership(root: Path, out: Path) -> dict:
 
 def run_reidentification(root: Path, out: Path) -> dict:
     from fedpose.edge.reid import ReidSpec, run_reid
-    from fedpose.shared.data.synth import WardSpec, ensure_ward
+    from fedpose.shared.data.synth.ward import WardSpec, ensure_ward
 
     ward = ensure_ward(root / "reid-ward", WardSpec(sites=1, per_site=240, public=8, val=8, seed=12, image_size=128),
                        progress=False)

@@ -33,16 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from fedpose.shared.config import load_config, replace  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
 from fedpose.shared.model.posenet import apply_strategy, load_checkpoint, make_loss_fn  # noqa: E402
-from fedpose.shared.privacy.clipping import clipped_grad_sum  # noqa: E402
-from fedpose.shared.privacy.noise import gaussian_noise_like  # noqa: E402
-from fedpose.shared.privacy.sampling import poisson_sample  # noqa: E402
-from fedpose.shared.privacy.subspace import flatten, unflatten  # noqa: E402
-from fedpose.shared.provenance import provenance  # noqa: E402
-from fedpose.shared.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records  # noqa: E402
-from fedpose.shared.batches import make_dataset, public_basis_at, to_device  # noqa: E402
-from fedpose.shared.schedule import steps_per_epoch  # noqa: E402
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
+from fedpose.shared.privacy.step.noise import gaussian_noise_like  # noqa: E402
+from fedpose.shared.privacy.step.sampling import poisson_sample  # noqa: E402
+from fedpose.shared.privacy.step.subspace import flatten, unflatten  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
+from fedpose.shared.training.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records  # noqa: E402
+from fedpose.shared.training.batches import make_dataset, public_basis_at, to_device  # noqa: E402
+from fedpose.shared.training.schedule import steps_per_epoch  # noqa: E402
 
 
 LEARNING_RATES = {"adam": (1e-4, 1e-3), "sgd": (0.01, 0.1, 1.0)}  # one step of each size along the last update
@@ -164,7 +164,7 @@ TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4, 3e-5) for m
 
 
 def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[dict]:  # noqa: ANN001
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.training.runs import run_train
 
     rows = []
     for method, optimizer, lr in tqdm(TRAIN_RUNS, desc="training runs"):

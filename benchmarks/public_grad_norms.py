@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fedpose.shared.config import load_config  # noqa: E402
+from fedpose.shared.configuration.schema import load_config  # noqa: E402
 from fedpose.shared.model.posenet import TASK_SCALE, apply_strategy, make_loss_fn  # noqa: E402
-from fedpose.shared.privacy.persample import iter_per_sample_grads, robust_norms  # noqa: E402
-from fedpose.shared.provenance import provenance  # noqa: E402
-from fedpose.shared.runs import ensure_data, initial_model, load_records  # noqa: E402
-from fedpose.shared.batches import make_dataset, to_device  # noqa: E402
+from fedpose.shared.privacy.step.persample import iter_per_sample_grads, robust_norms  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records  # noqa: E402
+from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E402
 
 
 def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -> dict:  # noqa: ANN001

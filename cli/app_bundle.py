@@ -39,7 +39,7 @@ def _toml(value: object) -> str:
 
 def pyproject() -> str:
     """The app's pyproject.toml: the installed release's name and version, the app's components and run config."""
-    from fedpose.shared.run_config import RUN_CONFIG_DEFAULTS
+    from fedpose.shared.flower.run_config import RUN_CONFIG_DEFAULTS
 
     dist = metadata.distribution(DISTRIBUTION)
     core = [r for r in dist.requires or [] if ";" not in r]  # what the apps import besides the train extra

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.cli.main import _add_common, _load, add_json, emit_json
+from fedpose.shared.configuration.methods import PRIVATE
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -106,7 +107,7 @@ def cmd_reid(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     au = sub.add_parser("audit", help="one-run privacy audit: empirical lower bound on epsilon (Steinke et al. 2023)")
-    au.add_argument("--method", required=True, choices=("dpsgd", "proj", "fdp", "fpdp"),
+    au.add_argument("--method", required=True, choices=PRIVATE,
                     help="the private method to audit")
     au.add_argument("--epsilon", type=float, required=True, help="target epsilon the run is calibrated to")
     au.add_argument("--canaries", type=int, required=True, help="m canaries, each included with probability 1/2")

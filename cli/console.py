@@ -7,7 +7,7 @@ It reads the same files as ``fedpose site status`` / ``fedpose server status`` o
 ``/`` (the page), ``/api/status`` (JSON) and ``/metrics`` (Prometheus), bound to 127.0.0.1 unless
 ``--host`` says otherwise; then a token is required (printed, or given with ``--token``). Without a token
 it answers only requests addressed to a loopback name (``Host`` 127.0.0.1, localhost or [::1]), so that a
-web page cannot read it by DNS rebinding (``fedpose.shared.console_web``).
+web page cannot read it by DNS rebinding (``fedpose.cli.console_web``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     if bool(args.policy) == bool(args.out):
         raise ValueError("console: give --policy (a site's console) or --out (the server's run folder), one of them")

@@ -15,7 +15,7 @@ from fedpose.cli.main import _add_common
 
 
 def cmd_data_synth(args: argparse.Namespace) -> int:
-    from fedpose.shared.data.synth import WardSpec, generate_ward
+    from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
     spec = WardSpec(
         sites=args.sites, per_site=args.per_site, public=args.public, val=args.val, seed=args.seed,

@@ -22,7 +22,8 @@ from fedpose.cli.edge_pixelize import cmd_pixelize, cmd_restore
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedpose.edge.export import INPUT_NAME, export_onnx, parse_batch, parse_input_size
+    from fedpose.edge.export.spec import INPUT_NAME, parse_batch, parse_input_size
+    from fedpose.edge.export.exporter import export_onnx
     from fedpose.shared.model.posenet import load_checkpoint
 
     batch = parse_batch(args.batch)
@@ -48,7 +49,7 @@ def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
     from fedpose.cli.main import load_cli_config
     from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.runs import ensure_data
+    from fedpose.shared.training.runs import ensure_data
 
     cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None})
     root = ensure_data(cfg)  # data.source synthetic: the ward is generated on first use
@@ -100,14 +101,10 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedpose.cli.main import emit_json
-    from fedpose.edge.pipeline import (
-        FrameSource,
-        PipelineOptions,
-        ReconnectPolicy,
-        parse_pixelize,
-        parse_roi,
-        run_pipeline,
-    )
+    from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy
+    from fedpose.edge.pipeline.options import PipelineOptions, parse_pixelize
+    from fedpose.edge.pipeline.tracking import parse_roi
+    from fedpose.edge.pipeline.loop import run_pipeline
     from fedpose.edge.runtime import make_runtime
 
     if args.threads is not None and args.threads < 1:

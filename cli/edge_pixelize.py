@@ -62,13 +62,11 @@ def cmd_pixelize(args: argparse.Namespace) -> int:
     import cv2
     import numpy as np
 
-    from fedpose.edge.pixelize import (
-        PixelizeSpec,
-        load_mask,
-        pixelize,
-        pixelize_claim,
-        save_npz,
-    )
+    from fedpose.shared.pixelization.spec import PixelizeSpec
+    from fedpose.edge.pixelize.masks import load_mask
+    from fedpose.shared.pixelization.mechanism import pixelize
+    from fedpose.edge.pixelize.claim import pixelize_claim
+    from fedpose.edge.pixelize.storage import save_npz
 
     spec = PixelizeSpec(eps=args.eps, b=args.b, m=args.m, n=args.n, noise=args.noise)
     kind, items = _read_inputs(Path(args.input), args.gray)
@@ -128,7 +126,7 @@ def _pose_mask(runtime: Any, image: Any) -> Any:
     import cv2
     import numpy as np
 
-    from fedpose.edge.pixelize import body_mask_from_keypoints
+    from fedpose.edge.pixelize.masks import body_mask_from_keypoints
     from fedpose.edge.prepost import postprocess, preprocess
 
     bgr = image if image.ndim == 3 else cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
@@ -142,7 +140,7 @@ def _pose_mask(runtime: Any, image: Any) -> Any:
 def cmd_restore(args: argparse.Namespace) -> int:
     import cv2
 
-    from fedpose.edge.pixelize import restore
+    from fedpose.edge.pixelize.storage import restore
 
     src = Path(args.input)
     if not src.is_file():

@@ -72,8 +72,8 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
     from fedpose.client.policy import load_policy, write_policy
     from fedpose.client.policy_resolve import default_policy
     from fedpose.client.site_data import prepare_site
-    from fedpose.shared.config import dump_config
-    from fedpose.shared.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.configuration.schema import dump_config
+    from fedpose.shared.training.runs import ensure_data, ensure_pretrained
 
     ensure_data(cfg, progress=progress)
     if cfg.train.strategy != "scratch":
@@ -132,7 +132,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def print_summary(metrics: dict[str, Any], out: Path) -> None:
     from fedpose.cli.main import data_line
     from fedpose.server.report import read_rounds
-    from fedpose.shared.metrics import pckh_table
+    from fedpose.shared.metrics.pose import pckh_table
 
     print()
     print(pckh_table({f"federated {metrics['method']} ({metrics['rounds']} rounds)": metrics["pckh"]}))

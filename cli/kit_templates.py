@@ -7,6 +7,7 @@ One set of names everywhere: ``policy.yaml``, ``approved.txt``, ``node.key`` / `
 """
 
 from __future__ import annotations
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 
 INSTALL = "/opt/fedpose"  # where a site unpacks its kit: /opt/fedpose/<site>
 VENV = "/opt/fedpose/venv"  # the virtual environment fedpose is installed in
@@ -186,7 +187,7 @@ exec "${{FEDPOSE:-fedpose}}" server register-sites --connection pilot --keys "$h
 
 def method_note(method: str) -> str:
     """What SERVER_STEPS says of the federation's method: the sites' policies are record-level unless they opt in."""
-    if method in ("fdp", "fpdp"):
+    if method in WITH_PUBLIC:
         return (f"It runs {method}, Feature-DP: a site's policy refuses it\n   unless that site opts in "
                 "(release_blurred_images_and_labels: true), after reading what that gives this server")
     return f"It runs {method}, record-level DP,\n   which every site's policy accepts"

@@ -40,7 +40,7 @@ def ledger_rows(path: Path) -> tuple[str, list[dict[str, Any]]]:
 
 def cmd_ledger(args: argparse.Namespace) -> int:
     if args.reconcile:
-        from fedpose.shared.privacy.reconcile import reconcile
+        from fedpose.cli.reconcile import reconcile
 
         server_db, *site_dbs = args.reconcile
         if not site_dbs:

@@ -31,7 +31,8 @@ def _setup_logging(verbose: bool, quiet: bool = False) -> None:
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
     """``--set key=value`` pairs (the value read as YAML: 0.5, true, [64, 48], null) as dotted overrides."""
-    from fedpose.shared.config import ConfigError, parse_yaml
+    from fedpose.shared.errors import ConfigError
+    from fedpose.shared.configuration.yaml_io import parse_yaml
 
     out: dict[str, Any] = {}
     for item in items or []:
@@ -45,7 +46,7 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
 def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None, *, path: Any = None) -> Any:
     """The command's config: its --config (a file or a shipped name), then its --set pairs, then ``overrides``
     (the command's own flags that were given)."""
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
 
     merged = {**parse_sets(getattr(args, "set", None)),
               **{k: v for k, v in (overrides or {}).items() if v is not None}}
@@ -58,8 +59,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     """The resolved config: the shipped defaults, the file, then every --set."""
-    from fedpose.shared.config import to_dict
-    from fedpose.shared.yaml_io import yaml_text
+    from fedpose.shared.configuration.flat import to_dict
+    from fedpose.shared.configuration.yaml_io import yaml_text
 
     data = to_dict(load_cli_config(args))
     if not emit_json(args, data):
@@ -93,8 +94,8 @@ def data_line(metrics: dict[str, Any]) -> str:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from fedpose.shared.metrics import pckh_table
-    from fedpose.shared.runs import run_pretrain
+    from fedpose.shared.metrics.pose import pckh_table
+    from fedpose.shared.training.runs import run_pretrain
 
     cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data,
                        "data.source": "files" if args.data else None})
@@ -110,8 +111,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fedpose.shared.metrics import pckh_table
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.metrics.pose import pckh_table
+    from fedpose.shared.training.runs import run_train
 
     cfg = _load(
         args,
@@ -154,10 +155,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from fedpose.shared.data.face import FACES_FILE
     from fedpose.shared.data.mpii import load_mpii, prediction_rows
-    from fedpose.shared.metrics import pckh_table
+    from fedpose.shared.metrics.pose import pckh_table
     from fedpose.shared.model.posenet import load_checkpoint
-    from fedpose.shared.evaluation import evaluate
-    from fedpose.shared.yaml_io import write_json
+    from fedpose.shared.metrics.evaluation import evaluate
+    from fedpose.shared.configuration.yaml_io import write_json
 
     data = Path(args.data)
     ann = data / "annotations.json"
@@ -177,7 +178,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(pckh_table({Path(args.checkpoint).parent.name or "model": report["pckh"]}))
         print(f"PCKh@0.1 mean: {report['pckh@0.1']['mean']:.2f}  ({len(records)} people)")
         if "face" in report:
-            from fedpose.shared.face_metrics import face_lines
+            from fedpose.shared.metrics.face import face_lines
 
             print("\n".join(face_lines(report["face"])))
         if args.predictions:
@@ -239,7 +240,8 @@ class SuggestingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedpose.shared.config import METHODS, STRATEGIES, UNITS
+    from fedpose.shared.configuration.schema import STRATEGIES, UNITS
+    from fedpose.shared.configuration.methods import METHODS
 
     parser = SuggestingParser(
         prog="fedpose", description="Federated, differentially private 2D human pose estimation."

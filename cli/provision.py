@@ -53,8 +53,8 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
     the fedpose wheel and constraints.txt it installs from (``wheel``/``constraints``, else the checkout's)."""
     from fedpose.cli.certs import make_certs
     from fedpose.cli.kit_wheel import kit_install_files
-    from fedpose.client.policy import FEATURE_DP
-    from fedpose.shared.config import dump_config
+    from fedpose.shared.configuration.methods import WITH_PUBLIC
+    from fedpose.shared.configuration.schema import dump_config
 
     out = out.expanduser().resolve()
     repo = _inside_git_tree(out)
@@ -113,7 +113,7 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
         address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"],
         method_note=kit.method_note(cfg.train.method)))
-    if cfg.train.method in FEATURE_DP:
+    if cfg.train.method in WITH_PUBLIC:
         log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
                     "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "
                     "record-level federation provision with the recipe of docs/how-to/server.md "

@@ -125,7 +125,8 @@ def cmd_set_data(args: argparse.Namespace) -> int:
 
 def cmd_approve_public(args: argparse.Namespace) -> int:
     """Show the public set, then write its path and digest into the policy: what the site trusts as public."""
-    from fedpose.client.site_data import load_split_dir, public_digest
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.split import manifest_digest as public_digest
 
     path = Path(args.policy).expanduser().resolve()
     public = Path(args.public).expanduser().resolve()
@@ -247,7 +248,7 @@ def supernode_command(*, poll: float) -> list[str]:
     import importlib.util
     import os
 
-    from fedpose.shared.flower_waits import FLOWER_IDLE_WAIT, CappedTime
+    from fedpose.shared.flower.waits import FLOWER_IDLE_WAIT, CappedTime
 
     CappedTime(poll)  # refuses a poll outside (0, 3] before anything starts
     if poll < FLOWER_IDLE_WAIT:

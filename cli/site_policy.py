@@ -22,7 +22,8 @@ def _units(policy_data: dict, base: Path) -> int:
 
 def cmd_site_policy(args: argparse.Namespace) -> int:
     from fedpose.client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
-    from fedpose.client.site_data import load_split_dir, public_digest
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.split import manifest_digest as public_digest
 
     if args.check:
         policy = load_policy(args.check)

@@ -5,7 +5,7 @@ this module runs them: the data and the public pretrained weights every cell
 needs are prepared once here, then each unfinished cell runs in its own
 process (``python -m fedpose.cli.study CELL_DIR``) so parallel cells never share
 torch's threads: ``--jobs N`` processes with cores / N threads each.
-A centralized cell is ``fedpose.shared.runs.run_train``; a federated one is
+A centralized cell is ``fedpose.shared.training.runs.run_train``; a federated one is
 ``fedpose simulate`` (Flower simulation, one site per private split); the
 pretrained baseline evaluates the public-pretrained weights.
 """
@@ -32,7 +32,7 @@ CELL_CONFIG = "cell-config.yaml"  # the cell's run config, as the study resolved
 
 def prepare(cells: list[Any], *, progress: bool) -> None:
     """Data and public pretrained weights of every distinct cache the cells use (cached; run once, here)."""
-    from fedpose.shared.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.training.runs import ensure_data, ensure_pretrained
 
     done: set[tuple[str, str]] = set()
     for cell in cells:
@@ -49,7 +49,7 @@ def prepare(cells: list[Any], *, progress: bool) -> None:
 def write_cell(out: Path, cell: Any) -> Path:
     """The cell's folder with what its process needs: cell.json and cell-config.yaml (not config.yaml: a
     federated cell's folder is its federation's --out, where the server saves the config.yaml it resumes with)."""
-    from fedpose.shared.config import dump_config
+    from fedpose.shared.configuration.schema import dump_config
     from fedpose.shared.experiments.study import cell_dir
 
     path = cell_dir(out, cell)
@@ -120,21 +120,21 @@ def restore_cells(out: Path, record: Path, cells: list[Any]) -> int:
 
 def run_cell(path: Path) -> None:
     """Run the cell in ``path`` (in this process) and write its metrics.json last (the done marker)."""
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
 
     spec = json.loads((path / "cell.json").read_text())
     # The thread count ``fedpose study`` gave this cell (cores / jobs, or --threads) is the run's own count: the
     # runtime section is never part of a cell's id, so the cell stays the same point of the grid.
     cfg = load_config(path / CELL_CONFIG, {"runtime.threads": int(os.environ.get("OMP_NUM_THREADS", "1"))})
     if spec["kind"] == "train":
-        from fedpose.shared.runs import run_train
+        from fedpose.shared.training.runs import run_train
 
         run_train(cfg, path, progress=False)
     elif spec["kind"] == "pretrained":
         from fedpose.shared.model.posenet import load_checkpoint
-        from fedpose.shared.runs import ensure_data, ensure_pretrained, load_records
-        from fedpose.shared.evaluation import evaluate
-        from fedpose.shared.yaml_io import write_json
+        from fedpose.shared.training.runs import ensure_data, ensure_pretrained, load_records
+        from fedpose.shared.metrics.evaluation import evaluate
+        from fedpose.shared.configuration.yaml_io import write_json
 
         t0 = time.perf_counter()
         weights = ensure_pretrained(cfg, progress=False)
@@ -164,7 +164,7 @@ def start_of(cfg: Any) -> str:
     """What a cell starts from: the SHA-256 of the pretrained weights it loads, or "scratch"."""
     import hashlib
 
-    from fedpose.shared.runs import ensure_pretrained
+    from fedpose.shared.training.runs import ensure_pretrained
 
     if cfg.train.strategy == "scratch":
         return "scratch"

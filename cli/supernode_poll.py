@@ -8,7 +8,7 @@ to 0.5 s late. Flower has no setting for either wait, so ``fedpose site start`` 
 (``flwr.supernode.start_client_internal``) at ``--poll`` seconds. Nothing else changes: the same arguments,
 the same code, the same messages; an idle site sends the SuperLink one small pull request per ``--poll``
 seconds instead of one per 3 s. The SuperNode's pulls of a message's objects retry after 0.05 s instead of
-Flower's 1 s (``fedpose.shared.flower_waits``).
+Flower's 1 s (``fedpose.shared.flower.waits``).
 
 When the installed Flower no longer has that loop (another version), the SuperNode runs unchanged and says
 so on stderr: the site still works, with Flower's own waits.
@@ -23,7 +23,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from fedpose.shared.flower_waits import FLOWER_IDLE_WAIT, cap_waits, quick_pulls
+from fedpose.shared.flower.waits import FLOWER_IDLE_WAIT, cap_waits, quick_pulls
 
 LOOP_MODULE = "flwr.supernode.start_client_internal"
 

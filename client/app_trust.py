@@ -217,7 +217,7 @@ def run_gate(argv: Sequence[str]) -> None:
     install_gate(runtime, approved)
     # Flower starts this process while the SuperNode still fetches the message's objects: look again after
     # 0.05 s, not after Flower's 1 s.
-    from fedpose.shared.flower_waits import quick_pulls
+    from fedpose.shared.flower.waits import quick_pulls
 
     quick_pulls(runtime, "pull_and_inflate_object_from_tree")
     private_flower_home()  # installed fresh from the checked bytes; nothing on disk is reused

@@ -7,11 +7,11 @@ Deployment (one SuperNode per hospital)::
         --node-config "site-policy='/etc/fedpose/policy.yaml'"
 
 Simulation: each virtual node's policy is derived from its partition id
-(see ``fedpose.client.site.resolve_policy``).
+(see ``fedpose.client.policy_resolve.resolve_policy``).
 
 Messages handled: ``query`` (who are you, what do you accept) and ``train``
 (one round of local FP-DP-SGD). A refusal, and any failure, is a typed
-``Error`` reply (``fedpose.shared.federation_messages.RefusalCode``) ending with the
+``Error`` reply (``fedpose.shared.flower.messages.RefusalCode``) ending with the
 site's spend; its text never depends on private data (P10).
 """
 
@@ -30,8 +30,8 @@ from flwr.clientapp import ClientApp
 from fedpose.client.policy_resolve import resolve_policy
 from fedpose.client.site import handle_train
 from fedpose.client.site_data import site_info, spend_so_far
-from fedpose.shared.app_logging import setup_app_logging
-from fedpose.shared.federation_messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
+from fedpose.shared.flower.app_logging import setup_app_logging
+from fedpose.shared.flower.messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpose.shared.privacy.accountant import StepRecord
-from fedpose.shared.privacy.ledger import (
+from fedpose.shared.privacy.accounting.accountant import StepRecord
+from fedpose.shared.privacy.accounting.ledger import (
     DEFAULT_BUSY_TIMEOUT,
     check_entry,
     connect,
@@ -48,12 +48,12 @@ from fedpose.shared.privacy.ledger import (
     transaction,
     utc_now,
 )
+from fedpose.shared.configuration.methods import RECORD_LEVEL
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 5
 STATES = ("charged", "done", "failed")  # paid, not yet released / released / failed after its charge (final)
-RECORD_LEVEL_METHODS = ("dpsgd", "proj")
 
 # What the site refused or failed, with the reason, for its operator (``fedpose site status``, the console).
 # Local only: the server already got the same generic answer.
@@ -330,7 +330,7 @@ class SiteLedger:
 
     def record_level(self) -> bool:
         """True when every row ran a record-level method (dpsgd/proj): only then is the claim record-level (P12)."""
-        return all(r["method"] in RECORD_LEVEL_METHODS for r in self.rows())
+        return all(r["method"] in RECORD_LEVEL for r in self.rows())
 
     @contextmanager
     def round(self) -> Iterator[OpenRound]:

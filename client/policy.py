@@ -75,17 +75,15 @@ from typing import Any
 
 import yaml
 
-from fedpose.shared.config import read_yaml
-from fedpose.shared.privacy.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
-from fedpose.shared.privacy.psi import PSI_KINDS, psi_strength  # noqa: F401  (re-exported for the site)
+from fedpose.shared.configuration.yaml_io import read_yaml
+from fedpose.shared.privacy.accounting.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
+from fedpose.shared.privacy.step.psi import PSI_KINDS
+from fedpose.shared.configuration.methods import PRIVATE, RECORD_LEVEL, WITH_PUBLIC
 
 log = logging.getLogger(__name__)
 
 POLICY_VERSION = 3
 FILL_ME = "FILL-ME"  # what a kit's template leaves for the site to fill (each has a command that fills it)
-PRIVATE_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
-RECORD_LEVEL = ("dpsgd", "proj")
-FEATURE_DP = ("fdp", "fpdp")
 # The opt-in line, as the refusal of a policy without it names it.
 OPT_IN = "release_blurred_images_and_labels: true"
 UNITS = ("record", "patient")
@@ -185,13 +183,13 @@ class SitePolicy:
                              f"{self.release_blurred_images_and_labels!r} must be true or false")
         methods = self.methods
         if methods is None:
-            methods = PRIVATE_METHODS if self.release_blurred_images_and_labels else RECORD_LEVEL
+            methods = PRIVATE if self.release_blurred_images_and_labels else RECORD_LEVEL
             object.__setattr__(self, "methods", methods)
-        bad = [m for m in methods if m not in PRIVATE_METHODS]
+        bad = [m for m in methods if m not in PRIVATE]
         if bad or not methods:
             raise ValueError(f"site policy: methods={list(methods)} must be a non-empty subset of "
-                             f"{list(PRIVATE_METHODS)} (nonprivate training is never accepted)")
-        feature = [m for m in methods if m in FEATURE_DP]
+                             f"{list(PRIVATE)} (nonprivate training is never accepted)")
+        feature = [m for m in methods if m in WITH_PUBLIC]
         if feature and not self.release_blurred_images_and_labels:
             raise ValueError(f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, "
                              "a blurred copy of each image drawn for the public term and its pose labels, and "

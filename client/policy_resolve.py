@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpose.client.policy import FEATURE_DP, SitePolicy, load_policy, policy_from_dict, psi_strength, write_policy
+from fedpose.client.policy import SitePolicy, load_policy, policy_from_dict, write_policy
+from fedpose.shared.privacy.step.psi import psi_strength
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 from fedpose.client.site_data import load_split_dir
-from fedpose.shared.config import Config
+from fedpose.shared.configuration.schema import Config
 from fedpose.shared.data.patients import group_by_patient, stated_group_size
 from fedpose.shared.data.split import manifest_digest as public_digest
 
@@ -33,7 +35,7 @@ def resolve_policy(node_config: Mapping[str, Any], run_config: Mapping[str, Any]
             raise ValueError("node config: data-path is no longer read; the site policy's data_path names the data")
         return load_policy(str(node_config["site-policy"]))
     if "partition-id" in node_config:
-        from fedpose.shared.run_config import config_from_run_config, out_dir
+        from fedpose.shared.flower.run_config import config_from_run_config, out_dir
 
         cfg = config_from_run_config(run_config)
         return simulation_policy(cfg, out_dir(run_config, cfg), int(node_config["partition-id"]))
@@ -88,7 +90,7 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "public_digest": public_digest(public),
         "accountant": cfg.privacy.accountant,
         # The researcher's own simulation opts its sites in to what its method releases (the claim says so).
-        "release_blurred_images_and_labels": cfg.train.method in FEATURE_DP,
+        "release_blurred_images_and_labels": cfg.train.method in WITH_PUBLIC,
         "public_batch_size": cfg.train.public_batch_size,
         "unit": cfg.privacy.unit,
         "max_records_per_patient": cap,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fedpose.client.policy import SitePolicy
-from fedpose.shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
+from fedpose.shared.flower.messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
 from fedpose.shared.private_files import open_private, private_dir
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from fedpose.client.policy import SitePolicy, psi_strength, sigma_shortfall
-from fedpose.shared.federation_messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
-from fedpose.shared.privacy.psi import psi_label_of
+from fedpose.client.policy import SitePolicy, sigma_shortfall
+from fedpose.shared.privacy.step.psi import psi_strength
+from fedpose.shared.flower.messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
+from fedpose.shared.privacy.step.psi import psi_label_of
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 
-PROJECTED = ("proj", "fpdp")
-WITH_PSI = ("fdp", "fpdp")
 _FEDERATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Set by the site's app gate (client.app_trust) to the digest of the approved bundle it checked and installed.
 BUNDLE_ENV = "FEDPOSE_APP_DIGEST"
@@ -62,7 +62,7 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.data.augment != policy.augment:
         raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
                                           f"augment={policy.augment}")
-    if method in WITH_PSI:
+    if method in WITH_PUBLIC:
         if cfg.train.public_batch_size != policy.public_batch_size:  # P17: what each step's draw shows is pinned
             raise Refusal(RefusalCode.POLICY, f"public batch size {cfg.train.public_batch_size} is not this site's "
                                               f"public_batch_size={policy.public_batch_size}")

@@ -51,25 +51,16 @@ from typing import Any
 from fedpose.client.ledger import Mechanism, SiteLedger
 from fedpose.client.policy import SitePolicy
 from fedpose.client.replies import repeated_round, store_reply
-from fedpose.client.request import (
-    PROJECTED,
-    WITH_PSI,
-    check_model_size,
-    check_request,
-    load_weights,
-    parse_request,
-    request_digest,
-    running_bundle,
-)
+from fedpose.client.request import (check_model_size, check_request, load_weights, parse_request, request_digest,
+                                    running_bundle)
+from fedpose.shared.configuration.methods import PROJECTED, WITH_PUBLIC
 from fedpose.client.site_basis import cache_basis, drop_basis_cache, obtain_basis
 from fedpose.client.site_data import SiteCheck, load_checked, site_ready
-from fedpose.shared.federation_messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
-from fedpose.shared.privacy.accountant import StepRecord
-from fedpose.shared.privacy.psi import psi_label_of
+from fedpose.shared.flower.messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
+from fedpose.shared.privacy.accounting.accountant import StepRecord
+from fedpose.shared.privacy.step.psi import psi_label_of
 
 # Names other code and the tests have imported from client.site; their homes are the modules above.
-from fedpose.client.policy_resolve import default_policy, resolve_policy, simulation_policy  # noqa: F401
-from fedpose.client.site_data import check_site, load_split_dir, prepare_site, public_digest, site_info, spend_so_far  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +112,7 @@ def _augment_seed(secret: int) -> int:
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
     from fedpose.shared.model.posenet import apply_strategy, build_model
-    from fedpose.shared.provenance import select_device
+    from fedpose.shared.training.provenance import select_device
 
     arrived = time.monotonic()
     request = parse_request(content)
@@ -176,10 +167,10 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
 
 def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> dict[str, Any]:
     """Check the budget and commit the round's spend (state charged) before any private record is read."""
-    from fedpose.shared.privacy.noise import round_secret
+    from fedpose.shared.privacy.step.noise import round_secret
 
     method = request.config.train.method
-    psi = psi_label_of(request.config.privacy) if method in WITH_PSI else None
+    psi = psi_label_of(request.config.privacy) if method in WITH_PUBLIC else None
     mechanism = Mechanism(method=method, psi=psi, clip_norm=policy.clip_norm, augment=policy.augment,
                           unit=policy.unit)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger, ledger.round() as open_round:
@@ -214,12 +205,12 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     from flwr.app import MetricRecord, RecordDict
 
     from fedpose.client.site_eval import evaluate_global
-    from fedpose.shared.optim_state import keep_site_optimizer, site_optimizer
-    from fedpose.shared.privacy.noise import generator_from_secret, make_generator
-    from fedpose.shared.provenance import configure_numerics
-    from fedpose.shared.batches import make_dataset
-    from fedpose.shared.schedule import round_span
-    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+    from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
+    from fedpose.shared.privacy.step.noise import generator_from_secret, make_generator
+    from fedpose.shared.training.provenance import configure_numerics
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.training.schedule import round_span
+    from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = request.config
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)

@@ -18,9 +18,9 @@ import torch
 
 from fedpose.client.policy import SitePolicy
 from fedpose.client.site_data import load_public
-from fedpose.shared.federation_messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
+from fedpose.shared.flower.messages import BASIS, Refusal, RefusalCode, TrainRequest, record_basis
 from fedpose.shared.private_files import open_private, private_dir
-from fedpose.shared.privacy.subspace import check_orthonormal
+from fedpose.shared.privacy.step.subspace import check_orthonormal
 
 if TYPE_CHECKING:  # the model module is imported where it is used
     from fedpose.shared.model.posenet import PoseNet
@@ -120,7 +120,7 @@ def obtain_basis(content: Any, request: TrainRequest, model: PoseNet, trainable:
     if public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
     from fedpose.shared.model.posenet import make_loss_fn
-    from fedpose.shared.batches import make_dataset, public_basis_at
+    from fedpose.shared.training.batches import make_dataset, public_basis_at
 
     t0 = time.perf_counter()
     device = next(model.parameters()).device

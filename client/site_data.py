@@ -26,16 +26,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedpose.client.ledger import SiteLedger
-from fedpose.client.policy import FEATURE_DP, SitePolicy, min_sigma_for, policy_to_dict
+from fedpose.client.policy import SitePolicy, min_sigma_for, policy_to_dict
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
 from fedpose.shared.data.records import PoseRecord
-from fedpose.shared.data.split import content_hash
+from fedpose.shared.data.records import content_hash
 from fedpose.shared.errors import PrivacyRefusal
 from fedpose.shared.data.split import manifest_digest as public_digest
-from fedpose.shared.federation_messages import Refusal, RefusalCode, SiteInfo
+from fedpose.shared.flower.messages import Refusal, RefusalCode, SiteInfo
 from fedpose.shared.private_files import open_private, private_dir
-from fedpose.shared.privacy.accountant import check_delta
+from fedpose.shared.privacy.accounting.accountant import check_delta
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def check_site(policy: SitePolicy) -> CheckedSite:
     if units == 0:
         raise ValueError(f"site data {policy.data_path}: no record is left to train on after the checks")
     check_delta(policy.delta, units)
-    if set(policy.allowed_methods) & set(FEATURE_DP) and policy.public_batch_size > len(records):
+    if set(policy.allowed_methods) & set(WITH_PUBLIC) and policy.public_batch_size > len(records):
         raise ValueError(f"site policy: public_batch_size={policy.public_batch_size} is larger than the "
                          f"{len(records)} records kept at this site: fdp/fpdp draw that many distinct records each "
                          "step; lower it")

@@ -60,7 +60,7 @@ def evaluate_global(model: Any, policy: SitePolicy, private: list[PoseRecord], *
     records = _eval_records(policy, policy.eval_path, private)
     if records is None:
         return None
-    from fedpose.shared.evaluation import evaluate
+    from fedpose.shared.metrics.evaluation import evaluate
 
     t0 = time.perf_counter()
     report, _, _ = evaluate(model, records)

@@ -13,18 +13,19 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from fedpose.shared.federation_messages import RefusalCode
-from fedpose.shared.privacy.claims import public_labels
+from fedpose.shared.flower.messages import RefusalCode
+from fedpose.shared.privacy.accounting.claims import public_labels
+from fedpose.shared.configuration.methods import RECORD_LEVEL
 
 RECENT = 25  # rows and refusals shown
 
 
 def guarantee_in_force(policy: Any) -> str:
     """The guarantee this site's policy allows, in one line (``fedpose site status``, the console)."""
-    from fedpose.client.policy import FEATURE_DP
+    from fedpose.shared.configuration.methods import WITH_PUBLIC
 
     unit = "patient" if policy.unit == "patient" else "record"
-    feature = [m for m in policy.methods if m in FEATURE_DP]
+    feature = [m for m in policy.methods if m in WITH_PUBLIC]
     if not feature:
         return f"record-level DP ({unit} level; methods {', '.join(policy.methods)}); Feature-DP not allowed"
     return (f"Feature-DP opted in (methods {', '.join(policy.methods)}): under {' and '.join(feature)} the server can "
@@ -34,14 +35,15 @@ def guarantee_in_force(policy: Any) -> str:
 
 def plain_policy(policy: Any) -> list[str]:
     """What the policy means, in sentences a data-protection officer can check."""
-    from fedpose.client.policy import FEATURE_DP, min_sigma_for
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.shared.configuration.methods import WITH_PUBLIC
 
     unit = "patient-level (every image of one person)" if policy.unit == "patient" else "record-level (one image)"
     methods = set(policy.methods)
     noised = (f"each update is {policy.steps_per_round} training steps at most, with Gaussian noise of at least "
               f"sigma = {min_sigma_for(policy):.3f} times the clip bound C = {policy.clip_norm:g} added to the sum of "
               "the clipped per-image gradients.")
-    if methods & set(FEATURE_DP):
+    if methods & set(WITH_PUBLIC):
         first = ("Model updates leave this hospital, and under Feature-DP (fdp, fpdp, opted in by this policy) they "
                  "carry blurred images and labels too: " + noised)
     else:
@@ -52,10 +54,10 @@ def plain_policy(policy: Any) -> list[str]:
         f"({policy.lifetime_rounds} rounds, at most {policy.rounds_per_federation} in any one federation), counted "
         f"by the {policy.accountant.upper()} accountant from what actually ran; no request can take more.",
     ]
-    if methods & {"dpsgd", "proj"}:
+    if methods & set(RECORD_LEVEL):
         lines.append(f"With dpsgd or proj the guarantee is {unit} (epsilon, delta)-differential privacy: adding "
                      f"or removing one {policy.unit} changes what leaves the site only within epsilon, delta.")
-    if methods & set(FEATURE_DP):
+    if methods & set(WITH_PUBLIC):
         kind = "a Gaussian blur" if policy.psi == "blur" else "a pixelation"
         lines.append(f"With fdp or fpdp it is Feature-DP, not record-level DP: {kind} of each image (strength at "
                      f"least {policy.psi_min:g} of its shorter side) and {public_labels(policy.face_tasks)} are "
@@ -111,7 +113,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
     from fedpose.client.ledger import SiteLedger
     from fedpose.client.policy import load_policy
     from fedpose.client.site_data import data_version, policy_fingerprint, read_site_check
-    from fedpose.shared.privacy.accountant import epsilon_spent
+    from fedpose.shared.privacy.accounting.accountant import epsilon_spent
 
     policy_path = Path(policy_path).expanduser().resolve()
     kit = _kit(policy_path)
@@ -167,7 +169,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
     history = [(r["sigma"], r["sample_rate"], r["steps"]) for r in rows]
 
     def eps(selected: list[tuple]) -> float:
-        from fedpose.shared.privacy.accountant import StepRecord
+        from fedpose.shared.privacy.accounting.accountant import StepRecord
 
         records = [StepRecord(sigma=s, sample_rate=q, steps=k) for s, q, k in selected]
         return epsilon_spent(records, delta=policy.delta, accountant=policy.accountant) if records else 0.0

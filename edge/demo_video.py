@@ -10,7 +10,7 @@ room and its clutter stay put while the person moves).
 The ground truth goes to a JSON sidecar next to the video
 (``clip.mp4`` -> ``clip.mp4.json``): per frame the 16 joints in frame pixels
 and their visibility, the person box in the training crops' convention
-(``fedpose.shared.data.synth.person_box``, as (x, y, w, h)), plus the ROI that contains the whole motion (what an
+(``fedpose.shared.data.synth.render.person_box``, as (x, y, w, h)), plus the ROI that contains the whole motion (what an
 installer would configure as "the bed area").
 """
 
@@ -87,15 +87,10 @@ def _fit_into(joints: np.ndarray, region: tuple[float, float, float, float], rng
 
 def render_demo(spec: DemoSpec) -> tuple[list[np.ndarray], dict]:
     """Frames (H, W, 3) uint8 BGR and the ground-truth dict (without writing anything)."""
-    from fedpose.shared.data.synth import (
-        PUBLIC_STYLE,
-        make_identity,
-        person_box,
-        place_pose,
-        render_frame,
-        sample_pose_3d,
-        site_style,
-    )
+    from fedpose.shared.data.synth.styles import PUBLIC_STYLE, site_style
+    from fedpose.shared.data.synth.identity import make_identity
+    from fedpose.shared.data.synth.render import person_box, render_frame
+    from fedpose.shared.data.synth.pose import place_pose, sample_pose_3d
 
     w, h = spec.size
     side = max(w, h)  # render_frame draws square rooms; the clip is their centre crop

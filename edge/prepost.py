@@ -9,7 +9,7 @@ Boxes are (x, y, w, h) in frame pixels. The crop uses the training
 convention of ``fedpose.shared.data.transforms.affine_matrix`` (centre + scale, box
 of side 200 * scale widened to the input's aspect ratio), so a box made by
 ``box_to_center_scale`` from a tight person box frames the person the way
-training crops did (``fedpose.shared.data.synth.person_box``: 1.25 x the extent).
+training crops did (``fedpose.shared.data.synth.render.person_box``: 1.25 x the extent).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def quantize_int8(
         quantize_static,
     )
 
-    from fedpose.edge.export import check_qdq_zero_points, unsupported_ops
+    from fedpose.edge.export.trt_ops import check_qdq_zero_points, unsupported_ops
     from fedpose.edge.trt_build import read_onnx_info
 
     info = read_onnx_info(fp32_onnx)
@@ -195,7 +195,7 @@ class PrecisionReport:
 def predict_records(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> np.ndarray:
     """(N, K, 2) keypoints of any runtime on records' un-augmented crops, in the records' image pixels."""
     from fedpose.shared.data.transforms import inverse_transform, record_boxes
-    from fedpose.shared.model.simcc import decode_simcc
+    from fedpose.shared.model.simcc_decode import decode_simcc
 
     if not records:
         raise ValueError("nothing to evaluate: no records")
@@ -212,7 +212,7 @@ def predict_records(runtime: Any, records: Sequence[PoseRecord], *, batch: int =
 
 def evaluate_runtime(runtime: Any, records: Sequence[PoseRecord], *, batch: int = 32) -> dict[str, dict[str, float]]:
     """PCKh@0.5 / @0.1 of any runtime on records with head boxes (un-augmented record boxes)."""
-    from fedpose.shared.metrics import pckh_report
+    from fedpose.shared.metrics.pose import pckh_report
 
     if not records:
         raise ValueError("nothing to evaluate: no records")

@@ -35,7 +35,9 @@ from typing import Any
 import cv2
 import numpy as np
 
-from fedpose.edge.pixelize import PixelizeSpec, body_mask_from_keypoints, pixelize
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.edge.pixelize.masks import body_mask_from_keypoints
+from fedpose.shared.pixelization.mechanism import pixelize
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
     from tqdm.auto import tqdm
 
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.data.synth import load_identities
+    from fedpose.shared.data.synth.ward import load_identities
 
     t0 = time.perf_counter()
     records = load_split(Path(root), split)
@@ -210,7 +212,7 @@ def run_reid(root: str | Path, split: str, spec: ReidSpec, out: str | Path | Non
                        "mask (adaptive) is not protected; over F frames of one person the guarantee composes to "
                        "F x eps")
     if out is not None:
-        from fedpose.shared.yaml_io import write_json
+        from fedpose.shared.configuration.yaml_io import write_json
 
         out = Path(out)
         write_json(out / "reid.json", result)

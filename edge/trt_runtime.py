@@ -25,12 +25,16 @@ from typing import Any
 import numpy as np
 
 from fedpose.edge.runtime_base import Runtime
-from fedpose.edge.trt_build import TRT_INSTALL_HINT, import_tensorrt
+from fedpose.edge.trt_build import import_tensorrt
 from fedpose.shared.model.face_decode import FACE_OUTPUTS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeviceBuffers", "TensorRTRuntime", "TRT_INSTALL_HINT", "import_cudart"]
+__all__ = [
+    "DeviceBuffers",
+    "TensorRTRuntime",
+    "import_cudart",
+]
 
 CUDA_INSTALL_HINT = ("the TensorRT runtime needs NVIDIA's cuda-python for device memory and streams: "
                      "pip install 'fedpose[tensorrt]' (or pip install cuda-python matching the CUDA of this machine)")

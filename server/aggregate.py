@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fedpose.shared.config import Config
+from fedpose.shared.configuration.schema import Config
 
 
 class ServerOptimizer:

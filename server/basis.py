@@ -2,7 +2,7 @@
 
 Every ``privacy.basis_every`` rounds V is recomputed at the current global
 weights from public data only (P2): the top-k directions of m per-sample
-gradients on S_pub (``fedpose.shared.train.public_basis_at``). Its version is the
+gradients on S_pub (``fedpose.shared.training.loop.public_basis_at``). Its version is the
 round it was made for.
 
 - ``basis_mode: broadcast`` - the server computes V and sends it as its own
@@ -24,9 +24,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from fedpose.shared.config import Config
+from fedpose.shared.configuration.schema import Config
 from fedpose.shared.data.records import PoseRecord
-from fedpose.shared.federation_messages import basis_record
+from fedpose.shared.flower.messages import basis_record
+from fedpose.shared.configuration.methods import PROJECTED
 
 if TYPE_CHECKING:  # the model module is imported where it is used (it is not needed to plan a round)
     from fedpose.shared.model.posenet import PoseNet
@@ -48,7 +49,7 @@ class BasisKeeper:
 
     @property
     def needed(self) -> bool:
-        return self.cfg.train.method in ("proj", "fpdp")
+        return self.cfg.train.method in PROJECTED
 
     def due(self, round: int) -> bool:
         return self.needed and (self.version == 0 or round - self.version >= self.every)
@@ -62,7 +63,7 @@ class BasisKeeper:
             log.info("basis version %d: sites compute V from their public set", round)
             return 0.0
         from fedpose.shared.model.posenet import make_loss_fn
-        from fedpose.shared.batches import make_dataset, public_basis_at
+        from fedpose.shared.training.batches import make_dataset, public_basis_at
 
         t0 = time.perf_counter()
         device = next(model.parameters()).device

@@ -12,8 +12,8 @@ from fedpose.server.ledger import Event, ServerLedger
 from fedpose.server.plan import SitePlan, can_afford
 from fedpose.server.policy_watch import watch
 from fedpose.server.replies import Reply
-from fedpose.shared.config import Config
-from fedpose.shared.federation_messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
+from fedpose.shared.configuration.schema import Config
+from fedpose.shared.flower.messages import CONFIG, INFO, SiteInfo, parse_spend_suffix, payload_bytes
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.server.plan import SitePlan
-from fedpose.shared.privacy.accountant import StepRecord
-from fedpose.shared.privacy.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
+from fedpose.shared.privacy.accounting.accountant import StepRecord
+from fedpose.shared.privacy.accounting.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from fedpose.server.ledger import Event, ServerLedger
 from fedpose.server.plan import SitePlan, can_afford
-from fedpose.shared.privacy.accountant import StepRecord
+from fedpose.shared.privacy.accounting.accountant import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,12 @@ import functools
 import logging
 from dataclasses import asdict, dataclass
 
-from fedpose.shared.config import Config, ConfigError
-from fedpose.shared.federation_messages import SiteInfo
-from fedpose.shared.privacy.accountant import StepRecord, calibrate_sigma, epsilon_spent
-from fedpose.shared.privacy.psi import psi_strength
+from fedpose.shared.configuration.schema import Config
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.flower.messages import SiteInfo
+from fedpose.shared.privacy.accounting.accountant import StepRecord, calibrate_sigma, epsilon_spent
+from fedpose.shared.privacy.step.psi import psi_strength
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def incompatibility(info: SiteInfo, cfg: Config) -> str | None:
         return f"pins augment={info.augment} (data.augment = {cfg.data.augment})"
     if cfg.privacy.unit != info.unit:
         return f"trains at the {info.unit} unit (privacy.unit = {cfg.privacy.unit})"
-    if method in ("fdp", "fpdp"):
+    if method in WITH_PUBLIC:
         strength = psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size)
         if cfg.privacy.psi != info.psi or strength < info.psi_min:
             return f"needs psi {info.psi} of strength >= {info.psi_min:g} (config: {cfg.privacy.psi} of " \

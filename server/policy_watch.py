@@ -21,8 +21,8 @@ from typing import Any
 
 from fedpose.server.ledger import Event, ServerLedger
 from fedpose.server.plan import SitePlan, incompatibility
-from fedpose.shared.config import Config
-from fedpose.shared.federation_messages import SiteInfo
+from fedpose.shared.configuration.schema import Config
+from fedpose.shared.flower.messages import SiteInfo
 
 log = logging.getLogger(__name__)
 

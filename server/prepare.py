@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fedpose.shared.config import Config, ConfigError, dump_config, replace
+from fedpose.shared.configuration.schema import Config, dump_config, replace
+from fedpose.shared.errors import ConfigError
 
 
 def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
@@ -40,7 +41,7 @@ def require_prepared(cfg: Config, *, config_path: str = "<this run's config>") -
     """Refuse to start a federation whose public data or pretrained weights are missing, or whose
     paths are relative (they would depend on the directory the SuperLink was started from)."""
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.runs import pretrained_problem
+    from fedpose.shared.training.runs import pretrained_problem
 
     root = Path(cfg.data.root).expanduser().resolve()
     fix = f"prepare the server first: fedpose server prepare --config {config_path} --out DIR"
@@ -68,7 +69,7 @@ def prepare_server(cfg: Config, out: str | Path, *, progress: bool = True,
     are taken under ``out``, so everything the server needs lies there. Returns the config's path."""
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.split import check_disjoint, check_no_duplicates, manifest_digest
-    from fedpose.shared.runs import ensure_data, pretrained_problem, run_pretrain
+    from fedpose.shared.training.runs import ensure_data, pretrained_problem, run_pretrain
 
     out = Path(out).expanduser().resolve()
     cfg = absolute_paths(cfg, out)

@@ -14,7 +14,7 @@ from fedpose.server.basis import BasisKeeper
 from fedpose.server.ledger import Event, Report, Spend
 from fedpose.server.plan import SitePlan
 from fedpose.server.validate import parse_ran, parse_weights, update_norm
-from fedpose.shared.federation_messages import RefusalCode, parse_spend_suffix
+from fedpose.shared.flower.messages import RefusalCode, parse_spend_suffix
 
 log = logging.getLogger(__name__)
 

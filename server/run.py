@@ -28,7 +28,7 @@ import torch
 from fedpose.server.aggregate import server_optimizer
 from fedpose.server.basis import BasisKeeper
 from fedpose.server.checkpoint import ServerState, load_state, save_state
-from fedpose.server.combine import aggregate, bound_updates, fedavg  # noqa: F401  (fedavg, Reply: imported by tests)
+from fedpose.server.combine import aggregate, bound_updates
 from fedpose.server.exchange import describe_sites, exchange, sites_for_round
 from fedpose.server.ledger import Event, ServerLedger
 from fedpose.server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
@@ -36,11 +36,13 @@ from fedpose.server.outcome import (FederationStopped, clear_outcome, discarded_
 from fedpose.server.plan import SitePlan, left_out, plan_site
 from fedpose.server.policy_watch import watch
 from fedpose.server.prepare import require_prepared
-from fedpose.server.replies import Reply, _node_unavailable, process_replies  # noqa: F401
+from fedpose.server.replies import _node_unavailable, process_replies
 from fedpose.server.report import append_round, write_plot, write_report, write_rounds
-from fedpose.shared.config import Config, ConfigError, dump_config
-from fedpose.shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
-from fedpose.shared.provenance import configure_numerics, provenance
+from fedpose.shared.configuration.schema import Config, dump_config
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.flower.messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
+from fedpose.shared.training.provenance import configure_numerics, provenance
+from fedpose.shared.configuration.methods import WITH_PUBLIC
 
 if TYPE_CHECKING:  # the model module is imported where it is used
     from fedpose.shared.model.posenet import PoseNet
@@ -96,8 +98,8 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
 def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.posenet import apply_strategy
-    from fedpose.shared.runs import initial_model
-    from fedpose.shared.evaluation import evaluate
+    from fedpose.shared.training.runs import initial_model
+    from fedpose.shared.metrics.evaluation import evaluate
 
     t_start = time.perf_counter()
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
@@ -321,9 +323,9 @@ def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerL
     """Final model, metrics.json (per-site spend, global claim = max over sites), report.md and the plot."""
     from fedpose.shared.model.posenet import save_checkpoint
     from fedpose.shared.data.digest import data_identity
-    from fedpose.shared.privacy.claims import privacy_claim
-    from fedpose.shared.evaluation import evaluate
-    from fedpose.shared.yaml_io import write_json
+    from fedpose.shared.privacy.accounting.claims import privacy_claim
+    from fedpose.shared.metrics.evaluation import evaluate
+    from fedpose.shared.configuration.yaml_io import write_json
 
     report, _, _ = evaluate(model, val)
     done = final_statuses(ledger, plans)  # finished, exhausted or stopped: no site stays 'active'
@@ -347,9 +349,9 @@ def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerL
         }
     epsilon = max((s["epsilon"] for s in per_site.values()), default=0.0)
     delta = max((s["delta"] for s in per_site.values()), default=cfg.privacy.delta)
-    from fedpose.shared.privacy.psi import psi_label_of
+    from fedpose.shared.privacy.step.psi import psi_label_of
 
-    psi = psi_label_of(cfg.privacy) if cfg.train.method in ("fdp", "fpdp") else None
+    psi = psi_label_of(cfg.privacy) if cfg.train.method in WITH_PUBLIC else None
     seeded = ledger.get_meta("seeded") == "1"
     caps = [int(ledger.get_meta(f"max_records_per_patient/{site}") or 0) for site in plans]
     patient_records = max(caps) if caps and min(caps) > 0 else None  # None: some site states no cap

@@ -20,9 +20,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedpose.server.run import run_federation
-from fedpose.shared.app_logging import setup_app_logging
-from fedpose.shared.flower_waits import quick_pulls
-from fedpose.shared.run_config import resume_flag, server_config
+from fedpose.shared.flower.app_logging import setup_app_logging
+from fedpose.shared.flower.waits import quick_pulls
+from fedpose.shared.flower.run_config import resume_flag, server_config
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def serve(grid: Grid, context: Context) -> dict:
 
 def quick_reply_pulls(grid: Grid) -> None:
     """Replies are listed before their objects have all arrived at the SuperLink; the deployment engine's grid
-    pulls those again after 0.05 s, not after Flower's 1 s (``fedpose.shared.flower_waits``). The simulation's grid
+    pulls those again after 0.05 s, not after Flower's 1 s (``fedpose.shared.flower.waits``). The simulation's grid
     pulls no objects."""
     import sys
 

@@ -33,7 +33,7 @@ def _rounds(out: Path) -> list[dict[str, Any]]:
 
 def server_status(out: str | Path) -> dict[str, Any]:
     """The run in ``out``: rounds with PCKh, per-site epsilon against budget, events, resumes, and its state."""
-    from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+    from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
     out = Path(out)
     ledger = out / "ledger.sqlite"
@@ -45,7 +45,7 @@ def server_status(out: str | Path) -> dict[str, Any]:
     planned = None
     config = out / "config.yaml"
     if config.is_file():
-        from fedpose.shared.config import load_config
+        from fedpose.shared.configuration.schema import load_config
 
         planned = load_config(config).federation.rounds
     conn = _ro(ledger)

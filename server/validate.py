@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fedpose.shared.federation_messages import ARRAYS, METRICS, REPLY_METRICS, record_tensors
+from fedpose.shared.flower.messages import ARRAYS, METRICS, REPLY_METRICS, record_tensors
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def tiny_dict(root: Path, *, sites: int = 2, rounds: int = 2, **sections: dict[s
 
 
 def tiny_config(root: Path, **kwargs: Any) -> Any:
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
 
     return config_from_dict(tiny_dict(root, **kwargs))
 
@@ -50,7 +50,7 @@ def world_root(tmp_path_factory: Any) -> Path:
 
 def prepare_world(root: Path, **kwargs: Any) -> Any:
     """Tiny config with its data generated and pretrained weights cached under ``root``."""
-    from fedpose.shared.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.training.runs import ensure_data, ensure_pretrained
 
     cfg = tiny_config(root, **kwargs)
     ensure_data(cfg, progress=False)

@@ -51,8 +51,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
     from flwr.serverapp import Grid, ServerApp
 
-    from fedpose.shared.config import replace
-    from fedpose.shared.federation_messages import (
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.flower.messages import (
         ARRAYS,
         BASIS,
         CONFIG,
@@ -63,7 +63,7 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         weights_record,
     )
     from fedpose.shared.model.posenet import apply_strategy
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     app = ServerApp()
 
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     from fedpose.cli.fed import prepare_simulation, simulation_apps
     from fedpose.cli.simulation import flower_env
     from fedpose.client.policy import load_policy, policy_to_dict, write_policy
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.records import content_hash
 

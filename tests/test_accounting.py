@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpose.shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from fedpose.shared.privacy.accounting.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
 
 DELTA = 1e-5
 

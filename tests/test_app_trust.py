@@ -235,7 +235,7 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     import time
 
     from fedpose.cli.supernode_poll import LOOP_MODULE
-    from fedpose.shared.flower_waits import cap_waits
+    from fedpose.shared.flower.waits import cap_waits
 
     loop = importlib.import_module(LOOP_MODULE)
     source = inspect.getsource(loop.start_client_internal) + inspect.getsource(loop._push_messages)
@@ -273,7 +273,7 @@ def test_processes_that_wait_for_a_messages_objects_look_again_soon_in_the_insta
     gated ClientApp and the ServerApp retry after 0.05 s (at most 0.5 s apart, within Flower's time limit)."""
     import importlib
 
-    from fedpose.shared.flower_waits import FIRST_RETRY, LONGEST_RETRY, quick_pulls
+    from fedpose.shared.flower.waits import FIRST_RETRY, LONGEST_RETRY, quick_pulls
     from flwr.supercore.constant import PULL_INITIAL_BACKOFF, PULL_MAX_TIME
 
     assert PULL_INITIAL_BACKOFF >= 1  # what the site would wait otherwise

@@ -3,7 +3,7 @@
 Soundness: the real mechanism (sigma from the accountant) must give eps_LB <= the claimed eps, at
 claimed eps 1 and 4, several seeds. Positive control: the same run with the noise deliberately
 100x too small for the claim must give eps_LB far above the claim, i.e. the audit catches a broken
-mechanism. Both go through ``fedpose.shared.train.local_train``, the loop of ``fedpose train`` and the sites.
+mechanism. Both go through ``fedpose.shared.training.loop.local_train``, the loop of ``fedpose train`` and the sites.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from fedpose.shared.config import config_from_dict
+from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.experiments.audit import AuditSpec, run_audit
-from fedpose.shared.privacy.canaries import DiracCanaries, DiracGrads
-from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
-from fedpose.shared.privacy.subspace import flatten
+from fedpose.shared.privacy.audit.canaries import DiracCanaries, DiracGrads
+from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+from fedpose.shared.privacy.step.subspace import flatten
 
 
 def tiny_dict(root) -> dict:
@@ -173,7 +173,7 @@ def random_basis(p: int, k: int, seed: int) -> torch.Tensor:
 
 
 def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
-    from fedpose.shared.privacy.canaries import SpanGrads
+    from fedpose.shared.privacy.audit.canaries import SpanGrads
 
     params = {"a": torch.zeros(6), "b": torch.zeros(4)}
 
@@ -202,12 +202,12 @@ def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
 def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
     # Through the real loop: the V each drawn canary batch is built on is the V that step projects with,
     # and it changes at every refresh (basis_every = 4 in the tiny config).
-    from fedpose.shared.privacy.canaries import SpanCanaries
-    from fedpose.shared.privacy.noise import make_generator
-    from fedpose.shared.runs import ensure_data, initial_model, load_records, private_records
-    from fedpose.shared.batches import make_dataset
-    from fedpose.shared.privacy.audit_hooks import AuditHooks
-    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+    from fedpose.shared.privacy.audit.canaries import SpanCanaries
+    from fedpose.shared.privacy.step.noise import make_generator
+    from fedpose.shared.training.runs import ensure_data, initial_model, load_records, private_records
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.privacy.audit.hooks import AuditHooks
+    from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     root = ensure_data(cfg, progress=False)
     model = initial_model(cfg, progress=False)
@@ -283,7 +283,7 @@ def test_canary_placement_is_checked():
 def test_patient_level_audit_samples_canary_patients_at_q_p(cfg, tmp_path, noise_scale):
     # At patient level each Dirac canary stands for a patient whose clipped mean gradient is C e_j: it is
     # Poisson-sampled at q_p = B / patients with the real patients and added to their per-patient sum.
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
 
     patient = replace(cfg, **{"privacy.unit": "patient", "train.batch_size": 4})
     result = run_audit(patient, AuditSpec(method="dpsgd", epsilon=1.0, canaries=1000, noise_scale=noise_scale,

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fedpose.shared.privacy.audit_bound import audit_p_value, count_correct, epsilon_lower_bound
+from fedpose.shared.privacy.audit.bound import audit_p_value, count_correct, epsilon_lower_bound
 
 
 def logit(p: float) -> float:

@@ -1,6 +1,6 @@
 """Book-keeping clipping gives the clipped sum of the per-example loop, P14 included.
 
-The pose model's private step takes ``fedpose.shared.privacy.bookkeeping`` (one forward, one backward per chunk);
+The pose model's private step takes ``fedpose.shared.privacy.step.bookkeeping`` (one forward, one backward per chunk);
 these tests hold it to the generic ``vmap(grad)`` path, which the per-example loop tests already hold
 (tests/test_privacy.py), on the real model with every training strategy and both variants.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-from fedpose.shared.privacy import bookkeeping
-from fedpose.shared.privacy.clipping import clipped_grad_sum
-from fedpose.shared.privacy.persample import per_sample_grads, per_sample_norms
+from fedpose.shared.privacy.step import bookkeeping
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_norms
 
 INPUT = (64, 48)
 
@@ -119,7 +119,7 @@ def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
 
 
 def test_public_basis_from_book_keeping_spans_the_generic_one():
-    from fedpose.shared.privacy.subspace import compute_basis
+    from fedpose.shared.privacy.step.subspace import compute_basis
 
     model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=12)
     fast = compute_basis(loss_fn, params, batch, k=4, chunk_size=5)
@@ -134,7 +134,7 @@ def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(
     """The depthwise rule's grouped convolution gives each sample's weight gradient exactly as autograd does."""
     from torch import nn
 
-    from fedpose.shared.privacy.layer_rules import _depthwise_weight
+    from fedpose.shared.privacy.step.layer_rules import _depthwise_weight
 
     torch.manual_seed(0)
     conv = nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6)
@@ -149,7 +149,7 @@ def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(
 def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one():
     """The public gradient (and the non-private step) runs the model as it is when given its own weights; the
     result is the gradient the functional path computes from copies of them."""
-    from fedpose.shared.privacy.persample import mean_grad
+    from fedpose.shared.privacy.step.persample import mean_grad
 
     model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=6)
     own = mean_grad(loss_fn, params, batch)
@@ -163,7 +163,7 @@ def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one()
 def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_replaced_one():
     from torch import nn
 
-    from fedpose.shared.privacy.persample import own_parameters
+    from fedpose.shared.privacy.step.persample import own_parameters
 
     model, _, _, _ = _setup("tinyvit-small", "finetune")
     assert list(own_parameters(model).items()) == list(model.named_parameters())
@@ -177,7 +177,7 @@ def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_re
 def test_the_mean_gradient_of_a_weight_the_loss_does_not_reach_is_zero_as_on_the_functional_path():
     from torch import nn
 
-    from fedpose.shared.privacy.persample import mean_grad
+    from fedpose.shared.privacy.step.persample import mean_grad
 
     class Loss:
         combine_names = ()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpose.shared.privacy.clipping import clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum, clipped_group_sum
 
 P = 6
 
@@ -106,9 +106,9 @@ def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     Bisection on log s finds an s at which exactly one record (the target) overflows.
     """
     from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
-    from fedpose.shared.privacy.persample import per_sample_grads, per_sample_norms
-    from fedpose.shared.runs import initial_model
-    from fedpose.shared.batches import make_dataset
+    from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_norms
+    from fedpose.shared.training.runs import initial_model
+    from fedpose.shared.training.batches import make_dataset
 
     model = initial_model(cfg, progress=False)
     trainable = apply_strategy(model, cfg.train.strategy)
@@ -151,7 +151,7 @@ def test_a_crafted_model_cannot_turn_the_reply_into_a_membership_oracle(world, t
     from fedpose.client.policy import min_sigma_for
     from fedpose.client.site import handle_train
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.federation_messages import ARRAYS, METRICS, record_tensors
+    from fedpose.shared.flower.messages import ARRAYS, METRICS, record_tensors
     from test_federation_site import _policy, _request
 
     cfg = world

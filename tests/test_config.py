@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.shared.config import ConfigError, config_from_dict, flatten, load_config, replace, unflatten
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.schema import config_from_dict, load_config, replace
+from fedpose.shared.configuration.flat import flatten, unflatten
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +84,8 @@ def test_one_source_of_defaults_and_config_show_resolves_every_set(capsys):
     import json
 
     from fedpose.cli.main import main
-    from fedpose.shared.config import Config, flatten, load_config
+    from fedpose.shared.configuration.schema import Config, load_config
+    from fedpose.shared.configuration.flat import flatten
 
     shipped, defaults = flatten(load_config("default")), flatten(Config())
     assert {k for k in shipped if shipped[k] != defaults[k]} == {"data.source"}

@@ -38,7 +38,7 @@ class HeldGrid(InProcessGrid):
         self.release = threading.Event()
 
     def push_messages(self, messages):
-        from fedpose.shared.federation_messages import CONFIG
+        from fedpose.shared.flower.messages import CONFIG
 
         for message in messages:
             config = message.content.config_records.get(CONFIG)
@@ -82,7 +82,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
     from fedpose.client.site_status import site_status
     from fedpose.server.run import run_federation
     from fedpose.server.status import server_status
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
 
     cfg = prepare_world(world_root(tmp_path_factory))
     out = tmp_path / "fed"
@@ -175,7 +175,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
 
 def test_a_console_off_loopback_needs_its_token(tmp_path):
     """Bound beyond 127.0.0.1 the console requires a token: the page, the JSON and the metrics."""
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [("x", {}, 1.0, "h")], host="0.0.0.0",
                                   port=0)
@@ -213,7 +213,7 @@ def test_a_loopback_console_answers_only_to_loopback_names(tmp_path):
     Its browser sends ``Host: attacker.example:8480``; the console (no token on loopback) refuses every path
     for any Host that is not a loopback name, and a cross-site Origin too; 127.0.0.1, localhost and [::1] work.
     """
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     status = {"kind": "site", "records": 1234, "refusals": 3}
     server, token = start_console("t", lambda: status, lambda s: [("x", {}, 1.0, "h")], host="127.0.0.1", port=0)
@@ -243,7 +243,7 @@ def test_a_loopback_console_answers_only_to_loopback_names(tmp_path):
 
 def test_a_console_off_loopback_takes_any_host_name_with_its_token(tmp_path):
     """Bound beyond loopback (behind a name, a proxy) the token protects it: any Host with the token is served."""
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [], host="0.0.0.0", port=0)
     try:
@@ -263,7 +263,7 @@ def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
     import http.client
     import socket
 
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     try:
         with socket.socket(socket.AF_INET6) as probe:
@@ -285,7 +285,7 @@ def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
 
 def test_a_second_console_on_a_taken_port_names_the_port_and_the_flag():
     """Before: '[Errno 98] Address already in use', naming neither the port nor --port."""
-    from fedpose.shared.console_web import start_console
+    from fedpose.cli.console_web import start_console
 
     first, _ = start_console("t", lambda: {"kind": "site"}, lambda s: [], port=0)
     port = first.server_address[1]

@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.shared.data import synth
+from fedpose.shared.data.synth.body import POSE_KINDS
+from fedpose.shared.data.synth.pose import sample_pose
+from fedpose.shared.data.synth.rng import _derive_rng
+from fedpose.shared.data.synth.styles import PUBLIC_STYLE, site_style
+from fedpose.shared.data.synth.ward import WardSpec, ensure_ward, generate_ward, load_identities, render_sample
 from fedpose.shared.data.coco import load_coco
 from fedpose.shared.data.dataset import PoseDataset, collate
 from fedpose.shared.data.joints import FLIP_PAIRS, JOINT_NAMES, NUM_JOINTS
@@ -34,7 +38,7 @@ from fedpose.shared.data.transforms import (
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 J = {name: i for i, name in enumerate(JOINT_NAMES)}
-TINY = synth.WardSpec(sites=2, per_site=4, public=3, val=2, seed=7, image_size=64, images_per_identity=2)
+TINY = WardSpec(sites=2, per_site=4, public=3, val=2, seed=7, image_size=64, images_per_identity=2)
 
 
 def _fixture(sub: str) -> Path:
@@ -46,7 +50,7 @@ def _fixture(sub: str) -> Path:
 
 @pytest.fixture(scope="module")
 def ward(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synth.generate_ward(tmp_path_factory.mktemp("ward") / "w", TINY, progress=False)
+    return generate_ward(tmp_path_factory.mktemp("ward") / "w", TINY, progress=False)
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -57,13 +61,13 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_generator_is_deterministic_and_seed_dependent(tmp_path: Path, ward: Path) -> None:
-    again = synth.generate_ward(tmp_path / "again", TINY, progress=False)
+    again = generate_ward(tmp_path / "again", TINY, progress=False)
     first, second = _files(ward), _files(again)
     assert first.keys() == second.keys()
     assert any(name.endswith(".png") for name in first)
     assert all(first[name] == second[name] for name in first)
 
-    other = synth.generate_ward(tmp_path / "other", dataclasses.replace(TINY, seed=8), progress=False)
+    other = generate_ward(tmp_path / "other", dataclasses.replace(TINY, seed=8), progress=False)
     third = _files(other)
     pngs = [n for n in first if n.endswith(".png")]
     assert all(first[n] != third[n] for n in pngs)
@@ -72,7 +76,7 @@ def test_generator_is_deterministic_and_seed_dependent(tmp_path: Path, ward: Pat
 
 def test_a_ward_drawn_by_several_processes_is_the_same_ward(tmp_path: Path, ward: Path) -> None:
     # a large ward is drawn by a pool of processes (minutes on one core): the files must not depend on how many
-    parallel = synth.generate_ward(tmp_path / "parallel", TINY, progress=False, workers=2)
+    parallel = generate_ward(tmp_path / "parallel", TINY, progress=False, workers=2)
     first, second = _files(ward), _files(parallel)
     assert first.keys() == second.keys()
     assert [name for name in first if first[name] != second[name]] == []
@@ -108,24 +112,24 @@ def test_splits_are_independent_of_other_split_sizes() -> None:
     bigger = dataclasses.replace(TINY, per_site=9, public=11, sites=3)
     for split in ("site-1", "public"):
         for index in (0, 3):
-            img_a, rec_a, id_a, kind_a = synth.render_sample(TINY, split, index)
-            img_b, rec_b, id_b, kind_b = synth.render_sample(bigger, split, index)
+            img_a, rec_a, id_a, kind_a = render_sample(TINY, split, index)
+            img_b, rec_b, id_b, kind_b = render_sample(bigger, split, index)
             assert np.array_equal(img_a, img_b)
             assert np.array_equal(rec_a.joints, rec_b.joints) and (id_a, kind_a) == (id_b, kind_b)
     # Every (seed, split, index) has its own random stream.
-    draws = {key: synth._derive_rng(*key).random(4).tolist() for key in
+    draws = {key: _derive_rng(*key).random(4).tolist() for key in
              [(7, "site-0", 0), (7, "site-1", 0), (7, "site-0", 1), (8, "site-0", 0), (7, "val", 0)]}
     assert len({tuple(v) for v in draws.values()}) == len(draws)
-    assert synth._derive_rng(7, "site-1", 0).random(4).tolist() == draws[(7, "site-1", 0)]
+    assert _derive_rng(7, "site-1", 0).random(4).tolist() == draws[(7, "site-1", 0)]
 
 
 def test_annotations_round_trip_through_load_split(ward: Path) -> None:
     for split, count in TINY.splits().items():
         records = load_split(ward, split)
         assert len(records) == count
-        assert len(synth.load_identities(ward, split)) == count
+        assert len(load_identities(ward, split)) == count
         for index, record in enumerate(records):
-            _, expected, _, _ = synth.render_sample(TINY, split, index)
+            _, expected, _, _ = render_sample(TINY, split, index)
             assert record.image.is_absolute() and record.image.is_file()
             assert record.image.parent == (ward / split / "images").resolve()
             np.testing.assert_array_equal(record.visible, expected.visible)
@@ -140,19 +144,19 @@ def test_annotations_round_trip_through_load_split(ward: Path) -> None:
 
 
 def test_identities_repeat_within_a_split_and_val_people_are_held_out(ward: Path) -> None:
-    site = synth.load_identities(ward, "site-0")
+    site = load_identities(ward, "site-0")
     assert site[0] == site[1] != site[2]  # images_per_identity = 2
-    val = set(synth.load_identities(ward, "val"))
-    private = {i for s in range(TINY.sites) for i in synth.load_identities(ward, f"site-{s}")}
+    val = set(load_identities(ward, "val"))
+    private = {i for s in range(TINY.sites) for i in load_identities(ward, f"site-{s}")}
     assert val and not val & private
 
 
 def test_synthetic_joints_lie_inside_images_and_poses_are_plausible() -> None:
-    spec = synth.WardSpec(sites=4, per_site=30, public=30, val=4, seed=3, image_size=96)
+    spec = WardSpec(sites=4, per_site=30, public=30, val=4, seed=3, image_size=96)
     kinds = set()
     for split in ("public", "site-0", "site-3"):
         for index in range(30):
-            image, record, _, kind = synth.render_sample(spec, split, index)
+            image, record, _, kind = render_sample(spec, split, index)
             kinds.add(kind)
             assert image.shape == (96, 96, 3) and image.dtype == np.uint8
             assert record.visible.all(), f"{split}/{index}: all joints are placed inside the frame"
@@ -161,27 +165,27 @@ def test_synthetic_joints_lie_inside_images_and_poses_are_plausible() -> None:
             lo, hi = record.joints.min(axis=0), record.joints.max(axis=0)
             assert (hi - lo).max() * 1.2 < side < (hi - lo).max() * 1.6  # box ~25% larger than the person
             assert np.all(np.abs(record.joints - record.center) <= side / 2)
-    assert kinds == set(synth.POSE_KINDS)
+    assert kinds == set(POSE_KINDS)
 
     rng = np.random.default_rng(0)
     for _ in range(20):
-        upright = synth.sample_pose("standing", rng)
+        upright = sample_pose("standing", rng)
         assert upright[J["head_top"], 1] < upright[J["thorax"], 1] < upright[J["pelvis"], 1]
         assert upright[J["pelvis"], 1] < upright[J["r_ankle"], 1] and upright[J["pelvis"], 1] < upright[J["l_ankle"], 1]
-        lying = synth.sample_pose("lying", rng)
+        lying = sample_pose("lying", rng)
         axis = lying[J["head_top"]] - (lying[J["r_ankle"]] + lying[J["l_ankle"]]) / 2
         assert abs(axis[0]) > 2 * abs(axis[1])  # body roughly horizontal
-        raised = synth.sample_pose("arms_raised", rng)
+        raised = sample_pose("arms_raised", rng)
         assert min(raised[J["r_wrist"], 1], raised[J["l_wrist"], 1]) < raised[J["thorax"], 1]
 
 
 def test_sites_differ_and_public_style_is_separate() -> None:
-    styles = [synth.site_style(i) for i in range(6)]
+    styles = [site_style(i) for i in range(6)]
     assert len({(s.wall, s.floor, s.person_height, s.noise) for s in styles}) == 6
-    assert synth.PUBLIC_STYLE not in styles
+    assert PUBLIC_STYLE not in styles
     # Mean colour of site images differs clearly between the hand-made sites.
-    spec = synth.WardSpec(sites=4, per_site=8, public=1, val=1, seed=0, image_size=64)
-    means = [np.mean([synth.render_sample(spec, f"site-{s}", i)[0].mean(axis=(0, 1)) for i in range(8)], axis=0)
+    spec = WardSpec(sites=4, per_site=8, public=1, val=1, seed=0, image_size=64)
+    means = [np.mean([render_sample(spec, f"site-{s}", i)[0].mean(axis=(0, 1)) for i in range(8)], axis=0)
              for s in range(4)]
     for a in range(4):
         for b in range(a + 1, 4):
@@ -190,9 +194,9 @@ def test_sites_differ_and_public_style_is_separate() -> None:
 
 def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, ward: Path) -> None:
     """The study's domain-shift ablation: data.synth.public_style = shifted."""
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
 
-    shifted = synth.generate_ward(tmp_path / "shifted", dataclasses.replace(TINY, public_style="shifted"),
+    shifted = generate_ward(tmp_path / "shifted", dataclasses.replace(TINY, public_style="shifted"),
                                   progress=False)
     base, other = _files(ward), _files(shifted)
     for name in base:
@@ -204,13 +208,13 @@ def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, wa
     # A ward generated before the field existed (no public_style in its manifest) is still the default ward.
     assert "public_style" not in json.loads((ward / "manifest.json").read_text())["spec"]
     with pytest.raises(ValueError, match="public_style"):
-        synth.ensure_ward(ward, dataclasses.replace(TINY, public_style="shifted"), progress=False)
+        ensure_ward(ward, dataclasses.replace(TINY, public_style="shifted"), progress=False)
     with pytest.raises(ValueError, match="public_style must be one of"):
-        synth.WardSpec(public_style="night")
+        WardSpec(public_style="night")
     cfg = config_from_dict({"data": {"synth": {"public_style": "shifted"}}})
     assert cfg.data.synth.public_style == "shifted"
     # Pretrained weights cached before the field existed are still this config's (their fingerprint lacks it).
-    from fedpose.shared.config_flat import config_fingerprint
+    from fedpose.shared.configuration.flat import config_fingerprint
 
     assert "public_style" not in config_fingerprint(config_from_dict({}), "data")["data"]["synth"]
     assert config_fingerprint(cfg, "data")["data"]["synth"]["public_style"] == "shifted"
@@ -218,18 +222,18 @@ def test_a_shifted_public_style_changes_only_the_public_split(tmp_path: Path, wa
 
 def test_ensure_ward_reuses_matching_and_refuses_mismatched(tmp_path: Path, ward: Path) -> None:
     before = (ward / "site-0" / "annotations.json").stat().st_mtime_ns
-    assert synth.ensure_ward(ward, TINY, progress=False) == ward
+    assert ensure_ward(ward, TINY, progress=False) == ward
     assert (ward / "site-0" / "annotations.json").stat().st_mtime_ns == before
     with pytest.raises(ValueError, match="seed"):
-        synth.ensure_ward(ward, dataclasses.replace(TINY, seed=99), progress=False)
+        ensure_ward(ward, dataclasses.replace(TINY, seed=99), progress=False)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="manifest"):
-        synth.ensure_ward(tmp_path / "junk", TINY, progress=False)
+        ensure_ward(tmp_path / "junk", TINY, progress=False)
     with pytest.raises(FileExistsError):
-        synth.generate_ward(ward, TINY, progress=False)
+        generate_ward(ward, TINY, progress=False)
     with pytest.raises(ValueError, match="per_site"):
-        synth.WardSpec(per_site=0)
+        WardSpec(per_site=0)
 
 
 # --------------------------------------------------------------------------- MPII
@@ -300,7 +304,7 @@ def test_affine_crop_of_fixture_people_matches_explicit_mapping() -> None:
 
 def _marked_record(tmp_path: Path) -> PoseRecord:
     """A synthetic frame with a unique magenta marker painted on the right wrist."""
-    image, record, _, _ = synth.render_sample(synth.WardSpec(seed=5, image_size=128), "public", 2)
+    image, record, _, _ = render_sample(WardSpec(seed=5, image_size=128), "public", 2)
     magenta = (255, 0, 255)  # BGR
     image[np.all(image == magenta, axis=2)] = (0, 0, 0)
     wrist = record.joints[J["r_wrist"]]

@@ -52,8 +52,8 @@ def test_coco_keypoints_convert_to_the_16_mpii_joints(tmp_path):
 
 def test_split_keeps_every_image_and_every_patient_on_one_side(tmp_path, capsys):
     from federation_support import tiny_dict
-    from fedpose.shared.config import config_from_dict
-    from fedpose.shared.runs import ensure_data
+    from fedpose.shared.configuration.schema import config_from_dict
+    from fedpose.shared.training.runs import ensure_data
 
     cfg = config_from_dict(tiny_dict(tmp_path / "w"))
     root = ensure_data(cfg, progress=False)
@@ -104,8 +104,8 @@ def test_a_validation_split_without_head_boxes_is_refused_before_pretraining(tmp
     import yaml
 
     from federation_support import tiny_dict
-    from fedpose.shared.config import config_from_dict
-    from fedpose.shared.runs import ensure_data
+    from fedpose.shared.configuration.schema import config_from_dict
+    from fedpose.shared.training.runs import ensure_data
 
     data = tiny_dict(tmp_path / "w")
     root = ensure_data(config_from_dict(data), progress=False)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from federation_support import prepare_world, world_root
-from fedpose.shared.config import ConfigError, config_from_dict, replace
-from fedpose.shared.config_flat import identity_flat
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.schema import config_from_dict, replace
+from fedpose.shared.configuration.flat import identity_flat
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.shared.privacy.claims import privacy_claim
-from fedpose.shared.privacy.psi import DPPixelize, Pixelate, apply_psi, psi_label_of
+from fedpose.shared.privacy.accounting.claims import privacy_claim
+from fedpose.shared.privacy.step.psi import DPPixelize, Pixelate, apply_psi, psi_label_of
 
 
 def _gray(batch: int, h: int = 32, w: int = 24) -> torch.Tensor:
@@ -84,8 +85,8 @@ def world(tmp_path_factory):
 
 
 def test_a_centralized_run_trains_on_the_releases_and_claims_the_composition(world, tmp_path, monkeypatch):
-    import fedpose.shared.local_step as step_module
-    from fedpose.shared.runs import run_train
+    import fedpose.shared.training.local_step as step_module
+    from fedpose.shared.training.runs import run_train
 
     cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "privacy.psi": "dp-pixelize",
                             "privacy.psi_param": 4, "privacy.psi_eps": 2.0, "privacy.psi_m": 2})

@@ -17,19 +17,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from fedpose.edge.export import (
-    INPUT_NAME,
-    OUTPUT_NAMES,
-    TRT10_ONNX_OPS,
-    ExportError,
-    export_onnx,
-    fold_constants,
-    nonconstant_restricted_inputs,
-    parse_batch,
-    parse_input_size,
-    unsupported_ops,
-    verify_onnx,
-)
+from fedpose.edge.export.spec import INPUT_NAME, OUTPUT_NAMES, ExportError, parse_batch, parse_input_size
+from fedpose.edge.export.trt_ops import TRT10_ONNX_OPS, nonconstant_restricted_inputs, unsupported_ops
+from fedpose.edge.export.exporter import export_onnx
+from fedpose.edge.export.fold import fold_constants
+from fedpose.edge.export.parity import verify_onnx
 from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
 from fedpose.edge.trt_build import (
     TRT_INSTALL_HINT,
@@ -39,7 +31,7 @@ from fedpose.edge.trt_build import (
     read_onnx_info,
     trtexec_command,
 )
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import build_model
 
 INPUT = (64, 48)
@@ -221,7 +213,7 @@ def test_fp16_export_runs(model, tmp_path):
 
 def test_int8_qdq_runs_and_reports_accuracy(model, exported, tmp_path):
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.data.synth import WardSpec, generate_ward
+    from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
     root = generate_ward(tmp_path / "ward", WardSpec(sites=1, per_site=1, public=24, val=8, seed=3), progress=False)
     public, val = load_split(root, "public"), load_split(root, "val")

@@ -81,8 +81,8 @@ def test_camera_commands_run_without_torch(slim, tmp_path):
     import cv2
     import torch
 
-    from fedpose.edge.export import export_onnx
-    from fedpose.shared.config import ModelConfig
+    from fedpose.edge.export.exporter import export_onnx
+    from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)
@@ -128,8 +128,8 @@ def test_engine_build_needs_neither_onnx_nor_torch(slim, tmp_path):
     missing TensorRT, with its install hint (never asking for the train extra or `onnx`)."""
     import torch
 
-    from fedpose.edge.export import export_onnx
-    from fedpose.shared.config import ModelConfig
+    from fedpose.edge.export.exporter import export_onnx
+    from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)

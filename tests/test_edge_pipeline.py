@@ -31,18 +31,13 @@ import torch
 
 from fedpose.cli.main import main as cli_main
 from fedpose.edge.demo_video import DemoSpec, load_truth, render_demo, sidecar_path, write_demo_video
-from fedpose.edge.export import export_onnx
-from fedpose.edge.pipeline import (
-    KEYPOINTS_FILE,
-    FrameSource,
-    PipelineOptions,
-    ReconnectPolicy,
-    SourceError,
-    parse_pixelize,
-    run_pipeline,
-)
+from fedpose.edge.export.exporter import export_onnx
+from fedpose.edge.pipeline.outputs import KEYPOINTS_FILE
+from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError
+from fedpose.edge.pipeline.options import PipelineOptions, parse_pixelize
+from fedpose.edge.pipeline.loop import run_pipeline
 from fedpose.edge.runtime import make_runtime
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import build_model
 
 INPUT = (64, 48)
@@ -177,9 +172,9 @@ def trained(tmp_path_factory):
     """A trained model exported to ONNX: FEDPOSE_EDGE_CHECKPOINT if set, else pretrained here with run_pretrain."""
     import os
 
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
     from fedpose.shared.model.posenet import load_checkpoint
-    from fedpose.shared.runs import run_pretrain
+    from fedpose.shared.training.runs import run_pretrain
 
     root = tmp_path_factory.mktemp("trained")
     path = os.environ.get("FEDPOSE_EDGE_CHECKPOINT")
@@ -352,7 +347,7 @@ def test_int8_accuracy_drop_on_trained_model(trained, tmp_path):
     """INT8 vs FP32 PCKh of a trained model on a small synthetic val split (needs FEDPOSE_EDGE_CHECKPOINT)."""
     from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.data.synth import WardSpec, generate_ward
+    from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
     root = generate_ward(tmp_path / "ward", WardSpec(sites=1, per_site=1, public=64, val=64, seed=5), progress=False)
     size = tuple(trained.model.input_size)
@@ -504,7 +499,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "FPS" in out and "p50" in out and "p95" in out
-    from fedpose.edge.pixelize import pixelize_claim
+    from fedpose.edge.pixelize.claim import pixelize_claim
 
     spec, _ = parse_pixelize("eps=1,b=8,m=8,n=2")
     assert pixelize_claim(spec, mask_source="keypoints", frames=12) in out
@@ -516,7 +511,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     assert _frame_count(run_dir / "annotated.mp4") == 12
     npz = sorted((run_dir / "pixelized").glob("*.npz"))
     assert len(npz) == 12
-    from fedpose.edge.pixelize import load_npz
+    from fedpose.edge.pixelize.storage import load_npz
 
     released = load_npz(npz[5])
     assert released.b == 8 and released.s_b == 4 and released.channels == 1
@@ -555,7 +550,7 @@ def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
                      "--seed", "1"])
     text = capsys.readouterr().out
     assert code == 0 and out.is_file() and "keypoints" in text
-    from fedpose.edge.pixelize import load_npz
+    from fedpose.edge.pixelize.storage import load_npz
 
     released = load_npz(out)
     assert released.channels == 3 and released.s_b == 4
@@ -622,7 +617,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     derived from the raw frames and NOT protected. An explicit --overlay draws the skeleton, and then the
     claim says so.
     """
-    from fedpose.edge.pixelize import load_npz
+    from fedpose.edge.pixelize.storage import load_npz
 
     frames = 8
     run_dir = tmp_path / "run"
@@ -788,7 +783,9 @@ def test_cli_stream_that_never_opens_gives_up_within_the_first_open_budget(rando
 
 
 def test_cli_sizes_are_written_height_first(tmp_path, capsys):
-    from fedpose.edge.pixelize import PixelizeSpec, pixelize, save_npz
+    from fedpose.shared.pixelization.spec import PixelizeSpec
+    from fedpose.shared.pixelization.mechanism import pixelize
+    from fedpose.edge.pixelize.storage import save_npz
 
     image = np.random.default_rng(0).integers(0, 256, (96, 128), dtype=np.uint8)  # 96x128 (HxW)
     save_npz(pixelize(image, PixelizeSpec(eps=1, b=16, m=4), rng=np.random.default_rng(0)), tmp_path / "f.npz")

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.edge.export import export_onnx
+from fedpose.edge.export.exporter import export_onnx
 from fedpose.edge.onnx_runtime import OnnxRuntime
-from fedpose.edge.pipeline import BoxTracker
+from fedpose.edge.pipeline.tracking import BoxTracker
 from fedpose.edge.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
 from fedpose.edge.runtime import backend_for, make_runtime
 from fedpose.edge.torch_runtime import TorchRuntime
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.data.transforms import affine_matrix, warp_points
 from fedpose.shared.model.posenet import build_model, save_checkpoint
 

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.shared.config import ModelConfig
-from fedpose.shared.data import synth
+from fedpose.shared.configuration.schema import ModelConfig
+from fedpose.shared.data.synth.identity import FACES
+from fedpose.shared.data.synth.ward import (WardSpec, ensure_faces, face_sample, generate_ward, manifest_for,
+                                            render_sample)
 from fedpose.shared.data.face import LANDMARK_NAMES, FaceLabels, read_faces, write_faces
 from fedpose.shared.data.transforms import Augment
 
-SPEC = synth.WardSpec(sites=1, per_site=60, public=40, val=20, seed=3, image_size=128, images_per_identity=4)
+SPEC = WardSpec(sites=1, per_site=60, public=40, val=20, seed=3, image_size=128, images_per_identity=4)
 INPUT = (64, 48)
 ALL_TASKS = ("detect", "landmarks", "head_pose", "attribute")
 
@@ -24,11 +26,11 @@ ALL_TASKS = ("detect", "landmarks", "head_pose", "attribute")
 @pytest.fixture(scope="module")
 def ward(tmp_path_factory):
     """One ward of SPEC for the tests that read files (generated once)."""
-    return synth.generate_ward(tmp_path_factory.mktemp("face-ward") / "w", SPEC, progress=False)
+    return generate_ward(tmp_path_factory.mktemp("face-ward") / "w", SPEC, progress=False)
 
 
 def _faces(split: str = "site-0", n: int = 60) -> list[tuple[int, FaceLabels]]:
-    return [(i, f) for i in range(n) if (f := synth.face_sample(SPEC, split, i)) is not None]
+    return [(i, f) for i in range(n) if (f := face_sample(SPEC, split, i)) is not None]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -44,7 +46,7 @@ def test_ward_face_labels_sit_on_the_drawn_face():
             assert not face.visible.any() and not face.box.any()
             continue
         present += 1
-        image, _, _, _ = synth.render_sample(SPEC, "site-0", i)
+        image, _, _, _ = render_sample(SPEC, "site-0", i)
         gray = cv2.cvtColor(image, cv2.COLOR_BGR2GRAY).astype(float)
         (x1, y1), (x2, y2) = face.box
         box = gray[max(0, int(y1)):int(y2) + 1, max(0, int(x1)):int(x2) + 1]
@@ -65,12 +67,12 @@ def test_ward_face_labels_sit_on_the_drawn_face():
 def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(ward):
     root = ward
     assert not (root / "val" / "faces.json").exists()
-    path = synth.ensure_faces(root, SPEC, "val")
+    path = ensure_faces(root, SPEC, "val")
     assert path == root / "val" / "faces.json"
     faces, names = read_faces(path, SPEC.val)
-    assert names == synth.FACES
+    assert names == FACES
     for i, face in enumerate(faces):
-        want = synth.face_sample(SPEC, "val", i)
+        want = face_sample(SPEC, "val", i)
         assert (face is None) == (want is None)
         if face is not None:
             assert face.present == want.present and face.attribute == want.attribute
@@ -83,7 +85,7 @@ def test_ward_writes_the_face_file_on_first_use_and_it_round_trips(ward):
     records = load_split(root, "val")
     assert [r.face is not None for r in records] == [f is not None for f in faces]
     # and the ward's manifest does not change: wards generated before the face tasks stay valid
-    assert json.loads((root / "manifest.json").read_text()) == synth.manifest_for(SPEC)
+    assert json.loads((root / "manifest.json").read_text()) == manifest_for(SPEC)
 
 
 def test_face_file_errors_name_the_problem(tmp_path):
@@ -117,7 +119,7 @@ def test_crop_flip_and_rotation_move_the_face_labels_with_the_image(ward):
     from fedpose.shared.data.mpii import load_split
 
     root = ward
-    synth.ensure_faces(root, SPEC, "site-0")
+    ensure_faces(root, SPEC, "site-0")
     records = load_split(root, "site-0")
     augment = Augment(rotation=40.0, rotation_prob=1.0, flip_prob=0.5)
     ds = PoseDataset(records, input_size=INPUT, augment=augment, seed=0, face_tasks=True)
@@ -189,8 +191,8 @@ def _face_batch(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertainty):
     from fedpose.shared.model.face_head import loss_terms
     from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-    from fedpose.shared.privacy import bookkeeping
-    from fedpose.shared.privacy.clipping import clipped_grad_sum
+    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=ALL_TASKS, task_uncertainty=uncertainty), INPUT)
@@ -261,10 +263,10 @@ def face_world(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
 def test_face_heads_train_under_every_method(face_world, method):
-    from fedpose.shared.runs import initial_model, load_records
-    from fedpose.shared.batches import make_dataset, public_basis_at
-    from fedpose.shared.provenance import select_device
-    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+    from fedpose.shared.training.runs import initial_model, load_records
+    from fedpose.shared.training.batches import make_dataset, public_basis_at
+    from fedpose.shared.training.provenance import select_device
+    from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = face_world
     model = initial_model(cfg, progress=False)
@@ -296,7 +298,7 @@ def test_face_heads_train_under_every_method(face_world, method):
 
 
 def test_a_face_run_reports_the_face_metrics_and_names_its_labels_in_the_claim(face_world, tmp_path):
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.training.runs import run_train
 
     run_train(face_world, tmp_path / "run", progress=False)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -318,11 +320,14 @@ def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     import onnx
 
     from fedpose.edge.demo_video import DemoSpec, load_truth, write_demo_video
-    from fedpose.edge.export import export_onnx, export_outputs
+    from fedpose.edge.export.exporter import export_onnx
+    from fedpose.edge.export.spec import export_outputs
     from fedpose.edge.onnx_runtime import OnnxRuntime
-    from fedpose.edge.pipeline import FrameSource, PipelineOptions, run_pipeline
+    from fedpose.edge.pipeline.source import FrameSource
+    from fedpose.edge.pipeline.options import PipelineOptions
+    from fedpose.edge.pipeline.loop import run_pipeline
     from fedpose.edge.pipeline.outputs import release_claim
-    from fedpose.edge.pixelize import PixelizeSpec
+    from fedpose.shared.pixelization.spec import PixelizeSpec
     from fedpose.edge.torch_runtime import TorchRuntime
     from fedpose.shared.model.posenet import build_model, save_checkpoint
 
@@ -480,7 +485,7 @@ def test_aflw_refuses_what_is_not_an_aflw_database(tmp_path):
 
 
 def test_face_metrics_on_hand_made_predictions():
-    from fedpose.shared.face_metrics import face_lines, face_report
+    from fedpose.shared.metrics.face import face_lines, face_report
 
     eyes = np.array([[10.0, 20.0], [20.0, 20.0], [15.0, 25.0], [12.0, 30.0], [18.0, 30.0]])
     truth = {"labelled": np.array([1, 1, 1, 0], bool), "present": np.array([1, 1, 0, 1], bool),
@@ -507,8 +512,8 @@ def test_face_metrics_on_hand_made_predictions():
 
 def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_world, tmp_path):
     from fedpose.client.policy import min_sigma_for
-    from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode
+    from fedpose.shared.training.runs import initial_model
     from test_federation_site import _policy, _request, _rows
 
     cfg = face_world
@@ -517,7 +522,7 @@ def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_w
     from fedpose.client.site import handle_train
 
     reply = handle_train(_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
-    from fedpose.shared.federation_messages import record_tensors
+    from fedpose.shared.flower.messages import record_tensors
 
     weights = record_tensors(reply[ARRAYS])
     moved = [k for k in weights if k.startswith("face_head.") and not torch.equal(weights[k], state[k])]

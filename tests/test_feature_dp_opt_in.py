@@ -22,8 +22,8 @@ import torch
 
 from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import handle_train
-from fedpose.shared.config import replace
-from fedpose.shared.federation_messages import Refusal, RefusalCode
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import Refusal, RefusalCode
 from test_federation_site import _policy, _request, _rows
 from test_site_releases import world  # noqa: F401 (the shared tiny world)
 
@@ -83,16 +83,17 @@ def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
 def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
     from pathlib import Path
 
-    import fedpose.shared.local_step as step_module
+    import fedpose.shared.training.local_step as step_module
+    from fedpose.shared.training import batches
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.runs import initial_model
-    from fedpose.shared.batches import make_dataset
-    from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+    from fedpose.shared.training.runs import initial_model
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg, _ = world
     records = load_split(Path(cfg.data.root), "site-0")[:6]
     drawn: list[list[int]] = []
-    real = step_module.psi_on
+    real = batches.psi_on
 
     def spy(psi, batch, device):  # under fdp only the public draw maps a batch by psi
         drawn.append(sorted(int(i) for i in batch["index"]))
@@ -117,7 +118,7 @@ def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world
 @pytest.mark.invariant("P17")
 def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world, tmp_path):
     from fedpose.client.site_status import guarantee_in_force, plain_policy
-    from fedpose.shared.privacy.claims import privacy_claim
+    from fedpose.shared.privacy.accounting.claims import privacy_claim
 
     cfg, _ = world
     record = _policy(cfg, tmp_path / "r", release_blurred_images_and_labels=False, prepare=False)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fedpose.client.policy import min_sigma_for
-from fedpose.client.site import handle_train, load_split_dir, site_info
+from fedpose.client.site import handle_train
+from fedpose.client.site_data import load_split_dir, site_info
 from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
 from fedpose.shared.experiments.reconstruction_read import (
     find_record,
@@ -25,7 +26,7 @@ from fedpose.shared.experiments.reconstruction_read import (
     render,
     score,
 )
-from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _q, _rows
 
 # The read-out is exact up to float32 rounding (measured: about 130 dB, joints within 3e-7 px). 80 dB is an
@@ -53,7 +54,7 @@ def _crafted(cfg):
 
 def _site_psi(cfg, policy):
     """Every record of the site's data: psi(x) of its canonical crop, as the public term sees it, and labels."""
-    from fedpose.shared.batches import make_dataset, make_psi_from, psi_on
+    from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
 
     records = load_split_dir(Path(policy.data_path), "site data")
     canonical = make_dataset(records, cfg, train=False)

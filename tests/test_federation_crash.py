@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from federation_support import Pilot, kill_group, ledger_rows, prepare_world, wait_for, world_root
-from fedpose.shared.config import dump_config
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.configuration.schema import dump_config
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def _node_status(pilot: Pilot, node_id: str) -> str:
 
 
 def test_supernode_and_superlink_killed_then_recovered(tmp_path: Path, tmp_path_factory) -> None:
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
 
     cfg = prepare_world(world_root(tmp_path_factory), rounds=3, federation={"local_steps": 1, "round_timeout": 240})
     config_path = tmp_path / "federation.yaml"

@@ -14,10 +14,11 @@ from federation_support import prepare_world, world_root
 from fedpose.client.policy import min_sigma_for, policy_from_dict
 from fedpose.client.site import handle_train
 from fedpose.server.aggregate import ServerOptimizer, server_optimizer
-from fedpose.server.run import fedavg
-from fedpose.shared.config import ConfigError, replace
-from fedpose.shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
-from fedpose.shared.optim_state import load_state, save_state, state_path
+from fedpose.server.combine import fedavg
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import ARRAYS, CONFIG, TrainRequest, weights_record
+from fedpose.client.optim_state import load_state, save_state, state_path
 
 
 def _w(*values: float) -> dict[str, torch.Tensor]:
@@ -26,7 +27,7 @@ def _w(*values: float) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     model = initial_model(cfg, progress=False)
@@ -127,7 +128,8 @@ def test_state_round_trip_and_refusals(tmp_path):
 
 def _policy(cfg, tmp_path, *, rounds: int):
     """The tiny world's site-0 under a policy that pins this config's mechanism, its checks run."""
-    from fedpose.client.site import load_split_dir, prepare_site, public_digest
+    from fedpose.client.site_data import load_split_dir, prepare_site
+    from fedpose.shared.data.split import manifest_digest as public_digest
 
     root = Path(cfg.data.root)
     policy = policy_from_dict({

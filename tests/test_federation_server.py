@@ -12,10 +12,11 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedpose.server.ledger import Event, Report, ServerLedger, Spend
 from fedpose.server.plan import SitePlan, can_afford, plan_site
-from fedpose.server.run import Reply, aggregate, fedavg, process_replies
+from fedpose.server.replies import Reply, process_replies
+from fedpose.server.combine import aggregate, fedavg
 from federation_support import REPO
-from fedpose.shared.config import config_from_dict
-from fedpose.shared.federation_messages import (
+from fedpose.shared.configuration.schema import config_from_dict
+from fedpose.shared.flower.messages import (
     ARRAYS,
     METRICS,
     REPLY_METRICS,
@@ -26,8 +27,8 @@ from fedpose.shared.federation_messages import (
     record_basis,
     weights_record,
 )
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
-from fedpose.shared.privacy.subspace import check_orthonormal
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.step.subspace import check_orthonormal
 
 SHAPES = {"a.weight": torch.Size([3, 2]), "b.bias": torch.Size([4])}
 
@@ -90,7 +91,7 @@ def test_by_default_no_single_site_can_plant_weights_in_the_average():
     (planting a trigger in every other site's next round). The default bound scales every update to the
     round's lower-median norm first, so the hostile site moves the model no more than an honest one."""
     from fedpose.server.combine import bound_updates
-    from fedpose.shared.config import Config
+    from fedpose.shared.configuration.schema import Config
 
     assert Config().federation.update_bound == "median"
     current = {"w": torch.zeros(4)}
@@ -128,7 +129,7 @@ def test_a_hostile_site_reply_is_rejected_by_the_bounds(tmp_path):
 
 def test_a_refusal_carries_the_site_spend_and_the_run_claim_never_falls_below_it(tmp_path):
     """Finding 9.1: a site that spent a round the server never saw reports it in its next refusal."""
-    from fedpose.shared.federation_messages import spend_suffix
+    from fedpose.shared.flower.messages import spend_suffix
 
     ledger = ServerLedger(tmp_path / "ledger.sqlite")
     plans = {"a": _plan("a"), "b": _plan("b")}
@@ -273,8 +274,8 @@ def test_weights_travel_as_one_array_whatever_the_number_of_tensors_and_malforme
     from flwr.app import Array
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-    from fedpose.shared.config import ModelConfig
-    from fedpose.shared.federation_messages import record_tensors
+    from fedpose.shared.configuration.schema import ModelConfig
+    from fedpose.shared.flower.messages import record_tensors
     from fedpose.shared.model.posenet import build_model
 
     state = build_model(ModelConfig(variant="tinyvit-5m"), (32, 32)).state_dict()
@@ -325,7 +326,7 @@ def test_certs_are_usable_by_flower(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-    from fedpose.cli.fed import make_certs
+    from fedpose.cli.certs import make_certs
 
     make_certs(tmp_path, nodes=2, hosts=["localhost", "127.0.0.1"], days=2)
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())

@@ -28,8 +28,8 @@ from federation_support import (
     world_root,
 )
 
-from fedpose.shared.config import dump_config
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.configuration.schema import dump_config
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
 pytestmark = pytest.mark.slow
 

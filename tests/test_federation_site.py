@@ -18,10 +18,11 @@ import torch
 
 from fedpose.client.ledger import SiteLedger
 from fedpose.client.policy import load_policy, min_sigma_for, policy_from_dict, sigma_shortfall, write_policy
-from fedpose.client.site import handle_train, site_info
+from fedpose.client.site import handle_train
+from fedpose.client.site_data import site_info
 from federation_support import REPO, flower_env, prepare_world, start, stop, wait_for, world_root
-from fedpose.shared.config import dump_config, replace
-from fedpose.shared.federation_messages import (
+from fedpose.shared.configuration.schema import dump_config, replace
+from fedpose.shared.flower.messages import (
     ARRAYS,
     BASIS,
     CONFIG,
@@ -33,13 +34,13 @@ from fedpose.shared.federation_messages import (
     record_tensors,
     weights_record,
 )
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from fedpose.shared.model.posenet import apply_strategy
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     model = initial_model(cfg, progress=False)
@@ -50,7 +51,8 @@ def world(tmp_path_factory):
 
 
 def _digest(cfg) -> str:
-    from fedpose.client.site import load_split_dir, public_digest
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.split import manifest_digest as public_digest
 
     return public_digest(load_split_dir(Path(cfg.data.root) / "public", "public set"))
 
@@ -238,7 +240,8 @@ def test_site_checks_its_public_set_itself_and_handles_overlap_locally(world, tm
     with pytest.raises(ValueError, match="digest"):
         check_site(_policy(cfg, tmp_path / "a", public_path=str(public), prepare=False))
     # ... and approving that set anyway leaves the overlapping private record out, with an alert, locally.
-    from fedpose.client.site import load_split_dir, public_digest
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.shared.data.split import manifest_digest as public_digest
 
     approved = _policy(cfg, tmp_path / "b", public_path=str(public),
                        public_digest=public_digest(load_split_dir(public, "public")), prepare=False)
@@ -284,9 +287,9 @@ CHILD = """
 import sys
 from fedpose.client.policy import load_policy
 from fedpose.client.site import handle_train
-from fedpose.shared.config import load_config
-from fedpose.shared.federation_messages import ARRAYS, CONFIG, TrainRequest, weights_record
-from fedpose.shared.runs import initial_model
+from fedpose.shared.configuration.schema import load_config
+from fedpose.shared.flower.messages import ARRAYS, CONFIG, TrainRequest, weights_record
+from fedpose.shared.training.runs import initial_model
 from flwr.app import RecordDict
 
 cfg = load_config(sys.argv[1], {"train.method": "dpsgd"})

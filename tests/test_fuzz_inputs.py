@@ -85,7 +85,7 @@ config_dicts = st.fixed_dictionaries({}, optional={
 @FUZZ
 @given(config_dicts)
 def test_config_from_dict_fuzz(data: dict) -> None:
-    from fedpose.shared.config import Config, config_from_dict
+    from fedpose.shared.configuration.schema import Config, config_from_dict
 
     cfg = _check(config_from_dict, data)
     if cfg is not None:
@@ -106,7 +106,7 @@ yaml_text = st.one_of(
 @FUZZ
 @given(st.one_of(yaml_text.map(str.encode), st.binary(max_size=100)))
 def test_yaml_config_file_fuzz(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
 
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_bytes(raw)
@@ -228,7 +228,7 @@ big = st.one_of(st.integers(-2, 64), st.integers(0, 2**40), st.sampled_from([200
        dtype=st.sampled_from(["float32", "float64", "int64", "bool", "U1"]), value=st.floats(-1, 300))
 def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, height, width, channels, simple,
                           complex_n, mask, dtype, value) -> None:
-    from fedpose.edge.pixelize import restore
+    from fedpose.edge.pixelize.storage import restore
 
     path = tmp_path_factory.mktemp("npz") / "f.npz"
     with open(path, "wb") as f:
@@ -245,7 +245,7 @@ def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, heig
 @FUZZ
 @given(st.binary(max_size=300))
 def test_npz_restore_random_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from fedpose.edge.pixelize import restore
+    from fedpose.edge.pixelize.storage import restore
 
     path = tmp_path_factory.mktemp("npz") / "r.npz"
     path.write_bytes(b"PK\x03\x04" + raw if raw[:1] == b"\0" else raw)
@@ -261,8 +261,8 @@ pix_tokens = st.lists(st.tuples(st.sampled_from(["eps", "b", "m", "n", "noise", 
 @FUZZ
 @given(st.one_of(pix_tokens.map(lambda ts: ",".join(f"{k}={v}" for k, v in ts)), st.text(max_size=30)))
 def test_pixelize_option_parser_fuzz(text: str) -> None:
-    from fedpose.edge.pipeline import parse_pixelize
-    from fedpose.edge.pixelize import PixelizeSpec
+    from fedpose.edge.pipeline.options import parse_pixelize
+    from fedpose.shared.pixelization.spec import PixelizeSpec
 
     parsed = _check(parse_pixelize, text)
     if parsed is not None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.shared.config import ConfigError, config_from_dict, load_config, read_yaml
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.schema import config_from_dict, load_config
+from fedpose.shared.configuration.yaml_io import read_yaml
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
@@ -54,7 +56,7 @@ def test_scientific_notation_without_dot_is_a_float(tmp_path: Path) -> None:
 
 
 def test_overrides_use_the_same_reader() -> None:
-    from fedpose.shared.run_config import parse_overrides
+    from fedpose.shared.flower.run_config import parse_overrides
 
     assert parse_overrides("privacy.delta=1e-6 train.lr=3e-4") == {"privacy.delta": 1e-6, "train.lr": 3e-4}
 

@@ -182,8 +182,8 @@ def _layout_split(root: Path, split: str, names_seeds: list[tuple[str, int]]) ->
 
 
 def test_centralized_private_data_with_a_copied_image_refused(tmp_path: Path) -> None:
-    from fedpose.shared.config import config_from_dict
-    from fedpose.shared.runs import private_records
+    from fedpose.shared.configuration.schema import config_from_dict
+    from fedpose.shared.training.runs import private_records
 
     _layout_split(tmp_path, "site-0", [("a.png", 1), ("b.png", 2)])
     _layout_split(tmp_path, "site-1", [("c.png", 3), ("copy-of-a.png", 1)])
@@ -193,7 +193,7 @@ def test_centralized_private_data_with_a_copied_image_refused(tmp_path: Path) ->
 
 
 def test_batch_size_above_n_refused_with_the_numbers() -> None:
-    from fedpose.shared.runs import check_batch_size
+    from fedpose.shared.training.runs import check_batch_size
 
     with pytest.raises(ValueError, match=r"train\.batch_size = 64.*40"):
         check_batch_size(64, 40)

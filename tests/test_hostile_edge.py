@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.edge.pipeline import parse_pixelize, parse_roi
-from fedpose.edge.pixelize import PixelizeSpec, load_npz, pixelize, restore, save_npz
+from fedpose.edge.pipeline.options import parse_pixelize
+from fedpose.edge.pipeline.tracking import parse_roi
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.edge.pixelize.storage import load_npz, restore, save_npz
+from fedpose.shared.pixelization.mechanism import pixelize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +162,7 @@ def test_non_finite_or_absurd_roi_refused(text: str) -> None:
 
 
 def test_roi_outside_the_frame_refused() -> None:
-    from fedpose.edge.pipeline import BoxTracker
+    from fedpose.edge.pipeline.tracking import BoxTracker
 
     tracker = BoxTracker(parse_roi("500,500,20,20"), threshold=0.1)
     with pytest.raises(ValueError, match="--roi.*outside"):
@@ -182,7 +185,7 @@ def test_negative_threads_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def _checkpoint(tmp_path: Path, **changes: object) -> Path:
-    from fedpose.shared.config import ModelConfig
+    from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model, save_checkpoint
 
     path = tmp_path / "model.pt"

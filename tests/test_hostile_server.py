@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from federation_support import REPO, flower_env, prepare_world, world_root
-from fedpose.shared.config import dump_config, replace
-from fedpose.shared.federation_messages import REPLY_METRICS, RefusalCode, parse_spend_suffix
+from fedpose.shared.configuration.schema import dump_config, replace
+from fedpose.shared.flower.messages import REPLY_METRICS, RefusalCode, parse_spend_suffix
 
 pytestmark = pytest.mark.slow
 

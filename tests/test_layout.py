@@ -20,7 +20,7 @@ PACKAGES = ("shared", "client", "server", "edge", "cli")
 ROOT_PACKAGE = "fedpose"  # the one import root: fedpose.shared is shared/, and so on (pyproject.toml)
 MAX_LINES = 400
 
-# Files allowed over MAX_LINES for now (none: shared/train.py and shared/config.py were split
+# Files allowed over MAX_LINES for now (none: shared/training/loop.py and shared/configuration/schema.py were split
 # after the concurrent branches merged). An entry must name a file that is still too long.
 DEFERRED_LONG: set[str] = set()
 

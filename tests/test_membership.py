@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from fedpose.shared.config import config_from_dict
+from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.experiments.membership import (
     MiaSpec,
     attack_scores,

@@ -1,4 +1,4 @@
-"""Tests for shared/metrics.py: PCKh (hand-computed case) and OKS AP (real COCO fixture)."""
+"""Tests for shared/metrics/pose.py: PCKh (hand-computed case) and OKS AP (real COCO fixture)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedpose.shared.data.joints import NUM_JOINTS
-from fedpose.shared.metrics import gt_as_detections, oks_ap, pckh, pckh_report, pckh_table
+from fedpose.shared.metrics.pose import gt_as_detections, oks_ap, pckh, pckh_report, pckh_table
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 COCO_JSON = FIXTURES / "coco" / "test_coco.json"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import (
     PoseNet,
     apply_strategy,
@@ -17,7 +17,8 @@ from fedpose.shared.model.posenet import (
     save_checkpoint,
     trainable_names,
 )
-from fedpose.shared.model.simcc import decode_simcc, gaussian_targets
+from fedpose.shared.model.simcc_decode import decode_simcc
+from fedpose.shared.model.simcc import gaussian_targets
 from fedpose.shared.model.tinyvit import fuse_batchnorm, is_fused, resample_attention_biases, tinyvit
 
 # Key names and shapes of timm's tiny_vit_5m_224 (embed (64,128,160,320), depths (2,2,6,2),

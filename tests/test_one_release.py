@@ -25,15 +25,15 @@ import torch
 
 from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
-from fedpose.shared.config import replace
-from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _request, _rows
 from test_site_releases import _die_after_reading, world  # noqa: F401 (the shared tiny world)
 
 
 def _count_training(monkeypatch) -> list[int]:
     """Count the rounds that reach local training (each one reads private data on the round's noise)."""
-    import fedpose.shared.train as train_module
+    import fedpose.shared.training.loop as train_module
 
     real = train_module.local_train
     calls: list[int] = []

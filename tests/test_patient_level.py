@@ -31,7 +31,7 @@ def _group_by_induction(epsilon: float, delta: float, k: int) -> tuple[float, fl
 
 @pytest.mark.parametrize("epsilon, delta, k", [(0.8, 1e-5, 8), (0.2, 1e-6, 1), (1.5, 1e-5, 3), (0.05, 1e-5, 40)])
 def test_group_privacy_matches_the_induction_and_the_upper_form(epsilon, delta, k):
-    from fedpose.shared.privacy.group import group_privacy
+    from fedpose.shared.privacy.accounting.group import group_privacy
 
     eps_k, delta_k = group_privacy(epsilon=epsilon, delta=delta, k=k)
     want_eps, want_delta = _group_by_induction(epsilon, delta, k)
@@ -41,7 +41,7 @@ def test_group_privacy_matches_the_induction_and_the_upper_form(epsilon, delta, 
 
 
 def test_group_privacy_at_the_issue_example_and_validation():
-    from fedpose.shared.privacy.group import group_privacy
+    from fedpose.shared.privacy.accounting.group import group_privacy
 
     eps_k, delta_k = group_privacy(epsilon=0.8, delta=1e-5, k=8)
     assert eps_k == pytest.approx(6.4)
@@ -57,7 +57,8 @@ def test_group_privacy_at_the_issue_example_and_validation():
 
 
 def test_config_unit_and_cap_are_validated():
-    from fedpose.shared.config import ConfigError, config_from_dict
+    from fedpose.shared.errors import ConfigError
+    from fedpose.shared.configuration.schema import config_from_dict
 
     cfg = config_from_dict({})
     assert cfg.privacy.unit == "record" and cfg.privacy.max_records_per_patient is None
@@ -154,7 +155,7 @@ def _patient_loop(loss_fn, params, batch, groups, clip):
     """Reference: per patient, the model on that patient's records, autograd of their mean loss, clip, sum."""
     import torch
 
-    from fedpose.shared.privacy.subspace import flatten
+    from fedpose.shared.privacy.step.subspace import flatten
 
     total = None
     for patient in sorted(set(groups.tolist())):
@@ -173,8 +174,8 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
     """clip(mean of a patient's per-record gradients, C), summed over patients; groups may span chunks."""
     import torch
 
-    from fedpose.shared.privacy.clipping import clipped_group_sum
-    from fedpose.shared.privacy.subspace import flatten
+    from fedpose.shared.privacy.step.clipping import clipped_group_sum
+    from fedpose.shared.privacy.step.subspace import flatten
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -193,7 +194,7 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
     torch.testing.assert_close(norms, torch.tensor(norms_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(want, loop)  # clipping did something
     # one record per patient is the record-level clipped sum
-    from fedpose.shared.privacy.clipping import clipped_grad_sum
+    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
 
     per_record, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
     singles, _, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
@@ -203,7 +204,7 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
 def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
     import torch
 
-    from fedpose.shared.privacy.clipping import clipped_group_sum
+    from fedpose.shared.privacy.step.clipping import clipped_group_sum
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -220,10 +221,10 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
     """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / B (the declared expected patients), then V V^T g."""
     import torch
 
-    from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
-    from fedpose.shared.privacy.noise import gaussian_noise_like, make_generator
-    from fedpose.shared.privacy.clipping import clipped_group_sum
-    from fedpose.shared.privacy.subspace import flatten
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
+    from fedpose.shared.privacy.step.clipping import clipped_group_sum
+    from fedpose.shared.privacy.step.subspace import flatten
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -254,8 +255,8 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
 
 
 def test_record_level_claims_state_the_group_bound_for_a_patient():
-    from fedpose.shared.privacy.claims import privacy_claim
-    from fedpose.shared.privacy.group import group_privacy
+    from fedpose.shared.privacy.accounting.claims import privacy_claim
+    from fedpose.shared.privacy.accounting.group import group_privacy
 
     eps_k, delta_k = group_privacy(epsilon=0.8, delta=1e-5, k=8)
     for method, level in (("dpsgd", "record-level (eps=0.8, delta=1e-05)-DP"), ("fpdp", "-Feature-DP")):
@@ -273,7 +274,7 @@ def test_record_level_claims_state_the_group_bound_for_a_patient():
 
 
 def test_patient_level_claims_name_the_unit():
-    from fedpose.shared.privacy.claims import privacy_claim
+    from fedpose.shared.privacy.accounting.claims import privacy_claim
 
     text = privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False, accountant="rdp",
                          unit="patient", records_per_patient=8)
@@ -305,14 +306,14 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
     """P4 at patient level: Poisson over patients with the q the result reports (the accountant's input)."""
     import torch
 
-    import fedpose.shared.local_step as step_module
-    import fedpose.shared.batches as batches
-    import fedpose.shared.train as train_module
-    from fedpose.shared.config import replace
+    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.batches as batches
+    import fedpose.shared.training.loop as train_module
+    from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.patients import group_by_patient
-    from fedpose.shared.privacy.noise import make_generator
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.privacy.step.noise import make_generator
+    from fedpose.shared.training.runs import initial_model
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 2, "privacy.unit": "patient",
                             "privacy.max_records_per_patient": 3})
@@ -354,9 +355,9 @@ def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(wor
 
 
 def test_fedpose_train_unit_patient_accounts_at_q_p_and_claims_patient_level(world, tmp_path):
-    from fedpose.shared.config import replace
-    from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
+    from fedpose.shared.training.runs import run_train
 
     cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "train.batch_size": 4,
                             "privacy.unit": "patient", "privacy.max_records_per_patient": 4})
@@ -372,9 +373,9 @@ def test_fedpose_train_unit_patient_accounts_at_q_p_and_claims_patient_level(wor
 
 
 def test_fedpose_train_record_level_states_the_group_bound_from_the_data(world, tmp_path):
-    from fedpose.shared.config import replace
-    from fedpose.shared.privacy.group import group_privacy
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.accounting.group import group_privacy
+    from fedpose.shared.training.runs import run_train
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.epochs": 1, "privacy.epsilon": 0.5})
     metrics = run_train(cfg, tmp_path / "run", progress=False)
@@ -397,7 +398,7 @@ def test_fedpose_train_record_level_states_the_group_bound_from_the_data(world, 
 
 @pytest.fixture(scope="module")
 def site_world(world):
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     return world, {k: v.clone() for k, v in initial_model(world, progress=False).state_dict().items()}
 
@@ -410,7 +411,7 @@ def _patient_policy(cfg, tmp_path, **overrides):
 
 
 def _unit_request(cfg, state, *, unit: str, sigma: float, sample_rate: float, round: int = 1):
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
     from test_federation_site import _request
 
     return _request(replace(cfg, **{"privacy.unit": unit}), state, sigma=sigma, sample_rate=sample_rate,
@@ -420,8 +421,9 @@ def _unit_request(cfg, state, *, unit: str, sigma: float, sample_rate: float, ro
 @pytest.mark.invariant("P11", "P12")
 def test_a_patient_level_site_refuses_record_level_requests_and_records_its_unit(site_world, tmp_path):
     from fedpose.client.policy import min_sigma_for
-    from fedpose.client.site import handle_train, site_info
-    from fedpose.shared.federation_messages import METRICS, RefusalCode
+    from fedpose.client.site import handle_train
+    from fedpose.client.site_data import site_info
+    from fedpose.shared.flower.messages import METRICS, RefusalCode
     from test_federation_site import _policy, _q, _refusal, _rows
 
     cfg, state = site_world
@@ -448,7 +450,7 @@ def test_the_site_checks_its_cap_and_its_patient_ids(site_world, tmp_path):
     import shutil
     from pathlib import Path
 
-    from fedpose.client.site import check_site, load_split_dir
+    from fedpose.client.site_data import check_site, load_split_dir
     from test_federation_site import _policy
 
     cfg, _ = site_world
@@ -526,8 +528,8 @@ def test_site_info_carries_the_unit_and_the_server_leaves_out_a_site_of_another_
     from flwr.app import ConfigRecord
 
     from fedpose.server.plan import incompatibility
-    from fedpose.shared.config import config_from_dict
-    from fedpose.shared.federation_messages import SiteInfo
+    from fedpose.shared.configuration.schema import config_from_dict
+    from fedpose.shared.flower.messages import SiteInfo
 
     info = SiteInfo(site="a", epsilon=1.0, delta=1e-5, lifetime_rounds=5, rounds_per_federation=5, rounds_done=0,
                     epsilon_spent=0.0, min_sigma=1.0, sample_rate=0.4, steps_per_round=10, clip_norm=1.0, psi="blur",
@@ -557,8 +559,8 @@ def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
 
     from fedpose.cli.fed import prepare_simulation
     from fedpose.client.ledger import SiteLedger
-    from fedpose.shared.config import replace
-    from fedpose.shared.privacy.accountant import epsilon_spent
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.accounting.accountant import epsilon_spent
 
     from fedpose.server.run import run_federation
 
@@ -601,7 +603,7 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
 
     from fedpose.cli.main import main
     from fedpose.client.policy import load_policy
-    from fedpose.shared.config import dump_config
+    from fedpose.shared.configuration.schema import dump_config
 
     config = tmp_path / "cfg.yaml"
     dump_config(world, config)
@@ -634,8 +636,8 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
 @pytest.mark.slow
 def test_a_record_level_federation_claims_the_group_bound_at_the_sites_caps(world, tmp_path):
     from fedpose.cli.fed import prepare_simulation
-    from fedpose.shared.config import replace
-    from fedpose.shared.privacy.group import group_privacy
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.accounting.group import group_privacy
 
     from fedpose.server.run import run_federation
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from federation_support import REPO, Pilot, prepare_world, start, wait_for, world_root
-from fedpose.shared.config import dump_config, replace
+from fedpose.shared.configuration.schema import dump_config, replace
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from fedpose.client.ledger import Mechanism, SiteLedger
 from federation_support import REPO
 from fedpose.server.ledger import Report, ServerLedger, Spend
 from fedpose.server.plan import SitePlan
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
-from fedpose.shared.privacy.reconcile import reconcile
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
+from fedpose.cli.reconcile import reconcile
 
 WHEEL = f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"  # the wheel a kit carries
 MECH = Mechanism(method="fpdp", psi="blur(0.06)", clip_norm=1.0, augment=True)
@@ -122,7 +122,7 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     import shutil
 
     from fedpose.cli.provision import provision
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
 
     cfg = config_from_dict({})
     kits = provision(tmp_path / "kits", sites=["hospital-a", "hospital-b"], hosts=["server.example.org"], port=8000,
@@ -233,7 +233,8 @@ ledger_path: ledger.sqlite
 def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_nothing(tmp_path, monkeypatch):
     from federation_support import tiny_config
     from fedpose.server.prepare import require_prepared
-    from fedpose.shared.config import ConfigError, replace
+    from fedpose.shared.errors import ConfigError
+    from fedpose.shared.configuration.schema import replace
 
     cfg = tiny_config(tmp_path / "abs")
     with pytest.raises(ConfigError, match="fedpose server prepare") as info:
@@ -253,7 +254,7 @@ def test_fedpose_server_prepare_makes_the_public_data_and_weights_in_steps(tmp_p
     from fedpose.cli.main import main
     from federation_support import tiny_dict
     from fedpose.server.prepare import require_prepared
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
 
     (tmp_path / "cfg.yaml").write_text(json.dumps(tiny_dict(tmp_path / "server")))
     assert main(["server", "prepare", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "srv"),
@@ -279,10 +280,10 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
     from fedpose.client.site import handle_train
     from fedpose.client.site_eval import evaluation_log
     from federation_support import prepare_world, world_root
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.federation_messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.flower.messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
+    from fedpose.shared.training.runs import initial_model
     from test_federation_site import _policy, _q
 
     cfg = prepare_world(world_root(tmp_path_factory))
@@ -307,7 +308,7 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
         assert set(reply[METRICS].keys()) == set(REPLY_METRICS)
         assert set(reply.keys()) == {ARRAYS, METRICS}
     # A refused request (here: past the policy's 2 rounds) is never evaluated: no work, no row.
-    from fedpose.shared.federation_messages import Refusal
+    from fedpose.shared.flower.messages import Refusal
 
     request = TrainRequest(federation="fed-eval", round=3, site="site-0", sigma=5.0, sample_rate=_q(cfg), steps=1,
                            basis_version=0, basis_mode="broadcast", config=cfg)
@@ -317,7 +318,7 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
 
 
 def _info(**changes):
-    from fedpose.shared.federation_messages import SiteInfo
+    from fedpose.shared.flower.messages import SiteInfo
 
     base = dict(site="a", epsilon=2.0, delta=1e-3, lifetime_rounds=6, rounds_per_federation=6, rounds_done=0,
                 epsilon_spent=0.0, min_sigma=0.9, sample_rate=0.2, steps_per_round=2, clip_norm=1.0, psi="blur",
@@ -386,7 +387,7 @@ def test_an_unfilled_kit_policy_says_which_command_fills_it_in_one_line(tmp_path
     """The kit's template leaves data_path, sample_rate, public_path and public_digest: each has a command."""
     from fedpose.cli.main import main
     from fedpose.cli.provision import provision
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
 
     kits = provision(tmp_path / "kits", sites=["a"], hosts=["127.0.0.1"], port=8000, cfg=config_from_dict({}))
     policy = kits["a"] / "policy.yaml"

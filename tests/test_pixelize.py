@@ -9,17 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpose.edge.pixelize import (
-    PixelizedFrame,
-    PixelizeSpec,
-    body_mask_from_keypoints,
-    load_mask,
-    load_npz,
-    pixelize,
-    pixelize_claim,
-    restore,
-    save_npz,
-)
+from fedpose.shared.pixelization.frame import PixelizedFrame
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.edge.pixelize.masks import body_mask_from_keypoints, load_mask
+from fedpose.edge.pixelize.storage import load_npz, restore, save_npz
+from fedpose.shared.pixelization.mechanism import pixelize
+from fedpose.edge.pixelize.claim import pixelize_claim
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedpose.shared.privacy.claims import privacy_claim
-from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
-from fedpose.shared.privacy.noise import gaussian_noise_like, make_generator
-from fedpose.shared.privacy.clipping import clip_factors, clipped_grad_sum
-from fedpose.shared.privacy.persample import mean_grad, per_sample_grads, per_sample_norms
-from fedpose.shared.privacy.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
-from fedpose.shared.privacy.sampling import poisson_sample
-from fedpose.shared.privacy.subspace import (
+from fedpose.shared.privacy.accounting.claims import privacy_claim
+from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
+from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
+from fedpose.shared.privacy.step.clipping import clip_factors, clipped_grad_sum
+from fedpose.shared.privacy.step.persample import mean_grad, per_sample_grads, per_sample_norms
+from fedpose.shared.privacy.step.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.step.sampling import poisson_sample
+from fedpose.shared.privacy.step.subspace import (
     check_orthonormal,
     compute_basis,
     flatten,
@@ -205,10 +205,10 @@ def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
 
 @pytest.mark.invariant("P7")
 def test_seeded_generator_warns_not_for_production(caplog):
-    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.noise"):
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.step.noise"):
         make_generator(None, "cpu")
     assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.noise"):
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.step.noise"):
         make_generator(7, "cpu")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "not for production" in warnings[0].getMessage().lower()
@@ -289,7 +289,7 @@ def test_projection_basis_spans_top_singular_subspace():
 def test_the_basis_of_g_as_it_comes_chunk_by_chunk_and_tensor_by_tensor_is_the_basis_of_g():
     """compute_basis never copies the per-sample gradients into one m x p matrix: it builds V from G's row chunks
     (chunks of public samples) and column groups (tensors) as they come, with the same V as from G itself."""
-    from fedpose.shared.privacy.subspace import basis_from_blocks
+    from fedpose.shared.privacy.step.subspace import basis_from_blocks
 
     gen = torch.Generator().manual_seed(5)
     grads = torch.randn(23, 300, generator=gen) * torch.linspace(3, 0.1, 300)
@@ -310,8 +310,8 @@ def test_every_basis_a_step_projects_with_is_laid_out_column_by_column(toy, tmp_
     layout the server sent) or from its cache, and the V the training loop is handed all come in that layout,
     with the same values."""
     from fedpose.client.site_basis import cache_basis, cached_basis
-    from fedpose.shared.federation_messages import basis_record, record_basis
-    from fedpose.shared.privacy.subspace import basis_from_blocks, column_major
+    from fedpose.shared.flower.messages import basis_record, record_basis
+    from fedpose.shared.privacy.step.subspace import basis_from_blocks, column_major
     from tests.test_site_releases import _policy_stub
 
     def by_columns(basis: torch.Tensor) -> bool:
@@ -756,7 +756,7 @@ def test_compute_basis_keeps_the_public_rank_when_it_is_below_k(toy, caplog):
     accuracy, never the privacy claim."""
     loss_fn, params = toy
     twice = {name: torch.cat([value, value, value]) for name, value in make_batch(2, seed=10).items()}  # rank 2
-    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.subspace"):
+    with caplog.at_level(logging.WARNING, logger="fedpose.shared.privacy.step.subspace"):
         basis = compute_basis(loss_fn, params, twice, k=4, chunk_size=4)
     assert basis.shape == (sum(v.numel() for v in params.values()), 2)
     check_orthonormal(basis)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fedpose.client.site import handle_train
-from fedpose.shared.config import replace
-from fedpose.shared.federation_messages import ARRAYS, record_tensors
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import ARRAYS, record_tensors
 from test_site_releases import _subset, world  # noqa: F401  (the module's world fixture)
 from test_federation_site import _policy, _request
 

@@ -16,7 +16,7 @@ from test_patient_level import toy  # noqa: F401 (the toy pose model and its per
 
 def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tensor:
     """Reference: per record, the gradient of each of its K copies by its own autograd call, their mean, clipped."""
-    from fedpose.shared.privacy.subspace import flatten
+    from fedpose.shared.privacy.step.subspace import flatten
 
     rows = batch["image"].shape[0]
     total = None
@@ -35,10 +35,10 @@ def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tens
 @pytest.mark.parametrize("copies", [2, 4])
 def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_loop(toy, copies):
     """g = (sum_records clip(mean_k g_{i,k}, C) + N(0, sigma^2 C^2 I)) / B: one clipped term per record."""
-    from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
-    from fedpose.shared.privacy.noise import gaussian_noise_like, make_generator
-    from fedpose.shared.privacy.sampling import augmented_copies
-    from fedpose.shared.privacy.subspace import flatten
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
+    from fedpose.shared.privacy.step.sampling import augmented_copies
+    from fedpose.shared.privacy.step.subspace import flatten
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -66,8 +66,8 @@ def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_l
 
 
 def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
-    from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
-    from fedpose.shared.privacy.noise import make_generator
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.noise import make_generator
     from test_privacy import make_batch
 
     loss_fn, params = toy
@@ -81,7 +81,7 @@ def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
     with pytest.raises(ValueError, match="multiplicity"):
         DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.5, expected_batch=2.0, multiplicity=2,
                unit="patient")
-    from fedpose.shared.privacy.sampling import augmented_copies
+    from fedpose.shared.privacy.step.sampling import augmented_copies
 
     rows, groups = augmented_copies(torch.zeros(0, dtype=torch.long), 3)  # an empty Poisson draw stays empty
     assert rows.numel() == 0 and groups.numel() == 0
@@ -90,7 +90,8 @@ def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
 
 
 def test_config_validates_the_recipe_fields():
-    from fedpose.shared.config import ConfigError, config_from_dict
+    from fedpose.shared.errors import ConfigError
+    from fedpose.shared.configuration.schema import config_from_dict
 
     cfg = config_from_dict({})
     assert cfg.privacy.augment_multiplicity == 1 and cfg.train.ema == 0.0
@@ -107,8 +108,8 @@ def test_config_validates_the_recipe_fields():
 
 
 def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
-    from fedpose.shared.config import config_from_dict, replace
-    from fedpose.shared.config_flat import identity_flat
+    from fedpose.shared.configuration.schema import config_from_dict, replace
+    from fedpose.shared.configuration.flat import identity_flat
 
     cfg = config_from_dict({})
     flat = identity_flat(cfg)
@@ -121,9 +122,9 @@ def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
 def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(strategy):
     from torch import nn
 
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
     from fedpose.shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
-    from fedpose.shared.privacy import bookkeeping
+    from fedpose.shared.privacy.step import bookkeeping
 
     cfg = config_from_dict({})
     model = build_model(cfg.model, cfg.data.input_size)
@@ -143,9 +144,9 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
 
 
 def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
-    from fedpose.shared.config import config_from_dict
+    from fedpose.shared.configuration.schema import config_from_dict
     from fedpose.shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
-    from fedpose.shared.privacy import bookkeeping
+    from fedpose.shared.privacy.step import bookkeeping
 
     cfg = config_from_dict({"train": {"strategy": "full-fixed-tasks"}})
     model = build_model(cfg.model, cfg.data.input_size)
@@ -156,7 +157,7 @@ def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
 
 
 def test_weight_average_is_the_exponential_average_of_the_iterates():
-    from fedpose.shared.weight_average import WeightAverage
+    from fedpose.shared.training.weight_average import WeightAverage
 
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     avg = WeightAverage([w], decay=0.75)
@@ -182,14 +183,15 @@ def world(tmp_path_factory):
 
 
 def _train(cfg, steps, seen, monkeypatch, *, seed=0):
-    import fedpose.shared.local_step as step_module
-    import fedpose.shared.batches as batches
-    import fedpose.shared.train as train_module
+    import fedpose.shared.training.local_step as step_module
+    from fedpose.shared.privacy.step import fpdp
+    import fedpose.shared.training.batches as batches
+    import fedpose.shared.training.loop as train_module
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.privacy.noise import make_generator
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.privacy.step.noise import make_generator
+    from fedpose.shared.training.runs import initial_model
 
-    real_step = step_module.dp_gradient
+    real_step = fpdp.dp_gradient
 
     def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
         seen.append((spec, private_batch["image"].clone(), groups))
@@ -208,8 +210,8 @@ def _train(cfg, steps, seen, monkeypatch, *, seed=0):
 def test_local_train_augments_each_record_k_times_and_accounts_as_without(world, monkeypatch):
     """Same Poisson draw of records, K rows each with their own augmentation, the record of each row as its
     group; (sigma, q, steps), the accountant's whole input, is that of K = 1, so epsilon does not move."""
-    from fedpose.shared.config import replace
-    from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
     base = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4})
     plain_seen, many_seen = [], []
@@ -232,8 +234,8 @@ def test_local_train_augments_each_record_k_times_and_accounts_as_without(world,
 
 
 def test_local_train_bitfit_leaves_the_other_weights_and_ema_releases_the_average(world, monkeypatch):
-    from fedpose.shared.config import replace
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.training.runs import initial_model
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "train.strategy": "bitfit",
                             "train.schedule": "constant"})

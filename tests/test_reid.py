@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedpose.edge.reid import ReidSpec, person_crop, run_reid
-from fedpose.shared.data.synth import WardSpec, generate_ward
+from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
 
 @pytest.fixture(scope="module")

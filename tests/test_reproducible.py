@@ -15,8 +15,8 @@ from federation_support import REPO, tiny_dict
 SCRIPT = """
 import hashlib, json, sys
 import torch
-from fedpose.shared.config import config_from_dict
-from fedpose.shared.runs import run_pretrain
+from fedpose.shared.configuration.schema import config_from_dict
+from fedpose.shared.training.runs import run_pretrain
 cfg = config_from_dict(json.loads(sys.argv[1]))
 metrics = run_pretrain(cfg, progress=False)
 state = torch.load(cfg.pretrain.out + "/model.pt", weights_only=False)["state_dict"]
@@ -62,8 +62,8 @@ def test_pretraining_gives_the_same_weights_whatever_thread_count_the_run_uses(t
 def test_cached_pretrained_weights_are_found_wherever_the_data_and_weights_are_named(tmp_path: Path) -> None:
     """The same ward and weights reached through another path (relative or absolute, a link) are the same start:
     re-pretraining would overwrite the weights every other run of that folder uses."""
-    from fedpose.shared.config import config_from_dict
-    from fedpose.shared.runs import ensure_data, ensure_pretrained, pretrained_problem
+    from fedpose.shared.configuration.schema import config_from_dict
+    from fedpose.shared.training.runs import ensure_data, ensure_pretrained, pretrained_problem
 
     data = tiny_dict(tmp_path / "w")
     data["pretrain"] = {**data["pretrain"], "epochs": 1}

@@ -27,7 +27,7 @@ class DyingGrid(InProcessGrid):
         self.dies, self.at, self.dead = dies, at, False
 
     def push_messages(self, messages):
-        from fedpose.shared.federation_messages import CONFIG
+        from fedpose.shared.flower.messages import CONFIG
 
         live, ids = [], []
         for message in messages:
@@ -45,7 +45,7 @@ class DyingGrid(InProcessGrid):
 
 def _federation(tmp_path: Path, tmp_path_factory, **changes):
     from fedpose.cli.fed import prepare_simulation
-    from fedpose.shared.config import replace
+    from fedpose.shared.configuration.schema import replace
 
     cfg = prepare_world(world_root(tmp_path_factory))
     out = tmp_path / "fed"
@@ -107,7 +107,7 @@ def test_labels_after_a_finish_agree_and_a_spent_budget_ends_in_one_clear_line(t
     assert {s: v["status"] for s, v in status["sites"].items()} == labels
 
     again = tmp_path / "again"
-    from fedpose.server.run import FederationStopped
+    from fedpose.server.outcome import FederationStopped
 
     with pytest.raises(FederationStopped) as info:
         run_federation(grid, cfg, again)
@@ -147,7 +147,7 @@ def test_server_prepare_out_holds_the_ward_and_the_weights(tmp_path, monkeypatch
     nothing under the folder it was started from."""
     from fedpose.cli.main import main
     from federation_support import tiny_dict
-    from fedpose.shared.config import load_config
+    from fedpose.shared.configuration.schema import load_config
 
     config = tiny_dict(tmp_path)
     config["data"]["root"] = "data/ward"
@@ -173,7 +173,7 @@ def test_sites_that_ran_their_planned_rounds_read_alike_and_none_stays_active(tm
     from fedpose.server.plan import SitePlan
     from fedpose.server.run import Paths, finish
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     paths = Paths(tmp_path / "run")

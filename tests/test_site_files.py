@@ -21,8 +21,8 @@ import torch
 from fedpose.client.ledger import SiteLedger
 from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import handle_train
-from fedpose.shared.config import replace
-from fedpose.shared.federation_messages import BASIS, basis_record
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import BASIS, basis_record
 from test_federation_site import _policy, _request, world  # noqa: F401 (the shared tiny world)
 
 

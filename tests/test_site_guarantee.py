@@ -16,7 +16,7 @@ import torch
 
 from fedpose.client.ledger import Mechanism, SiteLedger
 from federation_support import prepare_world, world_root
-from fedpose.shared.privacy.ledger import LedgerBusy
+from fedpose.shared.privacy.accounting.ledger import LedgerBusy
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +31,15 @@ def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeyp
     The augmented crop of a record (rescaled, rotated, flipped) shows pixels outside the record's
     canonical crop and a sharper effective blur; psi must be applied to the canonical crop.
     """
-    import fedpose.shared.local_step as step_module
-    import fedpose.shared.batches as batches
-    import fedpose.shared.train as train_module
-    from fedpose.shared.config import replace
+    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.batches as batches
+    import fedpose.shared.training.loop as train_module
+    from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.dataset import PoseDataset
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.transforms import Augment
-    from fedpose.shared.privacy.noise import make_generator
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.privacy.step.noise import make_generator
+    from fedpose.shared.training.runs import initial_model
 
     cfg = replace(cfg, **{"train.method": "fdp", "data.augment": True})
     records = load_split(Path(cfg.data.root), "site-0")
@@ -165,8 +165,8 @@ def test_a_locked_ledger_is_waited_for_with_a_message_and_a_bound(tmp_path, capl
 @pytest.mark.invariant("P8")
 def test_claims_name_what_is_released_and_the_replace_one_epsilon(tmp_path):
     """Finding 8.4: releasing q = B/n (hence n) changes the adjacency; the claim says so, with its epsilon."""
-    from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
-    from fedpose.shared.privacy.claims import privacy_claim
+    from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
+    from fedpose.shared.privacy.accounting.claims import privacy_claim
 
     sigma, q, steps = 6.441, 0.053, 570
     add_remove = epsilon_spent([StepRecord(sigma=sigma, sample_rate=q, steps=steps)], delta=1e-5)
@@ -179,8 +179,8 @@ def test_claims_name_what_is_released_and_the_replace_one_epsilon(tmp_path):
 
 
 def test_a_centralized_run_releases_no_n_and_states_the_replace_one_guarantee(cfg, tmp_path):
-    from fedpose.shared.config import replace
-    from fedpose.shared.runs import run_train
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.training.runs import run_train
 
     small = replace(cfg, **{"train.method": "dpsgd", "train.epochs": 1})
     metrics = run_train(small, tmp_path / "run", progress=False)

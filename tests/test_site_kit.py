@@ -26,7 +26,7 @@ import pytest
 
 from fedpose.cli.fleet_front import healthy
 from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
-from fedpose.shared.config import dump_config, replace
+from fedpose.shared.configuration.schema import dump_config, replace
 
 pytestmark = pytest.mark.slow
 

@@ -26,15 +26,15 @@ from fedpose.client.ledger import SiteLedger
 from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.client.site_data import prepare_site, site_info
-from fedpose.shared.config import replace
-from fedpose.shared.federation_messages import ARRAYS, Refusal, RefusalCode, record_tensors
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
 from test_federation_site import _policy, _request, _rows
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from federation_support import prepare_world, world_root
-    from fedpose.shared.runs import initial_model
+    from fedpose.shared.training.runs import initial_model
 
     cfg = prepare_world(world_root(tmp_path_factory))
     state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
@@ -43,7 +43,7 @@ def world(tmp_path_factory):
 
 def _fail_after_reading(monkeypatch) -> list[int]:
     """Make local training read its first private batch, then fail (an out-of-memory error, say)."""
-    import fedpose.shared.train as train_module
+    import fedpose.shared.training.loop as train_module
 
     real = train_module.local_train
     seen: list[int] = []
@@ -72,7 +72,7 @@ def test_a_failure_after_private_data_was_read_is_already_paid_for(world, tmp_pa
 def _die_after_reading(monkeypatch):
     """Make local training read its first private batch, then the process dies (not an ``Exception``: no handler
     of the site runs, as none would in a killed process)."""
-    import fedpose.shared.train as train_module
+    import fedpose.shared.training.loop as train_module
 
     real = train_module.local_train
 
@@ -93,7 +93,7 @@ def test_an_unfinished_round_replays_on_its_own_seed_and_is_never_spent_twice(wo
     real = _die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)
-    monkeypatch.setattr("fedpose.shared.train.local_train", real)
+    monkeypatch.setattr("fedpose.shared.training.loop.local_train", real)
     replayed = handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)
     uninterrupted = handle_train(_request(cfg, state, sigma=sigma, steps=2), clean)
     a, b = record_tensors(replayed[ARRAYS]), record_tensors(uninterrupted[ARRAYS])
@@ -129,7 +129,7 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkey
     real = _die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         handle_train(_request(cfg, state, sigma=sigma), policy)
-    monkeypatch.setattr("fedpose.shared.train.local_train", real)
+    monkeypatch.setattr("fedpose.shared.training.loop.local_train", real)
     _cut(data, 39)  # one record fewer
     # until its operator checks the changed data the site refuses everything, generically
     with pytest.raises(Refusal) as refused:
@@ -144,12 +144,13 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world, tmp_path, monkey
 
 @pytest.mark.invariant("P13")
 def test_the_site_pins_its_chunk_size_and_bounds_the_model_and_input(world, tmp_path, monkeypatch):
-    import fedpose.shared.privacy.fpdp as fpdp
+    import fedpose.shared.privacy.step.fpdp as fpdp
+    from fedpose.shared.privacy.step import clipping
 
     cfg, state = world
     policy = _policy(cfg, tmp_path, chunk_size=3)
     chunks: list[int] = []
-    real = fpdp.clipped_grad_sum
+    real = clipping.clipped_grad_sum
 
     def spy(*args, chunk_size, **kwargs):
         chunks.append(chunk_size)
@@ -222,7 +223,7 @@ def test_a_charged_rounds_answer_leaves_at_the_sites_deadline(world, tmp_path, m
 def test_a_round_past_its_deadline_leaves_at_the_next_multiple_of_it(world, tmp_path, monkeypatch):
     """Before: a round longer than round_seconds left when training ended, so its departure tracked the realised
     private batch (Pearson 0.92 in a review). Now it waits for the next multiple of the period."""
-    import fedpose.shared.train as train_module
+    import fedpose.shared.training.loop as train_module
 
     cfg, state = world
     period = 2.0
@@ -260,7 +261,7 @@ def test_a_reply_is_checked_finite_before_it_leaves(world, tmp_path):
 def test_a_reply_carries_the_update_and_the_declared_spend_only_whatever_the_sites_size(world, tmp_path):
     """P10: a reply holds the trained tensors and exactly the metrics of REPLY_METRICS, each from the request, the
     policy and the ledger: a site with half the records sends the same metrics (no n, no loss, no timing)."""
-    from fedpose.shared.federation_messages import METRICS, REPLY_METRICS
+    from fedpose.shared.flower.messages import METRICS, REPLY_METRICS
 
     cfg, state = world
     metrics = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.shared.config import ConfigError
+from fedpose.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_reference_setting_pools_the_sites_batch_and_noise_of_the_federation(tmp
     import math
 
     from fedpose.shared.experiments.study import expand, load_study
-    from fedpose.shared.runs import plan_sigma
+    from fedpose.shared.training.runs import plan_sigma
 
     text = study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
                       settings="[centralized, reference]") + "overrides: {federation.rounds: 19}\n"
@@ -275,7 +275,7 @@ def test_reference_setting_pools_the_sites_batch_and_noise_of_the_federation(tmp
 
 
 def test_noise_factor_only_adds_noise_and_a_federation_refuses_it():
-    from fedpose.shared.config import load_config, replace
+    from fedpose.shared.configuration.schema import load_config, replace
 
     cfg = load_config(REPO / "configs" / "default.yaml")
     for bad in (0.5, float("inf"), float("nan")):

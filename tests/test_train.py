@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from federation_support import prepare_world, world_root
-from fedpose.shared.config import replace
-from fedpose.shared.runs import initial_model, load_records
-from fedpose.shared.batches import make_dataset
-from fedpose.shared.schedule import lr_factor, round_span
-from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.configuration.schema import replace
+from fedpose.shared.training.runs import initial_model, load_records
+from fedpose.shared.training.batches import make_dataset
+from fedpose.shared.training.schedule import lr_factor, round_span
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
 
 def test_cosine_decays_from_one_towards_zero_and_constant_stays():
@@ -63,7 +63,8 @@ def test_local_train_follows_the_schedule_within_its_span(tiny, schedule):
 
 
 def test_psi_only_images_are_refused_for_private_methods():
-    from fedpose.shared.config import ConfigError, Config, config_from_dict
+    from fedpose.shared.errors import ConfigError
+    from fedpose.shared.configuration.schema import Config, config_from_dict
 
     assert Config().train.images == "raw"
     with pytest.raises(ConfigError, match="train.images"):
@@ -73,9 +74,9 @@ def test_psi_only_images_are_refused_for_private_methods():
 
 def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatch):
     """The psi(x)-only baseline: every training image is psi(canonical crop), never a raw or augmented one."""
-    import fedpose.shared.local_step as step_module
-    import fedpose.shared.batches as batches
-    from fedpose.shared.privacy.psi import apply_psi
+    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.batches as batches
+    from fedpose.shared.privacy.step.psi import apply_psi
 
     cfg, dataset = tiny
     cfg = replace(cfg, **{"train.method": "nonprivate", "train.images": "psi"})
@@ -105,9 +106,9 @@ def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatc
 _STEPS_FAULTS = """
 import resource, torch
 {setup}
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-from fedpose.shared.privacy.fpdp import DPSpec, dp_gradient
+from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
 
 torch.manual_seed(0)
 model = build_model(ModelConfig(variant="tinyvit-small"), (128, 96))
@@ -149,6 +150,7 @@ def test_a_training_process_reuses_its_freed_memory_instead_of_taking_it_from_th
         return int(out.stdout.strip().splitlines()[-1])
 
     default = faults_of_five_steps("")
-    kept = faults_of_five_steps("from fedpose.shared.allocator import keep_freed_memory\nassert keep_freed_memory()")
+    kept = faults_of_five_steps("from fedpose.shared.training.allocator import keep_freed_memory\nassert "
+                                "keep_freed_memory()")
     assert default > 5 * 1000, default  # the default takes memory from the OS again on every step
     assert kept < default / 10, (kept, default)  # kept: the steps reuse what the first ones took

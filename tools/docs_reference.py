@@ -118,10 +118,11 @@ def _field_docs(cls: Any) -> dict[str, str]:
 
 
 def config_page() -> str:
-    from fedpose.shared.config import Config
+    from fedpose.shared.configuration.schema import Config
 
     lines = ["# Configuration reference", "",
-             "Generated from the config dataclasses (`shared/config.py`) by `tools/docs_reference.py`. A YAML file",
+             "Generated from the config dataclasses (`shared/configuration/schema.py`) by `tools/docs_reference.py`. A "
+             "YAML file",
              "sets any of these keys; unknown keys and wrong types are refused naming the key. "
              "`fedpose config show` prints the resolved values of a file, and `--set key=value` overrides one "
              "on any command that takes a config.", ""]
@@ -161,7 +162,7 @@ EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 
 def kit_blocks() -> dict[str, str]:
     """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
     from fedpose.cli import kit_templates as kit
-    from fedpose.shared.config import load_config, replace
+    from fedpose.shared.configuration.schema import load_config, replace
 
     cfg = replace(load_config("default"), **{"train.method": "proj"})  # as the operator's guide provisions
     paths = {"install": kit.INSTALL, "venv": kit.VENV, "state": kit.STATE, "user": kit.USER}

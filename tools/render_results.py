@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from fedpose.shared.configuration.methods import PRIVATE, RECORD_LEVEL, WITH_PUBLIC
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -173,7 +174,7 @@ def render_study(rows: list[dict[str, str]]) -> str:
     private = [r for r in rows if r["epsilon"] and not r["ablation"]]
     cols = sorted({(r["setting"], float(r["epsilon"])) for r in private})
     table = ["| method | " + " | ".join(f"{s} eps {e:g}" for s, e in cols) + " |", "|---|" + "---|" * len(cols)]
-    for method in ("dpsgd", "proj", "fdp", "fpdp"):
+    for method in PRIVATE:
         cells = []
         for setting, eps in cols:
             vals = [float(r["mean"]) for r in private if r["method"] == method and r["setting"] == setting
@@ -187,7 +188,6 @@ def render_study(rows: list[dict[str, str]]) -> str:
 
 
 STUDY30 = "fedpose study --config configs/study-30.yaml --out runs/study-30 --record benchmarks/results/study-30"
-PRIVATE = ("dpsgd", "proj", "fdp", "fpdp")
 WARD_RECORDS, SITE_BATCH = 1200, 64  # configs/default.yaml, which the study varies: 3 sites x 400 records, B = 64
 
 
@@ -265,9 +265,9 @@ RECORDLEVEL = ("fedpose study --config configs/study-recordlevel.yaml --out runs
 
 
 def _guarantee(method: str) -> str:
-    if method in ("dpsgd", "proj"):
+    if method in RECORD_LEVEL:
         return "record-level DP"
-    if method in ("fdp", "fpdp"):
+    if method in WITH_PUBLIC:
         return "Feature-DP (psi(x) and labels public)"
     return "none (no DP)"
 

@@ -26,30 +26,3 @@ The package: source (``FrameSource``, reconnects), tracking (``BoxTracker``, ROI
 (``PipelineOptions``, ``PipelineReport``, ``--pixelize`` parsing), outputs (records, drawing, pixelized
 frames, ``release_claim``), loop (``run_pipeline``).
 """
-
-
-from fedpose.edge.pipeline.loop import run_pipeline
-from fedpose.edge.pipeline.options import PipelineOptions, PipelineReport, parse_pixelize
-from fedpose.edge.pipeline.outputs import KEYPOINTS_FILE, PIXELIZED_DIR, VIDEO_FILE, draw_skeleton, release_claim
-from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError, is_live, parse_source
-from fedpose.edge.pipeline.tracking import MAX_ROI_COORD, BoxTracker, parse_roi
-
-__all__ = [
-    "BoxTracker",
-    "FrameSource",
-    "KEYPOINTS_FILE",
-    "MAX_ROI_COORD",
-    "PIXELIZED_DIR",
-    "PipelineOptions",
-    "PipelineReport",
-    "ReconnectPolicy",
-    "SourceError",
-    "VIDEO_FILE",
-    "draw_skeleton",
-    "is_live",
-    "parse_pixelize",
-    "parse_roi",
-    "parse_source",
-    "release_claim",
-    "run_pipeline",
-]

@@ -22,7 +22,7 @@ def parse_pixelize(value: str | None) -> tuple[Any, bool] | None:
     """``"eps=0.5,b=16,m=16,n=4[,noise=laplace][,color=1]"`` -> (PixelizeSpec, color) or None."""
     if value is None:
         return None
-    from fedpose.edge.pixelize import PixelizeSpec
+    from fedpose.shared.pixelization.spec import PixelizeSpec
 
     fields: dict[str, str] = {}
     for part in value.split(","):
@@ -67,7 +67,7 @@ class PipelineOptions:
     # With pixelize: draw the raw frame's skeleton and person box over the published (video/--show) frames.
     # Off by default: the overlay releases raw-derived keypoints in the video; the claim names it when on.
     overlay: bool = False
-    pixelize: Any = None  # edge.pixelize.PixelizeSpec or None
+    pixelize: Any = None  # shared.pixelization.spec.PixelizeSpec or None
     pixelize_color: bool = False
     score_threshold: float = 0.05
     min_keypoints: int = 4

@@ -62,7 +62,7 @@ def release_claim(
     clip, the region mask NOT protected); everything else written is computed
     from the raw frames and is named here as NOT protected by that guarantee.
     """
-    from fedpose.edge.pixelize import pixelize_claim
+    from fedpose.edge.pixelize.claim import pixelize_claim
 
     lines = [
         pixelize_claim(spec, mask_source="keypoints", frames=frames),
@@ -121,7 +121,9 @@ def _pixelize_frame(
 
     Returns the BGR image to publish and whether the body mask was empty.
     """
-    from fedpose.edge.pixelize import body_mask_from_keypoints, pixelize, save_npz
+    from fedpose.edge.pixelize.masks import body_mask_from_keypoints
+    from fedpose.shared.pixelization.mechanism import pixelize
+    from fedpose.edge.pixelize.storage import save_npz
 
     image = frame if options.pixelize_color else cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
     mask = body_mask_from_keypoints(frame.shape[:2], kps, scores, score_threshold=options.score_threshold)

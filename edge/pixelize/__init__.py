@@ -65,31 +65,3 @@ input bounds), grid (padding, multiplicity, block sums), frame (``PixelizedFrame
 mechanism (``pixelize``). This package adds storage (NPZ save/load/restore), masks (complex region from
 keypoints or a file) and claim (what the tool prints).
 """
-
-
-from fedpose.edge.pixelize.claim import pixelize_claim
-from fedpose.shared.pixelization.frame import PixelizedFrame
-from fedpose.shared.pixelization.grid import PAD_MODE
-from fedpose.edge.pixelize.masks import body_mask_from_keypoints, load_mask
-from fedpose.shared.pixelization.mechanism import pixelize
-from fedpose.shared.pixelization.spec import (MAX_CELL, MAX_FRAME_PIXELS, MAX_M, MAX_NPZ_MEMBER_BYTES, NoiseKind,
-                                              PixelizeSpec)
-from fedpose.edge.pixelize.storage import load_npz, restore, save_npz
-
-__all__ = [
-    "MAX_CELL",
-    "MAX_FRAME_PIXELS",
-    "MAX_M",
-    "MAX_NPZ_MEMBER_BYTES",
-    "NoiseKind",
-    "PAD_MODE",
-    "PixelizeSpec",
-    "PixelizedFrame",
-    "body_mask_from_keypoints",
-    "load_mask",
-    "load_npz",
-    "pixelize",
-    "pixelize_claim",
-    "restore",
-    "save_npz",
-]

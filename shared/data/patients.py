@@ -1,7 +1,7 @@
 """Patient ids and per-patient groups of records: the unit of patient-level DP (issue #11).
 
 A hospital camera films the same patient in many frames; record-level DP then
-protects a patient only through group privacy (``fedpose.shared.privacy.group``).
+protects a patient only through group privacy (``fedpose.shared.privacy.accounting.group``).
 Patient-level DP needs to know which records show the same person:
 
 - the synthetic ward writes ``identities.json`` beside each split's

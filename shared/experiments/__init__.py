@@ -2,5 +2,5 @@
 privacy audit (``audit``) and membership inference (``membership``).
 
 The library beside this package (``fedpose.shared.model``, ``fedpose.shared.data``, ``fedpose.shared.privacy``,
-``fedpose.shared.train``, ``fedpose.shared.runs``) never imports from it.
+``fedpose.shared.training.loop``, ``fedpose.shared.training.runs``) never imports from it.
 """

@@ -2,15 +2,15 @@
 
 Steinke, Nasr, Jagielski, "Privacy auditing with one (1) training run"
 (NeurIPS 2023). m canaries are each included independently with probability
-1/2, one private run of ``fedpose.shared.train.local_train`` (the loop ``fedpose
+1/2, one private run of ``fedpose.shared.training.loop.local_train`` (the loop ``fedpose
 train`` and every site use) trains with them, the auditor scores each canary,
 guesses the top ones IN and the bottom ones OUT, and the number of correct
-guesses gives eps_LB (``fedpose.shared.privacy.audit_bound``). A sound mechanism gives
+guesses gives eps_LB (``fedpose.shared.privacy.audit.bound``). A sound mechanism gives
 eps_LB <= the accountant's epsilon except with probability 5%.
 
 Two kinds of canaries:
 - ``gradient`` (white-box): Dirac gradient canaries C e_j, each on a coordinate
-  of its own (``fedpose.shared.privacy.canaries``), Poisson-sampled, clipped and noised
+  of its own (``fedpose.shared.privacy.audit.canaries``), Poisson-sampled, clipped and noised
   with the records. The auditor sees every released update direction (the
   noisy, projected-if-any private gradient plus g_pub) and scores canary c by
   the sum over steps of its coordinate j_c. Releasing every step's noisy
@@ -44,22 +44,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedpose.shared.config import Config
+from fedpose.shared.configuration.schema import Config
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.records import PoseRecord
 from fedpose.shared.data.split import check_disjoint
-from fedpose.shared.privacy.accountant import (
+from fedpose.shared.privacy.accounting.accountant import (
     StepRecord,
     calibrate_sigma,
     check_delta,
     epsilon_spent,
 )
-from fedpose.shared.privacy.audit_bound import best_lower_bound
-from fedpose.shared.privacy.canaries import DiracCanaries, SpanCanaries
-from fedpose.shared.privacy.noise import make_generator
-from fedpose.shared.privacy.psi import psi_label_of
-from fedpose.shared.privacy.subspace import flatten
-from fedpose.shared.runs import (
+from fedpose.shared.privacy.audit.bound import best_lower_bound
+from fedpose.shared.privacy.audit.canaries import DiracCanaries, SpanCanaries
+from fedpose.shared.privacy.step.noise import make_generator
+from fedpose.shared.privacy.step.psi import psi_label_of
+from fedpose.shared.privacy.step.subspace import flatten
+from fedpose.shared.training.runs import (
     check_batch_size,
     ensure_data,
     initial_model,
@@ -67,19 +67,18 @@ from fedpose.shared.runs import (
     private_records,
     training_records,
 )
-from fedpose.shared.batches import make_dataset, to_device
-from fedpose.shared.privacy.audit_hooks import AuditHooks, ReleasedStep
-from fedpose.shared.provenance import select_device
-from fedpose.shared.schedule import steps_per_epoch
-from fedpose.shared.train import LocalData, LocalRun, local_train, step_spec
-from fedpose.shared.yaml_io import write_json
+from fedpose.shared.training.batches import make_dataset, to_device
+from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
+from fedpose.shared.training.provenance import select_device
+from fedpose.shared.training.schedule import steps_per_epoch
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.configuration.yaml_io import write_json
+from fedpose.shared.configuration.methods import PRIVATE, PROJECTED, RECORD_LEVEL, WITH_PUBLIC
 
 log = logging.getLogger(__name__)
 
-AUDITED_METHODS = ("dpsgd", "proj", "fdp", "fpdp")
 MODES = ("gradient", "input")
 PLACEMENTS = ("dirac", "span")
-PROJECTING = ("proj", "fpdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,8 +107,8 @@ class AuditSpec:
     span_skip: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in AUDITED_METHODS:
-            raise ValueError(f"method={self.method!r} cannot be audited; choose one of {AUDITED_METHODS} "
+        if self.method not in PRIVATE:
+            raise ValueError(f"method={self.method!r} cannot be audited; choose one of {PRIVATE} "
                              "(nonprivate claims nothing)")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is unknown; choose one of {MODES}")
@@ -126,10 +125,10 @@ class AuditSpec:
                 raise ValueError("placement applies to gradient canaries; input canaries are images")
             return
         if self.placement is None:  # resolved here, once, and reported in every result
-            object.__setattr__(self, "placement", "span" if self.method in PROJECTING else "dirac")
+            object.__setattr__(self, "placement", "span" if self.method in PROJECTED else "dirac")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is unknown; choose one of {PLACEMENTS}")
-        if self.placement == "span" and self.method not in PROJECTING:
+        if self.placement == "span" and self.method not in PROJECTED:
             raise ValueError(f"placement='span' puts canaries inside span(V); method={self.method!r} has no V "
                              "(use 'dirac')")
         if isinstance(self.span_skip, bool) or not isinstance(self.span_skip, int) or self.span_skip < 0:
@@ -160,10 +159,10 @@ def audit_note(method: str, mode: str, psi: str | None, placement: str | None = 
                unit: str = "record") -> str:
     """What the printed bound is about, per method and privacy unit (P8 wording)."""
     parts = []
-    if method in ("dpsgd", "proj") and unit == "patient":
+    if method in RECORD_LEVEL and unit == "patient":
         parts.append("the claim audited is patient-level DP (add/remove one patient and all of their records): "
                      "each canary is one canary patient, its clipped mean gradient one C-vector, sampled at q_p")
-    elif method in ("dpsgd", "proj"):
+    elif method in RECORD_LEVEL:
         parts.append("the claim audited is record-level DP (add/remove one record): each canary is one record")
     elif unit == "patient":
         parts.append(f"the claim audited is patient-level Feature-DP relative to psi = {psi}: each canary is one "
@@ -171,7 +170,7 @@ def audit_note(method: str, mode: str, psi: str | None, placement: str | None = 
     else:
         parts.append(f"the claim audited is Feature-DP relative to psi = {psi}: canaries differ in x with psi(x) "
                      "and the labels fixed (psi(x) and the labels are public by assumption), not record-level DP")
-    if method in ("proj", "fpdp"):
+    if method in PROJECTED:
         if mode == "gradient" and placement == "dirac":
             parts.append("the projection onto span(V) is post-processing, so the bound must still hold; a Dirac "
                          "canary coordinate mostly outside span(V) is largely projected away, so this audit is weak "
@@ -229,7 +228,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         torch.manual_seed(spec.seed)
     dataset = make_dataset(private, cfg, train=True, seed=spec.seed)
     public_eval = make_dataset(public, cfg, train=False)
-    psi = psi_label_of(cfg.privacy) if spec.method in ("fdp", "fpdp") else None
+    psi = psi_label_of(cfg.privacy) if spec.method in WITH_PUBLIC else None
     desc = f"audit {spec.method} ({spec.mode} canaries)"
 
     released_coords = None
@@ -288,7 +287,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         members = [r for r, keep in zip(canary_records, included) if keep]
         train_set = make_dataset(private + members, cfg, train=True, seed=spec.seed)
         psi_source = None
-        if spec.method in ("fdp", "fpdp"):  # psi(x) and labels of every canary, IN or OUT, are public
+        if spec.method in WITH_PUBLIC:  # psi(x) and labels of every canary, IN or OUT, are public
             psi_source = PoseDataset(private + canary_records, input_size=cfg.data.input_size, augment=None)
         hooks = AuditHooks(psi_source=psi_source)
         # The mechanism as it runs: Poisson rate q over the records the run was planned for, the noisy sum

@@ -2,7 +2,7 @@
 
 Setting (Carlini et al., "Membership inference attacks from first
 principles", S&P 2022, "LiRA"): a pool of records; K models of one training
-method, each trained with ``fedpose.shared.train.local_train`` on an independent
+method, each trained with ``fedpose.shared.training.loop.local_train`` on an independent
 random half of the pool (each record IN with probability 1/2 per model).
 Every model in turn is the target and the other K - 1 its shadow models, so
 each record has about (K - 1) / 2 IN and (K - 1) / 2 OUT shadows:
@@ -33,21 +33,22 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fedpose.shared.config import Config
+from fedpose.shared.configuration.schema import Config
 from fedpose.shared.data.dataset import PoseDataset
-from fedpose.shared.privacy.accountant import (
+from fedpose.shared.privacy.accounting.accountant import (
     StepRecord,
     calibrate_sigma,
     check_delta,
     epsilon_spent,
 )
-from fedpose.shared.privacy.noise import make_generator
-from fedpose.shared.runs import ensure_data, initial_model, load_records
-from fedpose.shared.batches import make_dataset, to_device
-from fedpose.shared.provenance import select_device
-from fedpose.shared.schedule import steps_per_epoch
-from fedpose.shared.train import PRIVATE, LocalData, LocalRun, local_train, step_spec
-from fedpose.shared.yaml_io import write_json
+from fedpose.shared.privacy.step.noise import make_generator
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records
+from fedpose.shared.training.batches import make_dataset, to_device
+from fedpose.shared.training.provenance import select_device
+from fedpose.shared.training.schedule import steps_per_epoch
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.configuration.methods import PRIVATE
+from fedpose.shared.configuration.yaml_io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class MiaSpec:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        from fedpose.shared.config import METHODS
+        from fedpose.shared.configuration.methods import METHODS
 
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise ValueError(f"methods={self.methods!r} must be a non-empty subset of {METHODS}")

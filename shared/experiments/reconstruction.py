@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedpose.shared.config import Config, replace
+from fedpose.shared.configuration.schema import Config, replace
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.tinyvit_blocks import ConvNorm, PatchMerging
+from fedpose.shared.configuration.methods import PROJECTED
 
 OFFSET = 16.0  # every kept value rides on this: GELU(x) == x exactly in float32 for x >= 5.37
 LUMA_BLOCK = 4  # px: the stem averages 4x4 blocks
@@ -241,9 +242,9 @@ def attack_content(cfg: Config, crafted: Crafted, basis: torch.Tensor | None, *,
     fpdp the broadcast V (version ``round``) that leaves the read tensors out. ``cfg`` from ``attack_config``."""
     from flwr.app import RecordDict
 
-    from fedpose.shared.federation_messages import ARRAYS, BASIS, CONFIG, TrainRequest, basis_record, weights_record
+    from fedpose.shared.flower.messages import ARRAYS, BASIS, CONFIG, TrainRequest, basis_record, weights_record
 
-    projected = cfg.train.method in ("proj", "fpdp")
+    projected = cfg.train.method in PROJECTED
     request = TrainRequest(federation=federation, round=round, site=site, sigma=sigma, sample_rate=sample_rate,
                            steps=1, basis_version=round if projected else 0, basis_mode="broadcast", config=cfg)
     content = RecordDict({ARRAYS: weights_record(crafted.state), CONFIG: request.to_record()})

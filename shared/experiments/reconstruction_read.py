@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedpose.shared.config import ModelConfig
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.experiments.reconstruction import COLOUR_BLOCK, GATE, LUMA_BLOCK, OFFSET, Crafted
 from fedpose.shared.model.posenet import IMAGENET_MEAN, IMAGENET_STD
 

@@ -28,21 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from fedpose.shared.config import (
-    Config,
-    ConfigError,
-    Method,
-    Strategy,
-    config_from_dict,
-    flatten,
-    flatten_plain,
-    load_config,
-    read_yaml,
-    section_from_dict,
-    to_dict,
-    unflatten,
-)
-from fedpose.shared.config_flat import identity_flat
+from fedpose.shared.configuration.schema import Config, Strategy, config_from_dict, load_config, section_from_dict
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.flat import flatten, flatten_plain, to_dict, unflatten
+from fedpose.shared.configuration.yaml_io import read_yaml
+from fedpose.shared.configuration.methods import METHODS, Method
+from fedpose.shared.configuration.flat import identity_flat
 
 Setting = Literal["centralized", "federated", "reference"]
 Baseline = Literal["psi-only", "pretrained"]
@@ -58,7 +49,7 @@ class StudyAxes:
     """The grid's values, checked like every config section (types, Literals, unknown keys)."""
 
     base: str
-    methods: tuple[Method, ...] = ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
+    methods: tuple[Method, ...] = METHODS
     epsilons: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     clips: tuple[float, ...] = (0.01, 0.1, 1.0)
     strategies: tuple[Strategy, ...] = ("finetune", "full", "scratch")

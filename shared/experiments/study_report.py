@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.shared.experiments.study import COLUMNS, GROUPS
+from fedpose.shared.configuration.methods import PRIVATE
 
-PRIVATE_ORDER = ("dpsgd", "proj", "fdp", "fpdp")
-METHOD_ORDER = ("pretrained", "psi-only", "nonprivate", *PRIVATE_ORDER)
+METHOD_ORDER = ("pretrained", "psi-only", "nonprivate", *PRIVATE)
 SETTING_ORDER = ("centralized", "federated", "reference")
 SETTING_TITLES = {"centralized": "centralized", "federated": "federated",
                   "reference": "reference (pooled, the federation's batch and noise)"}
@@ -129,7 +129,7 @@ def tables_markdown(rows: list[dict[str, Any]]) -> str:
     if baseline_rows:
         parts.append(_table("Non-private baselines (centralized)", baseline_rows))
     for setting in SETTING_ORDER:
-        points = sorted({(p[2], p[4], p[3]) for p in groups if p[0] == setting and p[1] in PRIVATE_ORDER},
+        points = sorted({(p[2], p[4], p[3]) for p in groups if p[0] == setting and p[1] in PRIVATE},
                         key=lambda t: (t[0], t[1], t[2]))
         for strategy, clip, eps in points:
             labelled = []
@@ -137,7 +137,7 @@ def tables_markdown(rows: list[dict[str, Any]]) -> str:
             if reference:
                 labelled.append(("nonprivate" if setting == "centralized" else "nonprivate (centralized)",
                                  reference))
-            for method in PRIVATE_ORDER:
+            for method in PRIVATE:
                 group = groups.get((setting, method, strategy, eps, clip, "", ""))
                 if group:
                     labelled.append((method, group))
@@ -155,14 +155,14 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """PCKh@0.5 mean against eps, one row per method (the figures as a table)."""
     groups = by_point(rows)
     out = ["## PCKh@0.5 mean against eps", ""]
-    panels = sorted({(p[0], p[2], p[4]) for p in groups if p[1] in PRIVATE_ORDER}, key=str)
+    panels = sorted({(p[0], p[2], p[4]) for p in groups if p[1] in PRIVATE}, key=str)
     for setting, strategy, clip in panels:
         eps_values = sorted({p[3] for p in groups if p[0] == setting and p[2] == strategy and p[4] == clip
                              and p[3] is not None})
         out += [f"### {setting}, {strategy}, C = {clip}", "",
                 "| method | " + " | ".join(f"eps {e:g}" for e in eps_values) + " |",
                 "|---|" + "---|" * len(eps_values)]
-        for method in PRIVATE_ORDER:
+        for method in PRIVATE:
             cells = [_fmt(*mean_std(groups.get((setting, method, strategy, e, clip, "", ""), []), "mean"))
                      for e in eps_values]
             if any(c != "-" for c in cells):
@@ -202,14 +202,14 @@ def gap_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return mean_std(groups.get((setting, method, strategy, eps, clip, "", ""), []), "mean")[0]
 
     out = []
-    points = sorted({(p[0], p[2], p[4], p[3]) for p in groups if p[1] in PRIVATE_ORDER}, key=str)
+    points = sorted({(p[0], p[2], p[4], p[3]) for p in groups if p[1] in PRIVATE}, key=str)
     for setting, strategy, clip, eps in points:
         ref_setting = setting
         nonprivate = mean_of(setting, "nonprivate", strategy, None, None)
         if math.isnan(nonprivate) and setting != "centralized":
             ref_setting = "centralized"
             nonprivate = mean_of("centralized", "nonprivate", strategy, None, None)
-        values = {m: mean_of(setting, m, strategy, eps, clip) for m in PRIVATE_ORDER}
+        values = {m: mean_of(setting, m, strategy, eps, clip) for m in PRIVATE}
         denominator = nonprivate - values["dpsgd"]
         gap = (values["fpdp"] - values["dpsgd"]) / denominator if denominator and not math.isnan(denominator) \
             else math.nan
@@ -259,13 +259,13 @@ def eps_figures(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
 
     grid = [r for r in rows if not r["ablation"]]
     groups = by_point(grid)
-    panels = sorted({(p[2], p[4]) for p in groups if p[1] in PRIVATE_ORDER}, key=str)
-    settings = [s for s in SETTING_ORDER if any(p[0] == s and p[1] in PRIVATE_ORDER for p in groups)]
+    panels = sorted({(p[2], p[4]) for p in groups if p[1] in PRIVATE}, key=str)
+    settings = [s for s in SETTING_ORDER if any(p[0] == s and p[1] in PRIVATE for p in groups)]
     written = []
     for strategy, clip in panels:
         fig, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 4), sharey=True, squeeze=False)
         for ax, setting in zip(axes[0], settings):
-            for method in PRIVATE_ORDER:
+            for method in PRIVATE:
                 pts = sorted((p[3], g) for p, g in groups.items()
                              if p[0] == setting and p[1] == method and p[2] == strategy and p[4] == clip and not p[6])
                 if not pts:
@@ -314,8 +314,8 @@ def qualitative_figure(path: Path, out: Path, cells: list[Any], study: Any, *, i
     from fedpose.shared.data.joints import SKELETON
     from fedpose.shared.experiments.study import cell_dir
     from fedpose.shared.model.posenet import load_checkpoint
-    from fedpose.shared.runs import load_records
-    from fedpose.shared.evaluation import evaluate
+    from fedpose.shared.training.runs import load_records
+    from fedpose.shared.metrics.evaluation import evaluate
 
     def weights_of(cell: Any) -> Path:
         where = cell_dir(out, cell)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedpose.shared.config import ConfigError, ModelConfig, Strategy
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.schema import ModelConfig, Strategy
 from fedpose.shared.data.joints import NUM_JOINTS
 from fedpose.shared.model.face_head import FaceHead, face_losses, loss_terms
 from fedpose.shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
@@ -169,7 +170,7 @@ class PoseLoss:
 
     Frozen parameters and buffers are closed over (detached), so ``torch.func.grad``
     differentiates only what the strategy trains. It also shows the loss's structure
-    to book-keeping clipping (``fedpose.shared.privacy.bookkeeping``): ``parts`` runs the model
+    to book-keeping clipping (``fedpose.shared.privacy.step.bookkeeping``): ``parts`` runs the model
     to the per-sample task losses, ``combine`` weighs them, and ``combine_names`` are
     the parameters only ``combine`` uses (the task-uncertainty weights).
     """
@@ -263,7 +264,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not isinstance(mc, dict) or not isinstance(state, dict):
         raise ValueError(f"checkpoint {path}: model_config and state_dict must be mappings")
     # Validate every dimension (ModelConfig's own bounds, DataConfig's input bounds) before building.
-    from fedpose.shared.config import DataConfig, section_from_dict
+    from fedpose.shared.configuration.schema import DataConfig, section_from_dict
 
     try:
         cfg = section_from_dict(ModelConfig, dict(mc), "model_config")

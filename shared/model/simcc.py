@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedpose.shared.model.simcc_decode import decode_simcc  # noqa: F401  (the decode lives torch-free)
 from fedpose.shared.model.tinyvit_blocks import LayerNorm2d
 
 

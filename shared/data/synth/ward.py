@@ -16,7 +16,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from fedpose.shared.config_flat import without_as_before
+from fedpose.shared.configuration.flat import without_as_before
 from fedpose.shared.data.face import FACES_FILE, FaceLabels, write_faces
 from fedpose.shared.data.mpii import box_to_json
 from fedpose.shared.data.records import PoseRecord, inside

@@ -1,7 +1,7 @@
 """What a training step reads: datasets from records, batches on the device, psi of a batch, V from public data.
 
 Every function here is a plain transformation of data the caller already holds; the privacy step itself
-(``fedpose.shared.privacy.fpdp``) never sees a dataset, only the batches made here.
+(``fedpose.shared.privacy.step.fpdp``) never sees a dataset, only the batches made here.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fedpose.shared.allocator import keep_freed_memory
-from fedpose.shared.config import Config, PrivacyConfig
+from fedpose.shared.training.allocator import keep_freed_memory
+from fedpose.shared.configuration.schema import Config, PrivacyConfig
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.records import PoseRecord
 from fedpose.shared.data.transforms import Augment
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.shared.privacy.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
-from fedpose.shared.privacy.subspace import compute_basis
+from fedpose.shared.privacy.step.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.step.subspace import compute_basis
 
 
 def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:

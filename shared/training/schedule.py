@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from fedpose.shared.config import TrainConfig
+from fedpose.shared.configuration.schema import TrainConfig
 
 
 def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:

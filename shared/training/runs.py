@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
-from fedpose.shared.config import Config, ConfigError, dump_config
+from fedpose.shared.configuration.schema import Config, dump_config
+from fedpose.shared.errors import ConfigError
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.data.patients import PatientGroups, group_by_patient, stated_group_size
 from fedpose.shared.data.records import PoseRecord
 from fedpose.shared.data.split import check_disjoint, check_no_duplicates
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.digest import data_identity
-from fedpose.shared.data.synth import ensure_faces, ensure_ward
+from fedpose.shared.data.synth.ward import ensure_faces, ensure_ward
 from fedpose.shared.data.transforms import Augment
 from fedpose.shared.model.posenet import (
     PoseNet,
@@ -34,20 +35,21 @@ from fedpose.shared.model.posenet import (
     save_checkpoint,
 )
 from fedpose.shared.model.tinyvit import fuse_batchnorm
-from fedpose.shared.privacy.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
-from fedpose.shared.privacy.claims import privacy_claim
-from fedpose.shared.privacy.group import group_privacy
-from fedpose.shared.privacy.psi import psi_label_of
-from fedpose.shared.privacy.noise import make_generator
-from fedpose.shared.pretraining import pretrain_loop
-from fedpose.shared.provenance import configure_numerics, provenance
-from fedpose.shared.batches import make_dataset
-from fedpose.shared.config_flat import config_fingerprint
-from fedpose.shared.evaluation import evaluate
-from fedpose.shared.provenance import select_device
-from fedpose.shared.schedule import steps_per_epoch
-from fedpose.shared.train import PRIVATE, LocalData, LocalRun, local_train, step_spec
-from fedpose.shared.yaml_io import write_json
+from fedpose.shared.privacy.accounting.accountant import StepRecord, calibrate_sigma, check_delta, epsilon_spent
+from fedpose.shared.privacy.accounting.claims import privacy_claim
+from fedpose.shared.privacy.accounting.group import group_privacy
+from fedpose.shared.privacy.step.psi import psi_label_of
+from fedpose.shared.privacy.step.noise import make_generator
+from fedpose.shared.training.pretraining import pretrain_loop
+from fedpose.shared.training.provenance import configure_numerics, provenance
+from fedpose.shared.training.batches import make_dataset
+from fedpose.shared.configuration.flat import config_fingerprint
+from fedpose.shared.metrics.evaluation import evaluate
+from fedpose.shared.training.provenance import select_device
+from fedpose.shared.training.schedule import steps_per_epoch
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.configuration.methods import PRIVATE, PROJECTED, WITH_PUBLIC
+from fedpose.shared.configuration.yaml_io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +324,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
             group_epsilon, group_delta = group_privacy(epsilon=epsilon, delta=cfg.privacy.delta, k=group_size)
     log.info("ran %d steps on n=%d %ss, mean Poisson batch %.1f (kept in this log only)", result.steps, n, unit,
              result.mean_batch)
-    psi_name = psi_label_of(cfg.privacy) if method in ("fdp", "fpdp") else None
+    psi_name = psi_label_of(cfg.privacy) if method in WITH_PUBLIC else None
     claim = privacy_claim(
         method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
         psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released, unit=unit,
@@ -351,7 +353,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": psi_name,
         "images": cfg.train.images if cfg.train.images == "raw" else psi_label_of(cfg.privacy),
-        "k": cfg.privacy.k if method in ("proj", "fpdp") else None,
+        "k": cfg.privacy.k if method in PROJECTED else None,
         "seeded": seeded,
         "claim": claim,
         "initial_pckh_mean": float(start["pckh"]["mean"]),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fedpose.shared.config import Config, TrainConfig
+from fedpose.shared.configuration.schema import Config, TrainConfig
 
 
 def state_path(ledger_path: str | Path, federation: str) -> Path:
@@ -65,7 +65,7 @@ def load_state(path: str | Path, optimizer: torch.optim.Optimizer, params: list[
 
 
 def trainable_params(model: torch.nn.Module, trainable: list[str]) -> list[torch.Tensor]:
-    """The parameters in the order ``fedpose.shared.train.local_train`` gives them to its optimizer."""
+    """The parameters in the order ``fedpose.shared.training.loop.local_train`` gives them to its optimizer."""
     named = dict(model.named_parameters())
     return [named[name] for name in trainable]
 
@@ -75,7 +75,7 @@ def site_optimizer(cfg: Config, model: torch.nn.Module, trainable: list[str], le
     """The optimizer for this round: None (``fresh``: local_train makes one) or the kept one, loaded from disk."""
     if cfg.federation.site_optimizer != "keep":
         return None
-    from fedpose.shared.schedule import make_optimizer
+    from fedpose.shared.training.schedule import make_optimizer
 
     params = trainable_params(model, trainable)
     opt = make_optimizer(params, cfg.train)

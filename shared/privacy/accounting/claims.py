@@ -8,7 +8,7 @@ claim text is produced in one place and worded for each method.
 
 Every claim names its privacy unit (issue #11). A record-level claim also says
 what it means for a patient filmed in several frames: the group-privacy bound
-(``fedpose.shared.privacy.group``) at the most records a patient has, or, when that
+(``fedpose.shared.privacy.accounting.group``) at the most records a patient has, or, when that
 number is not known, that a patient with k records gets only (k eps, ...).
 A patient-level claim covers all of a patient's records at once.
 """
@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import math
 
-from fedpose.shared.privacy.fpdp import FEATURE_METHODS, METHODS, PROJECTED_METHODS, UNITS
-from fedpose.shared.privacy.group import group_privacy
+from fedpose.shared.privacy.step.fpdp import UNITS
+from fedpose.shared.configuration.methods import WITH_PUBLIC, METHODS, PROJECTED
+from fedpose.shared.privacy.accounting.group import group_privacy
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def privacy_claim(
         if not 0 < delta < 1:
             raise ValueError(f"delta={delta!r} must be in (0, 1)")
         budget = f"(eps={epsilon:.4g}, delta={delta:.3g})"
-        if method in FEATURE_METHODS and not psi:
+        if method in WITH_PUBLIC and not psi:
             raise ValueError(f"method={method!r} needs the psi description for its claim")
         if unit == "patient":
             used = "all of their records" if records_per_patient is None else \
@@ -100,7 +101,7 @@ def privacy_claim(
                 f"patient's records; each sampled patient contributes the clipped mean gradient of {used}), "
                 f"{accountant.upper()} accountant"
             )
-            if method in FEATURE_METHODS:
+            if method in WITH_PUBLIC:
                 text = (
                     f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
                     f"patient and {public_labels(face_tasks)} are treated as public and may be revealed by the model; "
@@ -114,19 +115,19 @@ def privacy_claim(
                 f"per site, Poisson sampling, add/remove-one-record adjacency, "
                 f"{accountant.upper()} accountant"
             )
-            if method in FEATURE_METHODS:
+            if method in WITH_PUBLIC:
                 text = (
                     f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and "
                     f"{public_labels(face_tasks)} are treated as public and may be revealed by the model; this is not "
                     "record-level DP"
                 )
-            if method in FEATURE_METHODS:
+            if method in WITH_PUBLIC:
                 text += "; " + SERVER_READS.format(labels=public_labels(face_tasks).removeprefix("the "))
             else:
                 text = f"record-level {budget}-DP {mechanism}"
             text += "; " + _for_a_patient(epsilon, delta, records_per_patient, records_source,
-                                          feature=method in FEATURE_METHODS)
-        if psi_dp is not None and method in FEATURE_METHODS:
+                                          feature=method in WITH_PUBLIC)
+        if psi_dp is not None and method in WITH_PUBLIC:
             eps_pix, m = psi_dp
             pixels = f"{m} pixel{'s' if m != 1 else ''}"
             text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each record's input crop, released "
@@ -135,7 +136,7 @@ def privacy_claim(
             if unit == "patient":
                 text += f", in j of a patient's records (eps + j x {eps_pix:g}, {delta:.3g})-DP"
             text += "; a larger change is covered by the Feature-DP statement only"
-        if method in PROJECTED_METHODS:
+        if method in PROJECTED:
             text += "; the projection basis is computed from public data only"
     if released and method != "nonprivate":
         text += f"; {released}"

@@ -47,24 +47,20 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.canaries import DiracGrads, SpanGrads
-from fedpose.shared.privacy.noise import add_noise_and_scale_
-from fedpose.shared.privacy.clipping import check_groups, clipped_grad_sum, clipped_group_sum
-from fedpose.shared.privacy.persample import LossFn, batch_size_of, check_params, mean_grad
-from fedpose.shared.privacy.psi import PsiBatch
-from fedpose.shared.privacy.subspace import flatten, project, unflatten
+from fedpose.shared.privacy.audit.canaries import DiracGrads, SpanGrads
+from fedpose.shared.privacy.step.noise import add_noise_and_scale_
+from fedpose.shared.privacy.step.clipping import check_groups, clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.step.persample import LossFn, batch_size_of, check_params, mean_grad
+from fedpose.shared.privacy.step.psi import PsiBatch
+from fedpose.shared.privacy.step.subspace import flatten, project, unflatten
+from fedpose.shared.configuration.methods import METHODS, Method, PROJECTED, WITH_PUBLIC
 
 log = logging.getLogger(__name__)
 
-Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
-METHODS: tuple[str, ...] = ("nonprivate", "dpsgd", "proj", "fdp", "fpdp")
-PROJECTED_METHODS: tuple[str, ...] = ("proj", "fpdp")
-FEATURE_METHODS: tuple[str, ...] = ("fdp", "fpdp")
 UNITS: tuple[str, ...] = ("record", "patient")
 
 
@@ -136,12 +132,12 @@ class DPSpec:
     @property
     def projects(self) -> bool:
         """True when the private gradient is projected onto span(V)."""
-        return self.method in PROJECTED_METHODS
+        return self.method in PROJECTED
 
     @property
     def uses_public(self) -> bool:
         """True when the public gradient on psi(x) is added (Feature-DP)."""
-        return self.method in FEATURE_METHODS
+        return self.method in WITH_PUBLIC
 
 
 def _all_finite(tensors: Mapping[str, Tensor]) -> bool:
@@ -178,7 +174,7 @@ def _noisy_private_sum(
     """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient,
     the number of non-finite contributions left out: P14).
 
-    ``canaries`` (audit only, ``fedpose.shared.privacy.canaries``): extra per-sample
+    ``canaries`` (audit only, ``fedpose.shared.privacy.audit.canaries``): extra per-sample
     gradients of this step's Poisson-drawn canaries, clipped to C and added to
     the same sum as the records' before the noise (at patient level a canary is
     a canary patient: one clipped C-vector in the per-patient sum). In-span

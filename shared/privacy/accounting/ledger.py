@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from fedpose.shared.private_files import narrow_if_present, private_dir, private_file
-from fedpose.shared.privacy.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
+from fedpose.shared.privacy.accounting.accountant import ACCOUNTANTS, StepRecord, epsilon_spent
 
 log = logging.getLogger(__name__)
 

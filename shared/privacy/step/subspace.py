@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy import bookkeeping
-from fedpose.shared.privacy.persample import (
+from fedpose.shared.privacy.step import bookkeeping
+from fedpose.shared.privacy.step.persample import (
     LossFn,
     batch_size_of,
     check_params,

@@ -10,9 +10,9 @@ from tqdm.auto import tqdm
 
 from fedpose.shared.data.dataset import FACE_KEYS, PoseDataset
 from fedpose.shared.data.records import PoseRecord
-from fedpose.shared.metrics import pckh_report
+from fedpose.shared.metrics.pose import pckh_report
 from fedpose.shared.model.posenet import PoseNet
-from fedpose.shared.model.simcc import decode_simcc
+from fedpose.shared.model.simcc_decode import decode_simcc
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def evaluate(
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """PCKh@0.5 / @0.1 on ``records`` (with head boxes); returns (report, keypoints in image px, scores).
 
-    A model with face tasks also gets ``report["face"]`` (``fedpose.shared.face_metrics.face_report``, in the input
+    A model with face tasks also gets ``report["face"]`` (``fedpose.shared.metrics.face.face_report``, in the input
     crop's pixels) over the records that carry face labels.
     """
     from fedpose.shared.data.transforms import inverse_transform, record_boxes
@@ -73,7 +73,7 @@ def evaluate(
 
 
 def _face_report(model: PoseNet, face_out: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> dict[str, Any]:
-    from fedpose.shared.face_metrics import face_report
+    from fedpose.shared.metrics.face import face_report
     from fedpose.shared.model.face_decode import decode_face, split_face
 
     out = np.concatenate([o for o, _ in face_out])

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedpose.shared.config import Config, config_from_dict, to_dict
+from fedpose.shared.configuration.schema import Config, config_from_dict
+from fedpose.shared.configuration.flat import to_dict
 
 log = logging.getLogger(__name__)
 

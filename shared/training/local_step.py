@@ -1,6 +1,6 @@
 """The four phases of one local training step: sample, public batch, DP gradient, update.
 
-``StepPhases`` is built once per ``fedpose.shared.train.local_train`` call from its ready ``LocalRun``; the loop
+``StepPhases`` is built once per ``fedpose.shared.training.loop.local_train`` call from its ready ``LocalRun``; the loop
 then calls, every step:
 
 1. ``sample``: a Poisson sample of the private records (q = the spec's sample rate; P4), or of patients at
@@ -18,21 +18,21 @@ import time
 import numpy as np
 import torch
 
-from fedpose.shared.batches import make_psi_from, psi_on, public_basis_at, to_device
+from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, to_device
 from fedpose.shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
-from fedpose.shared.privacy.audit_hooks import AuditHooks, ReleasedStep
-from fedpose.shared.privacy.fpdp import dp_gradient
-from fedpose.shared.privacy.psi import PsiBatch
-from fedpose.shared.privacy.sampling import augmented_copies, poisson_sample
-from fedpose.shared.privacy.subspace import column_major
-from fedpose.shared.schedule import lr_factor, make_optimizer
-from fedpose.shared.weight_average import WeightAverage
+from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
+from fedpose.shared.privacy.step.fpdp import dp_gradient
+from fedpose.shared.privacy.step.psi import PsiBatch
+from fedpose.shared.privacy.step.sampling import augmented_copies, poisson_sample
+from fedpose.shared.privacy.step.subspace import column_major
+from fedpose.shared.training.schedule import lr_factor, make_optimizer
+from fedpose.shared.training.weight_average import WeightAverage
 
 
 class StepPhases:
     """The state one ``local_train`` call steps with, and its four phases (see the module docstring).
 
-    ``run``, ``data`` are ``fedpose.shared.train.LocalRun`` and ``LocalData``. Everything a step could
+    ``run``, ``data`` are ``fedpose.shared.training.loop.LocalRun`` and ``LocalData``. Everything a step could
     refuse is checked here, before the first step: nothing trains on a request that cannot finish.
     """
 

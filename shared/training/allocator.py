@@ -8,7 +8,7 @@ step, which holds more such tensors. ``keep_freed_memory`` raises glibc's mappin
 (32 MB) and stops it from returning the top of the heap to the OS, so the freed blocks are reused.
 
 The process keeps its peak heap for its lifetime, which a training process reaches every step anyway. It
-changes no value any tensor holds. Called by ``fedpose.shared.train.local_train`` and ``public_basis_at``; on a
+changes no value any tensor holds. Called by ``fedpose.shared.training.loop.local_train`` and ``public_basis_at``; on a
 system without glibc (macOS, musl) it does nothing and says so with its return value.
 """
 

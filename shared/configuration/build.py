@@ -1,8 +1,8 @@
 """Frozen dataclasses from plain data (parsed YAML), checked against their type hints at the boundary.
 
 The one builder behind the run config, its sections read from checkpoints and messages, and the study axes
-(``fedpose.shared.config``): ``Literal``, ``Optional``/unions, fixed and variable tuples, nested dataclasses and finite
-numbers; a failure names the dotted key path.
+(``fedpose.shared.configuration.schema``): ``Literal``, ``Optional``/unions, fixed and variable tuples, nested
+dataclasses and finite numbers; a failure names the dotted key path.
 """
 
 from __future__ import annotations

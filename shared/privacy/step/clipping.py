@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy import bookkeeping
-from fedpose.shared.privacy.persample import (
+from fedpose.shared.privacy.step import bookkeeping
+from fedpose.shared.privacy.step.persample import (
     LossFn,
     batch_size_of,
     check_params,

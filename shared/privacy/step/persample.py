@@ -16,7 +16,7 @@ function with B = 1: we ``vmap`` over ``grad`` of that single-sample loss.
 
 Memory: per-sample gradients cost B x p floats. ``iter_per_sample_grads``
 yields them in chunks of ``chunk_size`` samples, so a consumer that clips and
-sums them (``fedpose.shared.privacy.clipping``) holds chunk_size x p at most,
+sums them (``fedpose.shared.privacy.step.clipping``) holds chunk_size x p at most,
 regardless of the (Poisson, hence random) batch size.
 """
 

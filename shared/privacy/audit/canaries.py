@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.clipping import clip_factors
+from fedpose.shared.privacy.step.clipping import clip_factors
 
 log = logging.getLogger(__name__)
 

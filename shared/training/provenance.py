@@ -31,7 +31,7 @@ def select_device(name: str) -> torch.device:
     """``auto``: CUDA when a GPU is present (hospital GPU boxes), else CPU; one code path for both."""
     import torch
 
-    from fedpose.shared.config import ConfigError
+    from fedpose.shared.errors import ConfigError
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpose.shared.config import Config, ConfigError, load_config, parse_yaml
+from fedpose.shared.configuration.schema import Config, load_config
+from fedpose.shared.errors import ConfigError
+from fedpose.shared.configuration.yaml_io import parse_yaml
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {"config": "configs/default.yaml", "overrides": "", "out": "", "resume": False}
 

@@ -1,4 +1,4 @@
-"""The per-layer rules of book-keeping clipping (``fedpose.shared.privacy.bookkeeping``).
+"""The per-layer rules of book-keeping clipping (``fedpose.shared.privacy.step.bookkeeping``).
 
 Each rule holds one layer's per-sample gradients implicitly, from the layer's input ``a`` and the gradient of
 the summed loss at its output ``g``, and gives the per-sample squared norms, the clipped sum added into the
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedpose.shared.privacy.persample import zero_rows
+from fedpose.shared.privacy.step.persample import zero_rows
 
 
 class Instantiated:

@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from fedpose.shared.config_build import build_dataclass
-from fedpose.shared.config_flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from fedpose.shared.configuration.build import build_dataclass
+from fedpose.shared.configuration.flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
 from fedpose.shared.data.face import FACE_TASKS, valid_face_tasks
-from fedpose.shared.data.synth import WardSpec
+from fedpose.shared.data.synth.ward import WardSpec
 from fedpose.shared.errors import ConfigError
-from fedpose.shared.yaml_io import MAX_YAML_BYTES, dump_yaml, parse_yaml, read_yaml  # noqa: F401  (re-exported)
+from fedpose.shared.configuration.yaml_io import dump_yaml, read_yaml
+from fedpose.shared.configuration.methods import Method
 
-Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
 Unit = Literal["record", "patient"]
 Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head", "full-fixed-tasks"]
-METHODS: tuple[str, ...] = get_args(Method)
 UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 

@@ -3,8 +3,8 @@
 ``local_train`` runs a ready ``LocalRun`` (the DP step's spec, how many steps, where they sit in the run) on a
 ``LocalData`` (the private records, their patients, the public set V is computed from): the FP-DP step of
 docs/explanation/design.md (Algorithm 1 of the paper) or one of its four comparison methods, in the four phases
-of ``fedpose.shared.local_step``. It reports what actually ran (sigma, q, steps) so that the caller's accountant,
-not the plan, produces every epsilon.
+of ``fedpose.shared.training.local_step``. It reports what actually ran (sigma, q, steps) so that the caller's
+accountant, not the plan, produces every epsilon.
 """
 
 from __future__ import annotations
@@ -17,20 +17,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fedpose.shared.allocator import keep_freed_memory
-from fedpose.shared.config import Method, PrivacyConfig, TrainConfig
+from fedpose.shared.training.allocator import keep_freed_memory
+from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
+from fedpose.shared.configuration.methods import Method
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.patients import PatientGroups
-from fedpose.shared.local_step import StepPhases
+from fedpose.shared.training.local_step import StepPhases
 from fedpose.shared.model.posenet import PoseNet
-from fedpose.shared.privacy.audit_hooks import AuditHooks
-from fedpose.shared.privacy.fpdp import DPSpec
+from fedpose.shared.privacy.audit.hooks import AuditHooks
+from fedpose.shared.privacy.step.fpdp import DPSpec
 
 log = logging.getLogger(__name__)
-
-PROJECTED = ("proj", "fpdp")
-WITH_PUBLIC = ("fdp", "fpdp")
-PRIVATE = ("dpsgd", "proj", "fdp", "fpdp")
 
 
 @dataclass(frozen=True)
@@ -100,7 +97,7 @@ class LocalRun:
     """A ready spec of one ``local_train`` call: the DP step (``step_spec``), how many steps, the configs.
 
     ``schedule_span`` = (offset, total) places these steps in a longer run for ``train.schedule`` (a federated
-    site: offset = steps of earlier rounds, ``fedpose.shared.schedule.round_span``); default (0, steps).
+    site: offset = steps of earlier rounds, ``fedpose.shared.training.schedule.round_span``); default (0, steps).
     """
 
     step: DPSpec
@@ -157,7 +154,7 @@ def local_train(
 ) -> LocalResult:
     """Run ``run.steps`` optimizer steps of ``run.step`` on ``data``; the model is updated in place.
 
-    Per step (docs/explanation/design.md, the FP-DP step; ``fedpose.shared.local_step``):
+    Per step (docs/explanation/design.md, the FP-DP step; ``fedpose.shared.training.local_step``):
       sample:       private batch ~ Poisson(q) from raw images, q = the spec's sample rate  (P4)
       public batch: psi(x) of a site batch for fdp / fpdp                                  (P3)
       DP gradient:  g = (sum_i clip(g_i, C) + N(0, sigma^2 C^2 I)) / B                     (P1, P15)

@@ -49,8 +49,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedpose.shared.privacy.layer_rules import RULES, Instantiated, LinearLike, Stacked, bias_table, stack_instantiated
-from fedpose.shared.privacy.persample import are_the_models_own, batch_size_of, check_chunk_size
+from fedpose.shared.privacy.step.layer_rules import (RULES, Instantiated, LinearLike, Stacked, bias_table,
+                                                     stack_instantiated)
+from fedpose.shared.privacy.step.persample import are_the_models_own, batch_size_of, check_chunk_size
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
 # above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the

@@ -1,8 +1,9 @@
-"""What ``fedpose audit`` may attach to a private run of ``fedpose.shared.train.local_train`` (never set in production).
+"""What ``fedpose audit`` may attach to a private run of ``fedpose.shared.training.loop.local_train`` (never set in
+production).
 
 ``AuditHooks`` carries the canaries and the observer; ``ReleasedStep`` is what the
 observer sees after every step. Both are plain data: the audit itself lives in
-``fedpose.shared.experiments.audit``, the canaries in ``fedpose.shared.privacy.canaries``.
+``fedpose.shared.experiments.audit``, the canaries in ``fedpose.shared.privacy.audit.canaries``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fedpose.shared.data.dataset import PoseDataset
-from fedpose.shared.privacy.canaries import DiracCanaries, SpanCanaries
+from fedpose.shared.privacy.audit.canaries import DiracCanaries, SpanCanaries
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class AuditHooks:
 
     canaries: gradient canaries (Dirac or in-span), drawn every step with the
     records' q and added to their clipped sum before the noise
-    (``fedpose.shared.privacy.canaries``); in-span ones are built inside ``dp_gradient``
+    (``fedpose.shared.privacy.audit.canaries``); in-span ones are built inside ``dp_gradient``
     on the V that step projects with.
     observe(released): called after every step with a ``ReleasedStep``: the
     white-box auditor's view.

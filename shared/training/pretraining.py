@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.model.posenet import PoseNet
-from fedpose.shared.batches import to_device
+from fedpose.shared.training.batches import to_device
 
 
 def pretrain_loop(

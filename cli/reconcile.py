@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedpose.shared.privacy.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
 TOLERANCE = 1e-9
 

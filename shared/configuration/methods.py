@@ -1,0 +1,27 @@
+"""The training methods, and what each one implies, defined once (docs/explanation/design.md: the step).
+
+``nonprivate`` is plain SGD on the loss; the four private methods add clipping and Gaussian noise to the
+private gradient, ``proj``/``fpdp`` project it onto the public subspace V after the noise, and ``fdp``/``fpdp``
+add the noise-free public gradient on psi(x) (Feature-DP: psi(x) and the labels are public). A guarantee is
+record-level DP only for the methods without that public term.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Method = Literal["nonprivate", "dpsgd", "proj", "fdp", "fpdp"]
+METHODS: tuple[Method, ...] = get_args(Method)
+
+# method: (private: clipped and noised, projected: V (V^T g), public term: g_pub on psi(x))
+_PROPERTIES: dict[str, tuple[bool, bool, bool]] = {
+    "nonprivate": (False, False, False),
+    "dpsgd": (True, False, False),
+    "proj": (True, True, False),
+    "fdp": (True, False, True),
+    "fpdp": (True, True, True),
+}
+PRIVATE: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][0])
+PROJECTED: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][1])
+WITH_PUBLIC: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][2])  # Feature-DP (opt-in, P17)
+RECORD_LEVEL: tuple[Method, ...] = tuple(m for m in PRIVATE if m not in WITH_PUBLIC)  # record-level DP claims
