@@ -54,7 +54,7 @@ def test_declared_huge_frame_refused_before_allocation(tmp_path: Path) -> None:
     path = _npz(tmp_path / "big.npz", **_frame_fields(b=200000, s_b=200000, height=200000, width=200000))
     assert path.stat().st_size < 4096
     result = _bounded(f"""
-        from fedpose.edge.pixelize import restore
+        from fedpose.edge.pixelize.storage import restore
         try:
             restore({str(path)!r})
         except ValueError as err:
@@ -88,7 +88,7 @@ def test_zip_bomb_mask_refused_from_its_header(tmp_path: Path) -> None:
     path = _zip_bomb(tmp_path / "bomb.npz", 30000)  # 900 MB of mask in ~1 MB
     assert path.stat().st_size < 2_000_000
     result = _bounded(f"""
-        from fedpose.edge.pixelize import restore
+        from fedpose.edge.pixelize.storage import restore
         try:
             restore({str(path)!r})
         except ValueError as err:
