@@ -180,6 +180,51 @@ def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     assert not (tmp_path / "tight" / "basis-cache").exists()
 
 
+# Following one train message through the code: the functions of ours it enters, per module (dunders and
+# comprehensions left out). The training loop's modules stay at TRACE_STOPS or fewer; the others listed here
+# may not grow past what they take today (a ledger's methods, the per-layer clipping rules, the model).
+TRACE_STOPS = 5
+TRACE_CEILING = {
+    "fedpose.client.ledger": 15, "fedpose.shared.privacy.step.layer_rules": 12,
+    "fedpose.shared.privacy.step.bookkeeping": 11, "fedpose.shared.privacy.step.fpdp": 11,
+    "fedpose.shared.model.posenet": 9, "fedpose.shared.privacy.step.psi": 9,
+    "fedpose.shared.model.tinyvit_blocks": 9, "fedpose.shared.privacy.step.persample": 8,
+    "fedpose.client.site_data": 8, "fedpose.client.request": 7, "fedpose.client.site": 6,
+    "fedpose.shared.data.dataset": 6, "fedpose.shared.data.mpii": 6, "fedpose.shared.data.transforms": 6,
+}
+TRAINING_LOOP = ("fedpose.shared.training.loop", "fedpose.shared.training.local_step",
+                 "fedpose.shared.training.batches", "fedpose.shared.training.schedule")
+
+
+def test_a_train_message_stops_at_few_functions_per_module(world, tmp_path):
+    cfg, state, _, p = world
+    policy = _policy(cfg, tmp_path)
+    content = _request(cfg, state, sigma=min_sigma_for(policy), method="fpdp", basis_version=1)
+    basis, _ = torch.linalg.qr(torch.randn(p, cfg.privacy.k, dtype=torch.float64))
+    content[BASIS] = basis_record(basis.float(), version=1, dtype="float32")
+    stops: set[tuple[str, str]] = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            module, name = frame.f_globals.get("__name__", ""), frame.f_code.co_name
+            if module.startswith("fedpose.") and not name.startswith("<") and not (
+                    name.startswith("__") and name.endswith("__")):
+                stops.add((module, name))
+
+    sys.setprofile(profile)
+    try:
+        handle_train(content, policy)
+    finally:
+        sys.setprofile(None)
+    per_module: dict[str, list[str]] = {}
+    for module, name in sorted(stops):
+        per_module.setdefault(module, []).append(name)
+    assert all(module in per_module for module in TRAINING_LOOP), sorted(per_module)
+    over = {module: names for module, names in per_module.items()
+            if len(names) > TRACE_CEILING.get(module, TRACE_STOPS)}
+    assert not over, over
+
+
 def test_a_basis_narrower_than_k_is_used_and_a_wider_one_refused(world, tmp_path):
     """The public gradients can span fewer than k directions (the server's V then has fewer columns): projecting
     onto fewer orthonormal directions is still post-processing of the noised sum, so the site trains with it; a V
