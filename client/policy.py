@@ -78,7 +78,7 @@ import yaml
 from fedpose.shared.configuration.yaml_io import read_yaml
 from fedpose.shared.privacy.accounting.accountant import ACCOUNTANTS, StepRecord, calibrate_sigma, epsilon_spent
 from fedpose.shared.privacy.step.psi import PSI_KINDS
-from fedpose.shared.configuration.methods import PRIVATE, RECORD_LEVEL, WITH_PUBLIC
+from fedpose.shared.configuration.methods import PRIVATE, RECORD_LEVEL, UNITS, WITH_PUBLIC
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ POLICY_VERSION = 3
 FILL_ME = "FILL-ME"  # what a kit's template leaves for the site to fill (each has a command that fills it)
 # The opt-in line, as the refusal of a policy without it names it.
 OPT_IN = "release_blurred_images_and_labels: true"
-UNITS = ("record", "patient")
 
 # What a version-1 policy must add (named in the refusal of an old file).
 _V3_FIELDS = ("policy_version: 3", "expected_batch (the public normaliser B of the noisy sum: about sample_rate x "

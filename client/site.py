@@ -152,7 +152,7 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             log.warning("site %s: round %d of federation %s was charged but never finished: replaying the identical "
                         "request on its own seed (not spent again)", policy.site, request.round, request.federation)
         try:
-            return _train_charged(content, request, policy, ready, row, model, trainable, basis, seconds_basis,
+            return _train_charged(request, policy, ready, row, model, trainable, (basis, seconds_basis),
                                   progress=progress)
         except Exception as err:
             # A failure after the charge is final (P16): stored as the round's answer, its noise seed erased. A
@@ -198,9 +198,12 @@ def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> 
         return dict(open_round.rows[-1])
 
 
-def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any],
-                   model: Any, trainable: list[str], basis: Any, seconds_basis: float, *, progress: bool) -> Any:
-    """The charged round: private data is read from here on; any failure is already paid for."""
+def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], model: Any,
+                   trainable: list[str], obtained: tuple[Any, float], *, progress: bool) -> Any:
+    """The charged round: private data is read from here on; any failure is already paid for.
+
+    ``obtained``: the round's V (None for methods that do not project) and the seconds it took (``obtain_basis``).
+    """
     import torch
     from flwr.app import MetricRecord, RecordDict
 
@@ -213,6 +216,7 @@ def _train_charged(content: Any, request: Any, policy: SitePolicy, ready: SiteCh
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = request.config
+    basis, seconds_basis = obtained
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)
     checked = load_checked(policy, ready)
     # Only a charged round gets the received model scored at the site: a refused one costs no evaluation.

@@ -18,7 +18,7 @@ import yaml
 from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.experiments.audit import AuditSpec, run_audit
 from fedpose.shared.privacy.audit.canaries import DiracCanaries, DiracGrads
-from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
 from fedpose.shared.privacy.step.subspace import flatten
 
 
@@ -56,7 +56,7 @@ def test_a_dirac_canary_is_clipped_like_a_record_and_noised_with_the_sum():
     spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1e-9, sample_rate=0.5, expected_batch=2.0)
     canary = DiracGrads(coords=torch.tensor([3, 3]), values=torch.tensor([0.5, 7.0]))
     grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
-                           generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
+                           generator=torch.Generator().manual_seed(0), basis=None, audit=StepAudit(canaries=canary))
     flat = flatten(grads)
     # each canary clipped to C = 0.5 (the 7.0 one too), summed, divided by q n = 2
     assert flat[3].item() == pytest.approx((0.5 + 0.5) / 2, rel=1e-5)
@@ -190,13 +190,14 @@ def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
         assert alone.norm().item() == pytest.approx(0.5, rel=1e-5)  # norm C after clipping
         assert (alone - basis @ (basis.T @ alone)).norm().item() < 1e-6  # inside span(V)
         grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
-                               generator=torch.Generator().manual_seed(0), basis=basis, canaries=canary)
+                               generator=torch.Generator().manual_seed(0), basis=basis,
+                               audit=StepAudit(canaries=canary))
         expected = basis.double() @ (0.5 * u[0]) / 2.0  # all of it survives the projection; / (q n)
         assert torch.allclose(flatten(grads).double(), expected, atol=1e-6)
     with pytest.raises(ValueError, match="basis"):  # dpsgd has no V: span canaries are refused there
         dp_gradient(loss_fn, params, spec=DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.0, sample_rate=0.5,
                                                    expected_batch=2.0), private_batch=batch, psi_batch=None,
-                    generator=torch.Generator().manual_seed(0), basis=None, canaries=canary)
+                    generator=torch.Generator().manual_seed(0), basis=None, audit=StepAudit(canaries=canary))
 
 
 def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
@@ -230,8 +231,9 @@ def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
                            public=make_dataset(load_records(root, cfg.data.public_split), cfg, train=False))
     local_run = LocalRun(step_spec("proj", cfg.train, cfg.privacy, sigma=1.0, data=local_data), 6, cfg.train,
                          cfg.privacy)
-    local_train(model, local_data, local_run, generator=make_generator(0, "cpu")[0], audit=hooks, bar=None)
+    result = local_train(model, local_data, local_run, generator=make_generator(0, "cpu")[0], audit=hooks, bar=None)
     assert len(used) == len(released) == 6
+    assert result.narrowest_basis == min(basis.shape[1] for basis in used) == cfg.privacy.k  # reported with the run
     for step, (basis, seen) in enumerate(zip(used, released)):
         assert seen.step == step and seen.basis is basis  # the auditor sees the V the canaries were built on
         private = flatten(seen.private)

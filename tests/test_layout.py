@@ -211,3 +211,38 @@ def test_every_package_folder_is_in_the_distribution():
     assert set(project["packages"]) == folders
     assert {name: ROOT / folder for name, folder in project["package-dir"].items()} == {
         ROOT_PACKAGE: ROOT / ROOT_PACKAGE, **{f"{ROOT_PACKAGE}.{top}": ROOT / top for top in (*PACKAGES, "configs")}}
+
+
+# The training and privacy path: what a train message and a centralized run step through.
+STEP_PATH = ("shared/training", "shared/privacy", "client/site.py", "client/site_basis.py", "client/request.py",
+             "client/ledger.py")
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8
+# Keyword-only records of what ran, one parameter per fact (nothing can be swapped by position): allowed more.
+PARAMETER_ALLOWANCE = {
+    ("shared/privacy/accounting/claims.py", "privacy_claim"): 12,  # the facts a claim sentence states
+    ("client/ledger.py", "record"): 14,  # one per column of a ledger row
+    ("shared/privacy/step/fpdp.py", "dp_gradient"): 9,  # the step's spec, inputs and the audit's hooks
+}
+
+
+def _step_path_functions():
+    for entry in STEP_PATH:
+        path = ROOT / entry
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    args = node.args
+                    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+                    count = len(names) - (names[:1] in (["self"], ["cls"])) + bool(args.vararg) + bool(args.kwarg)
+                    yield file.relative_to(ROOT).as_posix(), node, count
+
+
+def test_training_and_privacy_functions_stay_small():
+    """A reader follows the step one screen at a time: no function of the training and privacy path over
+    ~80 lines or ~8 parameters (keyword-only records of what ran excepted, above)."""
+    long = [f"{file}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for file, node, _ in _step_path_functions() if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    wide = [f"{file}:{node.lineno} {node.name} ({count} parameters)" for file, node, count in _step_path_functions()
+            if count > PARAMETER_ALLOWANCE.get((file, node.name), MAX_PARAMETERS)]
+    assert not long and not wide, "\n".join(long + wide)

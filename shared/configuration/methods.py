@@ -25,3 +25,7 @@ PRIVATE: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][0])
 PROJECTED: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][1])
 WITH_PUBLIC: tuple[Method, ...] = tuple(m for m in METHODS if _PROPERTIES[m][2])  # Feature-DP (opt-in, P17)
 RECORD_LEVEL: tuple[Method, ...] = tuple(m for m in PRIVATE if m not in WITH_PUBLIC)  # record-level DP claims
+
+# The privacy unit a private method protects: one record (image), or one patient with all of their records.
+Unit = Literal["record", "patient"]
+UNITS: tuple[Unit, ...] = get_args(Unit)

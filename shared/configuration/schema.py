@@ -12,16 +12,14 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from fedpose.shared.configuration.build import build_dataclass
-from fedpose.shared.configuration.flat import flatten, flatten_plain, to_dict, unflatten  # noqa: F401  (re-exported)
+from fedpose.shared.configuration.flat import flatten, flatten_plain, to_dict, unflatten
 from fedpose.shared.data.face import FACE_TASKS, valid_face_tasks
 from fedpose.shared.data.synth.ward import WardSpec
 from fedpose.shared.errors import ConfigError
 from fedpose.shared.configuration.yaml_io import dump_yaml, read_yaml
-from fedpose.shared.configuration.methods import Method
+from fedpose.shared.configuration.methods import Method, Unit
 
-Unit = Literal["record", "patient"]
 Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head", "full-fixed-tasks"]
-UNITS: tuple[str, ...] = get_args(Unit)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
@@ -157,7 +155,7 @@ class PrivacyConfig:
     # once per record: eps_pix-DP for changes of up to psi_m pixels (edge/pixelize's mechanism, 3 channels).
     psi_eps: float = 1.0
     psi_m: int = 1
-    k: int = 50  # projection rank
+    k: int = 50  # projection rank: V's directions (fewer, with a warning, when the public gradients span fewer)
     m: int = 100  # public samples for the basis
     basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)

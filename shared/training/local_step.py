@@ -21,7 +21,7 @@ import torch
 from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, to_device
 from fedpose.shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
 from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
-from fedpose.shared.privacy.step.fpdp import dp_gradient
+from fedpose.shared.privacy.step.fpdp import StepAudit, dp_gradient
 from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.sampling import augmented_copies, poisson_sample
 from fedpose.shared.privacy.step.subspace import column_major
@@ -73,6 +73,7 @@ class StepPhases:
         self.batch_sizes: list[int] = []
         self.zeroed = self.public_zeroed = 0
         self.seconds_basis = 0.0
+        self.narrowest = None if self.basis is None else self.basis.shape[1]  # V's fewest columns (compute_basis)
 
     def sample(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """Phase 1: the private batch on the device, and its clipping groups (patients, augmented copies)."""
@@ -116,14 +117,17 @@ class StepPhases:
             self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
                                          self.device)
             self.seconds_basis += time.perf_counter() - started
+            self.narrowest = min(self.narrowest or self.basis.shape[1], self.basis.shape[1])
         canaries = None
         if self.audit is not None and self.audit.canaries is not None:
             canaries = self.audit.canaries.draw(step, sample_rate=spec.sample_rate, generator=self.generator)
         released: list[dict[str, torch.Tensor]] = []
         current = {name: self.named[name].detach() for name in self.trainable}
+        audit = None
+        if canaries is not None or self.watched:
+            audit = StepAudit(canaries=canaries, on_private=released.append if self.watched else None)
         grads, info = dp_gradient(self.loss_fn, current, spec=spec, private_batch=batch, psi_batch=psi_batch,
-                                  generator=self.generator, basis=self.basis, groups=groups, canaries=canaries,
-                                  on_private=released.append if self.watched else None)
+                                  generator=self.generator, basis=self.basis, groups=groups, audit=audit)
         self.zeroed += int(info["zeroed"])
         self.public_zeroed += int(info["public_zeroed"])
         if self.watched:

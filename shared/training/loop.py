@@ -139,6 +139,8 @@ class LocalResult:
     # gradients left out over the run.
     zeroed: int = 0
     public_zeroed: int = 0
+    # proj / fpdp: the fewest directions V had (below privacy.k when the public gradients spanned fewer)
+    narrowest_basis: int | None = None
 
 
 def local_train(
@@ -200,5 +202,6 @@ def local_train(
         unit=spec.unit,
         zeroed=phases.zeroed,
         public_zeroed=phases.public_zeroed,
+        narrowest_basis=phases.narrowest,
     )
 

@@ -47,7 +47,7 @@ from fedpose.shared.configuration.flat import config_fingerprint
 from fedpose.shared.metrics.evaluation import evaluate
 from fedpose.shared.training.provenance import select_device
 from fedpose.shared.training.schedule import steps_per_epoch
-from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.training.loop import LocalData, LocalResult, LocalRun, local_train, step_spec
 from fedpose.shared.configuration.methods import PRIVATE, PROJECTED, WITH_PUBLIC
 from fedpose.shared.configuration.yaml_io import write_json
 
@@ -309,41 +309,20 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     data = LocalData(dataset, patients=patients, public=public_eval)
     run = LocalRun(step_spec(method, cfg.train, cfg.privacy, sigma=sigma, data=data), steps, cfg.train, cfg.privacy)
     result = local_train(model, data, run, generator=generator, bar=f"train {method}" if progress else None)
-    epsilon = epsilon_replace = group_epsilon = group_delta = None
-    released = None
-    if method in PRIVATE:
-        ran = StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)
-        epsilon = epsilon_spent([ran], delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
-        # Replacing one record moves the clipped sum by up to 2C: the same mechanism at sigma / 2.
-        epsilon_replace = epsilon_spent([StepRecord(sigma=result.sigma / 2, sample_rate=result.sample_rate,
-                                                    steps=result.steps)],
-                                        delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
-        released = (f"metrics.json and model.pt record the sample rate q = B/n (hence n): released with the model, "
-                    f"n is public and the guarantee is the replace-one-{unit} one, eps={epsilon_replace:.4g}")
-        if group_size is not None:
-            group_epsilon, group_delta = group_privacy(epsilon=epsilon, delta=cfg.privacy.delta, k=group_size)
     log.info("ran %d steps on n=%d %ss, mean Poisson batch %.1f (kept in this log only)", result.steps, n, unit,
              result.mean_batch)
-    psi_name = psi_label_of(cfg.privacy) if method in WITH_PUBLIC else None
-    claim = privacy_claim(
-        method=method, epsilon=epsilon if epsilon is not None else math.inf, delta=cfg.privacy.delta,
-        psi=psi_name, seeded=seeded, accountant=cfg.privacy.accountant, released=released, unit=unit,
-        records_per_patient=cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
-        records_source=group_source,
-        psi_dp=(cfg.privacy.psi_eps, cfg.privacy.psi_m) if cfg.privacy.psi == "dp-pixelize" else None,
-        face_tasks=cfg.model.face_tasks,
-    )
+    spent = _spent(cfg, result, unit, seeded, (group_size, group_source))
     report, _, _ = evaluate(model, val, progress=progress)
     metrics = {
         "method": method,
         "strategy": cfg.train.strategy,
-        "epsilon": epsilon,
-        "epsilon_replace_one": epsilon_replace,
+        "epsilon": spent["epsilon"],
+        "epsilon_replace_one": spent["epsilon_replace_one"],
         "unit": unit,
         # record level: the group size of the patient bound; patient level: the records cap (null: all)
         "max_records_per_patient": cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
-        "group_epsilon": group_epsilon,
-        "group_delta": group_delta,
+        "group_epsilon": spent["group_epsilon"],
+        "group_delta": spent["group_delta"],
         "target_epsilon": cfg.privacy.epsilon if method in PRIVATE else None,
         "delta": cfg.privacy.delta if method in PRIVATE else None,
         "sigma": result.sigma,
@@ -351,11 +330,12 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "steps": result.steps,
         "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
-        "psi": psi_name,
+        "psi": spent["psi"],
         "images": cfg.train.images if cfg.train.images == "raw" else psi_label_of(cfg.privacy),
         "k": cfg.privacy.k if method in PROJECTED else None,
+        "k_min": result.narrowest_basis,  # fewer than k when the public gradients spanned fewer directions
         "seeded": seeded,
-        "claim": claim,
+        "claim": spent["claim"],
         "initial_pckh_mean": float(start["pckh"]["mean"]),
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
@@ -366,3 +346,39 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
     write_json(out / "metrics.json", metrics)
     dump_config(cfg, out / "config.yaml")
     return metrics
+
+
+def _spent(cfg: Config, result: LocalResult, unit: str, seeded: bool,
+           group: tuple[int | None, str | None]) -> dict[str, Any]:
+    """What a finished centralized run spent, from what ran (P5): epsilon (add/remove and replace-one), the
+    group-privacy bound for a patient with ``group`` = (its most records, where that number comes from) at
+    record level, and the printed claim (P8)."""
+    method = cfg.train.method
+    group_size, group_source = group
+    spent: dict[str, Any] = {"epsilon": None, "epsilon_replace_one": None, "group_epsilon": None,
+                             "group_delta": None}
+    released = None
+    if method in PRIVATE:
+        ran = StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)
+        spent["epsilon"] = epsilon_spent([ran], delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
+        # Replacing one record moves the clipped sum by up to 2C: the same mechanism at sigma / 2.
+        replace_one = epsilon_spent([StepRecord(sigma=result.sigma / 2, sample_rate=result.sample_rate,
+                                                steps=result.steps)],
+                                    delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)
+        spent["epsilon_replace_one"] = replace_one
+        released = (f"metrics.json and model.pt record the sample rate q = B/n (hence n): released with the model, "
+                    f"n is public and the guarantee is the replace-one-{unit} one, eps={replace_one:.4g}")
+        if group_size is not None:
+            spent["group_epsilon"], spent["group_delta"] = group_privacy(epsilon=spent["epsilon"],
+                                                                         delta=cfg.privacy.delta, k=group_size)
+    spent["psi"] = psi_label_of(cfg.privacy) if method in WITH_PUBLIC else None
+    spent["claim"] = privacy_claim(
+        method=method, epsilon=spent["epsilon"] if spent["epsilon"] is not None else math.inf,
+        delta=cfg.privacy.delta, psi=spent["psi"], seeded=seeded, accountant=cfg.privacy.accountant,
+        released=released, unit=unit,
+        records_per_patient=cfg.privacy.max_records_per_patient if unit == "patient" else group_size,
+        records_source=group_source,
+        psi_dp=(cfg.privacy.psi_eps, cfg.privacy.psi_m) if cfg.privacy.psi == "dp-pixelize" else None,
+        face_tasks=cfg.model.face_tasks,
+    )
+    return spent

@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 import math
 
-from fedpose.shared.privacy.step.fpdp import UNITS
-from fedpose.shared.configuration.methods import WITH_PUBLIC, METHODS, PROJECTED
+from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC
 from fedpose.shared.privacy.accounting.group import group_privacy
 
 log = logging.getLogger(__name__)
@@ -90,52 +89,17 @@ def privacy_claim(
             raise ValueError(f"epsilon={epsilon!r} must be a finite non-negative number")
         if not 0 < delta < 1:
             raise ValueError(f"delta={delta!r} must be in (0, 1)")
-        budget = f"(eps={epsilon:.4g}, delta={delta:.3g})"
         if method in WITH_PUBLIC and not psi:
             raise ValueError(f"method={method!r} needs the psi description for its claim")
+        budget = f"(eps={epsilon:.4g}, delta={delta:.3g})"
         if unit == "patient":
-            used = "all of their records" if records_per_patient is None else \
-                f"at most {records_per_patient} of their records"
-            mechanism = (
-                f"per site, Poisson sampling of patients, add/remove-one-patient adjacency (all of a "
-                f"patient's records; each sampled patient contributes the clipped mean gradient of {used}), "
-                f"{accountant.upper()} accountant"
-            )
-            if method in WITH_PUBLIC:
-                text = (
-                    f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
-                    f"patient and {public_labels(face_tasks)} are treated as public and may be revealed by the model; "
-                    "this is not patient-level DP of the images; "
-                    + SERVER_READS.format(labels=public_labels(face_tasks).removeprefix("the "))
-                )
-            else:
-                text = f"patient-level {budget}-DP {mechanism}"
+            text = _patient_level(method, budget, psi, accountant, records_per_patient, face_tasks)
         else:
-            mechanism = (
-                f"per site, Poisson sampling, add/remove-one-record adjacency, "
-                f"{accountant.upper()} accountant"
-            )
-            if method in WITH_PUBLIC:
-                text = (
-                    f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and "
-                    f"{public_labels(face_tasks)} are treated as public and may be revealed by the model; this is not "
-                    "record-level DP"
-                )
-            if method in WITH_PUBLIC:
-                text += "; " + SERVER_READS.format(labels=public_labels(face_tasks).removeprefix("the "))
-            else:
-                text = f"record-level {budget}-DP {mechanism}"
+            text = _record_level(method, budget, psi, accountant, face_tasks)
             text += "; " + _for_a_patient(epsilon, delta, records_per_patient, records_source,
                                           feature=method in WITH_PUBLIC)
         if psi_dp is not None and method in WITH_PUBLIC:
-            eps_pix, m = psi_dp
-            pixels = f"{m} pixel{'s' if m != 1 else ''}"
-            text += (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each record's input crop, released "
-                     f"once: a change of up to {pixels} in one record's crop is "
-                     f"({epsilon + eps_pix:.4g}, {delta:.3g})-DP (basic composition)")
-            if unit == "patient":
-                text += f", in j of a patient's records (eps + j x {eps_pix:g}, {delta:.3g})-DP"
-            text += "; a larger change is covered by the Feature-DP statement only"
+            text += _psi_dp(epsilon, delta, psi_dp, unit)
         if method in PROJECTED:
             text += "; the projection basis is computed from public data only"
     if released and method != "nonprivate":
@@ -143,6 +107,50 @@ def privacy_claim(
     if seeded:
         text += "; seeded noise: not for production"
     return text
+
+
+def _patient_level(method: str, budget: str, psi: str | None, accountant: str, records_per_patient: int | None,
+                   face_tasks: tuple[str, ...]) -> str:
+    used = "all of their records" if records_per_patient is None else \
+        f"at most {records_per_patient} of their records"
+    mechanism = (
+        f"per site, Poisson sampling of patients, add/remove-one-patient adjacency (all of a "
+        f"patient's records; each sampled patient contributes the clipped mean gradient of {used}), "
+        f"{accountant.upper()} accountant"
+    )
+    if method not in WITH_PUBLIC:
+        return f"patient-level {budget}-DP {mechanism}"
+    labels = public_labels(face_tasks)
+    return (
+        f"{budget}-Feature-DP at patient level {mechanism}: psi(x) = {psi} of every image of a "
+        f"patient and {labels} are treated as public and may be revealed by the model; "
+        "this is not patient-level DP of the images; "
+        + SERVER_READS.format(labels=labels.removeprefix("the "))
+    )
+
+
+def _record_level(method: str, budget: str, psi: str | None, accountant: str, face_tasks: tuple[str, ...]) -> str:
+    mechanism = f"per site, Poisson sampling, add/remove-one-record adjacency, {accountant.upper()} accountant"
+    if method not in WITH_PUBLIC:
+        return f"record-level {budget}-DP {mechanism}"
+    labels = public_labels(face_tasks)
+    return (
+        f"{budget}-Feature-DP {mechanism}: psi(x) = {psi} of each image and "
+        f"{labels} are treated as public and may be revealed by the model; this is not "
+        "record-level DP; " + SERVER_READS.format(labels=labels.removeprefix("the "))
+    )
+
+
+def _psi_dp(epsilon: float, delta: float, psi_dp: tuple[float, int], unit: str) -> str:
+    """What holds for a change of up to m pixels of one record when psi is itself a DP pixelization."""
+    eps_pix, m = psi_dp
+    pixels = f"{m} pixel{'s' if m != 1 else ''}"
+    text = (f"; psi(x) is itself an eps_pix={eps_pix:g} DP pixelization of each record's input crop, released "
+            f"once: a change of up to {pixels} in one record's crop is "
+            f"({epsilon + eps_pix:.4g}, {delta:.3g})-DP (basic composition)")
+    if unit == "patient":
+        text += f", in j of a patient's records (eps + j x {eps_pix:g}, {delta:.3g})-DP"
+    return text + "; a larger change is covered by the Feature-DP statement only"
 
 
 def _for_a_patient(epsilon: float, delta: float, k: int | None, source: str | None, *, feature: bool) -> str:

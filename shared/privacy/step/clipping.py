@@ -176,6 +176,26 @@ def _rows_finite(flats: list[Tensor]) -> Tensor:
     return ok
 
 
+def _group_means(grads: dict[str, Tensor], ids: Tensor, sizes: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """Per group of one chunk (``ids`` (b,): each row's group, contiguous), the mean of its rows' gradients
+    divided by the group's whole size (``sizes``), so that a group split over chunks sums to its mean; and
+    (g,) True for a group with a non-finite row (its rows count as zero here; the caller zeroes the group)."""
+    b = ids.shape[0]
+    local = ids - ids[0]  # 0..g-1 within the chunk
+    g = int(local[-1]) + 1
+    flats = {name: grad.reshape(b, -1) for name, grad in grads.items()}
+    ok = _rows_finite(list(flats.values()))  # (b,)
+    bad = torch.zeros(g, dtype=torch.long).index_add_(0, local, (~ok).long().cpu()) > 0  # (g,) poisoned groups
+    weights = torch.zeros(g, b, dtype=torch.float64)
+    weights[local, torch.arange(b)] = 1.0 / sizes[ids]  # row j averages group j's records
+    means = {}
+    for name, flat in flats.items():
+        if not bool(ok.all()):
+            flat = zero_rows(flat, ok)
+        means[name] = weights.to(device=flat.device, dtype=flat.dtype) @ flat  # (g, numel)
+    return means, bad
+
+
 def clipped_group_sum(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -220,18 +240,8 @@ def clipped_group_sum(
     for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
         b = next(iter(grads.values())).shape[0]
         ids = groups[start:start + b]
-        local = ids - ids[0]  # 0..g-1 within the chunk
-        g = int(local[-1]) + 1
-        flats = {name: grad.reshape(b, -1) for name, grad in grads.items()}
-        ok = _rows_finite(list(flats.values()))  # (b,)
-        bad = torch.zeros(g, dtype=torch.long).index_add_(0, local, (~ok).long().cpu()) > 0  # (g,) poisoned groups
-        weights = torch.zeros(g, b, dtype=torch.float64)
-        weights[local, torch.arange(b)] = 1.0 / sizes[ids]  # row j averages group j's records
-        means = {}
-        for name, flat in flats.items():
-            if not bool(ok.all()):
-                flat = zero_rows(flat, ok)
-            means[name] = weights.to(device=flat.device, dtype=flat.dtype) @ flat  # (g, numel)
+        means, bad = _group_means(grads, ids, sizes)
+        g = bad.shape[0]
         if carry is not None:  # the first group of this chunk began in the previous one
             for name in means:
                 means[name][0] += carry[name]
@@ -253,7 +263,7 @@ def clipped_group_sum(
             zeroed += bound.zeroed
             norms_parts.append(norms)
         start = stop
-        del grads, flats, means
+        del grads, means
     if not norms_parts:
         return ClippedSum(summed, next(iter(summed.values())).new_zeros((0,), dtype=torch.float64), 0)
     norms = torch.cat(norms_parts)

@@ -57,11 +57,10 @@ from fedpose.shared.privacy.step.clipping import check_groups, clipped_grad_sum,
 from fedpose.shared.privacy.step.persample import LossFn, batch_size_of, check_params, mean_grad
 from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.subspace import flatten, project, unflatten
-from fedpose.shared.configuration.methods import METHODS, Method, PROJECTED, WITH_PUBLIC
+from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method
 
 log = logging.getLogger(__name__)
 
-UNITS: tuple[str, ...] = ("record", "patient")
 
 
 def _is_number(value: object) -> bool:
@@ -279,62 +278,45 @@ def public_gradient(
     return mean_grad(loss_fn, params, psi_batch.tensors)
 
 
-def dp_gradient(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    *,
-    spec: DPSpec,
-    private_batch: Mapping[str, Tensor],
-    psi_batch: PsiBatch | None,
-    generator: torch.Generator | None,
-    basis: Tensor | None,
-    groups: Tensor | None = None,
-    canaries: DiracGrads | SpanGrads | None = None,
-    on_private: Callable[[dict[str, Tensor]], None] | None = None,
-) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
-    """The update direction of one step for ``spec.method``, plus diagnostics.
+@dataclass(frozen=True)
+class StepAudit:
+    """What ``fedpose audit`` attaches to one private step (never set in production).
 
-    nonprivate: mean gradient of the private batch. dpsgd: private only.
-    proj: projected private. fdp: private + public. fpdp: projected private
-    + public. Inputs a method does not use (basis, psi batch) are refused
-    rather than silently ignored.
-
-    ``groups`` (unit patient only): the patient of each record, 0..G-1, each
-    patient's records contiguous.
-
-    ``info`` keys (always the same): method, unit, batch_size (realised private:
-    records, or patients at patient level), expected_batch (B, the public
-    normaliser), public_batch_size, mean_norm / max_norm / clipped_fraction
-    of the finite pre-clipping per-sample norms (NaN for nonprivate, which
-    does not compute them; 0 for an empty batch), zeroed (non-finite private
-    contributions left out, P14), public_zeroed (1 when this step's public
-    gradient was not finite and was left out), and noise_std, the
-    per-coordinate noise std of the private gradient before projection
-    (sigma C / B).
-    These are private statistics of the site: log them locally, do not send them.
-    ``canaries``: the privacy audit's gradient canaries of this step (None
-    outside the audit); refused for method='nonprivate'.
-    ``on_private`` (audit only): called with the noisy, projected-if-any
-    private gradient, the step's DP release, before g_pub is added. Seeing it
-    apart from g_pub reveals nothing more: g_pub is a function of public data.
+    canaries: this step's gradient canaries (``fedpose.shared.privacy.audit.canaries``): extra per-sample
+    gradients clipped to C and added to the same sum as the records' before the noise. on_private: called
+    with the noisy, projected-if-any private gradient, the step's DP release, before g_pub is added; seeing it
+    apart from g_pub reveals nothing more (g_pub is a function of public data).
     """
+
+    canaries: DiracGrads | SpanGrads | None = None
+    on_private: Callable[[dict[str, Tensor]], None] | None = None
+
+
+def _check_step_inputs(spec: DPSpec, params: Mapping[str, Tensor], private_batch: Mapping[str, Tensor],
+                       psi_batch: PsiBatch | None, groups: Tensor | None) -> int:
+    """The realised private batch size (records, or patients); refuses inputs the method does not use."""
     check_params(params)
     size = batch_size_of(private_batch)
     if spec.method != "nonprivate":
         _check_unit_groups(spec, groups)
         if groups is not None:
             size = check_groups(groups, size)  # realised batch size in patients
-    if spec.uses_public:
-        if psi_batch is None:
-            raise ValueError(
-                f"method={spec.method!r} adds the public gradient on psi(x) but psi_batch is "
-                "None; build one with psi.apply_psi"
-            )
-    elif psi_batch is not None:
+    if spec.uses_public and psi_batch is None:
+        raise ValueError(
+            f"method={spec.method!r} adds the public gradient on psi(x) but psi_batch is "
+            "None; build one with psi.apply_psi"
+        )
+    if not spec.uses_public and psi_batch is not None:
         raise ValueError(
             f"method={spec.method!r} does not use psi(x), but a psi_batch was given; pass None "
             "or use method='fdp'/'fpdp'"
         )
+    return size
+
+
+def _step_info(spec: DPSpec, size: int, psi_batch: PsiBatch | None, norms: Tensor | None,
+               zeroed: int) -> dict[str, float | int | str]:
+    """``dp_gradient``'s diagnostics (the same keys always; see its docstring)."""
     nan = float("nan")
     info: dict[str, float | int | str] = {
         "method": spec.method,
@@ -346,21 +328,11 @@ def dp_gradient(
         "max_norm": nan,
         "clipped_fraction": nan,
         "noise_std": 0.0,
-        "zeroed": 0,
+        "zeroed": zeroed,
         "public_zeroed": 0,
     }
-    if spec.method == "nonprivate":
-        if basis is not None:
-            raise ValueError("method='nonprivate' does not project; pass basis=None")
-        if canaries is not None or on_private is not None:
-            raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
-        return mean_grad(loss_fn, params, private_batch), info
-    if generator is None:
-        raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
-    grads, norms, zeroed = _noisy_private_sum(
-        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups,
-        canaries=canaries,
-    )
+    if norms is None:  # nonprivate: no per-sample norms
+        return info
     finite = norms[torch.isfinite(norms)]
     if finite.numel() > 0:
         info["mean_norm"] = float(finite.mean())
@@ -368,10 +340,54 @@ def dp_gradient(
         info["clipped_fraction"] = float((finite > spec.clip_norm).double().mean())
     else:
         info["mean_norm"] = info["max_norm"] = info["clipped_fraction"] = 0.0
-    info["zeroed"] = zeroed
     info["noise_std"] = spec.sigma * spec.clip_norm / spec.expected_batch
-    if on_private is not None:
-        on_private(grads)
+    return info
+
+
+def dp_gradient(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    *,
+    spec: DPSpec,
+    private_batch: Mapping[str, Tensor],
+    psi_batch: PsiBatch | None,
+    generator: torch.Generator | None,
+    basis: Tensor | None,
+    groups: Tensor | None = None,
+    audit: StepAudit | None = None,
+) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
+    """The update direction of one step for ``spec.method``, plus diagnostics.
+
+    nonprivate: mean gradient of the private batch. dpsgd: private only. proj: projected private. fdp: private
+    + public. fpdp: projected private + public. Inputs a method does not use (basis, psi batch) are refused
+    rather than silently ignored. ``groups`` (unit patient, or augmentation multiplicity): the patient (or
+    record) of each row, 0..G-1, each group's rows contiguous.
+
+    ``info`` keys (always the same): method, unit, batch_size (realised private: records, or patients at
+    patient level), expected_batch (B, the public normaliser), public_batch_size, mean_norm / max_norm /
+    clipped_fraction of the finite pre-clipping per-sample norms (NaN for nonprivate, which does not compute
+    them; 0 for an empty batch), zeroed (non-finite private contributions left out, P14), public_zeroed (1
+    when this step's public gradient was not finite and was left out), and noise_std, the per-coordinate
+    noise std of the private gradient before projection (sigma C / B). These are private statistics of the
+    site: log them locally, do not send them. ``audit``: the privacy audit's canaries and observer of this
+    step (``StepAudit``; None outside the audit); refused for method='nonprivate'.
+    """
+    size = _check_step_inputs(spec, params, private_batch, psi_batch, groups)
+    if spec.method == "nonprivate":
+        if basis is not None:
+            raise ValueError("method='nonprivate' does not project; pass basis=None")
+        if audit is not None:
+            raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
+        return mean_grad(loss_fn, params, private_batch), _step_info(spec, size, psi_batch, None, 0)
+    if generator is None:
+        raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
+    grads, norms, zeroed = _noisy_private_sum(
+        loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups,
+        canaries=audit.canaries if audit is not None else None,
+    )
+    info = _step_info(spec, size, psi_batch, norms, zeroed)
+    if audit is not None and audit.on_private is not None:
+        audit.on_private(grads)
     if spec.uses_public:
         assert psi_batch is not None  # refused above when the method uses psi(x) (this narrows the type)
         public = public_gradient(loss_fn, params, psi_batch)
