@@ -62,8 +62,8 @@ class StepPhases:
         self.psi = make_psi_from(privacy, generator) if spec.uses_public else None
         self.canonical = None
         if self.psi is not None:
-            use = audit.psi_source if audit is not None and audit.psi_source is not None else None
-            self.canonical = use if use is not None else data.private.canonical()
+            source = audit.psi_source if audit is not None else None
+            self.canonical = source if source is not None else data.private.canonical()
             if len(self.canonical) < train.public_batch_size:  # a site's own check refuses this policy earlier
                 raise ValueError(f"train.public_batch_size={train.public_batch_size} is larger than the "
                                  f"{len(self.canonical)} records its psi images are drawn from (without replacement)")
@@ -117,7 +117,8 @@ class StepPhases:
             self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
                                          self.device)
             self.seconds_basis += time.perf_counter() - started
-            self.narrowest = min(self.narrowest or self.basis.shape[1], self.basis.shape[1])
+            width = self.basis.shape[1]
+            self.narrowest = width if self.narrowest is None else min(self.narrowest, width)
         canaries = None
         if self.audit is not None and self.audit.canaries is not None:
             canaries = self.audit.canaries.draw(step, sample_rate=spec.sample_rate, generator=self.generator)

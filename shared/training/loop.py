@@ -9,7 +9,6 @@ accountant, not the plan, produces every epsilon.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from fedpose.shared.training.local_step import StepPhases
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.privacy.audit.hooks import AuditHooks
 from fedpose.shared.privacy.step.fpdp import DPSpec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -57,10 +57,9 @@ from fedpose.shared.privacy.step.clipping import check_groups, clipped_grad_sum,
 from fedpose.shared.privacy.step.persample import LossFn, batch_size_of, check_params, mean_grad
 from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.subspace import flatten, project, unflatten
-from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method
+from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method, Unit
 
 log = logging.getLogger(__name__)
-
 
 
 def _is_number(value: object) -> bool:
@@ -87,7 +86,7 @@ class DPSpec:
     sample_rate: float
     expected_batch: float
     chunk_size: int = 16
-    unit: str = "record"
+    unit: Unit = "record"
     multiplicity: int = 1  # augmented copies per record (record level): clip(mean of the K copies' gradients, C)
 
     def __post_init__(self) -> None:
