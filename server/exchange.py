@@ -232,7 +232,7 @@ def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePla
         for site in sorted(plans):
             if statuses[site][0] != "active":
                 continue
-            history, spent = ledger.history(site), ledger.counted_epsilon(site)
+            history, spent = ledger.history(site, asking=rnd), ledger.counted_epsilon(site, asking=rnd)
             if not can_afford(plans[site], history, site_epsilon=spent):
                 newly[site] = closing_status(plans[site], history, spent)
                 log.info("site %s: %s (%s): not sampled again", site, *newly[site])

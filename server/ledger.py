@@ -22,8 +22,11 @@ that got no answer (the node died, or the reply was lost) may have been spent.
 It is recorded as ``attempted`` at the planned (sigma, q, steps) and counted,
 until the site's next own report (a reply or a refusal, carrying its ledger's
 run epsilon, which includes every round it charged) covers it: then it is
-``resolved`` and the report counts instead. The claim is thus never below a
-site's own ledger, even when its last reply was lost.
+``resolved`` and the report counts instead; so does every error reply without
+the site's spend (Flower's "ClientApp crashed", ...) and a reply the server
+cannot read. Each request is written down (``sent``) before it goes out, so a
+server that died after sending counts it on resume. The claim is thus never
+below a site's own ledger, even when its last reply was lost.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ _SCHEMA = [
         recorded_at TEXT NOT NULL
     )""",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    # every train request, written before it is sent
+    "CREATE TABLE IF NOT EXISTS sent (id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, site TEXT NOT NULL,"
+    " recorded_at TEXT NOT NULL)",
 ]
 
 
@@ -112,6 +118,12 @@ class Spend:
     aggregated: bool
     run_epsilon: float | None = None
     state: str = "completed"  # completed: a reply said what ran; attempted: sent, no answer (may have been spent)
+
+
+def attempted(plan: SitePlan) -> Spend:
+    """A request that may have been spent: counted at the plan until the site's own next report covers it."""
+    return Spend(site=plan.site, sigma=plan.sigma, sample_rate=plan.sample_rate, steps=plan.steps_per_round,
+                 site_epsilon=None, aggregated=False, state="attempted")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,10 +153,10 @@ class ServerLedger:
         if version not in (0, SCHEMA_VERSION):
             raise ValueError(f"server ledger {self.path} has schema {version}, this fedpose reads {SCHEMA_VERSION}: "
                              "finish that federation with the fedpose that started it, or start a new --out")
-        if version == 0:
-            with transaction(self.conn):
-                for statement in _SCHEMA:
-                    self.conn.execute(statement)
+        with transaction(self.conn):  # a ledger of schema 2 written before the ``sent`` table gets it here
+            for statement in _SCHEMA:
+                self.conn.execute(statement)
+            if version == 0:
                 self.conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -201,16 +213,19 @@ class ServerLedger:
 
     # ------------------------------------------------------------------ spend
 
-    def history(self, site: str) -> list[StepRecord]:
-        """What the site ran (or may have: attempted rows not yet covered by its own report), in order."""
+    def history(self, site: str, *, asking: int | None = None) -> list[StepRecord]:
+        """What the site ran (or may have: attempted rows not yet covered by its own report), in order. ``asking``:
+        the round about to be asked (again), whose attempted rows (and later ones) are left out: a site charges a
+        round once."""
         rows = self.conn.execute(
-            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? AND state != 'resolved' ORDER BY id", (site,)
+            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? AND state != 'resolved'"
+            " AND NOT (state = 'attempted' AND round >= ?) ORDER BY id", (site, math.inf if asking is None else asking)
         ).fetchall()
         return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
 
-    def server_epsilon(self, site: str) -> float:
+    def server_epsilon(self, site: str, *, asking: int | None = None) -> float:
         plan = self.plans()[site]
-        return cumulative_epsilon(self.history(site), delta=plan.delta, accountant=plan.accountant)
+        return cumulative_epsilon(self.history(site, asking=asking), delta=plan.delta, accountant=plan.accountant)
 
     def _reported(self, site: str, column: str) -> float:
         a = self.conn.execute(f"SELECT MAX({column}) FROM reports WHERE site = ?", (site,)).fetchone()[0]
@@ -226,9 +241,9 @@ class ServerLedger:
         """The site's epsilon over this federation, the largest it ever reported (replies and refusals)."""
         return self._reported(site, "run_epsilon")
 
-    def counted_epsilon(self, site: str) -> float:
+    def counted_epsilon(self, site: str, *, asking: int | None = None) -> float:
         """This federation's epsilon for the site: the larger of the server's recomputation and the site's reports."""
-        return max(self.server_epsilon(site), self.site_run_epsilon(site))
+        return max(self.server_epsilon(site, asking=asking), self.site_run_epsilon(site))
 
     def record_round(self, round: int, spends: list[Spend], events: list[Event],
                      statuses: dict[str, tuple[str, str]] | None = None,
@@ -241,13 +256,21 @@ class ServerLedger:
         plans = self.plans()
         prepared = []
         histories: dict[str, list[StepRecord]] = {}
+        # A site's own report from this round covers every earlier request of it that got no answer.
+        reporting = {s.site for s in spends if s.state == "completed" and s.run_epsilon is not None}
+        reporting |= {r.site for r in reports or []}
         for s in spends:
             if s.site not in plans:
                 raise ValueError(f"no plan for site {s.site!r}: record_round needs a planned site")
+            if s.state == "attempted" and s.site not in reporting and self.conn.execute(
+                    "SELECT 1 FROM spend WHERE site = ? AND round = ? AND state = 'attempted'", (s.site, round)
+            ).fetchone():
+                continue  # asked again for a round already counted as attempted: a site charges a round once
             plan = plans[s.site]
             entry = check_entry(sigma=s.sigma, sample_rate=s.sample_rate, steps=s.steps, delta=plan.delta,
                                 accountant=plan.accountant)
-            history = histories.setdefault(s.site, self.history(s.site))
+            # asking=0 leaves out the reporting site's attempted rows, which its report resolves below
+            history = histories.setdefault(s.site, self.history(s.site, asking=0 if s.site in reporting else None))
             history.append(entry)
             eps = cumulative_epsilon(history, delta=plan.delta, accountant=plan.accountant)
             for value in (s.site_epsilon, s.run_epsilon):
@@ -266,13 +289,10 @@ class ServerLedger:
             if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
                 raise ValueError(f"site {r.site}: reported spend {values!r} is not finite and >= 0")
         now = utc_now()
-        # A site's own report from this round covers every earlier request of it that got no answer.
-        reporting = {s.site for s in spends if s.state == "completed" and s.run_epsilon is not None}
-        reporting |= {r.site for r in reports or []}
         with transaction(self.conn):
             for site in sorted(reporting):
                 self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'attempted'"
-                                  " AND round < ?", (site, round))
+                                  " AND round <= ?", (site, round))
             for row in prepared:
                 self.conn.execute(
                     "INSERT INTO spend (round, site, sigma, sample_rate, steps, delta, epsilon, site_epsilon,"
@@ -295,6 +315,14 @@ class ServerLedger:
         return [dict(zip(("round", "site", "sigma", "sample_rate", "steps", "delta", "epsilon", "site_epsilon",
                           "site_run_epsilon", "counted_epsilon", "mismatch", "budget", "aggregated", "state"), row))
                 for row in prepared]
+
+    def record_sent(self, round: int, sites: list[str]) -> None:
+        """Write, before sending, that these sites are asked to train ``round``: should the server die before
+        their replies, ``reconcile`` counts each at the plan."""
+        now = utc_now()
+        with transaction(self.conn):
+            for site in sites:
+                self.conn.execute("INSERT INTO sent (round, site, recorded_at) VALUES (?, ?, ?)", (round, site, now))
 
     # ------------------------------------------------------------------ views
 
@@ -320,6 +348,10 @@ class ServerLedger:
             "meta": {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta")},
         }
 
+    def _put(self, insert: str, row: dict[str, Any]) -> None:
+        """``insert`` ("INSERT [OR REPLACE] INTO table") one checkpointed row, its columns named by its keys."""
+        self.conn.execute(f"{insert} ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
+
     def reconcile(self, snapshot: dict[str, Any], *, through_round: int) -> int:
         """Make the ledger agree with a checkpoint taken after ``through_round``; returns rows marked interrupted.
 
@@ -331,31 +363,23 @@ class ServerLedger:
         stored = {r["id"]: r for r in snapshot["spend"]}
         with transaction(self.conn):
             for site in snapshot["sites"]:
-                cols = ", ".join(site)
-                marks = ", ".join("?" for _ in site)
-                self.conn.execute(f"INSERT OR REPLACE INTO sites ({cols}) VALUES ({marks})", tuple(site.values()))
+                self._put("INSERT OR REPLACE INTO sites", site)
             for key, value in snapshot["meta"].items():
                 self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
             restored = 0
             for row_id, row in stored.items():
                 have = self.conn.execute("SELECT * FROM spend WHERE id = ?", (row_id,)).fetchone()
                 if have is None or dict(have) != row:
-                    cols = ", ".join(row)
-                    marks = ", ".join("?" for _ in row)
-                    self.conn.execute(f"INSERT OR REPLACE INTO spend ({cols}) VALUES ({marks})", tuple(row.values()))
+                    self._put("INSERT OR REPLACE INTO spend", row)
                     restored += 1
             if restored:
                 log.warning("ledger %s: restored %d spend rows from the checkpoint", self.path, restored)
             for report in snapshot.get("reports", []):
                 if self.conn.execute("SELECT 1 FROM reports WHERE id = ?", (report["id"],)).fetchone() is None:
-                    cols = ", ".join(report)
-                    marks = ", ".join("?" for _ in report)
-                    self.conn.execute(f"INSERT INTO reports ({cols}) VALUES ({marks})", tuple(report.values()))
+                    self._put("INSERT INTO reports", report)
             for event in snapshot["events"]:
                 if self.conn.execute("SELECT 1 FROM events WHERE id = ?", (event["id"],)).fetchone() is None:
-                    cols = ", ".join(event)
-                    marks = ", ".join("?" for _ in event)
-                    self.conn.execute(f"INSERT INTO events ({cols}) VALUES ({marks})", tuple(event.values()))
+                    self._put("INSERT INTO events", event)
             cur = self.conn.execute(
                 "UPDATE spend SET state = 'interrupted' WHERE round > ? AND state = 'completed'", (through_round,)
             )
@@ -363,4 +387,13 @@ class ServerLedger:
         if interrupted:
             log.warning("ledger %s: %d spend rows of an interrupted round (> %d) kept as spent",
                         self.path, interrupted, through_round)
+        plans = self.plans()
+        unanswered = self.conn.execute(  # sent, then the server died: it may have been spent
+            "SELECT DISTINCT round, site FROM sent WHERE round > ? AND NOT EXISTS (SELECT 1 FROM spend WHERE"
+            " spend.site = sent.site AND spend.round = sent.round) ORDER BY round, site", (through_round,)).fetchall()
+        for rnd, site in unanswered:
+            if site in plans:
+                log.warning("ledger %s: %s was asked to train round %d before the server stopped: counted at the "
+                            "plan until its own report covers it", self.path, site, rnd)
+                self.record_round(rnd, [attempted(plans[site])], [])
         return interrupted

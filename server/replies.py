@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fedpose.server.basis import BasisKeeper
-from fedpose.server.ledger import Event, Report, Spend
+from fedpose.server.ledger import Event, Report, Spend, attempted
 from fedpose.server.plan import SitePlan
 from fedpose.server.validate import parse_ran, parse_weights, update_norm
 from fedpose.shared.flower.messages import RefusalCode, parse_spend_suffix
@@ -73,13 +73,11 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
                 if keeper is not None:
                     keeper.forget(r.site)
                 continue
-            if code == _node_unavailable() and r.site in plans:
-                # Sent, never answered: the site may have charged it before it died (P13). Counted at the plan
-                # until the site's own next report covers it (server.ledger, state 'attempted').
-                plan = plans[r.site]
-                out.spends.append(Spend(site=r.site, sigma=plan.sigma, sample_rate=plan.sample_rate,
-                                        steps=plan.steps_per_round, site_epsilon=None, aggregated=False,
-                                        state="attempted"))
+            if spend is None and r.site in plans:
+                # Only the site's own report says it spent nothing: no answer, a Flower error (a SuperNode killed
+                # mid-round comes back as "node unavailable", "ClientApp crashed" or "reply unavailable") or a
+                # refusal without its spend may follow a charged round (P13).
+                out.spends.append(attempted(plans[r.site]))
             out.events.append(Event(site=r.site, kind=kind, code=code, reason=reason))
             if code == RefusalCode.BUDGET:
                 out.statuses[r.site] = ("exhausted", reason)
@@ -91,8 +89,10 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
         try:
             ran = parse_ran(r.content)
         except ValueError as err:
-            log.warning("site %s: reply rejected, spend unknown: %s", r.site, err)
+            log.warning("site %s: reply rejected, spend unknown (counted at the plan): %s", r.site, err)
             out.events.append(Event(site=r.site, kind="rejected", code=0, reason=str(err)))
+            if r.site in plans:
+                out.spends.append(attempted(plans[r.site]))
             continue
         plan = plans[r.site]
         if (ran.sigma, ran.sample_rate, ran.steps) != (plan.sigma, plan.sample_rate, plan.steps_per_round):

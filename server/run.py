@@ -219,6 +219,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         t0 = time.perf_counter()
         contents = {site: content_for(site) for site in active}
         down = {site: payload_bytes(c) for site, c in contents.items()}
+        ledger.record_sent(rnd, sorted(contents))  # before sending: a site may charge it even if we die now (P13)
         replies = exchange(grid, contents, node_of, rnd, cfg.federation.round_timeout)
         global_now = {name: named[name].detach().clone() for name in trainable}
         bound = cfg.federation.max_update_norm

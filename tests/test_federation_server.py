@@ -67,9 +67,11 @@ def test_malformed_replies_are_rejected_never_averaged_and_refusals_mark_the_sit
     assert torch.equal(out.updates[0]["a.weight"], torch.full((3, 2), 3.0))
     rejected = {e.site for e in out.events if e.kind == "rejected"}
     assert rejected == {"nan", "shape", "nometric"}
-    # NaN / wrong-shape replies still describe what ran: that spend is recorded; a reply without
-    # its metrics cannot be accounted by the server (the site's own ledger has it).
-    assert {s.site: s.aggregated for s in out.spends} == {"good": True, "nan": False, "shape": False}
+    # NaN / wrong-shape replies still describe what ran: that spend is recorded; a reply without its metrics,
+    # and refusals without the site's spend, say nothing of what ran: counted at the plan (P13).
+    assert {s.site: (s.aggregated, s.state) for s in out.spends} == {
+        "good": (True, "completed"), "nan": (False, "completed"), "shape": (False, "completed"),
+        "nometric": (False, "attempted"), "budget": (False, "attempted"), "noise": (False, "attempted")}
     assert out.statuses == {"budget": ("exhausted", "would exceed eps"), "noise": ("refused", "sigma too low")}
 
 
@@ -124,7 +126,9 @@ def test_a_hostile_site_reply_is_rejected_by_the_bounds(tmp_path):
     out = process_replies(replies, expected=SHAPES, plans=plans, global_weights=global_weights, max_update_norm=1.0)
     assert out.accepted == ["fine"]
     assert {e.site for e in out.events if e.kind == "rejected"} == {"huge", "delta", "count"}
-    assert {s.site: s.aggregated for s in out.spends} == {"huge": False, "fine": True}  # huge's spend still counts
+    assert {s.site: (s.aggregated, s.state) for s in out.spends} == {  # every spend still counts
+        "huge": (False, "completed"), "fine": (True, "completed"),
+        "delta": (False, "attempted"), "count": (False, "attempted")}  # unreadable: at the plan
 
 
 def test_a_refusal_carries_the_site_spend_and_the_run_claim_never_falls_below_it(tmp_path):
@@ -178,6 +182,70 @@ def test_a_request_that_got_no_answer_counts_until_the_sites_own_report_covers_i
     out = process_replies([lost], expected=SHAPES, plans=plans)
     ledger.record_round(3, out.spends, out.events, out.statuses, out.reports)
     assert ledger.counted_epsilon("a") == pytest.approx(two)
+    ledger.close()
+
+
+@pytest.mark.invariant("P13")
+def test_every_error_without_the_sites_spend_counts_as_attempted():
+    """P13: only a site's own report says it spent nothing. A SuperNode killed mid-round may come back as
+    Flower's "ClientApp crashed" or "reply unavailable" instead of "node unavailable", and a reply the server
+    cannot read says nothing of what ran: each counts at the plan, like a request that got no answer. A
+    refusal that carries the site's spend, and a site asking for V (sent again this round), do not."""
+    from flwr.common.constant import ErrorCode
+
+    from fedpose.shared.flower.messages import spend_suffix
+
+    flower = {"crashed": ErrorCode.CLIENT_APP_CRASHED, "expired": ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+              "lost": ErrorCode.MESSAGE_UNAVAILABLE, "raised": ErrorCode.CLIENT_APP_RAISED_EXCEPTION}
+    plans = {s: _plan(s) for s in (*flower, "bare", "unread", "told", "basis")}
+    replies = [Reply(site=s, error_code=int(code), error_reason="Flower says so") for s, code in flower.items()]
+    replies += [
+        Reply(site="bare", error_code=int(RefusalCode.SITE_ERROR), error_reason="the site failed"),  # no spend
+        _reply("unread", drop="steps"),
+        Reply(site="told", error_code=int(RefusalCode.ALREADY_SPENT),
+              error_reason="already" + spend_suffix(site_epsilon=0.4, run_epsilon=0.4, site_rounds=1)),
+        Reply(site="basis", error_code=int(RefusalCode.NEED_BASIS), error_reason="send V"),
+    ]
+    out = process_replies(replies, expected=SHAPES, plans=plans)
+    attempted = sorted(s.site for s in out.spends if s.state == "attempted")
+    assert attempted == sorted([*flower, "bare", "unread"])
+    assert all((s.sigma, s.sample_rate, s.steps, s.aggregated) == (1.2, 0.2, 2, False) for s in out.spends)
+    assert [r.site for r in out.reports] == ["told"] and out.need_basis == ["basis"]
+
+
+@pytest.mark.invariant("P13")
+def test_a_request_sent_before_the_server_died_counts_on_resume_until_the_site_reports(tmp_path):
+    """P13: the ServerApp sent round 2 and died before any reply; the site charged it. On resume the ledger
+    counts it at the plan (once, however often it was sent), until the site's own report of round 2 covers it;
+    before, a site that never answered the resumed server again was claimed one round short."""
+    from flwr.common.constant import ErrorCode
+
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    plans = {"a": _plan("a"), "b": _plan("b")}
+    ledger.save_plans(list(plans.values()))
+    one = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=2)], delta=1e-3)
+    two = epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=4)], delta=1e-3)
+    out = process_replies([_reply("a", site_eps=one), _reply("b", site_eps=one)], expected=SHAPES, plans=plans)
+    ledger.record_sent(1, ["a", "b"])
+    ledger.record_round(1, out.spends, out.events, out.statuses, out.reports)
+    snapshot = ledger.snapshot()
+    for _ in range(2):  # sent twice (the first resume died too): a site charges a round once
+        ledger.record_sent(2, ["a", "b"])
+        ledger.reconcile(snapshot, through_round=1)
+    assert [(r["site"], r["round"], r["state"]) for r in ledger.rows()][2:] == [("a", 2, "attempted"),
+                                                                              ("b", 2, "attempted")]
+    assert ledger.counted_epsilon("a") == ledger.counted_epsilon("b") == pytest.approx(two)
+    # asking round 2 again costs at most that one round: planning it leaves its own attempted row out
+    assert ledger.history("a", asking=2) == ledger.history("a")[:1]
+    assert ledger.counted_epsilon("a", asking=2) == pytest.approx(one)
+    # the resumed round 2: a answers (its report covers its round 2), b is never heard from again
+    ledger.record_sent(2, ["a", "b"])
+    lost = Reply(site="b", error_code=int(ErrorCode.NODE_UNAVAILABLE), error_reason="no reply")
+    out = process_replies([_reply("a", site_eps=two), lost], expected=SHAPES, plans=plans)
+    ledger.record_round(2, out.spends, out.events, out.statuses, out.reports)
+    assert ledger.counted_epsilon("a") == pytest.approx(two)  # not three rounds: its report covers the send
+    assert [r["epsilon"] for r in ledger.rows() if r["site"] == "a"][-1] == pytest.approx(two)  # and its row says so
+    assert ledger.counted_epsilon("b") == pytest.approx(two)  # never below what b's own ledger may hold
     ledger.close()
 
 
