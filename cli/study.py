@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -206,12 +208,39 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)  # the cell sees one GPU; train.device auto picks it
     t0 = time.perf_counter()
     try:
-        with open(path / "log.txt", "ab") as fh:
-            code = subprocess.call([sys.executable, "-m", "fedpose.cli.study", str(path)], stdout=fh,
-                                   stderr=subprocess.STDOUT, env=env)
+        with open(path / "log.txt", "ab") as fh, _CELLS_LOCK:
+            if _STOPPING.is_set():
+                return -int(signal.SIGTERM), 0.0, gpu
+            cell = subprocess.Popen([sys.executable, "-m", "fedpose.cli.study", str(path)], stdout=fh,
+                                    stderr=subprocess.STDOUT, env=env)
+            _CELLS.add(cell)
+        code = cell.wait()
+        with _CELLS_LOCK:
+            _CELLS.discard(cell)
     finally:
         slots.put(gpu)
     return code, time.perf_counter() - t0, gpu
+
+
+_CELLS: set[subprocess.Popen] = set()  # the cells running now: stopped with the study (``stop_cells``)
+_CELLS_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def stop_cells(signum: int = signal.SIGTERM) -> None:
+    """Start no more cells and pass ``signum`` on to the running ones: a study stopped by ``kill`` (SIGTERM
+    reaches its own process only) or interrupted stops its cells too, instead of leaving them to train unseen.
+    The next run starts them again (a federated cell from the last round its server saved)."""
+    with _CELLS_LOCK:
+        _STOPPING.set()
+        for cell in _CELLS:
+            if cell.poll() is None:
+                cell.send_signal(signum)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    stop_cells(signum)
+    raise SystemExit(128 + signum)
 
 
 def cmd_study(args: argparse.Namespace) -> int:
@@ -257,24 +286,34 @@ def cmd_study(args: argparse.Namespace) -> int:
                    bar_format="{l_bar}{bar}| {percentage:3.0f}% of the work [{elapsed}<{remaining}] {postfix}")
         finished = len(unique) - len(todo)
         bar.set_postfix_str(f"{finished}/{len(unique)} cells")
+        _STOPPING.clear()
+        main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+        previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = {pool.submit(launch, paths[c.id], threads, slots): c for c in todo}
-            for future in as_completed(futures):
-                cell = futures[future]
-                code, seconds, gpu = future.result()
-                what = f"{cell.setting} {cell.method} {cell.strategy or ''} eps={cell.epsilon} C={cell.clip} " \
-                       f"seed={cell.seed}{' ' + cell.variant if cell.variant else ''}"
-                where = "CPU" if gpu is None else f"GPU {gpu}"
-                if code == 0 and is_done(out, cell):
-                    if record is not None:
-                        record_cell(out, record, cell)
-                    tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s on the {where})")
-                else:
-                    failed.append(cell.id)
-                    tqdm.write(f"FAILED {cell.id}  {what}  (exit {code}; see {paths[cell.id] / 'log.txt'})")
-                finished += 1
-                bar.set_postfix_str(f"{finished}/{len(unique)} cells", refresh=False)
-                bar.update(min(round(cost(cell)), bar.total - bar.n))
+            try:
+                for future in as_completed(futures):
+                    cell = futures[future]
+                    code, seconds, gpu = future.result()
+                    what = f"{cell.setting} {cell.method} {cell.strategy or ''} eps={cell.epsilon} C={cell.clip} " \
+                           f"seed={cell.seed}{' ' + cell.variant if cell.variant else ''}"
+                    where = "CPU" if gpu is None else f"GPU {gpu}"
+                    if code == 0 and is_done(out, cell):
+                        if record is not None:
+                            record_cell(out, record, cell)
+                        tqdm.write(f"done   {cell.id}  {what}  ({seconds:.0f} s on the {where})")
+                    else:
+                        failed.append(cell.id)
+                        tqdm.write(f"FAILED {cell.id}  {what}  (exit {code}; see {paths[cell.id] / 'log.txt'})")
+                    finished += 1
+                    bar.set_postfix_str(f"{finished}/{len(unique)} cells", refresh=False)
+                    bar.update(min(round(cost(cell)), bar.total - bar.n))
+            except BaseException:  # Ctrl-C or SIGTERM: the running cells stop too, before the pool waits on them
+                stop_cells()
+                raise
+            finally:
+                if main:
+                    signal.signal(signal.SIGTERM, previous)
         bar.close()
     if record is not None:  # cells finished before --record was given are kept too
         for cell in unique:

@@ -191,6 +191,64 @@ def test_quick_study_runs_resumes_and_writes_every_output(tmp_path):
     assert [p.stat().st_mtime_ns for p in done] == stamps  # nothing was rerun
 
 
+def _children(pid: int) -> set[int]:
+    """The processes ``pid`` started, from any of its threads (a study starts its cells from a thread pool)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from Linux /proc")
+def test_a_study_stopped_with_sigterm_stops_its_running_cell(tmp_path):
+    """`kill PID` (a scheduler's stop, systemd, a closed ssh session) reaches the study's own process only; the
+    cell it runs must stop with it, not go on training unseen (before: it did, for as long as the cell ran)."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    long_cell = study_text(methods="[nonprivate]", epsilons="[0.8]", strategies="[finetune]", settings="[centralized]",
+                           seeds="[1]", baselines="[]") + (  # the quick grid's tiny ward, one cell of 10^4 epochs
+        "overrides: {data.root: runs/study-quick/data, data.synth: {sites: 3, per_site: 40, public: 60, val: 30, "
+        "seed: 0, image_size: 64}, data.input_size: [32, 32], pretrain.out: runs/study-quick/pretrained, "
+        "pretrain.epochs: 1, pretrain.batch_size: 16, train.epochs: 10000, train.batch_size: 8}\n")
+    cmd = [sys.executable, "-m", "fedpose.cli.main", "study", "--config", str(write_study(tmp_path, long_cell)),
+           "--out", str(tmp_path / "study"), "--quiet"]
+    study = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        cells: set[int] = set()
+        while not cells and time.monotonic() < deadline and study.poll() is None:
+            cells = _children(study.pid)
+            time.sleep(0.5)
+        assert cells, "no cell started within 900 s"
+        time.sleep(2.0)  # the cell is importing torch or training
+        study.send_signal(signal.SIGTERM)
+        assert study.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30  # the cell alone would train for hours
+        while any(_alive(c) for c in cells) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(_alive(c) for c in cells), "the running cell outlived its study"
+    finally:
+        try:
+            os.killpg(study.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        study.wait()
+
+
 def test_parallel_cells_go_to_the_gpus_round_robin():
     from fedpose.cli.study import device_slots
 
