@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import ipaddress
 import logging
-import os
 import signal
 import ssl
 import subprocess
@@ -161,10 +160,7 @@ def healthy(upstream: str, ca: Path) -> bool:
 
 def _start_superlink(cmd: list[str]) -> subprocess.Popen:
     # Under cli.processes' guard: it and the SuperExec it starts die with the front, even by kill -9.
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.Popen([sys.executable, "-m", "fedpose.cli.processes", "--", *cmd], env=env)
+    return subprocess.Popen([sys.executable, "-m", "fedpose.cli.processes", "--", *cmd])
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -90,11 +90,8 @@ def start_warm(approved: Path) -> tuple[Any, Path] | None:
     start."""
     folder = Path(tempfile.mkdtemp(prefix="fedpose-warm-"))  # 0700, and short: a socket path has 107 bytes at most
     sock = folder / "clientapp.sock"
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen([sys.executable, "-m", "fedpose.client.warm", "--socket", str(sock), "--approved",
-                             str(approved)], env=env)
+                             str(approved)])
     deadline = time.monotonic() + 60
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

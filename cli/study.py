@@ -28,7 +28,6 @@ from typing import Any
 
 log = logging.getLogger("fedpose")
 
-REPO = Path(__file__).resolve().parents[1]
 CELL_CONFIG = "cell-config.yaml"  # the cell's run config, as the study resolved it
 
 
@@ -202,8 +201,7 @@ def launch(path: Path, threads: int, slots: queue.Queue) -> tuple[int, float, in
     """Run one cell in its own process on a free device slot (log in ``path/log.txt``); returns (exit code,
     seconds, GPU index or None)."""
     gpu = slots.get()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)  # the cell sees one GPU; train.device auto picks it
     t0 = time.perf_counter()
