@@ -1,0 +1,117 @@
+"""What each term of an fpdp step carries: the private signal, its projection, the noise, the public term.
+
+At the public-pretrained start of a run config, for ``--batches`` batches of B private records (the config's
+expected batch, augmented as in training), the norms of
+
+- ``private``: the mean clipped per-record gradient, (1/B) sum_i clip(g_i, C), before noise;
+- ``private in V``: its projection V V^T onto the k directions of the public gradients (what fpdp and proj keep),
+  and the part of it orthogonal to the public term (``beyond public``: what fpdp's private term adds to it);
+- ``noise in V``: the projected noise V V^T N(0, sigma^2 C^2 I) / B (``noise, all``: unprojected, dpsgd's);
+- ``public``: fpdp's noise-free public term, the mean gradient on psi(x) of ``train.public_batch_size`` records;
+
+and the cosine of the projected private signal with the public term. sigma is the accountant's for the run
+(epsilon, delta, q = B / n, 30 epochs by default): what the run spends, so the ratios are those of its steps.
+Synthetic ward data; the private records are read only to measure (nothing leaves this machine).
+
+Run: python benchmarks/fpdp_terms.py [--config configs/default.yaml] [--set key=value ...] [--out ...json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fedpose.cli.main import parse_sets  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
+from fedpose.shared.model.posenet import apply_strategy, make_loss_fn  # noqa: E402
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
+from fedpose.shared.privacy.step.fpdp import public_gradient  # noqa: E402
+from fedpose.shared.privacy.step.subspace import flatten, project  # noqa: E402
+from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on, public_basis_at  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records, plan_sigma  # noqa: E402
+from fedpose.shared.training.schedule import steps_per_epoch  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
+    """Mean norms (and their spread over batches) of the step's terms at the public start of ``cfg``."""
+    root = ensure_data(cfg, progress=False)
+    private = [r for split in cfg.data.train_splits for r in load_records(root, split)]
+    n, batch_size, clip = len(private), cfg.train.batch_size, cfg.privacy.clip_norm
+    steps = cfg.train.epochs * steps_per_epoch(n, batch_size)
+    sigma = plan_sigma(replace(cfg, **{"train.method": "fpdp"}), n=n, steps=steps)
+    model = initial_model(cfg, progress=False)
+    trainable = apply_strategy(model, cfg.train.strategy)
+    loss_fn = make_loss_fn(model, trainable)
+    named = dict(model.named_parameters())
+    params = {name: named[name].detach() for name in trainable}
+    public = make_dataset(load_records(root, cfg.data.public_split), cfg, train=True, seed=seed)
+    basis = public_basis_at(model, loss_fn, trainable, public, cfg.privacy, CPU)
+    data = make_dataset(private, cfg, train=True, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    psi = make_psi_from(cfg.privacy, generator)
+    rows = []
+    for _ in range(batches):
+        idx = torch.randperm(n, generator=generator)[:batch_size].tolist()
+        batch = {k: v for k, v in data.batch(idx).items() if k != "index"}
+        summed = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=cfg.privacy.chunk_size).summed
+        signal = flatten(summed) / batch_size
+        noise = torch.randn(signal.shape, generator=generator, dtype=signal.dtype) * (sigma * clip / batch_size)
+        signal_v, noise_v = project(basis, signal), project(basis, noise)
+        pub_idx = torch.randperm(n, generator=generator)[:cfg.train.public_batch_size].tolist()
+        g_pub = flatten(public_gradient(loss_fn, params, psi_on(psi, data.batch(pub_idx), CPU)))
+        beyond = signal_v - (signal_v @ g_pub) / (g_pub @ g_pub) * g_pub  # what the public term does not point to
+        rows.append({"private": float(signal.norm()), "private_in_v": float(signal_v.norm()),
+                     "private_in_v_beyond_public": float(beyond.norm()),
+                     "noise_in_v": float(noise_v.norm()), "noise_all": float(noise.norm()),
+                     "public": float(g_pub.norm()),
+                     "cos_private_in_v_public": float(torch.nn.functional.cosine_similarity(signal_v, g_pub, dim=0))})
+    keys = list(rows[0])
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    spread = {k: math.sqrt(sum((r[k] - mean[k]) ** 2 for r in rows) / max(1, len(rows) - 1)) for k in keys}
+    return {"records": n, "batch_size": batch_size, "sigma": sigma, "steps": steps, "clip": clip,
+            "k": int(basis.shape[1]), "params": int(signal.numel()), "mean": mean, "std": spread, "batches": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides of the config")
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/fpdp_terms.json")
+    args = parser.parse_args()
+    if args.batches < 1:
+        parser.error("--batches must be >= 1")
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, parse_sets(args.set))
+    t0 = time.perf_counter()
+    result = measure(cfg, batches=args.batches, seed=args.seed)
+    m, s = result["mean"], result["std"]
+    print(f"{result['records']} records, B {result['batch_size']}, sigma {result['sigma']:.4f} "
+          f"({result['steps']} steps), C {result['clip']:g}, k {result['k']}, {result['params']} weights")
+    for key in ("private", "private_in_v", "private_in_v_beyond_public", "noise_in_v", "noise_all", "public",
+                "cos_private_in_v_public"):
+        print(f"  {key:24s} {m[key]:10.4f} +- {s[key]:.4f}")
+    print(f"  private in V / noise in V: {m['private_in_v'] / m['noise_in_v']:.3f}; beyond public / noise in V: "
+          f"{m['private_in_v_beyond_public'] / m['noise_in_v']:.3f}; "
+          f"private in V / public: {m['private_in_v'] / m['public']:.4f}")
+    out = {**result, "config": args.config, "set": args.set, "seed": args.seed,
+           "seconds": round(time.perf_counter() - t0, 1), **provenance(command=" ".join(sys.argv))}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
