@@ -18,6 +18,11 @@ from typing import Any, get_args, get_origin
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import fedpose  # noqa: E402 - this tree's root package
+
+# fedpose's packages are this tree's top-level folders (pyproject's package-dir): document this tree's code even
+# when fedpose is installed from another checkout (a git worktree).
+fedpose.__path__.insert(0, str(REPO))
 
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
