@@ -1,7 +1,7 @@
 """What each term of an fpdp step carries: the private signal, its projection, the noise, the public term.
 
-At the public-pretrained start of a run config, for ``--batches`` batches of B private records (the config's
-expected batch, augmented as in training), the norms of
+At the public-pretrained start of a run config and of its larger wards, for ``--batches`` batches of B private
+records (the config's expected batch, augmented as in training), the norms of
 
 - ``private``: the mean clipped per-record gradient, (1/B) sum_i clip(g_i, C), before noise;
 - ``private in V``: its projection V V^T onto the k directions of the public gradients (what fpdp and proj keep),
@@ -13,7 +13,7 @@ and the cosine of the projected private signal with the public term. sigma is th
 (epsilon, delta, q = B / n, 30 epochs by default): what the run spends, so the ratios are those of its steps.
 Synthetic ward data; the private records are read only to measure (nothing leaves this machine).
 
-Run: python benchmarks/fpdp_terms.py [--config configs/default.yaml] [--set key=value ...] [--out ...json]
+Run: python benchmarks/fpdp_terms.py [--per-site 400 1600] [--config configs/default.yaml] [--out ...json]
 """
 
 from __future__ import annotations
@@ -83,32 +83,47 @@ def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
             "k": int(basis.shape[1]), "params": int(signal.numel()), "mean": mean, "std": spread, "batches": rows}
 
 
+def ward_config(path: str, sets: list[str], per_site: int):  # noqa: ANN201
+    """The run config at ``per_site`` records per site: a larger ward and its own public start, as the scale
+    study names them (``configs/study-scale.yaml``)."""
+    cfg = load_config(path, parse_sets(sets))
+    if per_site == cfg.data.synth.per_site:
+        return cfg
+    return replace(cfg, **{"data.synth.per_site": per_site, "data.root": f"runs/data/ward-{per_site}",
+                           "pretrain.out": f"runs/pretrained-{per_site}"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides of the config")
+    parser.add_argument("--per-site", nargs="+", type=int, default=[400, 1600],
+                        help="records per site of each ward measured (default 400 1600)")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/fpdp_terms.json")
     args = parser.parse_args()
-    if args.batches < 1:
-        parser.error("--batches must be >= 1")
+    if args.batches < 1 or min(args.per_site) < 1:
+        parser.error("--batches and --per-site must be >= 1")
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, parse_sets(args.set))
     t0 = time.perf_counter()
-    result = measure(cfg, batches=args.batches, seed=args.seed)
-    m, s = result["mean"], result["std"]
-    print(f"{result['records']} records, B {result['batch_size']}, sigma {result['sigma']:.4f} "
-          f"({result['steps']} steps), C {result['clip']:g}, k {result['k']}, {result['params']} weights")
-    for key in ("private", "private_in_v", "private_in_v_beyond_public", "noise_in_v", "noise_all", "public",
-                "cos_private_in_v_public"):
-        print(f"  {key:24s} {m[key]:10.4f} +- {s[key]:.4f}")
-    print(f"  private in V / noise in V: {m['private_in_v'] / m['noise_in_v']:.3f}; beyond public / noise in V: "
-          f"{m['private_in_v_beyond_public'] / m['noise_in_v']:.3f}; "
-          f"private in V / public: {m['private_in_v'] / m['public']:.4f}")
-    out = {**result, "config": args.config, "set": args.set, "seed": args.seed,
-           "seconds": round(time.perf_counter() - t0, 1), **provenance(command=" ".join(sys.argv))}
+    rows = []
+    for per_site in args.per_site:
+        result = {"per_site": per_site, **measure(ward_config(args.config, args.set, per_site), batches=args.batches,
+                                                   seed=args.seed)}
+        rows.append(result)
+        m, s = result["mean"], result["std"]
+        print(f"{per_site} per site: {result['records']} records, B {result['batch_size']}, sigma "
+              f"{result['sigma']:.4f} ({result['steps']} steps), C {result['clip']:g}, k {result['k']}, "
+              f"{result['params']} weights")
+        for key in ("private", "private_in_v", "private_in_v_beyond_public", "noise_in_v", "noise_all", "public",
+                    "cos_private_in_v_public"):
+            print(f"  {key:28s} {m[key]:10.4f} +- {s[key]:.4f}")
+        print(f"  beyond public / noise in V: {m['private_in_v_beyond_public'] / m['noise_in_v']:.3f}; beyond "
+              f"public / public: {m['private_in_v_beyond_public'] / m['public']:.3f}", flush=True)
+    out = {"rows": rows, "config": args.config, "set": args.set, "batches": args.batches, "seed": args.seed,
+           "seconds": round(time.perf_counter() - t0, 1), "provenance": provenance(command=" ".join(sys.argv))}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

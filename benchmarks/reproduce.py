@@ -116,6 +116,10 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/proj_diagnosis.py", "--train", "--runs", "{out}/runs",
          "--out", "{out}/proj_diagnosis.json"),
     ), results=("proj_diagnosis.json",)),
+    Entry("fpdp-terms", "what fpdp's private term adds to the blurred copies: the terms of a step at 400 and 1,600 "
+                        "records per site (seconds; the 1,600-record ward is generated and pretrained first)", (
+        ("{py}", "benchmarks/fpdp_terms.py", "--out", "{out}/fpdp_terms.json"),
+    ), results=("fpdp_terms.json",)),
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
     ), results=("privacy_attacks.json",)),

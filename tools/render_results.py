@@ -605,6 +605,24 @@ def _weights_label(path: str) -> str:
     return "the public-pretrained start" if folder == "pretrained" else folder
 
 
+def render_fpdp_terms(data: dict[str, Any]) -> str:
+    """benchmarks/results/fpdp_terms.json (benchmarks/fpdp_terms.py): what each term of an fpdp step carries."""
+    lines = ["| records per site | sigma | private signal | in V | in V, beyond the public term | noise in V | "
+             "public term | cosine, in V with public |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        m, s = r["mean"], r["std"]
+        cells = [f"{m[k]:.3f} ± {s[k]:.3f}" for k in ("private", "private_in_v", "private_in_v_beyond_public",
+                                                      "noise_in_v", "public")]
+        lines.append(f"| {r['per_site']:,} | {r['sigma']:.2f} ({r['steps']} steps) | " + " | ".join(cells) +
+                     f" | {m['cos_private_in_v_public']:.2f} |")
+    first = data["rows"][0]
+    lines += ["", f"At the public start of each ward; mean ± std over {data['batches']} batches of "
+                  f"{first['batch_size']} records; C = {first['clip']:g}, k = {first['k']}, {first['params']:,} "
+                  f"weights; sigma is the accountant's for epsilon 0.8 over the run's steps.", "",
+              _provenance(data.get("provenance"))]
+    return "\n".join(lines)
+
+
 def render_proj(data: dict[str, Any]) -> str:
     """benchmarks/results/proj_diagnosis.json (benchmarks/proj_diagnosis.py): why proj ends below dpsgd."""
     lines = ["| weights | V keeps of the signal g* | V keeps of the noise | signal / noise of a step, dpsgd | "
@@ -783,6 +801,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
     "scale": ("study-scale", render_scale),
     "proj": ("proj_diagnosis.json", render_proj),
+    "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
     "edge-latency": ("edge_latency.json", render_edge_latency),
