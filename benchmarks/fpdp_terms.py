@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +37,8 @@ from fedpose.shared.privacy.step.fpdp import public_gradient  # noqa: E402
 from fedpose.shared.privacy.step.subspace import flatten, project  # noqa: E402
 from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on, public_basis_at  # noqa: E402
 from fedpose.shared.training.provenance import provenance  # noqa: E402
-from fedpose.shared.training.runs import ensure_data, initial_model, load_records, plan_sigma  # noqa: E402
+from fedpose.shared.training.runs import (  # noqa: E402
+    ensure_data, initial_model, load_records, plan_sigma, private_records)
 from fedpose.shared.training.schedule import steps_per_epoch  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -46,7 +47,7 @@ CPU = torch.device("cpu")
 def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
     """Mean norms (and their spread over batches) of the step's terms at the public start of ``cfg``."""
     root = ensure_data(cfg, progress=False)
-    private = [r for split in cfg.data.train_splits for r in load_records(root, split)]
+    private = private_records(root, cfg)  # the pooled training splits a centralized run trains on
     n, batch_size, clip = len(private), cfg.train.batch_size, cfg.privacy.clip_norm
     steps = cfg.train.epochs * steps_per_epoch(n, batch_size)
     sigma = plan_sigma(replace(cfg, **{"train.method": "fpdp"}), n=n, steps=steps)
@@ -76,9 +77,8 @@ def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
                      "noise_in_v": float(noise_v.norm()), "noise_all": float(noise.norm()),
                      "public": float(g_pub.norm()),
                      "cos_private_in_v_public": float(torch.nn.functional.cosine_similarity(signal_v, g_pub, dim=0))})
-    keys = list(rows[0])
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
-    spread = {k: math.sqrt(sum((r[k] - mean[k]) ** 2 for r in rows) / max(1, len(rows) - 1)) for k in keys}
+    mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    spread = {k: statistics.stdev(r[k] for r in rows) if len(rows) > 1 else 0.0 for k in rows[0]}
     return {"records": n, "batch_size": batch_size, "sigma": sigma, "steps": steps, "clip": clip,
             "k": int(basis.shape[1]), "params": int(signal.numel()), "mean": mean, "std": spread, "batches": rows}
 

@@ -240,9 +240,8 @@ class SuggestingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedpose.shared.configuration.methods import UNITS
+    from fedpose.shared.configuration.methods import METHODS, UNITS
     from fedpose.shared.configuration.schema import STRATEGIES
-    from fedpose.shared.configuration.methods import METHODS
 
     parser = SuggestingParser(
         prog="fedpose", description="Federated, differentially private 2D human pose estimation."
