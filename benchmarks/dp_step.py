@@ -73,7 +73,9 @@ def _setup(variant: str, *, opacus_compatible: bool = False, size_hw: tuple[int,
     import torch
 
     from fedpose.shared.configuration.schema import ModelConfig
-    from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import apply_strategy
 
     torch.manual_seed(0)
     # Opacus' hooks cannot produce per-sample gradients for parameters used outside a layer's forward
@@ -92,8 +94,10 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
     """{kind: step()} for one model; every kind updates the same model with SGD."""
     import torch
 
-    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
-    from fedpose.shared.privacy.step.psi import GaussianBlur, apply_psi
+    from fedpose.shared.privacy.step.spec import DPSpec
+    from fedpose.shared.privacy.step.fpdp import dp_gradient
+    from fedpose.shared.privacy.step.psi import apply_psi
+    from fedpose.shared.privacy.step.psi_maps import GaussianBlur
 
     model, names, loss_fn = _setup(variant, size_hw=size_hw, device=device)
     named = dict(model.named_parameters())
@@ -159,7 +163,7 @@ def _opacus_step(variant: str, batch, gen):
     import torch
     from opacus.grad_sample import GradSampleModule
 
-    from fedpose.shared.model.posenet import _LossModule
+    from fedpose.shared.model.pose_loss import _LossModule
 
     warnings.filterwarnings("ignore")
     model, names, _ = _setup(variant, opacus_compatible=True)

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         find_record, planes_of, psnr, public_gradient_of, read_reply, render, score,
     )
     from fedpose.shared.flower.messages import ARRAYS, record_tensors
-    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.provenance import provenance
     from fedpose.shared.training.runs import ensure_data
     from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on

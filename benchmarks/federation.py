@@ -47,7 +47,8 @@ BASIS_TARGET = 0.10
 def _model(cfg: Any) -> tuple[Any, list[str], int]:
     import torch
 
-    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
 
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data.input_size)
@@ -113,7 +114,7 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
 
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.model.posenet import make_loss_fn
+    from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.privacy.step.noise import make_generator
     from fedpose.shared.training.runs import ensure_data
     from fedpose.shared.training.batches import make_dataset, public_basis_at

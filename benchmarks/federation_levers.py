@@ -38,7 +38,8 @@ from fedpose.server.plan import _calibrated
 from fedpose.server.combine import aggregate, bound_updates
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.data.mpii import load_split
-from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
 from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
 from fedpose.shared.training.runs import ensure_data, initial_model
 from fedpose.shared.training.batches import make_dataset, public_basis_at

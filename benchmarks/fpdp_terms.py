@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 from fedpose.cli.main import parse_sets  # noqa: E402
 from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.model.posenet import apply_strategy, make_loss_fn  # noqa: E402
+from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
+from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
 from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
 from fedpose.shared.privacy.step.fpdp import public_gradient  # noqa: E402
 from fedpose.shared.privacy.step.subspace import flatten, project  # noqa: E402

@@ -34,7 +34,9 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.model.posenet import apply_strategy, load_checkpoint, make_loss_fn  # noqa: E402
+from fedpose.shared.model.posenet import load_checkpoint  # noqa: E402
+from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
+from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
 from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
 from fedpose.shared.privacy.step.noise import gaussian_noise_like  # noqa: E402
 from fedpose.shared.privacy.step.sampling import poisson_sample  # noqa: E402

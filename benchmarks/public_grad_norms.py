@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fedpose.shared.configuration.schema import load_config  # noqa: E402
-from fedpose.shared.model.posenet import TASK_SCALE, apply_strategy, make_loss_fn  # noqa: E402
+from fedpose.shared.model.posenet import TASK_SCALE  # noqa: E402
+from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
+from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
 from fedpose.shared.privacy.step.persample import iter_per_sample_grads, robust_norms  # noqa: E402
 from fedpose.shared.training.provenance import provenance  # noqa: E402
 from fedpose.shared.training.runs import ensure_data, initial_model, load_records  # noqa: E402

@@ -22,37 +22,36 @@ chunk size, its normaliser, P15) and a reply checked finite is stored, and the r
 before it leaves.
 
 A charged round is one release (P16): its row is bound to the digest of the whole request
-(``fedpose.client.request.request_digest``: weights, basis, every config field, the app bundle). A
+(``fedpose.client.request_identity.request_digest``: weights, basis, every config field, the app bundle). A
 (federation, round) asked again gets its stored reply when it is done, and its stored failure when it
 failed after the charge (final: the noise seed is erased, nothing runs again). Only a round whose
 process died mid-way stays charged, and only the identical request replays it, on the same seed and
 the same data, so it is never spent twice and never evaluated on other inputs. With ``round_seconds``
 in the policy the answer of a charged round leaves at a multiple of that period after the request
-arrived (``hold_reply``), not when training happened to end.
+arrived (``fedpose.client.round_timing.hold_reply``), not when training happened to end.
 
 This module is the round itself; the steps it calls live beside it: ``fedpose.client.request`` (parse, check
-against the policy, load weights), ``fedpose.client.site_data`` (the site's own checks), ``fedpose.client.site_basis``
-(V), ``fedpose.client.replies`` (stored replies) and ``fedpose.client.policy_resolve`` (which policy a node runs under).
+against the policy, load weights), ``fedpose.client.request_identity`` (the digest a charge is bound to),
+``fedpose.client.round_timing`` (one round at a time, the held answer), ``fedpose.client.site_data`` (the site's own
+checks), ``fedpose.client.site_basis`` (V), ``fedpose.client.replies`` (stored replies) and
+``fedpose.client.policy_resolve`` (which policy a node runs under).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
-import math
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from fedpose.client.ledger import Mechanism, SiteLedger
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.ledger_round import Mechanism
 from fedpose.client.policy import SitePolicy
 from fedpose.client.replies import repeated_round, store_reply
-from fedpose.client.request import (check_model_size, check_request, load_weights, parse_request, request_digest,
-                                    running_bundle)
+from fedpose.client.request import check_model_size, check_request, load_weights, parse_request
+from fedpose.client.request_identity import request_digest, running_bundle
+from fedpose.client.round_timing import hold_reply, site_lock
 from fedpose.shared.configuration.methods import PROJECTED, WITH_PUBLIC
 from fedpose.client.site_basis import cache_basis, drop_basis_cache, obtain_basis
 from fedpose.client.site_data import SiteCheck, load_checked, site_ready
@@ -69,41 +68,6 @@ class SiteFailure(RuntimeError):
     """A charged round that could not produce a reply; its spend stays on the ledger (P13)."""
 
 
-@contextmanager
-def site_lock(policy: SitePolicy) -> Iterator[None]:
-    """One round at a time per site, across processes (Flower starts one per message); released on death."""
-    from fedpose.shared.private_files import open_private, private_dir
-
-    path = Path(policy.ledger_path).with_suffix(".lock")
-    private_dir(path.parent)  # made 0700, the lock 0600, whatever the umask (secrets at rest)
-    with open(path, "a+", opener=open_private) as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def hold_reply(arrived: float, period: float | None) -> None:
-    """Hold a charged round's answer until the first multiple of ``period`` (the policy's ``round_seconds``) after
-    its request ``arrived`` (time.monotonic()) that has not passed yet.
-
-    A round that ran past its deadline then leaves at the next multiple, never when training happened to end, so
-    the departure time moves with the private data only when a round crosses a multiple (pinned resources and the
-    pinned public batch keep rounds inside one); the site's operator is told each time it happens.
-    """
-    if period is None:
-        return
-    elapsed = time.monotonic() - arrived
-    periods = max(1, math.ceil(elapsed / period))
-    if periods > 1:
-        log.warning("a round took %.1f s, more than round_seconds=%g: its answer leaves at %g s; raise round_seconds "
-                    "so that every round fits", elapsed, period, periods * period)
-    left = arrived + periods * period - time.monotonic()
-    if left > 0:
-        time.sleep(left)
-
-
 def _augment_seed(secret: int) -> int:
     """The round's augmentation seed, derived from its secret so that a replay draws the same crops."""
     return int.from_bytes(hashlib.sha256(b"fedpose-augment" + secret.to_bytes(8, "big")).digest()[:4], "big")
@@ -111,7 +75,8 @@ def _augment_seed(secret: int) -> int:
 
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
-    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.provenance import select_device
 
     arrived = time.monotonic()

@@ -119,7 +119,7 @@ def obtain_basis(content: Any, request: TrainRequest, model: PoseNet, trainable:
     public = load_public(policy)  # approved by digest and disjoint from the private data (the site's checks)
     if public is None:
         raise Refusal(RefusalCode.POLICY, "basis_mode 'site' needs public_path in the site policy")
-    from fedpose.shared.model.posenet import make_loss_fn
+    from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.training.batches import make_dataset, public_basis_at
 
     t0 = time.perf_counter()

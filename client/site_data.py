@@ -6,7 +6,8 @@ run by its operator, not per message (P13); what the site declares to the server
 private image once, leaves out the records that would break the claim (an image present twice, a
 private image also in the public set, records of a patient beyond the policy's cap) with an alert for
 the operator, and records the outcome beside the ledger (``<ledger>.check.json``), keyed by the policy
-and by the data's version (file sizes and modification times, never their content).
+and by the data's version (file sizes and modification times, never their content:
+``fedpose.client.site_fingerprint``).
 
 Serving a message (``site_ready``) reads only that record and a few ``stat`` calls: a query or a
 refused request costs the same time and gives the same answer whatever the private data holds. The
@@ -17,7 +18,6 @@ until the operator runs the check again), never what changed; the threat model n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,10 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedpose.client.ledger import SiteLedger
-from fedpose.client.policy import SitePolicy, min_sigma_for, policy_to_dict
+from fedpose.client.policy import SitePolicy, min_sigma_for
+from fedpose.client.site_fingerprint import data_version, policy_fingerprint
 from fedpose.shared.configuration.methods import WITH_PUBLIC
 from fedpose.shared.data.mpii import load_split
-from fedpose.shared.data.patients import PATIENT_SIDECARS, PatientGroups, group_by_patient
+from fedpose.shared.data.patients import PatientGroups, group_by_patient
 from fedpose.shared.data.records import PoseRecord
 from fedpose.shared.data.records import content_hash
 from fedpose.shared.errors import PrivacyRefusal
@@ -82,35 +83,6 @@ class SiteCheck:
     checked_at: str
     version: int = CHECK_VERSION
     extra: dict = field(default_factory=dict)
-
-
-def policy_fingerprint(policy: SitePolicy) -> str:
-    """sha256 of the policy's canonical JSON: a changed policy needs its checks run again."""
-    return hashlib.sha256(json.dumps(policy_to_dict(policy), sort_keys=True).encode()).hexdigest()
-
-
-def _split_version(path: str | None) -> list[list]:
-    """(name, size, mtime_ns) of a split's metadata files and images folder: O(1) ``stat`` calls, no reading."""
-    if not path:
-        return []
-    root = Path(path)
-    out = []
-    for name in ("annotations.json", "headboxes.json", "images", *PATIENT_SIDECARS):
-        try:
-            info = (root / name).stat()
-        except FileNotFoundError:
-            continue
-        out.append([str(root / name), info.st_size if name != "images" else 0, info.st_mtime_ns])
-    return out
-
-
-def data_version(policy: SitePolicy) -> str:
-    """Version of the site's files (private, public, eval) from their sizes and modification times.
-
-    An image replaced in place under the same name is not seen here; re-run the check after such an edit.
-    """
-    parts = [_split_version(p) for p in (policy.data_path, policy.public_path, policy.eval_path)]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def _check_path(policy: SitePolicy) -> Path:

@@ -32,7 +32,8 @@ def evaluation_log(policy: SitePolicy) -> Path:
 
 def _eval_records(policy: SitePolicy, eval_path: str, private: list[PoseRecord]) -> list[PoseRecord] | None:
     """The held-out records (cached per file version); None, with the reason logged, when unusable."""
-    from fedpose.client.site_data import data_version, load_split_dir
+    from fedpose.client.site_data import load_split_dir
+    from fedpose.client.site_fingerprint import data_version
     from fedpose.shared.data.split import check_disjoint
 
     key = (policy.eval_path, policy.data_path, data_version(policy))

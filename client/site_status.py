@@ -112,7 +112,8 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
     from fedpose.client.app_trust import parse_approved
     from fedpose.client.ledger import SiteLedger
     from fedpose.client.policy import load_policy
-    from fedpose.client.site_data import data_version, policy_fingerprint, read_site_check
+    from fedpose.client.site_data import read_site_check
+    from fedpose.client.site_fingerprint import data_version, policy_fingerprint
     from fedpose.shared.privacy.accounting.accountant import epsilon_spent
 
     policy_path = Path(policy_path).expanduser().resolve()

@@ -62,7 +62,7 @@ class BasisKeeper:
         if self.mode == "site":
             log.info("basis version %d: sites compute V from their public set", round)
             return 0.0
-        from fedpose.shared.model.posenet import make_loss_fn
+        from fedpose.shared.model.pose_loss import make_loss_fn
         from fedpose.shared.training.batches import make_dataset, public_basis_at
 
         t0 = time.perf_counter()

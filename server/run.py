@@ -97,7 +97,7 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
 
 def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.runs import initial_model
     from fedpose.shared.metrics.evaluation import evaluate
 

@@ -62,7 +62,7 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         basis_record,
         weights_record,
     )
-    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.runs import initial_model
 
     app = ServerApp()

@@ -18,7 +18,8 @@ import yaml
 from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.experiments.audit import AuditSpec, run_audit
 from fedpose.shared.privacy.audit.canaries import DiracCanaries, DiracGrads
-from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
+from fedpose.shared.privacy.step.spec import DPSpec, StepAudit
+from fedpose.shared.privacy.step.fpdp import dp_gradient
 from fedpose.shared.privacy.step.subspace import flatten
 
 

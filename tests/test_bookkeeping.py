@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from fedpose.shared.configuration.schema import ModelConfig
-from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-from fedpose.shared.privacy.step import bookkeeping
+from fedpose.shared.model.posenet import build_model
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
 from fedpose.shared.privacy.step.clipping import clipped_grad_sum
 from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_norms
 
@@ -55,7 +57,7 @@ def _close(a: dict, b: dict, rtol=2e-4, atol=2e-6) -> None:
 ])
 def test_clipped_sum_and_norms_equal_the_generic_path(variant, strategy):
     model, loss_fn, params, batch = _setup(variant, strategy)
-    assert bookkeeping.supports(loss_fn, params)
+    assert bookkeeping_plan.supports(loss_fn, params)
     fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=3)
     slow = clipped_grad_sum(_generic(loss_fn), params, batch, clip_norm=0.05, chunk_size=3)
     assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
@@ -82,14 +84,14 @@ def test_every_rule_is_used_by_the_pose_model():
     """The model's trainable tensors under 'full' fall under each rule at least once (none goes unnoticed)."""
     model, loss_fn, params, _ = _setup("tinyvit-5m", "full")
     layer_names = [n for n in params if n not in loss_fn.combine_names]
-    kinds = {kind for _, kind, _ in bookkeeping._plan(model, layer_names).values()}
+    kinds = {kind for _, kind, _ in bookkeeping_plan._plan(model, layer_names).values()}
     assert kinds == {"linear", "conv", "grouped_conv", "layer_norm", "bias_table"}
 
 
 def test_unsupported_loss_or_parameter_takes_the_generic_path():
     model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=2)
-    assert not bookkeeping.supports(_generic(loss_fn), params)
-    assert not bookkeeping.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
+    assert not bookkeeping_plan.supports(_generic(loss_fn), params)
+    assert not bookkeeping_plan.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
 
 
 @pytest.mark.invariant("P14")
@@ -134,13 +136,13 @@ def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(
     """The depthwise rule's grouped convolution gives each sample's weight gradient exactly as autograd does."""
     from torch import nn
 
-    from fedpose.shared.privacy.step.layer_rules import _depthwise_weight
+    from fedpose.shared.privacy.step.conv_rules import depthwise_weight
 
     torch.manual_seed(0)
     conv = nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6)
     x = torch.randn(3, 6, 11, 9)
     g = torch.randn_like(conv(x))
-    got = _depthwise_weight(conv, x, g)
+    got = depthwise_weight(conv, x, g)
     for i in range(3):
         (want,) = torch.autograd.grad((conv(x[i:i + 1]) * g[i:i + 1]).sum(), conv.weight)
         torch.testing.assert_close(got[i], want[:, 0], rtol=1e-5, atol=1e-5)
@@ -163,7 +165,7 @@ def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one()
 def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_replaced_one():
     from torch import nn
 
-    from fedpose.shared.privacy.step.persample import own_parameters
+    from fedpose.shared.privacy.step.own_weights import own_parameters
 
     model, _, _, _ = _setup("tinyvit-small", "finetune")
     assert list(own_parameters(model).items()) == list(model.named_parameters())

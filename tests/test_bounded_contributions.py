@@ -105,7 +105,8 @@ def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     some activation overflows float32, which happens first for the image with the largest activations.
     Bisection on log s finds an s at which exactly one record (the target) overflows.
     """
-    from fedpose.shared.model.posenet import apply_strategy, make_loss_fn
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_norms
     from fedpose.shared.training.runs import initial_model
     from fedpose.shared.training.batches import make_dataset

@@ -19,6 +19,7 @@ from fedpose.shared.data.synth.pose import sample_pose
 from fedpose.shared.data.synth.rng import _derive_rng
 from fedpose.shared.data.synth.styles import PUBLIC_STYLE, site_style
 from fedpose.shared.data.synth.ward import WardSpec, ensure_ward, generate_ward, load_identities, render_sample
+from fedpose.shared.data.augment import Augment, sample_augment
 from fedpose.shared.data.coco import load_coco
 from fedpose.shared.data.dataset import PoseDataset, collate
 from fedpose.shared.data.joints import FLIP_PAIRS, JOINT_NAMES, NUM_JOINTS
@@ -26,13 +27,11 @@ from fedpose.shared.data.mpii import load_mpii, load_split
 from fedpose.shared.data.records import PoseRecord, content_hash, inside, sanitize_joints
 from fedpose.shared.data.split import check_disjoint
 from fedpose.shared.data.transforms import (
-    Augment,
     affine_matrix,
     flip_horizontal,
     inverse_transform,
     invert_affine,
     record_boxes,
-    sample_augment,
     warp_points,
 )
 

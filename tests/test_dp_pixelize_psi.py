@@ -13,7 +13,8 @@ from fedpose.shared.configuration.schema import config_from_dict, replace
 from fedpose.shared.configuration.flat import identity_flat
 from fedpose.shared.pixelization.spec import PixelizeSpec
 from fedpose.shared.privacy.accounting.claims import privacy_claim
-from fedpose.shared.privacy.step.psi import DPPixelize, Pixelate, apply_psi, psi_label_of
+from fedpose.shared.privacy.step.psi import apply_psi, psi_label_of
+from fedpose.shared.privacy.step.psi_maps import DPPixelize, Pixelate
 
 
 def _gray(batch: int, h: int = 32, w: int = 24) -> torch.Tensor:

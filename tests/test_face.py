@@ -16,7 +16,7 @@ from fedpose.shared.data.synth.identity import FACES
 from fedpose.shared.data.synth.ward import (WardSpec, ensure_faces, face_sample, generate_ward, manifest_for,
                                             render_sample)
 from fedpose.shared.data.face import LANDMARK_NAMES, FaceLabels, read_faces, write_faces
-from fedpose.shared.data.transforms import Augment
+from fedpose.shared.data.augment import Augment
 
 SPEC = WardSpec(sites=1, per_site=60, public=40, val=20, seed=3, image_size=128, images_per_identity=4)
 INPUT = (64, 48)
@@ -190,8 +190,10 @@ def _face_batch(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy,uncertainty", [("finetune", True), ("full", False)])
 def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertainty):
     from fedpose.shared.model.face_head import loss_terms
-    from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.privacy.step import bookkeeping_plan
     from fedpose.shared.privacy.step.clipping import clipped_grad_sum
 
     torch.manual_seed(0)
@@ -209,7 +211,7 @@ def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertaint
     assert parts.shape == (5, 3 + len(loss_terms(ALL_TASKS))) and bool(torch.isfinite(parts).all())
     unlabelled = batch["face_labelled"] == 0
     assert bool((parts[unlabelled, 3:] == 0).all()), "a record without face labels has no face loss"
-    assert bookkeeping.supports(loss_fn, params)
+    assert bookkeeping_plan.supports(loss_fn, params)
     fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=2)
     slow = clipped_grad_sum(lambda p, b: loss_fn(p, b), params, batch, clip_norm=0.05, chunk_size=2)
     assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
@@ -270,7 +272,7 @@ def test_face_heads_train_under_every_method(face_world, method):
 
     cfg = face_world
     model = initial_model(cfg, progress=False)
-    from fedpose.shared.model.posenet import apply_strategy
+    from fedpose.shared.model.strategy import apply_strategy
 
     trainable = apply_strategy(model, cfg.train.strategy)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("face_head.")}
@@ -281,7 +283,7 @@ def test_face_heads_train_under_every_method(face_world, method):
     public = make_dataset(load_records(cfg.data.root, cfg.data.public_split), cfg, train=False)
     basis = None
     if method in ("proj", "fpdp"):
-        from fedpose.shared.model.posenet import make_loss_fn
+        from fedpose.shared.model.pose_loss import make_loss_fn
 
         basis = public_basis_at(model, make_loss_fn(model, trainable), trainable, public, cfg.privacy,
                                 select_device("cpu"))

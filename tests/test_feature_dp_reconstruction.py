@@ -44,7 +44,8 @@ def world(tmp_path_factory):
 
 
 def _crafted(cfg):
-    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
 
     model = build_model(cfg.model, cfg.data.input_size)
     crafted = craft_weights(model)

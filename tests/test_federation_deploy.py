@@ -92,7 +92,8 @@ def test_tls_auth_deployment_two_rounds_and_unregistered_node_refused(tmp_path: 
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["accepted"] == ["site-0", "site-1"] for r in rounds)
     assert all(r["basis_version"] == 1 for r in rounds)
-    from fedpose.shared.model.posenet import apply_strategy, build_model
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
 
     model = build_model(cfg.model, cfg.data.input_size)
     named = dict(model.named_parameters())

@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from fedpose.shared.configuration.schema import ModelConfig
-from fedpose.shared.model.posenet import (
-    PoseNet,
-    apply_strategy,
-    build_model,
-    load_checkpoint,
-    load_tinyvit_weights,
-    make_loss_fn,
-    save_checkpoint,
-    trainable_names,
-)
+from fedpose.shared.model.posenet import PoseNet, build_model, load_checkpoint, load_tinyvit_weights, save_checkpoint
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy, trainable_names
 from fedpose.shared.model.simcc_decode import decode_simcc
 from fedpose.shared.model.simcc import gaussian_targets
 from fedpose.shared.model.tinyvit import fuse_batchnorm, is_fused, resample_attention_biases, tinyvit
@@ -230,11 +223,11 @@ def test_the_attention_bias_index_numbers_offsets_in_first_seen_order(window):
     order the offsets are first seen over the row-major points (timm's layout, which checkpoints assume)."""
     import itertools
 
-    from fedpose.shared.model.tinyvit_blocks import _offset_index
+    from fedpose.shared.model.tinyvit_windows import offset_index
 
     points = list(itertools.product(range(window), range(window)))
     seen: dict[tuple[int, int], int] = {}
     want = [[seen.setdefault((abs(a[0] - b[0]), abs(a[1] - b[1])), len(seen)) for b in points] for a in points]
-    got = _offset_index(window)
+    got = offset_index(window)
     assert got.dtype == torch.long and got.shape == (window * window, window * window)
     assert got.tolist() == want

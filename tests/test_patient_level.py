@@ -221,7 +221,8 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
     """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / B (the declared expected patients), then V V^T g."""
     import torch
 
-    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.spec import DPSpec
+    from fedpose.shared.privacy.step.fpdp import dp_gradient
     from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
     from fedpose.shared.privacy.step.clipping import clipped_group_sum
     from fedpose.shared.privacy.step.subspace import flatten
@@ -496,7 +497,9 @@ def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
 def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
     import sqlite3
 
-    from fedpose.client.ledger import SCHEMA_VERSION, Mechanism, SiteLedger
+    from fedpose.client.ledger import SiteLedger
+    from fedpose.client.ledger_round import Mechanism
+    from fedpose.client.ledger_schema import SCHEMA_VERSION
 
     old = tmp_path / "v2.sqlite"
     with SiteLedger(old, site="site-0") as ledger, ledger.round() as open_round:

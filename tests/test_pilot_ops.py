@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.client.ledger import Mechanism, SiteLedger
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.ledger_round import Mechanism
 from federation_support import REPO
 from fedpose.server.ledger import Report, ServerLedger, Spend
 from fedpose.server.plan import SitePlan

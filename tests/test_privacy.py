@@ -17,11 +17,13 @@ from torch import nn
 from torch.func import functional_call
 
 from fedpose.shared.privacy.accounting.claims import privacy_claim
-from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient
+from fedpose.shared.privacy.step.spec import DPSpec
+from fedpose.shared.privacy.step.fpdp import dp_gradient, private_gradient, public_gradient
 from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
 from fedpose.shared.privacy.step.clipping import clip_factors, clipped_grad_sum
 from fedpose.shared.privacy.step.persample import mean_grad, per_sample_grads, per_sample_norms
-from fedpose.shared.privacy.step.psi import GaussianBlur, Pixelate, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
+from fedpose.shared.privacy.step.psi_maps import GaussianBlur, Pixelate, make_psi
 from fedpose.shared.privacy.step.sampling import poisson_sample
 from fedpose.shared.privacy.step.subspace import (
     check_orthonormal,

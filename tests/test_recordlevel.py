@@ -35,7 +35,8 @@ def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tens
 @pytest.mark.parametrize("copies", [2, 4])
 def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_loop(toy, copies):
     """g = (sum_records clip(mean_k g_{i,k}, C) + N(0, sigma^2 C^2 I)) / B: one clipped term per record."""
-    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.spec import DPSpec
+    from fedpose.shared.privacy.step.fpdp import dp_gradient
     from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
     from fedpose.shared.privacy.step.sampling import augmented_copies
     from fedpose.shared.privacy.step.subspace import flatten
@@ -66,7 +67,8 @@ def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_l
 
 
 def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
-    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.spec import DPSpec
+    from fedpose.shared.privacy.step.fpdp import dp_gradient
     from fedpose.shared.privacy.step.noise import make_generator
     from test_privacy import make_batch
 
@@ -123,8 +125,10 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
     from torch import nn
 
     from fedpose.shared.configuration.schema import config_from_dict
-    from fedpose.shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
-    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.model.posenet import TASK_SCALE, build_model
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import trainable_names
+    from fedpose.shared.privacy.step import bookkeeping_plan
 
     cfg = config_from_dict({})
     model = build_model(cfg.model, cfg.data.input_size)
@@ -140,20 +144,22 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
     share = sum(p.numel() for n, p in model.named_parameters() if n in set(names)) / total
     assert share < (0.15 if strategy == "bitfit-head" else 0.02)
     named = dict(model.named_parameters())
-    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
+    assert bookkeeping_plan.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
 
 
 def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
     from fedpose.shared.configuration.schema import config_from_dict
-    from fedpose.shared.model.posenet import TASK_SCALE, build_model, make_loss_fn, trainable_names
-    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.model.posenet import TASK_SCALE, build_model
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import trainable_names
+    from fedpose.shared.privacy.step import bookkeeping_plan
 
     cfg = config_from_dict({"train": {"strategy": "full-fixed-tasks"}})
     model = build_model(cfg.model, cfg.data.input_size)
     names = trainable_names(model, cfg.train.strategy)
     assert names == [n for n, _ in model.named_parameters() if n != TASK_SCALE]
     named = dict(model.named_parameters())
-    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})
+    assert bookkeeping_plan.supports(make_loss_fn(model, names), {n: named[n] for n in names})
 
 
 def test_weight_average_is_the_exponential_average_of_the_iterates():
@@ -242,7 +248,7 @@ def test_local_train_bitfit_leaves_the_other_weights_and_ema_releases_the_averag
     start = {n: p.detach().clone() for n, p in initial_model(cfg, progress=False).named_parameters()}
     model, _ = _train(cfg, 2, [], monkeypatch)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])}
-    from fedpose.shared.model.posenet import trainable_names
+    from fedpose.shared.model.strategy import trainable_names
 
     assert moved and moved <= set(trainable_names(model, "bitfit"))
     # with the average on, the same run (same seeds, so the same iterates w1, w2) ends at 0.25 w0 + 0.25 w1 + 0.5 w2

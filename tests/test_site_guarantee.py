@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.client.ledger import Mechanism, SiteLedger
+from fedpose.client.ledger import SiteLedger
+from fedpose.client.ledger_round import Mechanism
 from federation_support import prepare_world, world_root
 from fedpose.shared.privacy.accounting.ledger import LedgerBusy
 
@@ -37,7 +38,7 @@ def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeyp
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.dataset import PoseDataset
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.data.transforms import Augment
+    from fedpose.shared.data.augment import Augment
     from fedpose.shared.privacy.step.noise import make_generator
     from fedpose.shared.training.runs import initial_model
 

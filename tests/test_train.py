@@ -107,8 +107,11 @@ _STEPS_FAULTS = """
 import resource, torch
 {setup}
 from fedpose.shared.configuration.schema import ModelConfig
-from fedpose.shared.model.posenet import apply_strategy, build_model, make_loss_fn
-from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+from fedpose.shared.model.posenet import build_model
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step.spec import DPSpec
+from fedpose.shared.privacy.step.fpdp import dp_gradient
 
 torch.manual_seed(0)
 model = build_model(ModelConfig(variant="tinyvit-small"), (128, 96))

@@ -122,7 +122,7 @@ class PretrainConfig:
     # A TinyViT checkpoint (timm or original layout, e.g. ImageNet tiny_vit_5m_22k_distill.pth) the trunk starts
     # from before public pretraining; null: random initialisation.
     init: str | None = None
-    # Photometric jitter of the public images (shared/data/transforms.Augment.photometric): the public split has
+    # Photometric jitter of the public images (shared/data/augment.Augment.photometric): the public split has
     # one camera style, the sites others. Without it the start (the pretrained model on the sites' style) moves
     # with the seed and the CPU's kernels by several PCKh points (29.7 to 43.5 over three seeds here); at 0.5 by
     # about half a point (docs/results: how reproducible a start is).

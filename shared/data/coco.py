@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpose.shared.data.joints import JOINT_NAMES, NUM_JOINTS
-from fedpose.shared.data.mpii import image_path, image_size
+from fedpose.shared.data.image_files import image_path, image_size
 from fedpose.shared.data.records import PIXEL_STD, PoseRecord, sanitize_joints
 
 log = logging.getLogger(__name__)

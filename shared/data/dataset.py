@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import cv2
 import numpy as np
@@ -18,19 +17,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from fedpose.shared.data.augment import Augment, photometric_jitter, sample_augment
 from fedpose.shared.data.face import NUM_LANDMARKS
+from fedpose.shared.data.image_files import read_image
 from fedpose.shared.data.joints import NUM_JOINTS
 from fedpose.shared.data.records import PoseRecord, inside
-from fedpose.shared.data.transforms import (
-    Augment,
-    affine_matrix,
-    flip_horizontal,
-    photometric_jitter,
-    sample_augment,
-    transform_face,
-    warp_image,
-    warp_points,
-)
+from fedpose.shared.data.transforms import affine_matrix, flip_horizontal, transform_face, warp_image, warp_points
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +30,6 @@ KEYS = ("image", "joints", "visible", "index")
 # With face_tasks: whether the record has face labels at all, then the labels in input pixels / degrees.
 FACE_KEYS = ("face_labelled", "face_present", "face_box", "face_landmarks", "face_visible", "head_pose",
              "face_attribute")
-
-
-def read_image(path: str) -> np.ndarray:
-    """(H, W, 3) uint8 BGR; missing or unreadable files raise with the file named."""
-    image = cv2.imread(str(path), cv2.IMREAD_COLOR)
-    if image is None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"image file not found: {path}")
-        raise OSError(f"cannot decode image file {path}")
-    return image
 
 
 def collate(items: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:

@@ -23,14 +23,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import numpy as np
 
 from fedpose.shared.data.face import FACES_FILE, read_faces
+from fedpose.shared.data.image_files import image_path, image_size
 from fedpose.shared.data.joints import NUM_JOINTS
 from fedpose.shared.data.patients import patient_sidecar, read_patient_ids
-from fedpose.shared.data.records import PoseRecord, open_image, sanitize_joints
+from fedpose.shared.data.records import PoseRecord, sanitize_joints
 
 log = logging.getLogger(__name__)
 
@@ -56,42 +57,6 @@ def box_to_json(center: Sequence[float], scale: float) -> tuple[list[float], flo
     s = float(scale) / BOX_ENLARGE
     c[1] -= CENTER_SHIFT * s
     return [float(c[0]), float(c[1])], s
-
-
-def image_size(path: Path) -> tuple[int, int]:
-    """(H, W) of an image file from its header (plus PNG chunk CRCs); errors name the file.
-
-    FileNotFoundError for a missing file; ValueError for a zero-byte, truncated
-    (PNG), non-image or too large (``MAX_IMAGE_PIXELS``) file.
-    """
-    with open_image(path) as im:
-        width, height = im.size
-        try:
-            im.verify()  # PNG: checks every chunk's CRC without decoding (catches truncation)
-        except Exception as err:  # Pillow raises many types here (SyntaxError, struct.error, ...)
-            raise ValueError(f"cannot read image file {path}: corrupt or truncated ({err!r})") from err
-    return int(height), int(width)
-
-
-def image_path(root: Path, name: object, *, where: str) -> Path:
-    """``root / name`` for an annotation's image name, refusing names that leave ``root``.
-
-    Names must be non-empty relative strings without ``..`` components (an
-    annotation file must not make the reader open files outside its split's
-    images/ folder); the resolved path must lie under ``root``.
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"{where}: image must be a non-empty file name string, got {name!r}")
-    pure = PurePosixPath(name.replace("\\", "/"))
-    if pure.is_absolute() or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive \
-            or ".." in pure.parts or "\0" in name:
-        raise ValueError(f"{where}: image name {name!r} is absolute or leaves the images folder {root}")
-    path = root / pure
-    try:
-        path.resolve().relative_to(root)
-    except ValueError as err:
-        raise ValueError(f"{where}: image {name!r} resolves outside the images folder {root}") from err
-    return path
 
 
 def _load_headboxes(headboxes: str | Path, count: int) -> list[np.ndarray | None]:

@@ -233,7 +233,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
 
     released_coords = None
     if spec.mode == "gradient":
-        from fedpose.shared.model.posenet import apply_strategy
+        from fedpose.shared.model.strategy import apply_strategy
 
         trainable = apply_strategy(model, cfg.train.strategy)
         named = dict(model.named_parameters())

@@ -1,4 +1,8 @@
-"""PoseNet: TinyViT trunk + SimCC head, its per-sample loss, strategies and checkpoints."""
+"""PoseNet: TinyViT trunk + SimCC head, its builders and checkpoints.
+
+Which parameters a strategy trains is ``fedpose.shared.model.strategy``; the functional per-sample loss the
+private step differentiates is ``fedpose.shared.model.pose_loss``.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.func import functional_call
 
 from fedpose.shared.errors import ConfigError
-from fedpose.shared.configuration.schema import ModelConfig, Strategy
+from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.data.joints import NUM_JOINTS
 from fedpose.shared.model.face_head import FaceHead, face_losses, loss_terms
 from fedpose.shared.model.simcc import SimCCHead, combine_task_losses, simcc_losses
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CHECKPOINT_FORMAT = 1
+# The parameter of the task-uncertainty weights (SimCCHead.log_task_scale), which the strategies and the loss
+# single out.
+TASK_SCALE = "head.log_task_scale"
 
 
 class PoseNet(TinyVit):
@@ -110,117 +115,6 @@ def build_pretrain_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseN
     it is folded (``fuse_batchnorm``) before the model ever sees private data.
     """
     return PoseNet(cfg, input_size)
-
-
-# ---------------------------------------------------------------------------
-# training strategies
-# ---------------------------------------------------------------------------
-
-
-def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
-    """Names of the parameters a strategy trains.
-
-    finetune: stages 1-3 (``stages.0-2``) and the patch embedding frozen except
-    every LayerNorm; stage 4 (``stages.3``), all LayerNorms and the heads (pose and face) train.
-    full / scratch: everything (scratch differs only in not loading weights).
-    bitfit: every bias and every LayerNorm (trunk and heads), no weight matrix (DP-BiTFiT, Bu et al. 2022;
-    BitFit, Ben Zaken et al. 2021): under DP the noise fills every trained coordinate, so training ~1 % of the
-    weights (9 k of 935 k on tinyvit-small) puts ~10 times less noise norm into each step for the same epsilon,
-    while the public-pretrained weights keep the features. bitfit-head: bitfit and the heads' weights (87 k).
-    full-fixed-tasks: every weight but the task-uncertainty weights.
-    These three keep the task-uncertainty weights (``head.log_task_scale``) at their public-pretrained values: their
-    per-sample gradient, three numbers of the same sign for every sample, has norm ~1 at the public start
-    against ~0.3 for all the biases and norms together, so under a clip C it would take most of every record's
-    bound and most of the signal the noise is calibrated to.
-    """
-    names = [n for n, _ in model.named_parameters()]
-    if strategy in ("full", "scratch"):
-        return names
-    if strategy == "full-fixed-tasks":
-        return [n for n in names if n != TASK_SCALE]
-    if strategy not in ("finetune", "bitfit", "bitfit-head"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit, bitfit-head or "
-                         "full-fixed-tasks")
-    norm_params = {
-        f"{mod_name}.{p_name}" if mod_name else p_name
-        for mod_name, mod in model.named_modules()
-        if isinstance(mod, nn.LayerNorm)
-        for p_name, _ in mod.named_parameters(recurse=False)
-    }
-    if strategy in ("bitfit", "bitfit-head"):
-        heads = ("head.", "face_head.") if strategy == "bitfit-head" else ()
-        return [n for n in names if n != TASK_SCALE and (n.startswith(heads) or n in norm_params
-                                                         or n.rpartition(".")[2] == "bias")]
-    return [n for n in names if n.startswith(("stages.3.", "head.", "face_head.")) or n in norm_params]
-
-
-def apply_strategy(model: nn.Module, strategy: Strategy) -> list[str]:
-    """Set ``requires_grad`` per strategy; returns the trainable names."""
-    keep = set(trainable_names(model, strategy))
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in keep)
-    return [n for n, _ in model.named_parameters() if n in keep]
-
-
-TASK_SCALE = "head.log_task_scale"
-
-
-class PoseLoss:
-    """Functional per-sample loss ``loss(params, batch) -> (B,)`` over the trainable params.
-
-    Frozen parameters and buffers are closed over (detached), so ``torch.func.grad``
-    differentiates only what the strategy trains. It also shows the loss's structure
-    to book-keeping clipping (``fedpose.shared.privacy.step.bookkeeping``): ``parts`` runs the model
-    to the per-sample task losses, ``combine`` weighs them, and ``combine_names`` are
-    the parameters only ``combine`` uses (the task-uncertainty weights).
-    """
-
-    # combine() also takes the task weights as one copy per row, (B, T), each row's total using its own:
-    # book-keeping then gets every sample's task-weight gradient from the step's one backward
-    combine_takes_rows = True
-
-    def __init__(self, model: PoseNet, trainable: list[str]) -> None:
-        keep = set(trainable)
-        unknown = keep - {n for n, _ in model.named_parameters()}
-        if unknown:
-            raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
-        self.model = model
-        self.combine_names = (TASK_SCALE,)
-        self._wrapper = _LossModule(model, tasks=True)
-        self._frozen = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n not in keep}
-        self._buffers = {f"m.{n}": b for n, b in model.named_buffers()}
-
-    def parts(self, params: dict[str, torch.Tensor] | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample task losses (B, T) with the trainable tensors taken from ``params`` (None: the model's own)."""
-        if params is None:
-            return self._wrapper(batch)
-        tensors = {**self._frozen, **self._buffers, **{f"m.{n}": p for n, p in params.items()}}
-        return functional_call(self._wrapper, tensors, (batch,))
-
-    def combine(self, parts: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, T) task losses -> (B,) total, with the task weights from ``params`` when they train."""
-        scale = params.get(TASK_SCALE, self._frozen.get(f"m.{TASK_SCALE}"))
-        return combine_task_losses(parts, scale, vis_weight=self.model.cfg.vis_weight)
-
-    def __call__(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.combine(self.parts(params, batch), params)
-
-
-def make_loss_fn(model: PoseNet, trainable: list[str]) -> PoseLoss:
-    """The functional per-sample loss over ``trainable`` (see ``PoseLoss``)."""
-    return PoseLoss(model, trainable)
-
-
-class _LossModule(nn.Module):
-    """Routes ``functional_call`` to ``PoseNet.losses`` (or ``task_losses``) instead of ``forward``."""
-
-    def __init__(self, model: PoseNet, *, tasks: bool = False) -> None:
-        super().__init__()
-        self.m = model
-        self.tasks = tasks
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.m.task_losses(batch) if self.tasks else self.m.losses(batch)
 
 
 # ---------------------------------------------------------------------------

@@ -15,8 +15,8 @@ layout of timm's ``tiny_vit_5m_224`` (``patch_embed.*``, ``stages.N.*``,
 - the attention-bias index table is a plain tensor attribute, not a buffer,
   so ``functional_call`` never sees it and it is never saved.
 
-Order follows timm: blocks (``fedpose.shared.model.tinyvit_blocks``), model, checkpoint
-filter, configs, factory.
+Order follows timm: blocks (``fedpose.shared.model.tinyvit_blocks``, the attention in
+``fedpose.shared.model.tinyvit_attention``), model, checkpoint filter, configs, factory.
 """
 
 from __future__ import annotations

@@ -2,5 +2,5 @@
 
 Both sides use it: the edge releases pixelized camera frames (``edge/pixelize``, which adds storage,
 masks and the printed claim, and explains the noise scale), and training can take a pixelization as
-the public feature map psi (``shared/privacy/step/psi.py``, ``privacy.psi: dp-pixelize``).
+the public feature map psi (``shared/privacy/step/psi_maps.py``, ``privacy.psi: dp-pixelize``).
 """

@@ -15,10 +15,11 @@ from fedpose.shared.training.allocator import keep_freed_memory
 from fedpose.shared.configuration.schema import Config, PrivacyConfig
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.records import PoseRecord
-from fedpose.shared.data.transforms import Augment
+from fedpose.shared.data.augment import Augment
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.shared.privacy.step.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
+from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
+from fedpose.shared.privacy.step.psi_maps import DPPixelize, FeatureMap, make_psi
 from fedpose.shared.privacy.step.subspace import compute_basis
 
 

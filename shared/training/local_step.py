@@ -19,9 +19,12 @@ import numpy as np
 import torch
 
 from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, to_device
-from fedpose.shared.model.posenet import PoseNet, apply_strategy, make_loss_fn
+from fedpose.shared.model.posenet import PoseNet
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
 from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
-from fedpose.shared.privacy.step.fpdp import StepAudit, dp_gradient
+from fedpose.shared.privacy.step.spec import StepAudit
+from fedpose.shared.privacy.step.fpdp import dp_gradient
 from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.sampling import augmented_copies, poisson_sample
 from fedpose.shared.privacy.step.subspace import column_major

@@ -24,7 +24,7 @@ from fedpose.shared.data.patients import PatientGroups
 from fedpose.shared.training.local_step import StepPhases
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.privacy.audit.hooks import AuditHooks
-from fedpose.shared.privacy.step.fpdp import DPSpec
+from fedpose.shared.privacy.step.spec import DPSpec
 
 
 @dataclass(frozen=True)

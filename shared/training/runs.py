@@ -25,7 +25,7 @@ from fedpose.shared.data.split import check_disjoint, check_no_duplicates
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.digest import data_identity
 from fedpose.shared.data.synth.ward import ensure_faces, ensure_ward
-from fedpose.shared.data.transforms import Augment
+from fedpose.shared.data.augment import Augment
 from fedpose.shared.model.posenet import (
     PoseNet,
     build_model,

@@ -49,79 +49,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedpose.shared.privacy.step.layer_rules import (RULES, Instantiated, LinearLike, Stacked, bias_table,
-                                                     stack_instantiated)
-from fedpose.shared.privacy.step.persample import are_the_models_own, batch_size_of, check_chunk_size
+from fedpose.shared.privacy.step.bookkeeping_plan import cached_plan
+from fedpose.shared.privacy.step.grad_holders import Instantiated, LinearLike, Stacked, stack_instantiated
+from fedpose.shared.privacy.step.layer_rules import rule_for
+from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_chunk_size
+from fedpose.shared.privacy.step.own_weights import are_the_models_own
 
 # Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
 # above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
 # generic path (clipping.py) and this one use it.
 SMALLEST_FLOAT32_FACTOR = 1e-30
-
-
-# ---------------------------------------------------------------------------------------------------
-# which loss and which parameters this path covers
-# ---------------------------------------------------------------------------------------------------
-
-
-def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str] | None:
-    module_name, _, attr = name.rpartition(".")
-    try:
-        module = model.get_submodule(module_name) if module_name else model
-    except AttributeError:
-        return None
-    return module_name, module, attr
-
-
-def _rule_kind(module: nn.Module, attr: str) -> str | None:
-    if isinstance(module, nn.Linear) and attr in ("weight", "bias"):
-        return "linear"
-    if isinstance(module, nn.Conv2d) and attr in ("weight", "bias") and module.padding_mode == "zeros":
-        return "conv" if module.groups == 1 else "grouped_conv"
-    if isinstance(module, nn.LayerNorm) and attr in ("weight", "bias") and len(module.normalized_shape) == 1:
-        return "layer_norm"
-    if attr == "attention_biases" and isinstance(getattr(module, "logits", None), nn.Module) \
-            and isinstance(getattr(module, "bias_index", None), Tensor):
-        return "bias_table"
-    return None
-
-
-def supports(loss_fn: Any, params: Mapping[str, Tensor]) -> bool:
-    """True when ``loss_fn`` exposes its model and every tensor of ``params`` falls under a rule."""
-    model = getattr(loss_fn, "model", None)
-    if not isinstance(model, nn.Module) or not all(hasattr(loss_fn, a) for a in ("parts", "combine", "combine_names")):
-        return False
-    return _cached_plan(loss_fn, tuple(params)) is not None
-
-
-def _cached_plan(loss_fn: Any, names: tuple[str, ...]) -> dict | None:
-    """The plan for these names (None: some tensor falls under no rule), kept on the loss: it runs every step."""
-    cache = loss_fn.__dict__.setdefault("_bookkeeping_plans", {})
-    if names not in cache:
-        layer_names = [n for n in names if n not in loss_fn.combine_names]
-        found = [_owner(loss_fn.model, n) for n in layer_names]
-        covered = all(f is not None and _rule_kind(f[1], f[2]) is not None for f in found)
-        cache[names] = _plan(loss_fn.model, layer_names) if covered else None
-    return cache[names]
-
-
-def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, str, dict[str, str]]]:
-    """module name -> (module, rule kind, {attr: parameter name}) for the layers that own ``names``."""
-    plan: dict[str, tuple[nn.Module, str, dict[str, str]]] = {}
-    for name in names:
-        owner = _owner(model, name)
-        kind = None if owner is None else _rule_kind(owner[1], owner[2])
-        if owner is None or kind is None:  # supports() checked every name first
-            raise ValueError(f"{name}: no book-keeping rule covers this parameter")
-        module_name, module, attr = owner
-        entry = plan.setdefault(module_name, (module, kind, {}))
-        entry[2][attr] = name
-    return plan
-
-
-# ---------------------------------------------------------------------------------------------------
-# one chunk: forward with taps, one backward, the rules
-# ---------------------------------------------------------------------------------------------------
 
 
 class Tape:
@@ -173,19 +110,6 @@ class Tape:
                 summed[name].add_(scaled.to(summed[name].dtype))
 
 
-def _rule(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor | None, Tensor], grad: Tensor | None,
-          shapes: dict[str, torch.Size]) -> Instantiated | LinearLike:
-    """The rule of one layer from its input, its output and the loss's gradient there."""
-    module, kind, names = entry
-    x, out = seen
-    grad = torch.zeros_like(out) if grad is None else grad.detach()
-    if kind == "bias_table":
-        return bias_table(module, grad, dict(names), shapes)
-    if x is None:  # a layer called with keyword arguments only: its input was not seen
-        raise RuntimeError(f"a {kind} layer ran without a positional input; book-keeping needs it")
-    return RULES[kind](module, x.detach(), grad, dict(names), shapes)
-
-
 def iter_tapes(
     loss_fn: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *, chunk_size: int
 ) -> Iterator[Tape]:
@@ -196,7 +120,7 @@ def iter_tapes(
     check_chunk_size(chunk_size)
     size = batch_size_of(batch)
     combine_names = [n for n in params if n in loss_fn.combine_names]
-    plan = _cached_plan(loss_fn, tuple(params))
+    plan = cached_plan(loss_fn, tuple(params))
     if plan is None:
         raise ValueError("book-keeping clipping does not cover every trainable tensor; check supports() first")
     shapes = {name: value.shape for name, value in params.items()}
@@ -237,7 +161,7 @@ def iter_tapes(
         wanted = outputs + list(rows.values())
         got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else []
         grads, row_grads = got[:len(outputs)], got[len(outputs):]
-        rules: list[Instantiated | LinearLike] = [_rule(plan[key], seen[key], grad, shapes)
+        rules: list[Instantiated | LinearLike] = [rule_for(plan[key], seen[key], grad, shapes)
                                                   for key, grad in zip(keys, grads)]
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample

@@ -17,15 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.step import bookkeeping
-from fedpose.shared.privacy.step.persample import (
-    LossFn,
-    batch_size_of,
-    check_params,
-    iter_per_sample_grads,
-    robust_norms,
-    zero_rows,
-)
+from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
+from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
+from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads, robust_norms, zero_rows
 
 # Added to the norm before dividing, as in Opacus, so that a zero gradient
 # gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
@@ -129,7 +123,7 @@ def clipped_grad_sum(
     summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
     norms_parts: list[Tensor] = []
     zeroed = 0
-    if bookkeeping.supports(loss_fn, params):  # same sum from one forward and one backward per chunk
+    if bookkeeping_plan.supports(loss_fn, params):  # same sum from one forward and one backward per chunk
         for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size):
             norms = tape.norms()  # (b,) float64
             bound = bound_contributions(norms, clip)

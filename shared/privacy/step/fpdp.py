@@ -43,120 +43,20 @@ Invariants enforced here:
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from fedpose.shared.privacy.audit.canaries import DiracGrads, SpanGrads
 from fedpose.shared.privacy.step.noise import add_noise_and_scale_
-from fedpose.shared.privacy.step.clipping import check_groups, clipped_grad_sum, clipped_group_sum
-from fedpose.shared.privacy.step.persample import LossFn, batch_size_of, check_params, mean_grad
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.step.batch_checks import batch_size_of
+from fedpose.shared.privacy.step.persample import LossFn, mean_grad
 from fedpose.shared.privacy.step.psi import PsiBatch
+from fedpose.shared.privacy.step.spec import DPSpec, StepAudit
+from fedpose.shared.privacy.step.step_checks import all_finite, check_basis, check_step_inputs, check_unit_groups
 from fedpose.shared.privacy.step.subspace import flatten, project, unflatten
-from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method, Unit
-
-log = logging.getLogger(__name__)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DPSpec:
-    """What one private step does. Keyword-only so C, sigma and q cannot be swapped.
-
-    clip_norm: per-sample L2 bound C. sigma: noise multiplier (noise std / C),
-    calibrated by ``accountant.calibrate_sigma``. sample_rate: Poisson q.
-    expected_batch: B, the public constant the noisy sum is divided by (P15):
-    the batch size a centralized config states (q = B / n there, so B = q n) or
-    the expected batch a site's policy declares; never computed from private
-    data. chunk_size: per-sample gradients computed at a time (memory; a site
-    pins it). unit: ``record`` (clip each record's gradient) or ``patient``
-    (clip each patient's mean gradient; B then counts patients).
-    """
-
-    method: Method
-    clip_norm: float
-    sigma: float
-    sample_rate: float
-    expected_batch: float
-    chunk_size: int = 16
-    unit: Unit = "record"
-    multiplicity: int = 1  # augmented copies per record (record level): clip(mean of the K copies' gradients, C)
-
-    def __post_init__(self) -> None:
-        k = self.multiplicity
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"multiplicity={self.multiplicity!r} must be a positive int (augmented copies per record)")
-        if k > 1 and self.unit != "record":
-            raise ValueError(f"multiplicity={k} is for unit='record'; at patient level a patient's records are "
-                             "averaged before clipping already")
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is unknown; choose one of {METHODS}")
-        if self.unit not in UNITS:
-            raise ValueError(f"unit={self.unit!r} is unknown; choose one of {UNITS}")
-        clip = self.clip_norm
-        if not _is_number(clip) or not (clip > 0 and math.isfinite(clip)):
-            raise ValueError(
-                f"clip_norm={self.clip_norm!r} must be a positive finite number (per-sample L2 "
-                "bound C)"
-            )
-        if not _is_number(self.sigma) or not (self.sigma >= 0 and math.isfinite(self.sigma)):
-            raise ValueError(f"sigma={self.sigma!r} must be a non-negative finite number")
-        if self.method != "nonprivate" and self.sigma == 0:
-            raise ValueError(
-                f"sigma=0 with method={self.method!r} adds no noise and gives no privacy; "
-                "calibrate sigma with accountant.calibrate_sigma or use method='nonprivate'"
-            )
-        if not _is_number(self.sample_rate) or not 0 < self.sample_rate <= 1:
-            raise ValueError(
-                f"sample_rate={self.sample_rate!r} must be in (0, 1] (expected batch size / n)"
-            )
-        batch = self.expected_batch
-        if not _is_number(batch) or not (batch > 0 and math.isfinite(batch)):
-            raise ValueError(
-                f"expected_batch={self.expected_batch!r} must be a positive finite number (the public "
-                "normaliser B of the noisy sum)"
-            )
-        chunk = self.chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive int")
-
-    @property
-    def projects(self) -> bool:
-        """True when the private gradient is projected onto span(V)."""
-        return self.method in PROJECTED
-
-    @property
-    def uses_public(self) -> bool:
-        """True when the public gradient on psi(x) is added (Feature-DP)."""
-        return self.method in WITH_PUBLIC
-
-
-def _all_finite(tensors: Mapping[str, Tensor]) -> bool:
-    """True when no entry of any tensor is NaN or +-inf. The smallest and the largest entry carry any NaN or inf,
-    so one pass and one sync cover every tensor (a check per tensor cost tinyvit-small's step 0.7 ms)."""
-    flat = flatten(tensors)
-    if flat.numel() == 0:
-        return True
-    low, high = torch.aminmax(flat)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
-def _check_basis(basis: Tensor, params: Mapping[str, Tensor]) -> None:
-    total = sum(value.numel() for value in params.values())
-    if not isinstance(basis, Tensor) or basis.dim() != 2 or basis.shape[0] != total:
-        shape = tuple(basis.shape) if isinstance(basis, Tensor) else type(basis).__name__
-        raise ValueError(
-            f"basis has shape {shape} but must be (p, k) with p={total} trainable parameters; "
-            "it was computed for other trainable parameters (check the training strategy)"
-        )
-
 
 def _noisy_private_sum(
     loss_fn: LossFn,
@@ -186,17 +86,17 @@ def _noisy_private_sum(
                 f"method={spec.method!r} projects the gradient but no basis V was given; "
                 "pass the server's V (compute_basis on public data)"
             )
-        _check_basis(basis, params)
+        check_basis(basis, params)
     elif basis is not None:
         raise ValueError(
             f"method={spec.method!r} does not project, but a basis was given; pass basis=None "
             "or use method='proj'/'fpdp'"
         )
-    _check_unit_groups(spec, groups)
+    check_unit_groups(spec, groups)
     if spec.unit == "patient" or spec.multiplicity > 1:
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient, or of one record whose
         # K augmented copies form its group.
-        assert groups is not None  # _check_unit_groups refused None here (this narrows the type)
+        assert groups is not None  # check_unit_groups refused None here (this narrows the type)
         summed, norms, zeroed = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
             chunk_size=spec.chunk_size,
@@ -221,20 +121,6 @@ def _noisy_private_sum(
         flat = project(basis, flatten(grads))  # (p,)
         grads = {name: value.clone() for name, value in unflatten(flat, like=grads).items()}
     return grads, norms, zeroed
-
-
-def _check_unit_groups(spec: DPSpec, groups: Tensor | None) -> None:
-    if spec.unit == "patient" and groups is None:
-        raise ValueError("unit='patient' needs groups: the patient of every record of the batch "
-                         "(PatientGroups.expand)")
-    if spec.multiplicity > 1:
-        if groups is None:
-            raise ValueError(f"multiplicity={spec.multiplicity} needs groups: the record of every augmented copy "
-                             "(sampling.augmented_copies)")
-        return
-    if spec.unit == "record" and groups is not None:
-        raise ValueError("unit='record' clips every record on its own, but groups were given; pass "
-                         "groups=None or use unit='patient'")
 
 
 def private_gradient(
@@ -275,42 +161,6 @@ def public_gradient(
     if batch_size_of(psi_batch.tensors) == 0:
         raise ValueError("the psi batch is empty; the public gradient needs at least one sample")
     return mean_grad(loss_fn, params, psi_batch.tensors)
-
-
-@dataclass(frozen=True)
-class StepAudit:
-    """What ``fedpose audit`` attaches to one private step (never set in production).
-
-    canaries: this step's gradient canaries (``fedpose.shared.privacy.audit.canaries``): extra per-sample
-    gradients clipped to C and added to the same sum as the records' before the noise. on_private: called
-    with the noisy, projected-if-any private gradient, the step's DP release, before g_pub is added; seeing it
-    apart from g_pub reveals nothing more (g_pub is a function of public data).
-    """
-
-    canaries: DiracGrads | SpanGrads | None = None
-    on_private: Callable[[dict[str, Tensor]], None] | None = None
-
-
-def _check_step_inputs(spec: DPSpec, params: Mapping[str, Tensor], private_batch: Mapping[str, Tensor],
-                       psi_batch: PsiBatch | None, groups: Tensor | None) -> int:
-    """The realised private batch size (records, or patients); refuses inputs the method does not use."""
-    check_params(params)
-    size = batch_size_of(private_batch)
-    if spec.method != "nonprivate":
-        _check_unit_groups(spec, groups)
-        if groups is not None:
-            size = check_groups(groups, size)  # realised batch size in patients
-    if spec.uses_public and psi_batch is None:
-        raise ValueError(
-            f"method={spec.method!r} adds the public gradient on psi(x) but psi_batch is "
-            "None; build one with psi.apply_psi"
-        )
-    if not spec.uses_public and psi_batch is not None:
-        raise ValueError(
-            f"method={spec.method!r} does not use psi(x), but a psi_batch was given; pass None "
-            "or use method='fdp'/'fpdp'"
-        )
-    return size
 
 
 def _step_info(spec: DPSpec, size: int, psi_batch: PsiBatch | None, norms: Tensor | None,
@@ -371,7 +221,7 @@ def dp_gradient(
     site: log them locally, do not send them. ``audit``: the privacy audit's canaries and observer of this
     step (``StepAudit``; None outside the audit); refused for method='nonprivate'.
     """
-    size = _check_step_inputs(spec, params, private_batch, psi_batch, groups)
+    size = check_step_inputs(spec, params, private_batch, psi_batch, groups)
     if spec.method == "nonprivate":
         if basis is not None:
             raise ValueError("method='nonprivate' does not project; pass basis=None")
@@ -390,7 +240,7 @@ def dp_gradient(
     if spec.uses_public:
         assert psi_batch is not None  # refused above when the method uses psi(x) (this narrows the type)
         public = public_gradient(loss_fn, params, psi_batch)
-        if _all_finite(public):
+        if all_finite(public):
             grads = {name: grads[name] + public[name] for name in grads}
         else:  # g_pub is a function of psi(x), labels and weights only; a non-finite one is left out, as P14
             info["public_zeroed"] = 1

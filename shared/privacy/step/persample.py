@@ -22,68 +22,15 @@ regardless of the (Poisson, hence random) batch size.
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
-log = logging.getLogger(__name__)
+from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_chunk_size, check_params
+from fedpose.shared.privacy.step.own_weights import are_the_models_own, own_parameters
 
 LossFn = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Tensor]
-
-
-def batch_size_of(batch: Mapping[str, Tensor]) -> int:
-    """Return the common leading dimension B of a batch dict, validating it.
-
-    Every value must be a tensor with at least one dimension, and all must
-    agree on B, otherwise per-sample slicing would silently pair sample i of
-    one tensor with sample j of another.
-    """
-    if not isinstance(batch, Mapping) or len(batch) == 0:
-        raise ValueError(
-            f"batch must be a non-empty dict of batched tensors, got {type(batch).__name__} "
-            f"of length {len(batch) if isinstance(batch, Mapping) else 'n/a'}"
-        )
-    sizes = {}
-    for name, value in batch.items():
-        if not isinstance(value, Tensor):
-            raise ValueError(
-                f"batch[{name!r}] is a {type(value).__name__}, not a Tensor: "
-                "keep only batched tensors in the batch dict"
-            )
-        if value.dim() == 0:
-            raise ValueError(
-                f"batch[{name!r}] is a 0-d tensor: every batch tensor needs a leading "
-                "batch dimension"
-            )
-        sizes[name] = int(value.shape[0])
-    distinct = set(sizes.values())
-    if len(distinct) != 1:
-        raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
-    return distinct.pop()
-
-
-def check_params(params: Mapping[str, Tensor]) -> None:
-    """Refuse anything but a non-empty dict of floating point tensors."""
-    if not isinstance(params, Mapping) or len(params) == 0:
-        raise ValueError("params must be a non-empty dict of trainable tensors")
-    for name, value in params.items():
-        if not isinstance(value, Tensor) or not value.is_floating_point():
-            found = value.dtype if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(
-                f"params[{name!r}] must be a floating point Tensor, got {found}: pass "
-                "only the trainable parameters"
-            )
-
-
-def check_chunk_size(chunk_size: int) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(
-            f"chunk_size={chunk_size!r} must be a positive int (samples per vmap call; "
-            "lower it to save memory)"
-        )
 
 
 def _detached(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -202,46 +149,6 @@ def zero_rows(rows: Tensor, keep: Tensor) -> Tensor:
     """
     shape = (keep.shape[0],) + (1,) * (rows.dim() - 1)
     return torch.where(keep.view(shape), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-
-_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def own_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """``dict(model.named_parameters())``, kept per model and checked by identity on every call: every private
-    step asks it, and walking a pose model's modules costs about 1% of a small model's step. A parameter
-    replaced by another object is seen and the walk done again."""
-    slots = _SLOTS.get(model)
-    if slots is None or any(module._parameters.get(attr) is not param for _, module, attr, param in slots):
-        slots, seen = [], set()
-        for prefix, module in model.named_modules():
-            for attr, param in module._parameters.items():
-                if param is not None and id(param) not in seen:  # shared weights: the first name, as torch does
-                    seen.add(id(param))
-                    slots.append((f"{prefix}.{attr}" if prefix else attr, module, attr, param))
-        _SLOTS[model] = slots
-    return {name: param for name, _, _, param in slots}
-
-
-def are_the_models_own(model: nn.Module, params: Mapping[str, Tensor], combine_names: list[str]) -> bool:
-    """True when ``params`` hold the model's trainable weights themselves and nothing else in it trains.
-
-    Then a plain forward builds the same graph as one through ``params`` (only the gradients at the
-    layers' outputs are asked for, never the weights'), without swapping every tensor of the model.
-    ``combine_names``: parameters the loss uses after the model, which may be given as copies.
-    """
-    own = own_parameters(model)
-    for name, param in own.items():
-        value = params.get(name)
-        if value is None:
-            if param.requires_grad:
-                return False
-        elif name not in combine_names and (
-            not param.requires_grad or value.data_ptr() != param.data_ptr() or value.shape != param.shape
-            or value.stride() != param.stride() or value.dtype != param.dtype
-        ):
-            return False
-    return all(name in own for name in params)
 
 
 def _check_losses(losses: Tensor, size: int) -> None:

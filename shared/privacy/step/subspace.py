@@ -27,13 +27,9 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.step import bookkeeping
-from fedpose.shared.privacy.step.persample import (
-    LossFn,
-    batch_size_of,
-    check_params,
-    iter_per_sample_grads,
-)
+from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
+from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
+from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +236,7 @@ def compute_basis(
     _check_basis_request(k, size)
     total = sum(value.numel() for value in params.values())
     chunks: Iterator[dict[str, Tensor]]
-    if bookkeeping.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
+    if bookkeeping_plan.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
         chunks = (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, public_batch,
                                                                      chunk_size=chunk_size))
     else:
