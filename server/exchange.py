@@ -234,7 +234,8 @@ def sites_for_round(grid: Any, node_of: dict[str, int], plans: dict[str, SitePla
                 continue
             history, spent = ledger.history(site, asking=rnd), ledger.counted_epsilon(site, asking=rnd)
             if not can_afford(plans[site], history, site_epsilon=spent):
-                newly[site] = closing_status(plans[site], history, spent)
+                newly[site] = closing_status(plans[site], history, spent,
+                                             unanswered=ledger.unanswered(site, asking=rnd))
                 log.info("site %s: %s (%s): not sampled again", site, *newly[site])
             elif site in silent:
                 waiting[site] = "its SuperNode is listed but did not answer when asked again"

@@ -15,7 +15,8 @@ federations). Refusals and rejected replies are recorded as events.
 Rows are never deleted. A row whose round was not checkpointed (the server
 died between the ledger commit and the checkpoint rename) is kept and marked
 ``interrupted`` on resume: that spend happened at the site, so it still
-counts; the round is then run again and recorded again.
+counts; the round is then asked again, the site replays its one charge, and the
+row of its reply replaces the interrupted one (``ledger_resume``).
 
 A site charges a round before it reads a private record (P13), so a request
 that got no answer (the node died, or the reply was lost) may have been spent.
@@ -213,15 +214,25 @@ class ServerLedger:
 
     # ------------------------------------------------------------------ spend
 
-    def history(self, site: str, *, asking: int | None = None) -> list[StepRecord]:
-        """What the site ran (or may have: attempted rows not yet covered by its own report), in order. ``asking``:
-        the round about to be asked (again), whose attempted rows (and later ones) are left out: a site charges a
-        round once."""
+    def history(self, site: str, *, asking: int | None = None, reported: int | None = None) -> list[StepRecord]:
+        """What the site ran (or may have: attempted rows not yet covered by its own report), in order. A site
+        charges a (federation, round) once, so ``asking`` (the round about to be asked again) leaves out the
+        attempted and interrupted rows of that round and later ones, and ``reported`` (the round whose row the site's
+        own report is about to write) leaves out the attempted rows that report covers and that round's
+        interrupted rows, which the new row replaces."""
+        never, last = math.inf, -math.inf
         rows = self.conn.execute(
             "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? AND state != 'resolved'"
-            " AND NOT (state = 'attempted' AND round >= ?) ORDER BY id", (site, math.inf if asking is None else asking)
-        ).fetchall()
+            " AND NOT (state IN ('attempted', 'interrupted') AND round >= ?)"
+            " AND NOT (state = 'attempted' AND round <= ?) AND NOT (state = 'interrupted' AND round = ?) ORDER BY id",
+            (site, never if asking is None else asking, last if reported is None else reported,
+             last if reported is None else reported)).fetchall()
         return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
+
+    def unanswered(self, site: str, *, asking: int | None = None) -> int:
+        """The site's requests that got no answer and that ``history`` (with the same ``asking``) counts at the plan."""
+        return int(self.conn.execute("SELECT COUNT(*) FROM spend WHERE site = ? AND state = 'attempted' AND round < ?",
+                                     (site, math.inf if asking is None else asking)).fetchone()[0])
 
     def server_epsilon(self, site: str, *, asking: int | None = None) -> float:
         plan = self.plans()[site]
@@ -263,14 +274,15 @@ class ServerLedger:
             if s.site not in plans:
                 raise ValueError(f"no plan for site {s.site!r}: record_round needs a planned site")
             if s.state == "attempted" and s.site not in reporting and self.conn.execute(
-                    "SELECT 1 FROM spend WHERE site = ? AND round = ? AND state = 'attempted'", (s.site, round)
-            ).fetchone():
-                continue  # asked again for a round already counted as attempted: a site charges a round once
+                    "SELECT 1 FROM spend WHERE site = ? AND round = ? AND state IN ('attempted', 'interrupted')",
+                    (s.site, round)).fetchone():
+                continue  # asked again for a round already counted: a site charges a round once
             plan = plans[s.site]
             entry = check_entry(sigma=s.sigma, sample_rate=s.sample_rate, steps=s.steps, delta=plan.delta,
                                 accountant=plan.accountant)
-            # asking=0 leaves out the reporting site's attempted rows, which its report resolves below
-            history = histories.setdefault(s.site, self.history(s.site, asking=0 if s.site in reporting else None))
+            # a reporting site's report resolves its attempted rows below, its row this round's interrupted ones
+            reported = round if s.site in reporting else None
+            history = histories.setdefault(s.site, self.history(s.site, reported=reported))
             history.append(entry)
             eps = cumulative_epsilon(history, delta=plan.delta, accountant=plan.accountant)
             for value in (s.site_epsilon, s.run_epsilon):
@@ -293,6 +305,9 @@ class ServerLedger:
             for site in sorted(reporting):
                 self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'attempted'"
                                   " AND round <= ?", (site, round))
+            for site in sorted(reporting & {row[1] for row in prepared}):
+                self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'interrupted'"
+                                  " AND round = ?", (site, round))
             for row in prepared:
                 self.conn.execute(
                     "INSERT INTO spend (round, site, sigma, sample_rate, steps, delta, epsilon, site_epsilon,"
@@ -318,7 +333,7 @@ class ServerLedger:
 
     def record_sent(self, round: int, sites: list[str]) -> None:
         """Write, before sending, that these sites are asked to train ``round``: should the server die before
-        their replies, ``reconcile`` counts each at the plan."""
+        their replies, ``ledger_resume.reconcile`` counts each at the plan."""
         now = utc_now()
         with transaction(self.conn):
             for site in sites:
@@ -347,53 +362,3 @@ class ServerLedger:
             "sites": [dict(r) for r in self.conn.execute("SELECT * FROM sites ORDER BY site")],
             "meta": {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta")},
         }
-
-    def _put(self, insert: str, row: dict[str, Any]) -> None:
-        """``insert`` ("INSERT [OR REPLACE] INTO table") one checkpointed row, its columns named by its keys."""
-        self.conn.execute(f"{insert} ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
-
-    def reconcile(self, snapshot: dict[str, Any], *, through_round: int) -> int:
-        """Make the ledger agree with a checkpoint taken after ``through_round``; returns rows marked interrupted.
-
-        Rows the checkpoint holds must be present and identical; if the
-        database lost them (deleted, replaced), they are restored from the
-        checkpoint. Rows of later rounds (committed, never checkpointed) are
-        kept and marked ``interrupted``: that spend happened.
-        """
-        stored = {r["id"]: r for r in snapshot["spend"]}
-        with transaction(self.conn):
-            for site in snapshot["sites"]:
-                self._put("INSERT OR REPLACE INTO sites", site)
-            for key, value in snapshot["meta"].items():
-                self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
-            restored = 0
-            for row_id, row in stored.items():
-                have = self.conn.execute("SELECT * FROM spend WHERE id = ?", (row_id,)).fetchone()
-                if have is None or dict(have) != row:
-                    self._put("INSERT OR REPLACE INTO spend", row)
-                    restored += 1
-            if restored:
-                log.warning("ledger %s: restored %d spend rows from the checkpoint", self.path, restored)
-            for report in snapshot.get("reports", []):
-                if self.conn.execute("SELECT 1 FROM reports WHERE id = ?", (report["id"],)).fetchone() is None:
-                    self._put("INSERT INTO reports", report)
-            for event in snapshot["events"]:
-                if self.conn.execute("SELECT 1 FROM events WHERE id = ?", (event["id"],)).fetchone() is None:
-                    self._put("INSERT INTO events", event)
-            cur = self.conn.execute(
-                "UPDATE spend SET state = 'interrupted' WHERE round > ? AND state = 'completed'", (through_round,)
-            )
-            interrupted = cur.rowcount
-        if interrupted:
-            log.warning("ledger %s: %d spend rows of an interrupted round (> %d) kept as spent",
-                        self.path, interrupted, through_round)
-        plans = self.plans()
-        unanswered = self.conn.execute(  # sent, then the server died: it may have been spent
-            "SELECT DISTINCT round, site FROM sent WHERE round > ? AND NOT EXISTS (SELECT 1 FROM spend WHERE"
-            " spend.site = sent.site AND spend.round = sent.round) ORDER BY round, site", (through_round,)).fetchall()
-        for rnd, site in unanswered:
-            if site in plans:
-                log.warning("ledger %s: %s was asked to train round %d before the server stopped: counted at the "
-                            "plan until its own report covers it", self.path, site, rnd)
-                self.record_round(rnd, [attempted(plans[site])], [])
-        return interrupted

@@ -105,22 +105,27 @@ def read_outcome(out: Path) -> dict[str, Any] | None:
         return None
 
 
-def closing_status(plan: SitePlan, history: list[StepRecord], epsilon: float) -> tuple[str, str]:
+def closing_status(plan: SitePlan, history: list[StepRecord], epsilon: float, *,
+                   unanswered: int = 0) -> tuple[str, str]:
     """A site's label once it is not asked again: ``finished`` (its planned rounds are done), ``exhausted``
-    (another round would exceed its budget before that) or ``stopped`` (the federation ended first)."""
-    done = len(history)
+    (another round would exceed its budget before that) or ``stopped`` (the federation ended first, or requests
+    that got no answer, counted as spent, used up its planned rounds). ``unanswered``: the rows of ``history``
+    that are such requests (attempted), which count against the budget but are not rounds done."""
+    done = len(history) - unanswered
     spent = f"eps {epsilon:.4f} of {plan.epsilon:g}"
+    asked = f", and {unanswered} more asked without an answer (counted as spent)" if unanswered else ""
     if done >= plan.rounds:
-        return "finished", f"{done} of {plan.rounds} planned rounds done; {spent}"
-    if not can_afford(plan, history, site_epsilon=epsilon):
-        return "exhausted", f"another round would exceed its budget, after {done} of {plan.rounds} planned rounds; " \
-                            f"{spent}"
-    return "stopped", f"the federation ended after {done} of its {plan.rounds} planned rounds; {spent}"
+        return "finished", f"{done} of {plan.rounds} planned rounds done{asked}; {spent}"
+    if len(history) < plan.rounds and not can_afford(plan, history, site_epsilon=epsilon):
+        return "exhausted", f"another round would exceed its budget, after {done} of {plan.rounds} planned " \
+                            f"rounds{asked}; {spent}"
+    return "stopped", f"the federation ended after {done} of its {plan.rounds} planned rounds{asked}; {spent}"
 
 
 def final_statuses(ledger: ServerLedger, plans: dict[str, SitePlan]) -> dict[str, tuple[str, str]]:
     """The labels of the sites still ``active`` when the federation ends: none stays ``active``."""
-    return {site: closing_status(plans[site], ledger.history(site), ledger.counted_epsilon(site))
+    return {site: closing_status(plans[site], ledger.history(site), ledger.counted_epsilon(site),
+                                 unanswered=ledger.unanswered(site))
             for site, (status, _) in ledger.statuses().items() if status == "active" and site in plans}
 
 

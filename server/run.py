@@ -31,6 +31,7 @@ from fedpose.server.checkpoint import ServerState, load_state, save_state
 from fedpose.server.combine import aggregate, bound_updates
 from fedpose.server.exchange import describe_sites, exchange, sites_for_round
 from fedpose.server.ledger import Event, ServerLedger
+from fedpose.server.ledger_resume import reconcile
 from fedpose.server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
                             sole_server)
 from fedpose.server.plan import SitePlan, left_out, plan_site
@@ -130,7 +131,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         # The server died before its first checkpoint: the sites may already have charged round 1 of this
         # federation, so it starts again under the SAME id (a site then replays or resends, never spends twice).
         federation, history, start = known, [], 1
-        ledger.reconcile({"spend": [], "events": [], "reports": [], "sites": [], "meta": {}}, through_round=0)
+        reconcile(ledger, {"spend": [], "events": [], "reports": [], "sites": [], "meta": {}}, through_round=0)
         write_rounds(paths.rounds, [])
         log.info("resuming federation %s before its first checkpoint: from round 1", federation)
     elif resume:
@@ -138,7 +139,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         model.load_state_dict(state.weights)
         federation, history, start = state.federation, state.history, state.round + 1
         optimizer_state = state.optimizer
-        ledger.reconcile(state.ledger, through_round=state.round)
+        reconcile(ledger, state.ledger, through_round=state.round)
         write_rounds(paths.rounds, history)
         log.info("resuming federation %s at round %d", federation, start)
     else:

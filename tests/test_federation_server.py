@@ -11,6 +11,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedpose.server.ledger import Event, Report, ServerLedger, Spend
+from fedpose.server.ledger_resume import reconcile
 from fedpose.server.plan import SitePlan, can_afford, plan_site
 from fedpose.server.replies import Reply, process_replies
 from fedpose.server.combine import aggregate, fedavg
@@ -231,7 +232,7 @@ def test_a_request_sent_before_the_server_died_counts_on_resume_until_the_site_r
     snapshot = ledger.snapshot()
     for _ in range(2):  # sent twice (the first resume died too): a site charges a round once
         ledger.record_sent(2, ["a", "b"])
-        ledger.reconcile(snapshot, through_round=1)
+        reconcile(ledger, snapshot, through_round=1)
     assert [(r["site"], r["round"], r["state"]) for r in ledger.rows()][2:] == [("a", 2, "attempted"),
                                                                               ("b", 2, "attempted")]
     assert ledger.counted_epsilon("a") == ledger.counted_epsilon("b") == pytest.approx(two)
@@ -246,6 +247,34 @@ def test_a_request_sent_before_the_server_died_counts_on_resume_until_the_site_r
     assert ledger.counted_epsilon("a") == pytest.approx(two)  # not three rounds: its report covers the send
     assert [r["epsilon"] for r in ledger.rows() if r["site"] == "a"][-1] == pytest.approx(two)  # and its row says so
     assert ledger.counted_epsilon("b") == pytest.approx(two)  # never below what b's own ledger may hold
+    ledger.close()
+
+
+@pytest.mark.invariant("P13")
+def test_a_round_rerun_after_an_interrupted_checkpoint_counts_once(tmp_path):
+    """P13: round 2's spend was committed, then the server died before its checkpoint; the resumed server asks round 2
+    again and the site replays that one charge. The ledger counts round 2 once: planning it again leaves its
+    interrupted row out, and the site's reply of the rerun replaces that row (before, the rerun counted 3 rounds)."""
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    plans = {"a": _plan("a")}
+    ledger.save_plans(list(plans.values()))
+    one, two = (epsilon_spent([StepRecord(sigma=1.2, sample_rate=0.2, steps=2 * n)], delta=1e-3) for n in (1, 2))
+    for rnd, eps in ((1, one), (2, two)):
+        ledger.record_sent(rnd, ["a"])
+        out = process_replies([_reply("a", site_eps=eps)], expected=SHAPES, plans=plans)
+        ledger.record_round(rnd, out.spends, out.events, out.statuses, out.reports)
+        if rnd == 1:
+            snapshot = ledger.snapshot()
+    assert reconcile(ledger, snapshot, through_round=1) == 1
+    assert ledger.counted_epsilon("a") == pytest.approx(two)  # the interrupted round was spent
+    assert ledger.history("a", asking=2) == ledger.history("a")[:1]
+    assert ledger.server_epsilon("a", asking=2) == pytest.approx(one)
+    ledger.record_sent(2, ["a"])
+    out = process_replies([_reply("a", site_eps=two)], expected=SHAPES, plans=plans)  # the replayed release
+    ledger.record_round(2, out.spends, out.events, out.statuses, out.reports)
+    assert ledger.counted_epsilon("a") == ledger.server_epsilon("a") == pytest.approx(two)
+    assert [(r["round"], r["state"]) for r in ledger.rows()] == [(1, "completed"), (2, "resolved"), (2, "completed")]
+    assert ledger.rows()[-1]["epsilon"] == pytest.approx(two)
     ledger.close()
 
 
@@ -272,7 +301,7 @@ def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupte
     # checkpointed stay identical and the uncheckpointed spend is kept (it happened), marked.
     ledger.record_round(3, [Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None,
                                   aggregated=True)], [])
-    assert ledger.reconcile(snapshot, through_round=2) == 1
+    assert reconcile(ledger, snapshot, through_round=2) == 1
     states = [(r["round"], r["state"]) for r in ledger.rows()]
     assert states == [(1, "completed"), (2, "completed"), (3, "interrupted")]
     assert len(ledger.history("s0")) == 3

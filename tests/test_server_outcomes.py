@@ -168,8 +168,9 @@ def test_server_prepare_out_holds_the_ward_and_the_weights(tmp_path, monkeypatch
 def test_sites_that_ran_their_planned_rounds_read_alike_and_none_stays_active(tmp_path, tmp_path_factory):
     """After a finish: two sites that both ran their 2 planned rounds (one reporting a spend a hair above its
     budget, as its own accountant at its own delta may) read the same label; a site the federation left
-    after 1 of its 2 rounds reads `stopped`, never `active`; each reason says what it spent."""
-    from fedpose.server.ledger import Report, ServerLedger, Spend
+    after 1 of its 2 rounds reads `stopped`, never `active`, and so does one whose 2nd request got no answer (counted
+    as spent, not as done); each reason says what it spent."""
+    from fedpose.server.ledger import Report, ServerLedger, Spend, attempted
     from fedpose.server.plan import SitePlan
     from fedpose.server.run import Paths, finish
     from fedpose.shared.data.mpii import load_split
@@ -181,18 +182,20 @@ def test_sites_that_ran_their_planned_rounds_read_alike_and_none_stays_active(tm
     ledger = ServerLedger(paths.ledger)
     ledger.set_meta("federation", "f1")
     plans = [SitePlan(site=s, epsilon=0.8, delta=1e-3, sample_rate=0.2, steps_per_round=2, rounds=2, sigma=3.0,
-                      accountant="rdp", site_min_sigma=1.0) for s in ("a", "b", "c")]
+                      accountant="rdp", site_min_sigma=1.0) for s in ("a", "b", "c", "d")]
     ledger.save_plans(plans)
-    for rnd, sites in ((1, "abc"), (2, "ab")):
+    for rnd, sites in ((1, "abcd"), (2, "ab")):
         ledger.record_round(rnd, [Spend(site=s, sigma=3.0, sample_rate=0.2, steps=2, site_epsilon=None,
                                         aggregated=True) for s in sites], [])
+    ledger.record_round(2, [attempted(plans[3])], [])
     ledger.record_round(2, [], [], None, [Report(site="b", source="reply", site_epsilon=0.8000001,
                                                  run_epsilon=0.8000001, site_rounds=2)])
     val = load_split(Path(cfg.data.root), cfg.data.val_split)
     metrics = finish(cfg, paths, initial_model(cfg, progress=False), val, ledger, ledger.plans(), [], "f1", seconds=0.0)
     labels = {s: v["status"] for s, v in metrics["sites"].items()}
-    assert labels == {"a": "finished", "b": "finished", "c": "stopped"}, labels
+    assert labels == {"a": "finished", "b": "finished", "c": "stopped", "d": "stopped"}, labels
     reasons = {s: r for s, (_, r) in ledger.statuses().items()}
     assert "2 of 2 planned rounds" in reasons["a"] and "of 0.8" in reasons["a"], reasons
     assert "1 of its 2 planned rounds" in reasons["c"], reasons
+    assert "1 of its 2 planned rounds" in reasons["d"] and "1 more asked without an answer" in reasons["d"], reasons
     ledger.close()
