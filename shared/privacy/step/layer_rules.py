@@ -55,7 +55,7 @@ def bias_table(module: nn.Module, g: Tensor, names, shapes) -> Instantiated:
     name = names["attention_biases"]
     table = per_pair.new_zeros((b, *shapes[name]))
     index = module.bias_index
-    if not isinstance(index, Tensor):  # _rule_kind checked it; this narrows nn.Module's attribute type
+    if not isinstance(index, Tensor):  # the plan's _rule_kind checked it; this narrows nn.Module's attribute type
         raise TypeError(f"bias_index of {type(module).__name__} is not a tensor")
     table.index_add_(2, index.reshape(-1).to(g.device), per_pair)
     return Instantiated({name: table})
@@ -66,7 +66,7 @@ RULES: dict[str, Callable[..., Instantiated | LinearLike]] = {
 
 
 def rule_for(entry: tuple[nn.Module, str, dict[str, str]], seen: tuple[Tensor | None, Tensor], grad: Tensor | None,
-          shapes: dict[str, torch.Size]) -> Instantiated | LinearLike:
+             shapes: dict[str, torch.Size]) -> Instantiated | LinearLike:
     """The rule of one layer from its input, its output and the loss's gradient there."""
     module, kind, names = entry
     x, out = seen
