@@ -438,6 +438,7 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
                 label="pretrained start (public data only)")
     ax.set_xscale("log")
     ax.set_xticks(sorted({n for _, n in points}), [f"{n:,}" for n in sorted({n for _, n in points})])
+    ax.minorticks_off()  # the log axis's own minor labels (6 x 10^2, ...) would crowd the sizes
     ax.set_xlabel("records per site (3 sites, pooled; 30 epochs per record)")
     ax.set_ylabel("PCKh@0.5 (mean ± std over seeds)")
     ax.set_title("Accuracy against data, epsilon 0.8 per record")
