@@ -220,13 +220,13 @@ class ServerLedger:
         attempted and interrupted rows of that round and later ones, and ``reported`` (the round whose row the site's
         own report is about to write) leaves out the attempted rows that report covers and that round's
         interrupted rows, which the new row replaces."""
-        never, last = math.inf, -math.inf
         rows = self.conn.execute(
-            "SELECT sigma, sample_rate, steps FROM spend WHERE site = ? AND state != 'resolved'"
-            " AND NOT (state IN ('attempted', 'interrupted') AND round >= ?)"
-            " AND NOT (state = 'attempted' AND round <= ?) AND NOT (state = 'interrupted' AND round = ?) ORDER BY id",
-            (site, never if asking is None else asking, last if reported is None else reported,
-             last if reported is None else reported)).fetchall()
+            "SELECT sigma, sample_rate, steps FROM spend WHERE site = :site AND state != 'resolved'"
+            " AND NOT (state IN ('attempted', 'interrupted') AND round >= :asking)"
+            " AND NOT (state = 'attempted' AND round <= :reported)"
+            " AND NOT (state = 'interrupted' AND round = :reported) ORDER BY id",
+            {"site": site, "asking": math.inf if asking is None else asking,
+             "reported": -math.inf if reported is None else reported}).fetchall()
         return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
 
     def unanswered(self, site: str, *, asking: int | None = None) -> int:
@@ -305,7 +305,7 @@ class ServerLedger:
             for site in sorted(reporting):
                 self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'attempted'"
                                   " AND round <= ?", (site, round))
-            for site in sorted(reporting & {row[1] for row in prepared}):
+            for site in sorted(reporting & {s.site for s in spends}):  # a reporting site's spend is never skipped
                 self.conn.execute("UPDATE spend SET state = 'resolved' WHERE site = ? AND state = 'interrupted'"
                                   " AND round = ?", (site, round))
             for row in prepared:
