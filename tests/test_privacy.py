@@ -306,6 +306,32 @@ def test_the_basis_of_g_as_it_comes_chunk_by_chunk_and_tensor_by_tensor_is_the_b
         basis_from_blocks([rows[0], [grads[10:18, :90], *rows[1][1:]]], 3)
 
 
+def test_a_basis_from_clipped_public_gradients_is_not_taken_by_one_outlier():
+    """One public sample whose gradient is 1e8 times the others' (a task weight run away during training) makes
+    G G^T's top eigenvalue so large that every other direction falls below the rank tolerance: V narrows to that
+    one sample. Clipping each public per-sample gradient to C first (``clip``), as the private step clips each
+    record's, gives V the top directions of the clipped gradients, every one of them kept."""
+    from fedpose.shared.privacy.step.subspace import basis_from_blocks
+
+    gen = torch.Generator().manual_seed(11)
+    ordinary = torch.randn(20, 300, generator=gen) * torch.linspace(3, 0.1, 300)  # norms ~ 20
+    outlier = torch.randn(1, 300, generator=gen)
+    grads = torch.cat([ordinary, outlier / outlier.norm() * 1e8])
+    assert basis_from_blocks([[grads]], 10, fewer=True).shape == (300, 1)  # taken by the outlier
+    clipped = grads / grads.norm(dim=1, keepdim=True).clamp_min(1.0)  # every row clipped to norm 1
+    basis = basis_from_blocks([[grads[:12, :100], grads[:12, 100:]], [grads[12:, :100], grads[12:, 100:]]], 10,
+                              fewer=True, clip=1.0)
+    assert basis.shape == (300, 10)
+    check_orthonormal(basis)
+    svd_u = torch.linalg.svd(clipped.double().T, full_matrices=False)[0][:, :10]
+    torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-4)
+    small = grads[:20] / 100  # rows below the clip are left as they are
+    torch.testing.assert_close(projector(basis_from_blocks([[small]], 5, clip=1.0)),
+                               projector(projection_basis(small, 5)), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="clip"):
+        basis_from_blocks([[grads]], 3, clip=0.0)
+
+
 def test_every_basis_a_step_projects_with_is_laid_out_column_by_column(toy, tmp_path):
     """The projection reads V fastest with V's columns contiguous (V^T stored row by row): with V stored row by
     row, V^T g took 2.7x as long, every step of a round. The server's V, the V a site takes off the wire (whatever
@@ -376,7 +402,7 @@ def test_check_orthonormal_refuses_bad_bases():
 def test_compute_basis_depends_only_on_public_batch_and_weights(toy):
     loss_fn, params = toy
     names = list(inspect.signature(compute_basis).parameters)
-    assert names == ["loss_fn", "params", "public_batch", "k", "chunk_size", "rtol"]
+    assert names == ["loss_fn", "params", "public_batch", "k", "chunk_size", "rtol", "clip"]  # data: public only
     public = make_batch(8, seed=10)
     basis = compute_basis(loss_fn, params, public, k=4, chunk_size=3)
     assert basis.shape == (sum(v.numel() for v in params.values()), 4)

@@ -107,6 +107,11 @@ def test_config_validates_the_recipe_fields():
     for bad in (-0.1, 1.0, 1.5):
         with pytest.raises(ConfigError, match="train.ema"):
             config_from_dict({"train": {"ema": bad}})
+    assert cfg.privacy.basis_clip is None
+    assert config_from_dict({"privacy": {"basis_clip": 1.0}}).privacy.basis_clip == 1.0
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="privacy.basis_clip"):
+            config_from_dict({"privacy": {"basis_clip": bad}})
 
 
 def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
@@ -115,9 +120,10 @@ def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
 
     cfg = config_from_dict({})
     flat = identity_flat(cfg)
-    assert "privacy.augment_multiplicity" not in flat and "train.ema" not in flat
-    moved = identity_flat(replace(cfg, **{"privacy.augment_multiplicity": 2, "train.ema": 0.9}))
-    assert moved["privacy.augment_multiplicity"] == 2 and moved["train.ema"] == 0.9
+    assert not {"privacy.augment_multiplicity", "train.ema", "privacy.basis_clip"} & set(flat)
+    moved = identity_flat(replace(cfg, **{"privacy.augment_multiplicity": 2, "train.ema": 0.9,
+                                          "privacy.basis_clip": 1.0}))
+    assert (moved["privacy.augment_multiplicity"], moved["train.ema"], moved["privacy.basis_clip"]) == (2, 0.9, 1.0)
 
 
 @pytest.mark.parametrize("strategy", ["bitfit", "bitfit-head"])

@@ -158,6 +158,10 @@ class PrivacyConfig:
     k: int = 50  # projection rank: V's directions (fewer, with a warning, when the public gradients span fewer)
     m: int = 100  # public samples for the basis
     basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
+    # V from the public per-sample gradients each clipped to this norm, as the private step clips each record's
+    # (null: as they are). Training can make a few public samples' gradients dwarf the rest (a task weight run
+    # away); unclipped, those few then take V's directions. V stays public: the privacy claim does not change.
+    basis_clip: float | None = None
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
     # The privacy unit: record (neighbouring datasets differ in one image) or patient (in all images of one
     # person; needs patient ids: the ward's identities.json or a patients.json sidecar). At patient level
@@ -200,6 +204,8 @@ class PrivacyConfig:
             )
         if self.psi_param <= 0:
             raise ConfigError(f"privacy.psi_param: must be > 0, got {self.psi_param}")
+        if self.basis_clip is not None and not (math.isfinite(self.basis_clip) and self.basis_clip > 0):
+            raise ConfigError(f"privacy.basis_clip: must be a finite number > 0 or null, got {self.basis_clip}")
         if self.basis_every < 1 or self.chunk_size < 1:
             raise ConfigError("privacy.basis_every and privacy.chunk_size must be >= 1")
         if self.psi == "dp-pixelize" and (self.psi_param != int(self.psi_param) or self.psi_param < 2):

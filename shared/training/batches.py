@@ -69,4 +69,4 @@ def public_basis_at(
     keep_freed_memory()
     named = dict(model.named_parameters())
     current = {name: named[name].detach() for name in trainable}
-    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size)
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)

@@ -22,6 +22,7 @@ V and the sites' gradients agree coordinate by coordinate.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -108,11 +109,15 @@ def projection_basis(grads: Tensor, k: int, *, rtol: float = DEFAULT_RTOL) -> Te
 
 
 def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT_RTOL,
-                      fewer: bool = False) -> Tensor:
+                      fewer: bool = False, clip: float | None = None) -> Tensor:
     """``projection_basis`` of the G whose row chunk ``a`` and column group ``j`` is ``rows[a][j]`` (b_a x p_j):
     G as the per-sample gradients come, chunk by chunk and tensor by tensor, never copied into one m x p matrix.
     ``fewer``: when G's numerical rank r is below k, return its r genuine directions (p x r) with a warning
-    instead of refusing."""
+    instead of refusing. ``clip``: the basis of D G, each row scaled to norm at most ``clip`` (D from the Gram
+    matrix's diagonal, applied to it and to the coefficients: no second pass over G), so that one sample whose
+    gradient dwarfs the others' cannot take V's directions."""
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite number > 0 (or None), got {clip}")
     if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
         raise ValueError("G's blocks do not line up: every row chunk needs the same column groups")
     sizes = [row[0].shape[0] for row in rows]
@@ -137,6 +142,10 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
     # matrix is exact for that and costs nothing, where isfinite over G (m x p) costs seconds.
     if not torch.isfinite(gram).all():
         raise ValueError("public per-sample gradients contain NaN/inf (or overflow); cannot build a basis")
+    scale = None
+    if clip is not None:  # D: min(1, clip / ||g_i||) per row; (D G)(D G)^T = D (G G^T) D
+        scale = (clip / gram.diagonal().sqrt().clamp_min(1e-300)).clamp(max=1.0)
+        gram = gram * scale[:, None] * scale[None, :]
     eigvals, eigvecs = torch.linalg.eigh(gram)  # ascending, (m,), (m, m)
     top = eigvals[-1].item()
     if not top > 0:
@@ -152,7 +161,10 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
         k = kept
     order = torch.arange(m - 1, m - 1 - k, -1, device=device)  # top-k, descending
     lam = eigvals[order]  # (k,)
-    coeffs = (eigvecs[:, order] / lam.sqrt()).to(torch.float32).T.contiguous()  # (k, m) = (U_k S_k^{-1})^T
+    coeffs = (eigvecs[:, order] / lam.sqrt()).T  # (k, m) = (U_k S_k^{-1})^T
+    if scale is not None:  # V = (D G)^T U_k S_k^{-1} = G^T (D U_k S_k^{-1})
+        coeffs = coeffs * scale[None, :]
+    coeffs = coeffs.to(torch.float32).contiguous()
     # V^T = S_k^{-1} U_k^T G (k, p), so that V comes out column by column (see column_major); written one block
     # of columns at a time, which stays in cache while every row chunk adds its product to it
     transposed = torch.empty((k, p), dtype=torch.float32, device=device)
@@ -222,6 +234,7 @@ def compute_basis(
     k: int,
     chunk_size: int,
     rtol: float = DEFAULT_RTOL,
+    clip: float | None = None,
 ) -> Tensor:
     """V (p x k) from per-sample gradients of the full loss on PUBLIC data at ``params``.
 
@@ -230,6 +243,7 @@ def compute_basis(
     weights alone. Memory: m x p float32 for G (kept as the chunks' per-sample gradients) plus one chunk's tape.
     Training can leave the public gradients spanning fewer than k directions (their numerical rank r): V is then
     p x r, with a warning, rather than a refusal that would end a run midway (``basis_from_blocks``).
+    ``clip``: V from the per-sample gradients each clipped to this norm (``basis_from_blocks``); None: as they are.
     """
     check_params(params)
     size = batch_size_of(public_batch)
@@ -246,6 +260,6 @@ def compute_basis(
     for grads in chunks:
         b = next(iter(grads.values())).shape[0]
         rows.append([grads[name].reshape(b, -1) for name in names])
-    basis = basis_from_blocks(rows, k, rtol=rtol, fewer=True)
+    basis = basis_from_blocks(rows, k, rtol=rtol, fewer=True, clip=clip)
     log.info("projection basis from %d public samples: p=%d, k=%d", size, total, basis.shape[1])
     return basis
