@@ -278,7 +278,18 @@ RECORDLEVEL_PROXY = ("fedpose study --config configs/study-recordlevel-proxy.yam
 
 def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-recordlevel-proxy/: the same recipes on the public proxy ward (hyperparameters)."""
-    return render_recordlevel(records, command=RECORDLEVEL_PROXY)
+    return render_recordlevel([r for r in records if not _scale_data(r)], command=RECORDLEVEL_PROXY)
+
+
+def render_recordlevel_proxy_start(records: list[dict[str, Any]]) -> str:
+    """The proxy's cells from a start pretrained on more public images (a variant naming its ward), each row's share
+    against that start and the non-private run from it."""
+    other = [{**r, "cell": {**r["cell"], "variant": r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")}}
+             for r in records if _scale_data(r)]
+    wards = sorted({_scale_data(r) for r in records if _scale_data(r)})
+    if not other:
+        return "_No cell from another start has finished yet._"
+    return f"Ward: `{'`; `'.join(wards)}`.\n\n" + render_recordlevel(other, command=RECORDLEVEL_PROXY)
 
 
 def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
@@ -294,12 +305,14 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
              "|---|---|---|---|---|---|---|---|",
              f"| pretrained start (public data only) | none needed | {low:.2f} | 0 | | | | |"]
     points = sorted({(r["cell"]["method"], r["cell"]["strategy"], r["cell"]["clip"], r["cell"]["variant"],
-                      r["cell"]["setting"]) for r in records if r["cell"]["method"] != "pretrained"},
+                      r["cell"]["setting"], r["cell"]["epsilon"]) for r in records
+                     if r["cell"]["method"] != "pretrained"},
                     key=lambda p: (p[4] != "centralized",
                                    ("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
-                                   p[1] != "full", p[3]))
-    for method, strategy, clip, variant, setting in points:
-        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant, setting=setting)
+                                   p[1] != "full", p[3], p[5] or 0.0))
+    for method, strategy, clip, variant, setting, epsilon in points:
+        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant, setting=setting,
+                        epsilon=epsilon)
         values = [float(r["metrics"]["pckh"]["mean"]) for r in rows]
         eps = [r["metrics"].get("epsilon") for r in rows]
         eps_text = f"{max(eps):.4f}" if all(e is not None for e in eps) else ""
@@ -308,6 +321,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
         minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in rows) / 60
         share = (statistics.mean(values) - low) / gain
         label = ", ".join([*(["federated"] if setting == "federated" else []), method,
+                           *([f"eps {epsilon:g}"] if epsilon not in (None, 0.8) else []),
                            *([strategy] if strategy != "full" else []),
                            *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
         lines.append(f"| {label} | {_guarantee(method)} | {_stat(values)} | {share:.2f} | {eps_text} | "
@@ -385,7 +399,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
 def _scale_data(record: dict[str, Any]) -> str:
     """The part of a cell's variant that only names its ward (size, root, pretrained weights' folder)."""
     return ", ".join(p for p in record["cell"]["variant"].split(", ")
-                     if p.startswith(("data.synth.per_site=", "data.root=", "pretrain.out=")))
+                     if p.startswith(("data.synth.per_site=", "data.synth.public=", "data.root=", "pretrain.out=")))
 
 
 def render_scale(records: list[dict[str, Any]]) -> str:
@@ -799,6 +813,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "study-face": ("study-face", render_study_face),
     "recordlevel": ("study-recordlevel", render_recordlevel),
     "recordlevel-proxy": ("study-recordlevel-proxy", render_recordlevel_proxy),
+    "recordlevel-proxy-start": ("study-recordlevel-proxy", render_recordlevel_proxy_start),
     "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
     "scale": ("study-scale", render_scale),
     "proj": ("proj_diagnosis.json", render_proj),
