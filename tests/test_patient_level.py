@@ -51,6 +51,18 @@ def test_group_privacy_at_the_issue_example_and_validation():
             group_privacy(**{"epsilon": 0.8, "delta": 1e-5, "k": 8, **bad})
 
 
+def test_group_privacy_at_a_large_epsilon_does_not_overflow():
+    """A diagnostic run at eps 1000 trained for minutes and then crashed writing its metrics: e^(k eps) overflowed.
+    The pair is computed in log space where it must be; a delta past float range is inf (>= 1: no guarantee)."""
+    from fedpose.shared.privacy.accounting.group import group_privacy
+
+    assert group_privacy(epsilon=1000.0, delta=1e-5, k=1) == (1000.0, 1e-5)
+    eps_k, delta_k = group_privacy(epsilon=300.0, delta=1e-5, k=3)  # 1e-5 (e^900 - 1) / (e^300 - 1) ~ 1e-5 e^600
+    assert eps_k == 900.0 and delta_k == pytest.approx(math.exp(600.0 + math.log(1e-5)), rel=1e-9)
+    assert group_privacy(epsilon=1000.0, delta=1e-5, k=3) == (3000.0, math.inf)
+    assert group_privacy(epsilon=1000.0, delta=0.0, k=3) == (3000.0, 0.0)
+
+
 # ---------------------------------------------------------------------------
 # config and data: the unit, the cap, patient ids
 # ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import math
 def group_privacy(*, epsilon: float, delta: float, k: int) -> tuple[float, float]:
     """(k eps, delta sum_{i<k} e^(i eps)): the (eps, delta)-DP guarantee for a group of ``k`` records.
 
-    The delta returned may be >= 1 (then the pair promises nothing); callers say so.
+    The delta returned may be >= 1, or inf past float range (then the pair promises nothing); callers say so.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be an int >= 1 (records of one patient)")
@@ -40,5 +40,17 @@ def group_privacy(*, epsilon: float, delta: float, k: int) -> tuple[float, float
         raise ValueError(f"delta={delta!r} must be in [0, 1)")
     if epsilon == 0:
         return 0.0, k * float(delta)
-    # sum_{i=0}^{k-1} e^(i eps) = expm1(k eps) / expm1(eps), accurate for small eps
-    return k * float(epsilon), float(delta) * math.expm1(k * epsilon) / math.expm1(epsilon)
+    if k == 1:  # a group of one record: the guarantee itself
+        return float(epsilon), float(delta)
+    if k * epsilon < _EXP_LIMIT:
+        # sum_{i=0}^{k-1} e^(i eps) = expm1(k eps) / expm1(eps), accurate for small eps
+        return k * float(epsilon), float(delta) * math.expm1(k * epsilon) / math.expm1(epsilon)
+    if delta == 0:
+        return k * float(epsilon), 0.0
+    # e^(k eps) overflows: log of delta e^((k - 1) eps) (1 - e^(-k eps)) / (1 - e^(-eps))
+    log_delta = (math.log(delta) + (k - 1) * epsilon + math.log(-math.expm1(-k * epsilon))
+                 - math.log(-math.expm1(-epsilon)))
+    return k * float(epsilon), math.exp(log_delta) if log_delta < _EXP_LIMIT else math.inf
+
+
+_EXP_LIMIT = 700.0  # math.exp overflows past about 709.78
