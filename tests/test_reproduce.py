@@ -110,3 +110,32 @@ def test_an_entry_runs_its_commands_logs_them_and_is_not_rerun(tmp_path, capsys)
     assert reproduce.main(["--out", str(tmp_path / "out"), "--list"]) == 0
     listed = capsys.readouterr().out
     assert re.search(r"benchmarks\s+done", listed) and re.search(r"study\s+to run", listed)
+
+
+def test_a_record_level_study_shows_cells_of_a_stronger_start_apart_each_share_against_its_own_start():
+    """A study whose cells come from two starts (the ward's, and one pretrained on more public images): the main
+    table keeps the ward's own cells, and a second table the others, each share against that start and the
+    non-private run from it (one table of both would compare starts, not methods)."""
+    render = _render()
+    stronger = "data.synth.public=2400, data.root=runs/data/w, pretrain.out=runs/p"
+
+    def record(method, pckh, start, variant="", epsilon=0.8, seed=1):
+        cell = {"id": f"{method}{pckh}", "method": method, "setting": "centralized", "strategy": "full",
+                "epsilon": None if method in ("pretrained", "nonprivate") else epsilon, "clip": 1.0,
+                "seed": None if method == "pretrained" else seed, "variant": variant}
+        metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else start,
+                   "epsilon": epsilon if method == "proj" else None, "seconds": 60.0, "steps": 570}
+        return {"cell": cell, "metrics": metrics}
+
+    records = [record("pretrained", 30.0, 30.0), record("nonprivate", 50.0, 30.0), record("proj", 35.0, 30.0),
+               record("proj", 31.0, 30.0, epsilon=8.0),
+               record("pretrained", 40.0, 40.0, stronger), record("nonprivate", 52.0, 40.0, stronger),
+               record("proj", 46.0, 40.0, f"{stronger}, train.lr=0.003")]
+    main = render.render_recordlevel(records)
+    assert "| proj | record-level DP | 35.00 (1 seed) | 0.25 |" in main
+    assert "| proj, eps 8 | record-level DP | 31.00 (1 seed) | 0.05 |" in main  # its own row, not averaged in
+    assert "46.00" not in main
+    other = render.render_recordlevel_start(records)
+    assert "`data.synth.public=2400, data.root=runs/data/w, pretrain.out=runs/p`" in other
+    assert "| pretrained start (public data only) | none needed | 40.00 | 0 |" in other
+    assert "| proj, train.lr=0.003 | record-level DP | 46.00 (1 seed) | 0.50 |" in other

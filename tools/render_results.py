@@ -278,24 +278,30 @@ RECORDLEVEL_PROXY = ("fedpose study --config configs/study-recordlevel-proxy.yam
 
 def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
     """benchmarks/results/study-recordlevel-proxy/: the same recipes on the public proxy ward (hyperparameters)."""
-    return render_recordlevel([r for r in records if not _scale_data(r)], command=RECORDLEVEL_PROXY)
+    return render_recordlevel(records, command=RECORDLEVEL_PROXY)
+
+
+def render_recordlevel_start(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
+    """A record-level study's cells from a start pretrained on more public images (a variant naming its ward), each
+    row's share against that start and the non-private run from it."""
+    other = [{**r, "cell": {**r["cell"], "variant": r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")}}
+             for r in records if _scale_data(r)]
+    if not other:
+        return "_No cell from another start has finished yet._"
+    wards = sorted({_scale_data(r) for r in records if _scale_data(r)})
+    return f"Ward: `{'`; `'.join(wards)}`.\n\n" + render_recordlevel(other, command=command, own_ward=False)
 
 
 def render_recordlevel_proxy_start(records: list[dict[str, Any]]) -> str:
-    """The proxy's cells from a start pretrained on more public images (a variant naming its ward), each row's share
-    against that start and the non-private run from it."""
-    other = [{**r, "cell": {**r["cell"], "variant": r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")}}
-             for r in records if _scale_data(r)]
-    wards = sorted({_scale_data(r) for r in records if _scale_data(r)})
-    if not other:
-        return "_No cell from another start has finished yet._"
-    return f"Ward: `{'`; `'.join(wards)}`.\n\n" + render_recordlevel(other, command=RECORDLEVEL_PROXY)
+    """``render_recordlevel_start`` of the proxy."""
+    return render_recordlevel_start(records, command=RECORDLEVEL_PROXY)
 
 
-def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
+def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL, *, own_ward: bool = True) -> str:
     """benchmarks/results/study-recordlevel/: the record-level recipes beside the start, non-private, psi-only and
-    the study's methods, centralized at eps 0.8; each row's share of the gain (non-private minus the start)."""
-    records = _one_start(records)
+    the study's methods, centralized at eps 0.8; each row's share of the gain (non-private minus the start).
+    ``own_ward``: leave out the cells of another ward (``render_recordlevel_start`` shows them)."""
+    records = _one_start([r for r in records if not (own_ward and _scale_data(r))])
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
     if not start or not nonprivate:
@@ -342,7 +348,7 @@ def _gain_share(value: float, start: float, nonprivate: float) -> float:
 
 def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
     """The README's line: the same ward centralized, each number with the guarantee it carries."""
-    records = _one_start(records)
+    records = _one_start([r for r in records if not _scale_data(r)])
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
     recipe = _pckh(records, method="proj", strategy="full", variant=RECIPE, setting="centralized")
@@ -368,7 +374,9 @@ SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale
 _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                ("psi-only", "", "psi-only (blurred copies alone)", "none: the blurred copies are public"),
                ("fpdp", "", "fpdp", "Feature-DP (psi(x) and labels public)"),
-               ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))
+               ("proj", RECIPE + ", privacy.basis_clip=1.0", "proj, the same, V from clipped gradients",
+                "record-level DP"),
+               ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))  # the recipe: last
 
 
 def _per_site(record: dict[str, Any]) -> int | None:
@@ -437,7 +445,7 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = _scale_points(records)
-    colours = ("black", "tab:green", "tab:blue", "tab:orange")  # one per row of _SCALE_ROWS
+    colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:orange")  # one per row of _SCALE_ROWS
     fig, ax = plt.subplots(figsize=(7, 5))
     for (_, _, label, guarantee), colour in zip(_SCALE_ROWS, colours):
         sizes = sorted(n for (name, n) in points if name == label)
@@ -814,6 +822,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "recordlevel": ("study-recordlevel", render_recordlevel),
     "recordlevel-proxy": ("study-recordlevel-proxy", render_recordlevel_proxy),
     "recordlevel-proxy-start": ("study-recordlevel-proxy", render_recordlevel_proxy_start),
+    "recordlevel-start": ("study-recordlevel", render_recordlevel_start),
     "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
     "scale": ("study-scale", render_scale),
     "proj": ("proj_diagnosis.json", render_proj),
