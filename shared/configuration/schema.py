@@ -159,8 +159,7 @@ class PrivacyConfig:
     m: int = 100  # public samples for the basis
     basis_every: int = 10  # recompute V every this many steps (centralized) / rounds (federated)
     # V from the public per-sample gradients each clipped to this norm, as the private step clips each record's
-    # (null: as they are). Training can make a few public samples' gradients dwarf the rest (a task weight run
-    # away); unclipped, those few then take V's directions. V stays public: the privacy claim does not change.
+    # (null: as they are), so that a few samples whose gradients dwarf the rest cannot take V's directions.
     basis_clip: float | None = None
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
     # The privacy unit: record (neighbouring datasets differ in one image) or patient (in all images of one
@@ -198,10 +197,8 @@ class PrivacyConfig:
         if self.k < 1 or self.m < 1:
             raise ConfigError("privacy.k and privacy.m must be >= 1")
         if self.k > self.m:
-            raise ConfigError(
-                f"privacy.k = {self.k} > privacy.m = {self.m}: the basis has at most m directions; "
-                "lower k or raise m"
-            )
+            raise ConfigError(f"privacy.k = {self.k} > privacy.m = {self.m}: the basis has at most m directions; "
+                              "lower k or raise m")
         if self.psi_param <= 0:
             raise ConfigError(f"privacy.psi_param: must be > 0, got {self.psi_param}")
         if self.basis_clip is not None and not (math.isfinite(self.basis_clip) and self.basis_clip > 0):
