@@ -374,7 +374,7 @@ SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale
 _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                ("psi-only", "", "psi-only (blurred copies alone)", "none: the blurred copies are public"),
                ("fpdp", "", "fpdp", "Feature-DP (psi(x) and labels public)"),
-               ("proj", RECIPE + ", privacy.basis_clip=1.0", "proj, the same, V from clipped gradients",
+               ("proj", RECIPE + ", privacy.basis_clip=1.0", "proj, 3e-3, V from clipped gradients",
                 "record-level DP"),
                ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))  # the recipe: last
 
@@ -405,7 +405,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
 
 
 def _scale_data(record: dict[str, Any]) -> str:
-    """The part of a cell's variant that only names its ward (size, root, pretrained weights' folder)."""
+    """The part of a cell's variant that only names its ward (size, public images, root, pretrained weights' folder)."""
     return ", ".join(p for p in record["cell"]["variant"].split(", ")
                      if p.startswith(("data.synth.per_site=", "data.synth.public=", "data.root=", "pretrain.out=")))
 
