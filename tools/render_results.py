@@ -284,11 +284,10 @@ def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
 def render_recordlevel_start(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
     """A record-level study's cells from a start pretrained on more public images (a variant naming its ward), each
     row's share against that start and the non-private run from it."""
-    other = [{**r, "cell": {**r["cell"], "variant": r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")}}
-             for r in records if _scale_data(r)]
+    other = [{**r, "cell": {**r["cell"], "variant": _recipe_part(r)}} for r in records if _scale_data(r)]
     if not other:
         return "_No cell from another start has finished yet._"
-    wards = sorted({_scale_data(r) for r in records if _scale_data(r)})
+    wards = sorted({_scale_data(r) for r in records} - {""})
     return f"Ward: `{'`; `'.join(wards)}`.\n\n" + render_recordlevel(other, command=command, own_ward=False)
 
 
@@ -398,7 +397,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
             if start not in points[("start", size)]:
                 points[("start", size)].append(start)
         for method, variant, label, _ in _SCALE_ROWS:
-            recipe = r["cell"]["variant"].replace(_scale_data(r), "").strip(", ")
+            recipe = _recipe_part(r)
             if r["cell"]["method"] == method and recipe == variant:
                 points.setdefault((label, size), []).append(float(r["metrics"]["pckh"]["mean"]))
     return points
@@ -406,8 +405,15 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
 
 def _scale_data(record: dict[str, Any]) -> str:
     """The part of a cell's variant that only names its ward (size, public images, root, pretrained weights' folder)."""
-    return ", ".join(p for p in record["cell"]["variant"].split(", ")
-                     if p.startswith(("data.synth.per_site=", "data.synth.public=", "data.root=", "pretrain.out=")))
+    return ", ".join(p for p in record["cell"]["variant"].split(", ") if p.startswith(_WARD_KEYS))
+
+
+def _recipe_part(record: dict[str, Any]) -> str:
+    """The rest of a cell's variant: what it changes in the training, not in the ward."""
+    return ", ".join(p for p in record["cell"]["variant"].split(", ") if p and not p.startswith(_WARD_KEYS))
+
+
+_WARD_KEYS = ("data.synth.per_site=", "data.synth.public=", "data.root=", "pretrain.out=")
 
 
 def render_scale(records: list[dict[str, Any]]) -> str:
