@@ -266,3 +266,31 @@ def test_local_train_bitfit_leaves_the_other_weights_and_ema_releases_the_averag
         torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-7)
         if name in moved:
             assert not torch.allclose(p.detach(), w2[name].detach())
+
+
+def test_tensor_adam_keeps_each_tensors_gradient_direction_and_rescales_tensors_apart():
+    """optimizer 'tensor-adam': Adam with one second moment per weight tensor (the mean of g^2 over the tensor).
+
+    Within a tensor the step is the first moment divided by one number, so a projected noisy gradient keeps its
+    direction there (per-coordinate Adam divides each coordinate apart: a noise-only coordinate takes a full step);
+    across tensors it rescales like Adam, so a tensor whose gradients are 1000 times smaller moves as far.
+    """
+    from fedpose.shared.configuration.schema import TrainConfig
+    from fedpose.shared.training.schedule import make_optimizer
+
+    torch.manual_seed(0)
+    big = torch.zeros(30, requires_grad=True)
+    small = torch.zeros(4, 5, requires_grad=True)
+    opt = make_optimizer([big, small], TrainConfig(method="proj", optimizer="tensor-adam", lr=0.01))
+    g_big, g_small = torch.randn(30), 1e-3 * torch.randn(4, 5)
+    big.grad, small.grad = g_big.clone(), g_small.clone()
+    opt.step()
+    for moved, grad in ((big.detach(), g_big), (small.detach(), g_small)):
+        cos = torch.nn.functional.cosine_similarity(-moved.flatten(), grad.flatten(), dim=0)
+        assert cos > 1 - 1e-5  # the tensor's gradient direction, not its signs
+        # first step, bias-corrected: m / sqrt(v) = g / rms(g), so the tensor's step has RMS lr
+        assert float(moved.pow(2).mean().sqrt()) == pytest.approx(0.01, rel=1e-4)
+    state = opt.state_dict()
+    again = make_optimizer([big, small], TrainConfig(method="proj", optimizer="tensor-adam", lr=0.01))
+    again.load_state_dict(state)  # a site keeping its optimizer across rounds saves and loads it
+    assert again.state_dict()["state"][0]["exp_avg_sq"].numel() == 1

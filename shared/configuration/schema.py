@@ -233,7 +233,7 @@ class TrainConfig:
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
     batch_size: int = 64
     public_batch_size: int = 32
-    optimizer: Literal["sgd", "adam"] = "adam"
+    optimizer: Literal["sgd", "adam", "tensor-adam"] = "adam"  # tensor-adam: Adam, one second moment per tensor
     lr: float = 1e-3
     # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.
     schedule: Literal["constant", "cosine"] = "cosine"

@@ -12,6 +12,10 @@ from fedpose.shared.configuration.schema import TrainConfig
 def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+    if train.optimizer == "tensor-adam":
+        from fedpose.shared.training.tensor_adam import TensorAdam
+
+        return TensorAdam(params, lr=train.lr, weight_decay=train.weight_decay)
     return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
