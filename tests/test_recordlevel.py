@@ -8,6 +8,8 @@ exactly the norms, the biases and the heads; the weight average is post-processi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -294,3 +296,67 @@ def test_tensor_adam_keeps_each_tensors_gradient_direction_and_rescales_tensors_
     again = make_optimizer([big, small], TrainConfig(method="proj", optimizer="tensor-adam", lr=0.01))
     again.load_state_dict(state)  # a site keeping its optimizer across rounds saves and loads it
     assert again.state_dict()["state"][0]["exp_avg_sq"].numel() == 1
+
+
+def test_dp_tensor_adam_damps_a_tensor_whose_gradient_is_the_declared_noise_alone():
+    """optimizer 'dp-tensor-adam': tensor-adam told each tensor's DP noise variance (known: sigma, C, B and V).
+
+    Its step is tensor-adam's times the tensor's signal share, s^2 / (s^2 + the noise variance left in the first
+    moment), with s^2 the tensor's running mean of g^2 less the noise variance. A tensor whose gradient is the
+    declared noise alone barely moves (tensor-adam gives it full steps: a random walk of the noise); a tensor whose
+    gradient is mostly signal steps as tensor-adam; told no noise, it is tensor-adam.
+    """
+    from fedpose.shared.configuration.schema import TrainConfig
+    from fedpose.shared.training.schedule import make_optimizer
+
+    def walk(optimizer: str, noise: list[float] | None) -> tuple[float, float]:
+        gen = torch.Generator().manual_seed(3)
+        signal, noisy = torch.zeros(50, requires_grad=True), torch.zeros(50, requires_grad=True)
+        opt = make_optimizer([signal, noisy], TrainConfig(method="proj", optimizer=optimizer, lr=0.01))
+        if noise is not None:
+            opt.set_noise_variance(noise)
+        for _ in range(300):
+            signal.grad = 1.0 + 0.1 * torch.randn(50, generator=gen)  # signal 1, noise variance 0.01
+            noisy.grad = 0.5 * torch.randn(50, generator=gen)  # noise alone, variance 0.25
+            opt.step()
+        return float(signal.detach().norm()), float(noisy.detach().norm())
+
+    plain_signal, plain_noise = walk("tensor-adam", None)
+    dp_signal, dp_noise = walk("dp-tensor-adam", [0.01, 0.25])
+    assert dp_signal == pytest.approx(plain_signal, rel=0.05)  # the signal's tensor: tensor-adam's steps
+    assert dp_noise < 0.2 * plain_noise  # the noise's tensor: damped
+    assert walk("dp-tensor-adam", [0.0, 0.0]) == pytest.approx((plain_signal, plain_noise), rel=1e-5)
+    with pytest.raises(ValueError, match="2 weight tensors"):
+        make_optimizer([torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)],
+                       TrainConfig(method="proj", optimizer="dp-tensor-adam")).set_noise_variance([0.1])
+
+
+def test_local_train_tells_dp_tensor_adam_the_noise_its_step_adds(world, monkeypatch):
+    """dpsgd: (sigma C / B)^2 on every coordinate; projected, a tensor's share std^2 ||V_t||^2 spread over it,
+    which is what V (V^T z) puts there (checked against draws of z)."""
+    import fedpose.shared.training.local_step as step_module
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.privacy.step.subspace import project
+    from fedpose.shared.training.tensor_adam import noise_variances
+
+    made = []
+    real = step_module.make_optimizer
+    monkeypatch.setattr(step_module, "make_optimizer", lambda params, train: made.append(real(params, train))
+                        or made[-1])
+    cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "train.optimizer": "dp-tensor-adam"})
+    _train(cfg, 2, [], monkeypatch)
+    (opt,) = made
+    std = 1.0 * cfg.privacy.clip_norm / 4  # _train's sigma 1.0, C, the expected batch B
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.noise) == len(params) and all(opt.noise[p] == pytest.approx(std ** 2) for p in params)
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"b": (3, 4), "a": (5,), "c": (2,)}
+    basis = torch.linalg.qr(torch.randn(sum(math.prod(s) for s in shapes.values()), 4, generator=gen))[0]
+    sizes = [(name, math.prod(shape)) for name, shape in shapes.items()]  # the optimizer's order, not sorted
+    want = noise_variances(sizes, sorted(shapes), std=0.5, basis=basis)
+    draws = torch.stack([project(basis, 0.5 * torch.randn(basis.shape[0], generator=gen)) for _ in range(20000)])
+    offsets = {"a": (0, 5), "b": (5, 17), "c": (17, 19)}  # flatten's sorted order
+    for (name, _), variance in zip(sizes, want):
+        lo, hi = offsets[name]
+        assert float(draws[:, lo:hi].pow(2).mean()) == pytest.approx(variance, rel=0.05)

@@ -68,10 +68,8 @@ class DataConfig:
                 "validate on held-out data"
             )
         if self.public_split in self.train_splits:
-            raise ConfigError(
-                f"data.public_split {self.public_split!r} is also a private training split: "
-                "public and private data must be disjoint (P2)"
-            )
+            raise ConfigError(f"data.public_split {self.public_split!r} is also a private training split: "
+                              "public and private data must be disjoint (P2)")
 
 
 @dataclass(frozen=True)
@@ -233,7 +231,9 @@ class TrainConfig:
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
     batch_size: int = 64
     public_batch_size: int = 32
-    optimizer: Literal["sgd", "adam", "tensor-adam"] = "adam"  # tensor-adam: Adam, one second moment per tensor
+    # tensor-adam: Adam with one second moment per tensor; dp-tensor-adam: each tensor's step also scaled by its
+    # signal share under the DP noise (shared/training/tensor_adam.py)
+    optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam"] = "adam"
     lr: float = 1e-3
     # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.
     schedule: Literal["constant", "cosine"] = "cosine"

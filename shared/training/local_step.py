@@ -29,6 +29,7 @@ from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.sampling import augmented_copies, poisson_sample
 from fedpose.shared.privacy.step.subspace import column_major
 from fedpose.shared.training.schedule import lr_factor, make_optimizer
+from fedpose.shared.training.tensor_adam import noise_variances
 from fedpose.shared.training.weight_average import WeightAverage
 
 
@@ -77,6 +78,18 @@ class StepPhases:
         self.zeroed = self.public_zeroed = 0
         self.seconds_basis = 0.0
         self.narrowest = None if self.basis is None else self.basis.shape[1]  # V's fewest columns (compute_basis)
+        self.tell_noise()
+
+    def tell_noise(self) -> None:
+        """dp-tensor-adam: each trained tensor's noise variance per coordinate in this step's update (public:
+        sigma, C, B and V). Called again whenever V changes."""
+        if not getattr(self.opt, "noise_aware", False):
+            return
+        spec = self.run.step
+        std = 0.0 if spec.method == "nonprivate" else spec.sigma * spec.clip_norm / spec.expected_batch
+        sizes = [(name, self.named[name].numel()) for name in self.trainable]
+        self.opt.set_noise_variance(noise_variances(sizes, sorted(self.trainable), std=std,
+                                                    basis=self.basis if spec.projects else None))
 
     def sample(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """Phase 1: the private batch on the device, and its clipping groups (patients, augmented copies)."""
@@ -120,6 +133,7 @@ class StepPhases:
             self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
                                          self.device)
             self.seconds_basis += time.perf_counter() - started
+            self.tell_noise()
             width = self.basis.shape[1]
             self.narrowest = width if self.narrowest is None else min(self.narrowest, width)
         canaries = None

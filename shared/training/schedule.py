@@ -12,10 +12,11 @@ from fedpose.shared.configuration.schema import TrainConfig
 def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
-    if train.optimizer == "tensor-adam":
+    if train.optimizer in ("tensor-adam", "dp-tensor-adam"):
         from fedpose.shared.training.tensor_adam import TensorAdam
 
-        return TensorAdam(params, lr=train.lr, weight_decay=train.weight_decay)
+        return TensorAdam(params, lr=train.lr, weight_decay=train.weight_decay,
+                          noise_aware=train.optimizer == "dp-tensor-adam")
     return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
