@@ -222,7 +222,9 @@ MAX_PARAMETERS = 8
 PARAMETER_ALLOWANCE = {
     ("shared/privacy/accounting/claims.py", "privacy_claim"): 12,  # the facts a claim sentence states
     ("client/ledger.py", "record"): 14,  # one per column of a ledger row
-    ("shared/privacy/step/fpdp.py", "dp_gradient"): 9,  # the step's spec, inputs and the audit's hooks
+    # the step's spec, its inputs, the audit's hooks and the public per-tensor scales, keyword-only
+    ("shared/privacy/step/fpdp.py", "dp_gradient"): 10,
+    ("shared/privacy/step/fpdp.py", "_noisy_private_sum"): 9,
 }
 
 

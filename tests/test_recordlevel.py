@@ -196,7 +196,7 @@ def world(tmp_path_factory):
     return prepare_world(world_root(tmp_path_factory))
 
 
-def _train(cfg, steps, seen, monkeypatch, *, seed=0):
+def _train(cfg, steps, seen, monkeypatch, *, seed=0, public=False):
     import fedpose.shared.training.local_step as step_module
     from fedpose.shared.privacy.step import fpdp
     import fedpose.shared.training.batches as batches
@@ -208,13 +208,14 @@ def _train(cfg, steps, seen, monkeypatch, *, seed=0):
     real_step = fpdp.dp_gradient
 
     def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
-        seen.append((spec, private_batch["image"].clone(), groups))
+        seen.append((spec, private_batch["image"].clone(), groups, kwargs.get("scales")))
         return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
 
     monkeypatch.setattr(step_module, "dp_gradient", step)
     dataset = batches.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=seed)
     model = initial_model(cfg, progress=False)
-    local_data = train_module.LocalData(dataset)
+    local_data = train_module.LocalData(dataset, public=batches.make_dataset(
+        load_split(cfg.data.root, cfg.data.public_split), cfg, train=False) if public else None)
     local_run = train_module.LocalRun(train_module.step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=1.0,
                                       data=local_data), steps, cfg.train, cfg.privacy)
     result = train_module.local_train(model, local_data, local_run, generator=make_generator(seed)[0], bar=None)
@@ -236,7 +237,7 @@ def test_local_train_augments_each_record_k_times_and_accounts_as_without(world,
     eps = [epsilon_spent([StepRecord(sigma=r.sigma, sample_rate=r.sample_rate, steps=r.steps)], delta=1e-5)
            for r in (plain, many)]
     assert eps[0] == eps[1]
-    for (spec1, images1, groups1), (spec3, images3, groups3) in zip(plain_seen, many_seen):
+    for (spec1, images1, groups1, _), (spec3, images3, groups3, _) in zip(plain_seen, many_seen):
         assert spec1.multiplicity == 1 and groups1 is None
         assert spec3.multiplicity == 3 and spec3.sample_rate == spec1.sample_rate
         records = images1.shape[0]  # the same generator draws the same records
@@ -360,3 +361,85 @@ def test_local_train_tells_dp_tensor_adam_the_noise_its_step_adds(world, monkeyp
     for (name, _), variance in zip(sizes, want):
         lo, hi = offsets[name]
         assert float(draws[:, lo:hi].pow(2).mean()) == pytest.approx(variance, rel=0.05)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_tensor_scales_clip_each_records_scaled_gradient_like_a_per_example_loop(fast):
+    """train.tensor_scales: public. Each record's gradient, every tensor t times its public scale a_t, clipped to C
+    as one vector: sum_i clip(a * g_i, C), so one record still moves the sum by at most C (the accountant's input
+    unchanged), and the sum equals a per-example loop, through the book-keeping tape and the generic path alike."""
+    from test_bookkeeping import _generic, _setup
+
+    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+    from fedpose.shared.privacy.step.subspace import flatten
+
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=5)
+    gen = torch.Generator().manual_seed(5)
+    scales = {name: float(10 ** (3 * torch.rand((), generator=gen) - 1.5)) for name in params}  # 0.03 .. 30
+    want, norms = None, []
+    for row in range(5):
+        leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        flat = flatten({n: scales[n] * g for n, g in grads.items()})
+        norms.append(float(flat.norm()))
+        clipped = flat * min(1.0, 0.05 / (norms[-1] + 1e-6))
+        want = clipped if want is None else want + clipped
+    got = clipped_grad_sum(loss_fn if fast else _generic(loss_fn), params, batch, clip_norm=0.05, chunk_size=2,
+                           scales=scales)
+    assert max(norms) > 0.05  # some records are clipped
+    torch.testing.assert_close(got.norms, torch.tensor(norms, dtype=torch.float64), rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(flatten(got.summed), want, rtol=2e-4, atol=2e-7)
+
+
+def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
+    """a_t = c / rms_t, rms_t the RMS of tensor t's per-sample public gradients and c their RMS over every
+    coordinate: scaled, each tensor's public gradients have RMS c, the overall RMS (so C keeps its meaning)."""
+    from test_bookkeeping import _setup
+
+    from fedpose.shared.privacy.step.persample import per_sample_grads
+    from fedpose.shared.privacy.step.tensor_scales import public_scales
+
+    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=6)
+    scales = public_scales(loss_fn, params, batch, chunk_size=4)
+    grads = per_sample_grads(loss_fn, params, batch, chunk_size=6)
+    overall = float(torch.cat([g.reshape(-1) for g in grads.values()]).pow(2).mean().sqrt())
+    for name, g in grads.items():
+        if float(g.abs().max()) > 0:
+            assert float((scales[name] * g).pow(2).mean().sqrt()) == pytest.approx(overall, rel=1e-3)
+        else:
+            assert scales[name] == 1.0  # a tensor without public gradient keeps its scale
+
+
+def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_without(world, monkeypatch):
+    """train.tensor_scales: public. The step gets the public scales at the current weights (every basis_every
+    steps), and the run's (sigma, q, steps), the accountant's whole input, is that of the unscaled run. Refused,
+    before any step, without the public split (a site) or at patient level."""
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.privacy.step.tensor_scales import public_scales
+    from fedpose.shared.training.batches import make_dataset, to_device
+    from fedpose.shared.training.runs import initial_model
+
+    base = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "privacy.m": 8,
+                             "privacy.basis_every": 2})
+    scaled_cfg = replace(base, **{"train.tensor_scales": "public"})
+    plain_seen, scaled_seen = [], []
+    _, plain = _train(base, 3, plain_seen, monkeypatch, public=True)
+    _, scaled = _train(scaled_cfg, 3, scaled_seen, monkeypatch, public=True)
+    assert (scaled.sigma, scaled.sample_rate, scaled.steps) == (plain.sigma, plain.sample_rate, plain.steps)
+    assert all(seen[3] is None for seen in plain_seen)
+    model = initial_model(scaled_cfg, progress=False)
+    names = apply_strategy(model, scaled_cfg.train.strategy)
+    public = make_dataset(load_split(base.data.root, base.data.public_split), base, train=False)
+    batch = to_device(public.batch(list(range(8))), torch.device("cpu"))
+    named = dict(model.named_parameters())
+    want = public_scales(make_loss_fn(model, names), {n: named[n].detach() for n in names}, batch,
+                         chunk_size=base.privacy.chunk_size)
+    first = scaled_seen[0][3]
+    assert first.keys() == want.keys() and all(first[n] == pytest.approx(want[n], rel=1e-4) for n in want)
+    assert scaled_seen[1][3] is first and scaled_seen[2][3] is not first  # refreshed at step 2
+    with pytest.raises(ValueError, match="needs the public split"):
+        _train(scaled_cfg, 1, [], monkeypatch)

@@ -58,15 +58,11 @@ class DataConfig:
             raise ConfigError("data.train_splits: name at least one private split")
         repeated = sorted({s for s in self.train_splits if self.train_splits.count(s) > 1})
         if repeated:
-            raise ConfigError(
-                f"data.train_splits: {repeated[0]!r} is listed twice; every private record would be trained on "
-                "as two records and the per-record privacy claim would not hold"
-            )
+            raise ConfigError(f"data.train_splits: {repeated[0]!r} is listed twice; every private record would be "
+                              "trained on as two records and the per-record privacy claim would not hold")
         if self.val_split == self.public_split or self.val_split in self.train_splits:
-            raise ConfigError(
-                f"data.val_split {self.val_split!r} is also the public split or a private training split: "
-                "validate on held-out data"
-            )
+            raise ConfigError(f"data.val_split {self.val_split!r} is also the public split or a private training "
+                              "split: validate on held-out data")
         if self.public_split in self.train_splits:
             raise ConfigError(f"data.public_split {self.public_split!r} is also a private training split: "
                               "public and private data must be disjoint (P2)")
@@ -234,6 +230,9 @@ class TrainConfig:
     # tensor-adam: Adam with one second moment per tensor; dp-tensor-adam: each tensor's step also scaled by its
     # signal share under the DP noise (shared/training/tensor_adam.py)
     optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam"] = "adam"
+    # public: every tensor's gradient scaled, per sample before clipping, to the same RMS on public data
+    # (shared/privacy/step/tensor_scales.py); needs the public split, so centralized runs only; none: as it is
+    tensor_scales: Literal["none", "public"] = "none"
     lr: float = 1e-3
     # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.
     schedule: Literal["constant", "cosine"] = "cosine"
@@ -254,10 +253,9 @@ class TrainConfig:
         if not 0 <= self.ema < 1:
             raise ConfigError(f"train.ema: must be in [0, 1) (0: off), got {self.ema}")
         if self.images == "psi" and self.method != "nonprivate":
-            raise ConfigError(
-                f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is {self.method!r} "
-                "(fdp / fpdp already add the psi(x) gradient): use train.method: nonprivate or train.images: raw"
-            )
+            raise ConfigError(f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is "
+                              f"{self.method!r} (fdp / fpdp already add the psi(x) gradient): use train.method: "
+                              "nonprivate or train.images: raw")
         if self.epochs < 1 or self.batch_size < 1 or self.public_batch_size < 1:
             raise ConfigError("train.epochs, train.batch_size and train.public_batch_size must be >= 1")
         if self.lr <= 0:

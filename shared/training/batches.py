@@ -21,6 +21,7 @@ from fedpose.shared.pixelization.spec import PixelizeSpec
 from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
 from fedpose.shared.privacy.step.psi_maps import DPPixelize, FeatureMap, make_psi
 from fedpose.shared.privacy.step.subspace import compute_basis
+from fedpose.shared.privacy.step.tensor_scales import public_scales
 
 
 def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:
@@ -60,8 +61,11 @@ def public_basis_at(
     public: PoseDataset,
     privacy: PrivacyConfig,
     device: torch.device,
+    *,
+    scales: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
+    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only), each tensor
+    times its ``scales`` first when given (``train.tensor_scales``)."""
     m = min(privacy.m, len(public))
     if privacy.k > m:
         raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
@@ -69,4 +73,14 @@ def public_basis_at(
     keep_freed_memory()
     named = dict(model.named_parameters())
     current = {name: named[name].detach() for name in trainable}
-    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip,
+                         scales=scales)
+
+
+def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
+                     privacy: PrivacyConfig, device: torch.device) -> dict[str, float]:
+    """``train.tensor_scales: public``: each tensor's scale from the m public samples V is built from (P2)."""
+    batch = to_device(public.batch(list(range(min(privacy.m, len(public))))), device)
+    named = dict(model.named_parameters())
+    return public_scales(loss_fn, {name: named[name].detach() for name in trainable}, batch,
+                         chunk_size=privacy.chunk_size)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, to_device
+from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, public_scales_at, to_device
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
@@ -48,6 +48,11 @@ class StepPhases:
             raise ValueError("the audit's canaries and observer watch a DP step; method='nonprivate' has none")
         if spec.projects and basis is None and data.public is None:
             raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
+        if train.tensor_scales == "public" and (data.public is None or spec.unit != "record" or
+                                                 spec.multiplicity > 1):
+            raise ValueError("train.tensor_scales: public scales each record's gradient from the public split: it "
+                             "needs the public split at hand (a centralized run; a site does not hold it) and "
+                             "record-level DP without augmentation multiplicity")
         self.run, self.data, self.audit, self.generator = run, data, audit, generator
         self.model = model
         self.trainable = apply_strategy(model, train.strategy)
@@ -78,6 +83,7 @@ class StepPhases:
         self.zeroed = self.public_zeroed = 0
         self.seconds_basis = 0.0
         self.narrowest = None if self.basis is None else self.basis.shape[1]  # V's fewest columns (compute_basis)
+        self.scales: dict[str, float] | None = None  # train.tensor_scales: public, refreshed with V
         self.tell_noise()
 
     def tell_noise(self) -> None:
@@ -128,14 +134,19 @@ class StepPhases:
                  psi_batch: PsiBatch | None) -> tuple[dict[str, torch.Tensor], dict]:
         """Phase 3: V from public data when due (P2), then the step's update direction (``dp_gradient``)."""
         spec, privacy = self.run.step, self.run.privacy
-        if spec.projects and self.data.public is not None and step % privacy.basis_every == 0:
+        scaled = self.run.train.tensor_scales == "public"
+        if (spec.projects or scaled) and self.data.public is not None and step % privacy.basis_every == 0:
             started = time.perf_counter()
-            self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
-                                         self.device)
+            if scaled:  # the scales first: V spans the scaled public gradients
+                self.scales = public_scales_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
+                                               self.device)
+            if spec.projects:
+                self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
+                                             self.device, scales=self.scales)
+                width = self.basis.shape[1]
+                self.narrowest = width if self.narrowest is None else min(self.narrowest, width)
             self.seconds_basis += time.perf_counter() - started
             self.tell_noise()
-            width = self.basis.shape[1]
-            self.narrowest = width if self.narrowest is None else min(self.narrowest, width)
         canaries = None
         if self.audit is not None and self.audit.canaries is not None:
             canaries = self.audit.canaries.draw(step, sample_rate=spec.sample_rate, generator=self.generator)
@@ -145,7 +156,8 @@ class StepPhases:
         if canaries is not None or self.watched:
             audit = StepAudit(canaries=canaries, on_private=released.append if self.watched else None)
         grads, info = dp_gradient(self.loss_fn, current, spec=spec, private_batch=batch, psi_batch=psi_batch,
-                                  generator=self.generator, basis=self.basis, groups=groups, audit=audit)
+                                  generator=self.generator, basis=self.basis, groups=groups, audit=audit,
+                                  scales=self.scales)
         self.zeroed += int(info["zeroed"])
         self.public_zeroed += int(info["public_zeroed"])
         if self.watched:

@@ -20,6 +20,7 @@ from torch import Tensor
 from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
 from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
 from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads, robust_norms, zero_rows
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks
 
 # Added to the norm before dividing, as in Opacus, so that a zero gradient
 # gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
@@ -103,8 +104,13 @@ def clipped_grad_sum(
     clip_norm: float,
     chunk_size: int,
     randomness: str = "different",
+    scales: Mapping[str, float] | None = None,
 ) -> ClippedSum:
     """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
+
+    ``scales`` (``tensor_scales.public_scales``): each tensor of every per-sample gradient is multiplied by its
+    scale before the norm, so the sum is sum_i clip(a * g_i, C) (its per-sample gradients are then formed in full,
+    chunk by chunk, as for the public basis).
 
     FP-DP Algorithm 1: sum_i clip(g_i, C) with clip(g, C) = g min(1, C/||g||).
     Works chunk by chunk (only ``chunk_size`` per-sample gradients are alive
@@ -123,7 +129,7 @@ def clipped_grad_sum(
     summed = {name: torch.zeros_like(value.detach()) for name, value in params.items()}
     norms_parts: list[Tensor] = []
     zeroed = 0
-    if bookkeeping_plan.supports(loss_fn, params):  # same sum from one forward and one backward per chunk
+    if scales is None and bookkeeping_plan.supports(loss_fn, params):  # one forward and backward per chunk
         for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size):
             norms = tape.norms()  # (b,) float64
             bound = bound_contributions(norms, clip)
@@ -132,8 +138,11 @@ def clipped_grad_sum(
             norms_parts.append(norms)
             del tape  # let the next chunk reuse this one's memory
     else:
-        for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
-            flats = {name: grad.reshape(grad.shape[0], -1) for name, grad in grads.items()}
+        chunks = (iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness)
+                  if scales is None else per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size))
+        for grads in chunks:
+            flats = {name: grad.reshape(grad.shape[0], -1) * (1.0 if scales is None else scales[name])
+                     for name, grad in grads.items()}
             norms = robust_norms(list(flats.values()))  # (b,) float64
             bound = bound_contributions(norms, clip)  # (b,) float64 factors, 0 where not finite
             for name, flat in flats.items():

@@ -57,6 +57,7 @@ from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.spec import DPSpec, StepAudit
 from fedpose.shared.privacy.step.step_checks import all_finite, check_basis, check_step_inputs, check_unit_groups
 from fedpose.shared.privacy.step.subspace import flatten, project, unflatten
+from fedpose.shared.privacy.step.tensor_scales import scale
 
 def _noisy_private_sum(
     loss_fn: LossFn,
@@ -68,6 +69,7 @@ def _noisy_private_sum(
     basis: Tensor | None,
     groups: Tensor | None = None,
     canaries: DiracGrads | SpanGrads | None = None,
+    scales: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, Tensor], Tensor, int]:
     """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient,
     the number of non-finite contributions left out: P14).
@@ -93,6 +95,9 @@ def _noisy_private_sum(
             "or use method='proj'/'fpdp'"
         )
     check_unit_groups(spec, groups)
+    if scales is not None and groups is not None:
+        raise ValueError("per-tensor scales clip one record's gradient; not with patient-level DP or augmentation "
+                         "multiplicity (train.tensor_scales: none)")
     if spec.unit == "patient" or spec.multiplicity > 1:
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient, or of one record whose
         # K augmented copies form its group.
@@ -104,7 +109,7 @@ def _noisy_private_sum(
     else:
         # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
         summed, norms, zeroed = clipped_grad_sum(
-            loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size
+            loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size, scales=scales
         )
     if canaries is not None:
         flat = flatten(summed)  # (p,)
@@ -204,6 +209,7 @@ def dp_gradient(
     basis: Tensor | None,
     groups: Tensor | None = None,
     audit: StepAudit | None = None,
+    scales: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
     """The update direction of one step for ``spec.method``, plus diagnostics.
 
@@ -219,7 +225,8 @@ def dp_gradient(
     when this step's public gradient was not finite and was left out), and noise_std, the per-coordinate
     noise std of the private gradient before projection (sigma C / B). These are private statistics of the
     site: log them locally, do not send them. ``audit``: the privacy audit's canaries and observer of this
-    step (``StepAudit``; None outside the audit); refused for method='nonprivate'.
+    step (``StepAudit``; None outside the audit); refused for method='nonprivate'. ``scales``: per-tensor scales
+    from public data (``tensor_scales``); every gradient of the step, per sample before clipping, is scaled by them.
     """
     size = check_step_inputs(spec, params, private_batch, psi_batch, groups)
     if spec.method == "nonprivate":
@@ -227,19 +234,19 @@ def dp_gradient(
             raise ValueError("method='nonprivate' does not project; pass basis=None")
         if audit is not None:
             raise ValueError("gradient canaries audit a DP step; method='nonprivate' has none")
-        return mean_grad(loss_fn, params, private_batch), _step_info(spec, size, psi_batch, None, 0)
+        return scale(mean_grad(loss_fn, params, private_batch), scales), _step_info(spec, size, psi_batch, None, 0)
     if generator is None:
         raise ValueError(f"method={spec.method!r} needs a generator (noise.make_generator)")
     grads, norms, zeroed = _noisy_private_sum(
         loss_fn, params, private_batch, spec=spec, generator=generator, basis=basis, groups=groups,
-        canaries=audit.canaries if audit is not None else None,
+        canaries=audit.canaries if audit is not None else None, scales=scales,
     )
     info = _step_info(spec, size, psi_batch, norms, zeroed)
     if audit is not None and audit.on_private is not None:
         audit.on_private(grads)
     if spec.uses_public:
         assert psi_batch is not None  # refused above when the method uses psi(x) (this narrows the type)
-        public = public_gradient(loss_fn, params, psi_batch)
+        public = scale(public_gradient(loss_fn, params, psi_batch), scales)
         if all_finite(public):
             grads = {name: grads[name] + public[name] for name in grads}
         else:  # g_pub is a function of psi(x), labels and weights only; a non-finite one is left out, as P14

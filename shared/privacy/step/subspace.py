@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
 from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
-from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads
+from fedpose.shared.privacy.step.persample import LossFn
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ def compute_basis(
     chunk_size: int,
     rtol: float = DEFAULT_RTOL,
     clip: float | None = None,
+    scales: Mapping[str, float] | None = None,
 ) -> Tensor:
     """V (p x k) from per-sample gradients of the full loss on PUBLIC data at ``params``.
 
@@ -244,22 +245,18 @@ def compute_basis(
     Training can leave the public gradients spanning fewer than k directions (their numerical rank r): V is then
     p x r, with a warning, rather than a refusal that would end a run midway (``basis_from_blocks``).
     ``clip``: V from the per-sample gradients each clipped to this norm (``basis_from_blocks``); None: as they are.
+    ``scales``: each tensor of the per-sample gradients times its scale first (``tensor_scales``), so that V spans
+    the gradients a step with the same scales clips.
     """
     check_params(params)
     size = batch_size_of(public_batch)
     _check_basis_request(k, size)
     total = sum(value.numel() for value in params.values())
-    chunks: Iterator[dict[str, Tensor]]
-    if bookkeeping_plan.supports(loss_fn, params):  # per-sample gradients from one forward and backward per chunk
-        chunks = (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, public_batch,
-                                                                     chunk_size=chunk_size))
-    else:
-        chunks = iter_per_sample_grads(loss_fn, params, public_batch, chunk_size=chunk_size)
     names = sorted(params)  # flatten's order: one column group per tensor, one row chunk per chunk of samples
     rows = []
-    for grads in chunks:
+    for grads in per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size):
         b = next(iter(grads.values())).shape[0]
-        rows.append([grads[name].reshape(b, -1) for name in names])
+        rows.append([grads[name].reshape(b, -1) * (1.0 if scales is None else scales[name]) for name in names])
     basis = basis_from_blocks(rows, k, rtol=rtol, fewer=True, clip=clip)
     log.info("projection basis from %d public samples: p=%d, k=%d", size, total, basis.shape[1])
     return basis
