@@ -1,0 +1,121 @@
+"""Per tensor, how much of the clipped private gradient the public projection keeps, with and without the
+per-tensor public scales (``train.tensor_scales``), at a config's public start.
+
+At the public-pretrained weights: V from ``privacy.m`` public per-sample gradients (the run's own V: k
+directions, ``privacy.basis_clip`` as configured), the mean of ``--records`` private per-sample gradients each
+clipped to C (no noise), its projection V V^T g. Per tensor: the RMS of the mean gradient, of the clipped mean and
+of its projection, and the cosine of the projection with the clipped mean; overall, the cosine of the projected
+and of the clipped mean gradient with the plain mean gradient, as they are and in tensor-adam's frame (each tensor
+divided by its RMS). The same with every tensor scaled by its public scale before clipping and before V.
+A diagnostic of a run's start; the private records are read on this machine and only statistics are printed.
+
+Run: python benchmarks/projection_per_tensor.py --config configs/default.yaml --set data.synth.seed=7 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
+from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
+from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
+from fedpose.shared.privacy.step.subspace import compute_basis, project, unflatten  # noqa: E402
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks, public_scales  # noqa: E402
+from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E402
+from fedpose.shared.training.provenance import provenance  # noqa: E402
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records, private_records  # noqa: E402
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.double().pow(2).mean().sqrt())
+
+
+def _tensor_frame(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every tensor divided by its RMS (tensor-adam's frame), flattened in sorted-name order."""
+    return torch.cat([(parts[n] / (_rms(parts[n]) + 1e-30)).flatten() for n in sorted(parts)])
+
+
+def measure(loss_fn, params, public_batch, private_batch, cfg, scales) -> dict:  # noqa: ANN001
+    """The per-tensor and overall figures of the module docstring, for one set of scales (None: unscaled)."""
+    basis = compute_basis(loss_fn, params, public_batch, k=cfg.privacy.k, chunk_size=cfg.privacy.chunk_size,
+                          clip=cfg.privacy.basis_clip, scales=scales)
+    total = clipped = None
+    rows = 0
+    for grads in per_sample_chunks(loss_fn, params, private_batch, chunk_size=cfg.privacy.chunk_size):
+        names = sorted(grads)
+        flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) * (1.0 if scales is None else scales[n])
+                          for n in names], dim=1)
+        factors = (cfg.privacy.clip_norm / (flat.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
+        total = flat.sum(0) if total is None else total + flat.sum(0)
+        clipped = (flat * factors).sum(0) if clipped is None else clipped + (flat * factors).sum(0)
+        rows += flat.shape[0]
+    assert total is not None and clipped is not None
+    like = {n: params[n] for n in sorted(params)}
+    mean, clip_mean = total / rows, clipped / rows
+    projected = project(basis, clip_mean)
+    g, gc, pg = (unflatten(v, like=like) for v in (mean, clip_mean, projected))
+    tensors = [{"name": n, "numel": params[n].numel(), "rms_mean": _rms(g[n]), "rms_clipped": _rms(gc[n]),
+                "rms_projected": _rms(pg[n]), "cos_projected_clipped": _cos(pg[n], gc[n])} for n in sorted(params)]
+    return {"k": basis.shape[1], "tensors": tensors,
+            "tensors_below_0.3": sum(t["cos_projected_clipped"] < 0.3 for t in tensors),
+            "cos_clipped_mean": _cos(clip_mean, mean), "cos_projected_mean": _cos(projected, mean),
+            "tensor_frame_cos_clipped_mean": _cos(_tensor_frame(gc), _tensor_frame(g)),
+            "tensor_frame_cos_projected_mean": _cos(_tensor_frame(pg), _tensor_frame(g))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--records", type=int, default=192, help="private records in the mean gradient")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/projection_per_tensor.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    cfg = replace(cfg, **{k: (int(v) if v.isdigit() else v) for k, v in overrides.items()})
+    t0 = time.perf_counter()
+    model = initial_model(cfg, progress=False)
+    names = apply_strategy(model, cfg.train.strategy)
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in names}
+    loss_fn = make_loss_fn(model, names)
+    root = ensure_data(cfg, progress=False)
+    cpu = torch.device("cpu")
+    public = make_dataset(load_records(root, cfg.data.public_split), cfg, train=False)
+    public_batch = to_device(public.batch(list(range(min(cfg.privacy.m, len(public))))), cpu)
+    private = make_dataset(private_records(root, cfg), cfg, train=True, seed=1)
+    private_batch = to_device(private.batch(list(range(min(args.records, len(private))))), cpu)
+    results = {}
+    for label, scales in (("unscaled", None), ("public scales", public_scales(loss_fn, params, public_batch,
+                                                                             chunk_size=cfg.privacy.chunk_size))):
+        row = measure(loss_fn, params, public_batch, private_batch, cfg, scales)
+        results[label] = row
+        print(f"{label:14s}: k={row['k']}, {row['tensors_below_0.3']} of {len(row['tensors'])} tensors with "
+              f"cos(projected, clipped) < 0.3; cos with the mean gradient: clipped {row['cos_clipped_mean']:.2f}, "
+              f"projected {row['cos_projected_mean']:.2f}; in tensor-adam's frame: clipped "
+              f"{row['tensor_frame_cos_clipped_mean']:.2f}, projected {row['tensor_frame_cos_projected_mean']:.2f}",
+              flush=True)
+    rms = sorted(t["rms_mean"] for t in results["unscaled"]["tensors"])
+    print(f"per-tensor RMS of the mean gradient: {rms[0]:.1e} .. {rms[-1]:.1e}")
+    out = {"results": results, "config": args.config, "overrides": overrides, "records": args.records,
+           "seconds": round(time.perf_counter() - t0, 1), **provenance(command=" ".join(sys.argv))}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
