@@ -34,6 +34,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
         raise Refusal(RefusalCode.BAD_REQUEST, f"request is for site {request.site!r}, this is {policy.site!r}")
     if not _FEDERATION_ID.match(request.federation):
         raise Refusal(RefusalCode.BAD_REQUEST, "federation id must be 1-64 letters, digits, '.', '_' or '-'")
+    if cfg.train.tensor_scales != "none":  # read from the public split at every refresh: a site does not hold it
+        raise Refusal(RefusalCode.BAD_REQUEST, f"train.tensor_scales={cfg.train.tensor_scales!r} is for centralized "
+                                               "runs only: a site trains without the public split")
     if method not in policy.allowed_methods:
         raise Refusal(RefusalCode.POLICY,
                       f"method {method!r} is not allowed by this site (allows {list(policy.allowed_methods)})")

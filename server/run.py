@@ -115,6 +115,9 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
         raise ConfigError("privacy.psi: dp-pixelize is for centralized runs only: in a federation each site would "
                           "have to keep its one release per record across rounds and pin eps_pix and m in its "
                           "policy, which sites cannot do yet; choose blur or pixelate")
+    if cfg.train.tensor_scales != "none":  # the sites would refuse every request (client/request.py)
+        raise ConfigError("train.tensor_scales: public is for centralized runs only: its scales come from the public "
+                          "split at every refresh, which a site does not hold; use train.tensor_scales: none")
     require_prepared(cfg)  # server/prepare.py: public data and pretrained weights exist (no silent generation)
     root = Path(cfg.data.root)
     public = load_split(root, cfg.data.public_split)

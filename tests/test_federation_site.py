@@ -150,6 +150,22 @@ def test_a_round_beyond_the_budget_is_refused_and_the_ledger_is_unchanged(world,
     assert site_info(tight).rounds_done == 0
 
 
+def test_a_request_to_scale_tensors_from_the_public_split_is_refused_with_nothing_spent(world, tmp_path):
+    """train.tensor_scales: public reads the public split at every refresh, which a site does not hold: refused
+    before anything is charged, and a federation will not start with it."""
+    from fedpose.server.run import run_federation
+    from fedpose.shared.errors import ConfigError
+
+    cfg, state, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    content = _request(replace(cfg, **{"train.tensor_scales": "public"}), state, sigma=min_sigma_for(policy))
+    refusal = _refusal(content, policy)
+    assert refusal.code == RefusalCode.BAD_REQUEST and "tensor_scales" in refusal.reason
+    assert _rows(policy) == []
+    with pytest.raises(ConfigError, match="train.tensor_scales: public is for centralized runs only"):
+        run_federation(None, replace(cfg, **{"train.tensor_scales": "public"}), tmp_path / "never-written")
+
+
 def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     cfg, state, _, p = world
     policy = _policy(cfg, tmp_path)

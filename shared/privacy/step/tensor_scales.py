@@ -1,11 +1,11 @@
 """Per-tensor gradient scales from public data (``train.tensor_scales: public``).
 
-The weights of a pose network take gradients of very different sizes: on the public split at the public start, a
-per-sample gradient's RMS ranges from about 1e-5 (stage-3 attention) to 0.5 (the task-uncertainty weights). Clipped
-as one vector, a record's gradient then spends its bound C on its few largest tensors, and the public basis V is
-built from the same lopsided gradients: in the projected gradient most tensors point elsewhere than their own
-gradient (measured at the proxy's start: 36 of 101 tensors with a cosine under 0.3). Adam hides that
-without DP by dividing each coordinate by its running RMS, which under DP scales the noise too.
+The weights of a pose network take gradients of very different sizes: at the proxy ward's public start the mean
+gradient's RMS per tensor ranges from 2e-5 (stage-3 attention) to 0.5 (the task-uncertainty weights). Clipped as
+one vector, a record's gradient then spends its bound C on its few largest tensors, and the public basis V is
+built from the same lopsided gradients: 48 of 101 tensors keep a cosine under 0.3 with their own clipped gradient
+once projected (benchmarks/projection_per_tensor.py). Adam hides that without DP by dividing each coordinate by
+its running RMS, which under DP scales the noise too.
 
 Here every tensor t is scaled by a_t = c / rms_t before clipping, with rms_t its per-sample gradients' RMS on
 public data at the current weights and c their RMS over all coordinates: on public data every tensor then has the
@@ -14,6 +14,8 @@ adds N(0, sigma^2 C^2 I), projects onto the V of the scaled public gradients and
 as the step direction: the signal is preconditioned per tensor, the noise is not (Li et al. 2022, "Private
 adaptive optimization with side information", per tensor). The scales are a function of public data and the
 weights only (P2), so one record still changes the noisy sum by at most C: the accountant's input is unchanged.
+Measured, it does not lift proj under SGD (docs/results/index.md, per-tensor steps under DP): spread evenly over
+the tensors, the gradient no longer fits V's few directions.
 """
 
 from __future__ import annotations
