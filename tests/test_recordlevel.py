@@ -392,6 +392,7 @@ def test_tensor_scales_clip_each_records_scaled_gradient_like_a_per_example_loop
     torch.testing.assert_close(flatten(got.summed), want, rtol=2e-4, atol=2e-7)
 
 
+@pytest.mark.invariant("P2")
 def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
     """a_t = c / rms_t, rms_t the RMS of tensor t's per-sample public gradients and c their RMS over every
     coordinate: scaled, each tensor's public gradients have RMS c, the overall RMS (so C keeps its meaning)."""
@@ -400,6 +401,9 @@ def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
     from fedpose.shared.privacy.step.persample import per_sample_grads
     from fedpose.shared.privacy.step.tensor_scales import public_scales
 
+    import inspect
+
+    assert list(inspect.signature(public_scales).parameters) == ["loss_fn", "params", "public_batch", "chunk_size"]
     model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=6)
     scales = public_scales(loss_fn, params, batch, chunk_size=4)
     grads = per_sample_grads(loss_fn, params, batch, chunk_size=6)
