@@ -300,7 +300,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
     """benchmarks/results/study-recordlevel/: the record-level recipes beside the start, non-private, psi-only and
     the study's methods, centralized at eps 0.8; each row's share of the gain (non-private minus the start).
     ``own_ward``: leave out the cells of another ward (``render_recordlevel_start`` shows them)."""
-    records = _one_start([r for r in records if not (own_ward and _scale_data(r))])
+    records = _one_start(_own_ward(records) if own_ward else records)
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
     if not start or not nonprivate:
@@ -347,7 +347,7 @@ def _gain_share(value: float, start: float, nonprivate: float) -> float:
 
 def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
     """The README's line: the same ward centralized, each number with the guarantee it carries."""
-    records = _one_start([r for r in records if not _scale_data(r)])
+    records = _one_start(_own_ward(records))
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
     recipe = _pckh(records, method="proj", strategy="full", variant=RECIPE, setting="centralized")
@@ -406,6 +406,11 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
 def _scale_data(record: dict[str, Any]) -> str:
     """The part of a cell's variant that only names its ward (size, public images, root, pretrained weights' folder)."""
     return ", ".join(p for p in record["cell"]["variant"].split(", ") if p.startswith(_WARD_KEYS))
+
+
+def _own_ward(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells of the study's own ward (the others name theirs in their variant: ``_scale_data``)."""
+    return [r for r in records if not _scale_data(r)]
 
 
 def _recipe_part(record: dict[str, Any]) -> str:
