@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -139,3 +140,30 @@ def test_a_record_level_study_shows_cells_of_a_stronger_start_apart_each_share_a
     assert "`data.synth.public=2400, data.root=runs/data/w, pretrain.out=runs/p`" in other
     assert "| pretrained start (public data only) | none needed | 40.00 | 0 |" in other
     assert "| proj, train.lr=0.003 | record-level DP | 46.00 (1 seed) | 0.50 |" in other
+
+
+def test_a_record_level_table_orders_its_rows_the_same_in_every_process():
+    """Rows that tie on method, variant and epsilon (two strategies, or two clips) come in one order whatever the
+    process's string hashing: ``render_results --check`` compares the page with a fresh render in another process."""
+    script = r"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("render_results", sys.argv[1])
+render = importlib.util.module_from_spec(spec)
+sys.modules["render_results"] = render
+spec.loader.exec_module(render)
+def record(method, pckh, strategy="full", clip=1.0):
+    cell = {"id": f"{method}{strategy}{clip}", "method": method, "setting": "centralized", "strategy": strategy,
+            "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "clip": clip,
+            "seed": None if method == "pretrained" else 1, "variant": ""}
+    metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else 30.0,
+               "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "seconds": 60.0, "steps": 570}
+    return {"cell": cell, "metrics": metrics}
+records = [record("pretrained", 30.0), record("nonprivate", 50.0), record("nonprivate", 33.0, "finetune"),
+           record("nonprivate", 31.0, "bitfit"), record("nonprivate", 32.0, "bitfit-head"),
+           record("dpsgd", 31.5, "bitfit", 0.3), record("dpsgd", 31.2, "bitfit", 1.0)]
+print(render.render_recordlevel(records))
+"""
+    renders = {subprocess.run([sys.executable, "-c", script, str(REPO / "tools" / "render_results.py")],
+                              capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(8)}
+    assert len(renders) == 1, renders

@@ -314,7 +314,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
                      if r["cell"]["method"] != "pretrained"},
                     key=lambda p: (p[4] != "centralized",
                                    ("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
-                                   p[1] != "full", p[3], p[5] or 0.0))
+                                   p[1] != "full", p[1], p[3], p[5] or 0.0, p[2] or 0.0))
     for method, strategy, clip, variant, setting, epsilon in points:
         rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant, setting=setting,
                         epsilon=epsilon)
