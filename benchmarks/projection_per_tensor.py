@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
 from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
 from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
-from fedpose.shared.privacy.step.subspace import compute_basis, project, unflatten  # noqa: E402
-from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks, public_scales  # noqa: E402
+from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, project, unflatten  # noqa: E402
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks  # noqa: E402
 from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E402
 from fedpose.shared.training.provenance import provenance  # noqa: E402
 from fedpose.shared.training.runs import ensure_data, initial_model, load_records, private_records  # noqa: E402
@@ -47,10 +47,11 @@ def _tensor_frame(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([(parts[n] / (_rms(parts[n]) + 1e-30)).flatten() for n in sorted(parts)])
 
 
-def measure(loss_fn, params, public_batch, private_batch, cfg, scales) -> dict:  # noqa: ANN001
-    """The per-tensor and overall figures of the module docstring, for one set of scales (None: unscaled)."""
-    basis = compute_basis(loss_fn, params, public_batch, k=cfg.privacy.k, chunk_size=cfg.privacy.chunk_size,
-                          clip=cfg.privacy.basis_clip, scales=scales)
+def measure(loss_fn, params, public_batch, private_batch, cfg, scaled: bool) -> dict:  # noqa: ANN001
+    """The per-tensor and overall figures of the module docstring, with the public scales or without."""
+    options = {"k": cfg.privacy.k, "chunk_size": cfg.privacy.chunk_size, "clip": cfg.privacy.basis_clip}
+    basis, scales = (compute_scaled_basis(loss_fn, params, public_batch, **options) if scaled
+                     else (compute_basis(loss_fn, params, public_batch, **options), None))
     total = clipped = None
     rows = 0
     for grads in per_sample_chunks(loss_fn, params, private_batch, chunk_size=cfg.privacy.chunk_size):
@@ -100,9 +101,8 @@ def main() -> None:
     private = make_dataset(private_records(root, cfg), cfg, train=True, seed=1)
     private_batch = to_device(private.batch(list(range(min(args.records, len(private))))), cpu)
     results = {}
-    for label, scales in (("unscaled", None), ("public scales", public_scales(loss_fn, params, public_batch,
-                                                                             chunk_size=cfg.privacy.chunk_size))):
-        row = measure(loss_fn, params, public_batch, private_batch, cfg, scales)
+    for label, scaled in (("unscaled", False), ("public scales", True)):
+        row = measure(loss_fn, params, public_batch, private_batch, cfg, scaled)
         results[label] = row
         print(f"{label:14s}: k={row['k']}, {row['tensors_below_0.3']} of {len(row['tensors'])} tensors with "
               f"cos(projected, clipped) < 0.3; cos with the mean gradient: clipped {row['cos_clipped_mean']:.2f}, "

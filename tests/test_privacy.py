@@ -402,8 +402,7 @@ def test_check_orthonormal_refuses_bad_bases():
 def test_compute_basis_depends_only_on_public_batch_and_weights(toy):
     loss_fn, params = toy
     names = list(inspect.signature(compute_basis).parameters)
-    # the only data argument is the public batch
-    assert names == ["loss_fn", "params", "public_batch", "k", "chunk_size", "rtol", "clip", "scales"]
+    assert names == ["loss_fn", "params", "public_batch", "k", "chunk_size", "rtol", "clip"]  # data: public only
     public = make_batch(8, seed=10)
     basis = compute_basis(loss_fn, params, public, k=4, chunk_size=3)
     assert basis.shape == (sum(v.numel() for v in params.values()), 4)

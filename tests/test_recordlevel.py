@@ -413,6 +413,16 @@ def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
             assert float((scales[name] * g).pow(2).mean().sqrt()) == pytest.approx(overall, rel=1e-3)
         else:
             assert scales[name] == 1.0  # a tensor without public gradient keeps its scale
+    # with a projection, one pass gives the same scales and a V spanning the scaled public gradients (k = m here)
+    from fedpose.shared.privacy.step.subspace import compute_scaled_basis, flatten, project
+
+    assert list(inspect.signature(compute_scaled_basis).parameters) == ["loss_fn", "params", "public_batch", "k",
+                                                                        "chunk_size", "rtol", "clip"]
+    basis, same = compute_scaled_basis(loss_fn, params, batch, k=6, chunk_size=4)
+    assert same.keys() == scales.keys() and all(same[n] == pytest.approx(scales[n], rel=1e-6) for n in scales)
+    for row in range(6):
+        scaled = flatten({name: scales[name] * g[row] for name, g in grads.items()})
+        torch.testing.assert_close(project(basis, scaled), scaled, rtol=1e-3, atol=1e-3 * float(scaled.abs().max()))
 
 
 def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_without(world, monkeypatch):
@@ -445,5 +455,10 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     first = scaled_seen[0][3]
     assert first.keys() == want.keys() and all(first[n] == pytest.approx(want[n], rel=1e-4) for n in want)
     assert scaled_seen[1][3] is first and scaled_seen[2][3] is not first  # refreshed at step 2
+    projected_seen = []  # proj: the scales come with V, from the same public samples and weights
+    _train(replace(scaled_cfg, **{"train.method": "proj", "privacy.k": 4}), 1, projected_seen, monkeypatch,
+           public=True)
+    with_basis = projected_seen[0][3]
+    assert with_basis.keys() == want.keys() and all(with_basis[n] == pytest.approx(want[n], rel=1e-4) for n in want)
     with pytest.raises(ValueError, match="needs the public split"):
         _train(scaled_cfg, 1, [], monkeypatch)

@@ -20,7 +20,7 @@ from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.pixelization.spec import PixelizeSpec
 from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
 from fedpose.shared.privacy.step.psi_maps import DPPixelize, FeatureMap, make_psi
-from fedpose.shared.privacy.step.subspace import compute_basis
+from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis
 from fedpose.shared.privacy.step.tensor_scales import public_scales
 
 
@@ -61,26 +61,34 @@ def public_basis_at(
     public: PoseDataset,
     privacy: PrivacyConfig,
     device: torch.device,
-    *,
-    scales: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only), each tensor
-    times its ``scales`` first when given (``train.tensor_scales``)."""
-    m = min(privacy.m, len(public))
-    if privacy.k > m:
-        raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
-    batch = to_device(public.batch(list(range(m))), device)
-    keep_freed_memory()
-    named = dict(model.named_parameters())
-    current = {name: named[name].detach() for name in trainable}
-    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip,
-                         scales=scales)
+    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)
+
+
+def public_scaled_basis_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
+                           privacy: PrivacyConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """``train.tensor_scales: public`` with a projection: V of the scaled public gradients and the scales (P2)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
+    return compute_scaled_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size,
+                                clip=privacy.basis_clip)
 
 
 def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
                      privacy: PrivacyConfig, device: torch.device) -> dict[str, float]:
-    """``train.tensor_scales: public``: each tensor's scale from the m public samples V is built from (P2)."""
-    batch = to_device(public.batch(list(range(min(privacy.m, len(public))))), device)
+    """``train.tensor_scales: public`` without a projection: each tensor's scale from the m public samples (P2)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=False)
+    return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size)
+
+
+def _public_inputs(model: PoseNet, trainable: list[str], public: PoseDataset, privacy: PrivacyConfig,
+                   device: torch.device, *, basis: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The trained weights (detached) and the first m public samples on the device; for a ``basis``, k <= m."""
+    m = min(privacy.m, len(public))
+    if basis and privacy.k > m:
+        raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
+    batch = to_device(public.batch(list(range(m))), device)
+    keep_freed_memory()
     named = dict(model.named_parameters())
-    return public_scales(loss_fn, {name: named[name].detach() for name in trainable}, batch,
-                         chunk_size=privacy.chunk_size)
+    return {name: named[name].detach() for name in trainable}, batch

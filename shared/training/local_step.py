@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from fedpose.shared.training.batches import make_psi_from, psi_on, public_basis_at, public_scales_at, to_device
+from fedpose.shared.training.batches import (make_psi_from, psi_on, public_basis_at, public_scaled_basis_at,
+                                              public_scales_at, to_device)
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
@@ -137,12 +138,14 @@ class StepPhases:
         scaled = self.run.train.tensor_scales == "public"
         if (spec.projects or scaled) and self.data.public is not None and step % privacy.basis_every == 0:
             started = time.perf_counter()
-            if scaled:  # the scales first: V spans the scaled public gradients
-                self.scales = public_scales_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
-                                               self.device)
+            public = (self.model, self.loss_fn, self.trainable, self.data.public, privacy, self.device)
+            if spec.projects and scaled:  # one pass: the scales, and V of the scaled public gradients
+                self.basis, self.scales = public_scaled_basis_at(*public)
+            elif spec.projects:
+                self.basis = public_basis_at(*public)
+            else:
+                self.scales = public_scales_at(*public)
             if spec.projects:
-                self.basis = public_basis_at(self.model, self.loss_fn, self.trainable, self.data.public, privacy,
-                                             self.device, scales=self.scales)
                 width = self.basis.shape[1]
                 self.narrowest = width if self.narrowest is None else min(self.narrowest, width)
             self.seconds_basis += time.perf_counter() - started

@@ -138,10 +138,8 @@ def clipped_grad_sum(
             norms_parts.append(norms)
             del tape  # let the next chunk reuse this one's memory
     else:
-        chunks = (per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size)  # the tape's where it covers
-                  if scales is not None and bookkeeping_plan.supports(loss_fn, params)
-                  else iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness))
-        for grads in chunks:
+        # here either the tape does not cover the weights, or the scales need the per-sample gradients in full
+        for grads in per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
             flats = {name: grad.reshape(grad.shape[0], -1) * (1.0 if scales is None else scales[name])
                      for name, grad in grads.items()}
             norms = robust_norms(list(flats.values()))  # (b,) float64

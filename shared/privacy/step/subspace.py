@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
 from fedpose.shared.privacy.step.persample import LossFn
-from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks, scales_of
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,6 @@ def compute_basis(
     chunk_size: int,
     rtol: float = DEFAULT_RTOL,
     clip: float | None = None,
-    scales: Mapping[str, float] | None = None,
 ) -> Tensor:
     """V (p x k) from per-sample gradients of the full loss on PUBLIC data at ``params``.
 
@@ -245,18 +244,47 @@ def compute_basis(
     Training can leave the public gradients spanning fewer than k directions (their numerical rank r): V is then
     p x r, with a warning, rather than a refusal that would end a run midway (``basis_from_blocks``).
     ``clip``: V from the per-sample gradients each clipped to this norm (``basis_from_blocks``); None: as they are.
-    ``scales``: each tensor of the per-sample gradients times its scale first (``tensor_scales``), so that V spans
-    the gradients a step with the same scales clips.
     """
+    return _basis_of(_public_rows(loss_fn, params, public_batch, k=k, chunk_size=chunk_size), params, k=k, rtol=rtol,
+                     clip=clip)
+
+
+def compute_scaled_basis(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    public_batch: Mapping[str, Tensor],
+    *,
+    k: int,
+    chunk_size: int,
+    rtol: float = DEFAULT_RTOL,
+    clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``train.tensor_scales: public`` with a projection: the per-tensor scales of the public per-sample gradients
+    (``tensor_scales.scales_of``) and the V of those gradients each tensor times its scale, from one pass over the
+    public batch (P2, as ``compute_basis``), so that V spans the gradients a step with the same scales clips."""
+    rows = _public_rows(loss_fn, params, public_batch, k=k, chunk_size=chunk_size)
+    scales = scales_of(rows, {name: value.numel() for name, value in params.items()})
+    for grads in rows:
+        for name, block in grads.items():
+            block.mul_(scales[name])
+    return _basis_of(rows, params, k=k, rtol=rtol, clip=clip), scales
+
+
+def _public_rows(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: Mapping[str, Tensor], *, k: int,
+                 chunk_size: int) -> list[dict[str, Tensor]]:
+    """G, chunk by chunk: {name: (b, numel)} per chunk of public samples (checked: the weights, k <= m)."""
     check_params(params)
-    size = batch_size_of(public_batch)
-    _check_basis_request(k, size)
-    total = sum(value.numel() for value in params.values())
-    names = sorted(params)  # flatten's order: one column group per tensor, one row chunk per chunk of samples
+    _check_basis_request(k, batch_size_of(public_batch))
     rows = []
     for grads in per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size):
-        b = next(iter(grads.values())).shape[0]
-        rows.append([grads[name].reshape(b, -1) * (1.0 if scales is None else scales[name]) for name in names])
-    basis = basis_from_blocks(rows, k, rtol=rtol, fewer=True, clip=clip)
-    log.info("projection basis from %d public samples: p=%d, k=%d", size, total, basis.shape[1])
+        rows.append({name: g.reshape(g.shape[0], -1) for name, g in grads.items()})
+    return rows
+
+
+def _basis_of(rows: list[dict[str, Tensor]], params: Mapping[str, Tensor], *, k: int, rtol: float,
+              clip: float | None) -> Tensor:
+    names = sorted(params)  # flatten's order: one column group per tensor, one row chunk per chunk of samples
+    basis = basis_from_blocks([[grads[name] for name in names] for grads in rows], k, rtol=rtol, fewer=True, clip=clip)
+    log.info("projection basis from %d public samples: p=%d, k=%d", sum(next(iter(g.values())).shape[0] for g in rows),
+             sum(value.numel() for value in params.values()), basis.shape[1])
     return basis

@@ -21,7 +21,7 @@ the tensors, the gradient no longer fits V's few directions.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -31,22 +31,29 @@ from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads
 
 
 def per_sample_chunks(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *,
-                      chunk_size: int) -> Iterator[dict[str, Tensor]]:
-    """{name: (b, *shape)} per chunk of samples: from the book-keeping tape where it covers ``params``, else vmap."""
+                      chunk_size: int, randomness: str = "different") -> Iterator[dict[str, Tensor]]:
+    """{name: (b, *shape)} per chunk of samples: from the book-keeping tape where it covers ``params``, else vmap
+    (with ``randomness``, as ``persample.iter_per_sample_grads``)."""
     if bookkeeping_plan.supports(loss_fn, params):  # one forward and one backward per chunk
         return (tape.per_sample() for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size))
-    return iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size)
+    return iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness)
 
 
 def public_scales(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: Mapping[str, Tensor], *,
                   chunk_size: int) -> dict[str, float]:
     """a_t = c / rms_t for every tensor of ``params`` (module docstring); 1 where a tensor has no public gradient.
 
-    P2: the only data argument is a public batch. Non-finite per-sample gradients are left out of the RMS.
+    P2: the only data argument is a public batch. ``subspace.compute_scaled_basis`` gives the same scales with V.
     """
-    squares = dict.fromkeys(params, 0.0)
+    return scales_of(per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size),
+                     {name: value.numel() for name, value in params.items()})
+
+
+def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int]) -> dict[str, float]:
+    """The scales of per-sample gradients given chunk by chunk ({name: (b, ...)}); non-finite rows are left out."""
+    squares = dict.fromkeys(sizes, 0.0)
     rows = 0
-    for grads in per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size):
+    for grads in chunks:
         flat = {name: g.reshape(g.shape[0], -1).double() for name, g in grads.items()}
         finite = torch.stack([torch.isfinite(f).all(1) for f in flat.values()]).all(0)  # (b,)
         for name, f in flat.items():
@@ -54,7 +61,6 @@ def public_scales(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: M
         rows += int(finite.sum())
     if rows == 0:
         raise ValueError("no public sample gave a finite gradient; the tensor scales cannot be computed")
-    sizes = {name: value.numel() for name, value in params.items()}
     c = math.sqrt(sum(squares.values()) / (rows * sum(sizes.values())))
     scales = {}
     for name, total in squares.items():
