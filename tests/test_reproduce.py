@@ -140,6 +140,37 @@ def test_a_record_level_study_shows_cells_of_a_stronger_start_apart_each_share_a
     assert "`data.synth.public=2400, data.root=runs/data/w, pretrain.out=runs/p`" in other
     assert "| pretrained start (public data only) | none needed | 40.00 | 0 |" in other
     assert "| proj, train.lr=0.003 | record-level DP | 46.00 (1 seed) | 0.50 |" in other
+    # a third start (more public images again): its own table, its shares against its own start
+    strongest = "data.synth.public=9600, data.root=runs/data/w9, pretrain.out=runs/p9"
+    records += [record("pretrained", 44.0, 44.0, strongest), record("nonprivate", 54.0, 44.0, strongest),
+                record("proj", 51.0, 44.0, f"{strongest}, train.lr=0.003")]
+    both = render.render_recordlevel_start(records)
+    first, second = both.split("Ward: ")[1:]
+    assert first.startswith("`data.synth.public=2400") and "| proj, train.lr=0.003 | record-level DP | 46.00" in first
+    assert second.startswith("`data.synth.public=9600") and "51.00 (1 seed) | 0.70 |" in second
+
+
+def test_a_record_level_table_names_the_federation_and_its_reference_apart_from_the_pooled_run():
+    """The same recipe pooled, as the federation's reachable reference (pooled records, the federation's noise) and
+    federated: three rows, each labelled with its setting, in that order (an unlabelled reference row would read as
+    a second pooled run of the recipe)."""
+    render = _render()
+
+    def record(method, pckh, setting="centralized", variant=""):
+        cell = {"id": f"{method}{setting}", "method": method, "setting": setting, "strategy": "full",
+                "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "clip": 1.0,
+                "seed": None if method == "pretrained" else 1, "variant": variant}
+        metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else 30.0,
+                   "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "seconds": 60.0, "steps": 570}
+        return {"cell": cell, "metrics": metrics}
+
+    records = [record("pretrained", 30.0), record("nonprivate", 50.0), record("proj", 34.0, "federated", "x=1"),
+               record("proj", 38.0, "centralized", "x=1"), record("proj", 36.0, "reference", "x=1")]
+    table = render.render_recordlevel(records)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "proj" in line]
+    assert rows[0].startswith("| proj, x=1 | record-level DP | 38.00 (1 seed) | 0.40 |"), rows
+    assert rows[1].startswith("| reference (pooled, the federation's noise), proj, x=1 | record-level DP | 36.00"), rows
+    assert rows[2].startswith("| federated, proj, x=1 | record-level DP | 34.00 (1 seed) | 0.20 |"), rows
 
 
 def test_a_record_level_table_orders_its_rows_the_same_in_every_process():

@@ -284,11 +284,19 @@ def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
 def render_recordlevel_start(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
     """A record-level study's cells from a start pretrained on more public images (a variant naming its ward), each
     row's share against that start and the non-private run from it."""
-    other = [{**r, "cell": {**r["cell"], "variant": _recipe_part(r)}} for r in records if _scale_data(r)]
-    if not other:
+    wards = sorted({_scale_data(r) for r in records} - {""}, key=_natural)
+    if not wards:
         return "_No cell from another start has finished yet._"
-    wards = sorted({_scale_data(r) for r in records} - {""})
-    return f"Ward: `{'`; `'.join(wards)}`.\n\n" + render_recordlevel(other, command=command, own_ward=False)
+    return "\n\n".join(
+        f"Ward: `{ward}`.\n\n" + render_recordlevel(
+            [{**r, "cell": {**r["cell"], "variant": _recipe_part(r)}} for r in records if _scale_data(r) == ward],
+            command=command, own_ward=False)
+        for ward in wards)
+
+
+def _natural(text: str) -> list[Any]:
+    """Sort key that orders the numbers in a text by value (public=2400 before public=9600 before public=12000)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
 
 
 def render_recordlevel_proxy_start(records: list[dict[str, Any]]) -> str:
@@ -312,7 +320,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
     points = sorted({(r["cell"]["method"], r["cell"]["strategy"], r["cell"]["clip"], r["cell"]["variant"],
                       r["cell"]["setting"], r["cell"]["epsilon"]) for r in records
                      if r["cell"]["method"] != "pretrained"},
-                    key=lambda p: (p[4] != "centralized",
+                    key=lambda p: (SETTING_ORDER.index(p[4]),
                                    ("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
                                    p[1] != "full", p[1], p[3], p[5] or 0.0, p[2] or 0.0))
     for method, strategy, clip, variant, setting, epsilon in points:
@@ -325,7 +333,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
         steps = {int(r["metrics"]["steps"]) for r in rows if r["metrics"].get("steps")}
         minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in rows) / 60
         share = (statistics.mean(values) - low) / gain
-        label = ", ".join([*(["federated"] if setting == "federated" else []), method,
+        label = ", ".join([*([SETTING_LABEL[setting]] if setting in SETTING_LABEL else []), method,
                            *([f"eps {epsilon:g}"] if epsilon not in (None, 0.8) else []),
                            *([strategy] if strategy != "full" else []),
                            *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
@@ -339,6 +347,8 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
 
 
 RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the best record-level recipe (proj)
+SETTING_ORDER = ("centralized", "reference", "federated")
+SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
 
 def _gain_share(value: float, start: float, nonprivate: float) -> float:
