@@ -282,8 +282,8 @@ def render_recordlevel_proxy(records: list[dict[str, Any]]) -> str:
 
 
 def render_recordlevel_start(records: list[dict[str, Any]], command: str = RECORDLEVEL) -> str:
-    """A record-level study's cells from a start pretrained on more public images (a variant naming its ward), each
-    row's share against that start and the non-private run from it."""
+    """A record-level study's cells from starts pretrained on more public images (a variant naming its ward): one
+    table per start, each row's share against that start and the non-private run from it."""
     wards = sorted({_scale_data(r) for r in records} - {""}, key=_natural)
     if not wards:
         return "_No cell from another start has finished yet._"
