@@ -31,6 +31,17 @@ def _render():
     return module
 
 
+def _study_record(method, pckh, start=30.0, variant="", epsilon=0.8, setting="centralized"):
+    """One finished study cell as ``--record`` keeps it (seed 1; the private methods at ``epsilon``)."""
+    private = method not in ("pretrained", "nonprivate")
+    cell = {"id": f"{method}{setting}{pckh}", "method": method, "setting": setting, "strategy": "full",
+            "epsilon": epsilon if private else None, "clip": 1.0, "seed": None if method == "pretrained" else 1,
+            "variant": variant}
+    metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else start,
+               "epsilon": epsilon if private else None, "seconds": 60.0, "steps": 570}
+    return {"cell": cell, "metrics": metrics}
+
+
 def test_every_rendered_table_comes_from_a_file_an_entry_writes_and_no_table_is_written_by_hand():
     """The results pages: every rendered block names a renderer, every renderer reads a file of
     benchmarks/results/ that one entry of reproduce.py writes, and every table and figure of the results pages
@@ -120,13 +131,7 @@ def test_a_record_level_study_shows_cells_of_a_stronger_start_apart_each_share_a
     render = _render()
     stronger = "data.synth.public=2400, data.root=runs/data/w, pretrain.out=runs/p"
 
-    def record(method, pckh, start, variant="", epsilon=0.8, seed=1):
-        cell = {"id": f"{method}{pckh}", "method": method, "setting": "centralized", "strategy": "full",
-                "epsilon": None if method in ("pretrained", "nonprivate") else epsilon, "clip": 1.0,
-                "seed": None if method == "pretrained" else seed, "variant": variant}
-        metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else start,
-                   "epsilon": epsilon if method == "proj" else None, "seconds": 60.0, "steps": 570}
-        return {"cell": cell, "metrics": metrics}
+    record = _study_record
 
     records = [record("pretrained", 30.0, 30.0), record("nonprivate", 50.0, 30.0), record("proj", 35.0, 30.0),
                record("proj", 31.0, 30.0, epsilon=8.0),
@@ -156,16 +161,10 @@ def test_a_record_level_table_names_the_federation_and_its_reference_apart_from_
     a second pooled run of the recipe)."""
     render = _render()
 
-    def record(method, pckh, setting="centralized", variant=""):
-        cell = {"id": f"{method}{setting}", "method": method, "setting": setting, "strategy": "full",
-                "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "clip": 1.0,
-                "seed": None if method == "pretrained" else 1, "variant": variant}
-        metrics = {"pckh": {"mean": pckh}, "initial_pckh_mean": None if method == "pretrained" else 30.0,
-                   "epsilon": None if method in ("pretrained", "nonprivate") else 0.8, "seconds": 60.0, "steps": 570}
-        return {"cell": cell, "metrics": metrics}
-
-    records = [record("pretrained", 30.0), record("nonprivate", 50.0), record("proj", 34.0, "federated", "x=1"),
-               record("proj", 38.0, "centralized", "x=1"), record("proj", 36.0, "reference", "x=1")]
+    records = [_study_record("pretrained", 30.0), _study_record("nonprivate", 50.0),
+               _study_record("proj", 34.0, variant="x=1", setting="federated"),
+               _study_record("proj", 38.0, variant="x=1"),
+               _study_record("proj", 36.0, variant="x=1", setting="reference")]
     table = render.render_recordlevel(records)
     rows = [line for line in table.splitlines() if line.startswith("| ") and "proj" in line]
     assert rows[0].startswith("| proj, x=1 | record-level DP | 38.00 (1 seed) | 0.40 |"), rows
