@@ -60,7 +60,8 @@ LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.ps
                                  "pretrain.photometric": 0.0, "pretrain.init": None, "data.help": "",
                                  "privacy.noise_factor": 1.0, "model.face_tasks": [], "model.face_attributes": 4,
                                  "pretrain.threads": 2, "privacy.augment_multiplicity": 1, "train.ema": 0.0,
-                                 "privacy.basis_clip": None, "train.tensor_scales": "none"}
+                                 "privacy.basis_clip": None, "train.tensor_scales": "none",
+                                 "train.lora_rank": 8}
 # Sections that say how a run uses the machine, not what it computes: never part of an identity view.
 RUNTIME_SECTIONS = ("runtime.",)
 

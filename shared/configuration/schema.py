@@ -19,7 +19,7 @@ from fedpose.shared.errors import ConfigError
 from fedpose.shared.configuration.yaml_io import dump_yaml, read_yaml
 from fedpose.shared.configuration.methods import Method, Unit
 
-Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head", "full-fixed-tasks"]
+Strategy = Literal["finetune", "full", "scratch", "bitfit", "bitfit-head", "full-fixed-tasks", "lora"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
@@ -221,8 +221,11 @@ class TrainConfig:
     # LayerNorm, the heads), bitfit (every bias and LayerNorm, no weight matrix: 1 % of tinyvit-small, so the DP
     # noise fills 100 times fewer coordinates), bitfit-head (bitfit and the heads' weights), full-fixed-tasks (every
     # weight but the task-uncertainty weights, kept at their public values: under DP their per-sample gradient,
-    # the same for every sample, takes much of each record's clip bound).
+    # the same for every sample, takes much of each record's clip bound), lora (low-rank adapters of rank
+    # train.lora_rank on the trunk's linear layers, and the heads; merged into the weights when the run ends;
+    # centralized runs only).
     strategy: Strategy = "full"
+    lora_rank: int = 8
     epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
     batch_size: int = 64
@@ -250,6 +253,8 @@ class TrainConfig:
     ema: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+            raise ConfigError(f"train.lora_rank: must be an int >= 1, got {self.lora_rank!r}")
         if not 0 <= self.ema < 1:
             raise ConfigError(f"train.ema: must be in [0, 1) (0: off), got {self.ema}")
         if self.images == "psi" and self.method != "nonprivate":

@@ -22,7 +22,9 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     weights (9 k of 935 k on tinyvit-small) puts ~10 times less noise norm into each step for the same epsilon,
     while the public-pretrained weights keep the features. bitfit-head: bitfit and the heads' weights (87 k).
     full-fixed-tasks: every weight but the task-uncertainty weights.
-    These three keep the task-uncertainty weights (``head.log_task_scale``) at their public-pretrained values: their
+    lora: the low-rank adapters of the trunk's linear layers (``fedpose.shared.model.lora``: they must be on the
+    model) and the heads' weights.
+    These four keep the task-uncertainty weights (``head.log_task_scale``) at their public-pretrained values: their
     per-sample gradient, three numbers of the same sign for every sample, has norm ~1 at the public start
     against ~0.3 for all the biases and norms together, so under a clip C it would take most of every record's
     bound and most of the signal the noise is calibrated to.
@@ -32,9 +34,16 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
         return names
     if strategy == "full-fixed-tasks":
         return [n for n in names if n != TASK_SCALE]
+    if strategy == "lora":
+        adapters = [n for n in names if ".lora." in n]
+        if not adapters:
+            raise ValueError("train.strategy lora trains low-rank adapters, and this model carries none: adapters "
+                             "are added and merged inside one centralized training run (fedpose train, fedpose "
+                             "study), so a federation's server and sites, which exchange whole weights, refuse it")
+        return [n for n in names if n in adapters or (n.startswith(("head.", "face_head.")) and n != TASK_SCALE)]
     if strategy not in ("finetune", "bitfit", "bitfit-head"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit, bitfit-head or "
-                         "full-fixed-tasks")
+        raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit, bitfit-head, "
+                         "full-fixed-tasks or lora")
     norm_params = {
         f"{mod_name}.{p_name}" if mod_name else p_name
         for mod_name, mod in model.named_modules()

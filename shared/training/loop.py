@@ -21,6 +21,7 @@ from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
 from fedpose.shared.configuration.methods import Method
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.patients import PatientGroups
+from fedpose.shared.model.lora import add_adapters, merge_adapters
 from fedpose.shared.training.local_step import StepPhases
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.privacy.audit.hooks import AuditHooks
@@ -172,19 +173,29 @@ def local_train(
     it None. ``bar``: the progress bar's label (None: no bar).
     """
     keep_freed_memory()  # every step frees and takes again the same tens of MB: keep them in the process
-    phases = StepPhases(model, data, run, generator, basis=basis, optimizer=optimizer, audit=audit)
-    model.train()
-    started = time.perf_counter()
-    steps = tqdm(range(run.steps), desc=bar or "", disable=bar is None, leave=False, dynamic_ncols=True)
-    for step in steps:
-        batch, groups = phases.sample()
-        psi_batch = phases.public_batch()
-        grads, info = phases.gradient(step, batch, groups, psi_batch)
-        phases.update(step, grads)
-        if bar is not None and run.step.method != "nonprivate":
-            steps.set_postfix(B=phases.batch_sizes[-1], norm=f"{float(info['mean_norm']):.3f}")
-    if phases.ema is not None:
-        phases.ema.copy_to()  # the run releases the average of its iterates (post-processing)
+    lora = run.train.strategy == "lora"
+    if lora:  # adapters live for this call only: the model comes back a plain PoseNet, U D folded into W
+        if basis is not None or optimizer is not None:
+            raise ValueError("train.strategy lora runs centralized only: its adapters are made and merged inside "
+                             "one run, so no basis or optimizer state from another run can match them")
+        add_adapters(model, run.train.lora_rank, generator)
+    try:
+        phases = StepPhases(model, data, run, generator, basis=basis, optimizer=optimizer, audit=audit)
+        model.train()
+        started = time.perf_counter()
+        steps = tqdm(range(run.steps), desc=bar or "", disable=bar is None, leave=False, dynamic_ncols=True)
+        for step in steps:
+            batch, groups = phases.sample()
+            psi_batch = phases.public_batch()
+            grads, info = phases.gradient(step, batch, groups, psi_batch)
+            phases.update(step, grads)
+            if bar is not None and run.step.method != "nonprivate":
+                steps.set_postfix(B=phases.batch_sizes[-1], norm=f"{float(info['mean_norm']):.3f}")
+        if phases.ema is not None:
+            phases.ema.copy_to()  # the run releases the average of its iterates (post-processing)
+    finally:
+        if lora:
+            merge_adapters(model)
     spec = run.step
     return LocalResult(
         method=spec.method,
