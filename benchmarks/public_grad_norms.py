@@ -5,7 +5,7 @@ task-uncertainty weights ``head.log_task_scale``) over ``--records`` augmented p
 public-pretrained start, their 10th / 50th / 90th percentiles and the norm of their mean. Everything here is
 public data and public weights, so choosing C from it (the median, say) spends no privacy.
 
-Run: python benchmarks/public_grad_norms.py [--strategies bitfit full] [--out ...json]
+Run: python benchmarks/public_grad_norms.py [--strategies bitfit full lora] [--out ...json]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fedpose.shared.configuration.schema import load_config  # noqa: E402
+from fedpose.shared.model.lora import add_adapters  # noqa: E402
 from fedpose.shared.model.posenet import TASK_SCALE  # noqa: E402
 from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
 from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
@@ -33,6 +34,8 @@ from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E40
 def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -> dict:  # noqa: ANN001
     """Quantiles of the per-sample norms and the norm of the mean gradient of ``strategy``'s weights."""
     model = initial_model(cfg, progress=False)
+    if strategy == "lora":  # the adapters as a run starts them (U = 0: only U and the heads have a gradient)
+        add_adapters(model, cfg.train.lora_rank, torch.Generator().manual_seed(seed))
     names = apply_strategy(model, strategy)
     if task_scale and TASK_SCALE not in names:
         names = [*names, TASK_SCALE]
@@ -59,7 +62,7 @@ def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
-    parser.add_argument("--strategies", nargs="+", default=["bitfit", "bitfit-head", "full"])
+    parser.add_argument("--strategies", nargs="+", default=["bitfit", "bitfit-head", "full", "lora"])
     parser.add_argument("--records", type=int, default=64, help="augmented public images")
     parser.add_argument("--seed", type=int, default=0, help="the augmentations' seed")
     parser.add_argument("--threads", type=int, default=1)
