@@ -37,6 +37,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.train.tensor_scales != "none":  # read from the public split at every refresh: a site does not hold it
         raise Refusal(RefusalCode.BAD_REQUEST, f"train.tensor_scales={cfg.train.tensor_scales!r} is for centralized "
                                                "runs only: a site trains without the public split")
+    if cfg.train.strategy == "lora":  # adapters are made and merged inside one centralized run
+        raise Refusal(RefusalCode.BAD_REQUEST, "train.strategy='lora' is for centralized runs only: its adapters live "
+                                               "inside one run, and a round trains the weights it was sent")
     if method not in policy.allowed_methods:
         raise Refusal(RefusalCode.POLICY,
                       f"method {method!r} is not allowed by this site (allows {list(policy.allowed_methods)})")

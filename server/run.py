@@ -29,6 +29,7 @@ from fedpose.server.aggregate import server_optimizer
 from fedpose.server.basis import BasisKeeper
 from fedpose.server.checkpoint import ServerState, load_state, save_state
 from fedpose.server.combine import aggregate, bound_updates
+from fedpose.server.federable import refuse_centralized_only
 from fedpose.server.exchange import describe_sites, exchange, sites_for_round
 from fedpose.server.ledger import Event, ServerLedger
 from fedpose.server.ledger_resume import reconcile
@@ -40,7 +41,6 @@ from fedpose.server.prepare import require_prepared
 from fedpose.server.replies import _node_unavailable, process_replies
 from fedpose.server.report import append_round, write_plot, write_report, write_rounds
 from fedpose.shared.configuration.schema import Config, dump_config
-from fedpose.shared.errors import ConfigError
 from fedpose.shared.flower.messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
 from fedpose.shared.training.provenance import configure_numerics, provenance
 from fedpose.shared.configuration.methods import WITH_PUBLIC
@@ -106,18 +106,7 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
     paths = Paths(Path(out))
     paths.out.mkdir(parents=True, exist_ok=True)
-    if cfg.train.method == "nonprivate":
-        raise ConfigError("train.method: a federation trains privately; choose dpsgd, proj, fdp or fpdp")
-    if cfg.privacy.noise_factor != 1.0:  # each site plans its own sigma from its policy
-        raise ConfigError("privacy.noise_factor: for centralized reference runs only; a federation's sites plan "
-                          "their noise from their own budgets")
-    if cfg.privacy.psi == "dp-pixelize":  # a site's psi is pinned by its policy, which has no eps_pix / m fields
-        raise ConfigError("privacy.psi: dp-pixelize is for centralized runs only: in a federation each site would "
-                          "have to keep its one release per record across rounds and pin eps_pix and m in its "
-                          "policy, which sites cannot do yet; choose blur or pixelate")
-    if cfg.train.tensor_scales != "none":  # the sites would refuse every request (client/request.py)
-        raise ConfigError("train.tensor_scales: public is for centralized runs only: its scales come from the public "
-                          "split at every refresh, which a site does not hold; use train.tensor_scales: none")
+    refuse_centralized_only(cfg)
     require_prepared(cfg)  # server/prepare.py: public data and pretrained weights exist (no silent generation)
     root = Path(cfg.data.root)
     public = load_split(root, cfg.data.public_split)

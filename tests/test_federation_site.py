@@ -166,6 +166,22 @@ def test_a_request_to_scale_tensors_from_the_public_split_is_refused_with_nothin
         run_federation(None, replace(cfg, **{"train.tensor_scales": "public"}), tmp_path / "never-written")
 
 
+def test_a_request_to_train_low_rank_adapters_is_refused_with_nothing_spent(world, tmp_path):
+    """train.strategy: lora makes and merges its adapters inside one centralized run; a round's request names no
+    adapters to train: refused before anything is charged, and a federation will not start with it."""
+    from fedpose.server.run import run_federation
+    from fedpose.shared.errors import ConfigError
+
+    cfg, state, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    refusal = _refusal(_request(replace(cfg, **{"train.strategy": "lora"}), state, sigma=min_sigma_for(policy)),
+                       policy)
+    assert refusal.code == RefusalCode.BAD_REQUEST and "lora" in refusal.reason
+    assert _rows(policy) == []
+    with pytest.raises(ConfigError, match="train.strategy: lora is for centralized runs only"):
+        run_federation(None, replace(cfg, **{"train.strategy": "lora"}), tmp_path / "never-written")
+
+
 def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     cfg, state, _, p = world
     policy = _policy(cfg, tmp_path)

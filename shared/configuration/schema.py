@@ -220,12 +220,10 @@ class TrainConfig:
     # What trains: full (every weight), scratch (every weight, from random ones), finetune (stage 4, every
     # LayerNorm, the heads), bitfit (every bias and LayerNorm, no weight matrix: 1 % of tinyvit-small, so the DP
     # noise fills 100 times fewer coordinates), bitfit-head (bitfit and the heads' weights), full-fixed-tasks (every
-    # weight but the task-uncertainty weights, kept at their public values: under DP their per-sample gradient,
-    # the same for every sample, takes much of each record's clip bound), lora (low-rank adapters of rank
-    # train.lora_rank on the trunk's linear layers, and the heads; merged into the weights when the run ends;
-    # centralized runs only).
+    # weight but the task-uncertainty weights, kept at their public values), lora (low-rank adapters on the trunk's
+    # linear layers, and the heads; merged into the weights when the run ends; centralized runs only).
     strategy: Strategy = "full"
-    lora_rank: int = 8
+    lora_rank: int = 8  # lora: the rank r of each adapter U D (U: out x r, D: r x in); ignored otherwise
     epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
     batch_size: int = 64
@@ -253,16 +251,14 @@ class TrainConfig:
     ema: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
-            raise ConfigError(f"train.lora_rank: must be an int >= 1, got {self.lora_rank!r}")
         if not 0 <= self.ema < 1:
             raise ConfigError(f"train.ema: must be in [0, 1) (0: off), got {self.ema}")
         if self.images == "psi" and self.method != "nonprivate":
             raise ConfigError(f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is "
                               f"{self.method!r} (fdp / fpdp already add the psi(x) gradient): use train.method: "
                               "nonprivate or train.images: raw")
-        if self.epochs < 1 or self.batch_size < 1 or self.public_batch_size < 1:
-            raise ConfigError("train.epochs, train.batch_size and train.public_batch_size must be >= 1")
+        if min(self.epochs, self.batch_size, self.public_batch_size, self.lora_rank) < 1:
+            raise ConfigError("train.epochs, batch_size, public_batch_size and lora_rank must be >= 1")
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
