@@ -1,4 +1,4 @@
-"""Low-rank adapters (``train.strategy: lora``): DP fine-tuning through a few thousand added weights.
+"""Low-rank adapters (``train.strategy: lora``): DP fine-tuning through small added low-rank weights.
 
 Each linear layer of the trunk (``stages.*``: attention and MLP) gets an adapter: ``y = W x + b + U (D x)``,
 with D (rank x in) drawn like a fresh ``nn.Linear`` weight and U (out x rank) zero, so the adapted model starts
@@ -68,7 +68,7 @@ def has_adapters(model: nn.Module) -> bool:
 def merge_adapters(model: nn.Module) -> int:
     """Fold every adapter into its layer (W <- W + U D) and remove it; returns how many were merged."""
     merged = 0
-    for name, layer in list(model.named_modules()):
+    for layer in list(model.modules()):
         adapter = getattr(layer, "lora", None)
         if not isinstance(adapter, Adapter):
             continue

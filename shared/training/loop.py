@@ -170,7 +170,8 @@ def local_train(
 
     ``audit`` (``fedpose audit`` only, see ``AuditHooks``) adds gradient canaries to the private steps and
     lets the auditor see every released gradient and the V it was projected with; production callers leave
-    it None. ``bar``: the progress bar's label (None: no bar).
+    it None. ``bar``: the progress bar's label (None: no bar). ``train.strategy: lora``: adapters are put on the
+    model before the first step and folded into its weights after the last (``fedpose.shared.model.lora``).
     """
     keep_freed_memory()  # every step frees and takes again the same tens of MB: keep them in the process
     lora = run.train.strategy == "lora"
