@@ -197,3 +197,28 @@ print(render.render_recordlevel(records))
                               capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(8)}
     assert len(renders) == 1, renders
+
+
+def test_the_data_scale_table_shows_every_recorded_recipe_even_one_it_has_no_named_row_for():
+    """A cell of the scale study whose recipe is none of the named rows (the recipe with its batch grown with the
+    records) gets a row of its own, labelled with what it changes, at its size: a recorded cell never drops out of
+    the page, and the named rows and the recipe's share of non-private stay as they were."""
+    render = _render()
+
+    def sized(method, pckh, size, variant=""):
+        record = _study_record(method, pckh, variant=variant)
+        ward = "" if size == 400 else f"data.synth.per_site={size}, data.root=runs/data/w{size}"
+        record["cell"]["variant"] = ", ".join(p for p in (ward, variant) if p)
+        record["metrics"]["data"] = {"records": {f"site-{i}": size for i in range(3)}}
+        return record
+
+    grown = f"{render.RECIPE}, train.batch_size=256"
+    records = [sized("nonprivate", 50.0, 400), sized("proj", 36.0, 400, render.RECIPE),
+               sized("nonprivate", 70.0, 1600), sized("proj", 38.0, 1600, render.RECIPE),
+               sized("proj", 35.5, 1600, grown)]
+    table = render.render_scale(records)
+    rows = [line for line in table.splitlines() if line.startswith("| proj")]
+    assert rows[0] == "| proj, 3e-3, V from clipped gradients | record-level DP | - | - |", rows
+    assert rows[1] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
+    assert rows[2] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
+    assert "400: 0.72; 1,600: 0.54." in table

@@ -394,9 +394,20 @@ def _per_site(record: dict[str, Any]) -> int | None:
     return sites[0] if sites else None
 
 
+def _scale_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """The named rows, then one per other (method, recipe) the study recorded, labelled with what it changes."""
+    named = {(method, variant) for method, variant, _, _ in _SCALE_ROWS}
+    guarantees = {method: guarantee for method, _, _, guarantee in _SCALE_ROWS}
+    others = sorted({(r["cell"]["method"], _recipe_part(r)) for r in records
+                     if r["cell"]["method"] != "pretrained" and r["cell"]["setting"] == "centralized"} - named)
+    return [*_SCALE_ROWS, *((method, variant, ", ".join(p for p in (method, variant) if p),
+                             guarantees.get(method, "record-level DP")) for method, variant in others)]
+
+
 def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
     """(row label, records per site) -> PCKh values; 'start' from each run's own initial PCKh."""
     points: dict[tuple[str, int], list[float]] = {}
+    rows = _scale_rows(records)
     for r in records:
         size = _per_site(r)
         if size is None or r["cell"]["setting"] != "centralized":
@@ -406,9 +417,8 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
             start = round(float(r["metrics"]["initial_pckh_mean"]), 6)
             if start not in points[("start", size)]:
                 points[("start", size)].append(start)
-        for method, variant, label, _ in _SCALE_ROWS:
-            recipe = _recipe_part(r)
-            if r["cell"]["method"] == method and recipe == variant:
+        for method, variant, label, _ in rows:
+            if r["cell"]["method"] == method and _recipe_part(r) == variant:
                 points.setdefault((label, size), []).append(float(r["metrics"]["pckh"]["mean"]))
     return points
 
@@ -439,7 +449,7 @@ def render_scale(records: list[dict[str, Any]]) -> str:
              "|---|---|" + "---|" * len(sizes),
              "| pretrained start | none needed (public data) | "
              + " | ".join(", ".join(f"{v:.2f}" for v in points.get(("start", n), [])) or "-" for n in sizes) + " |"]
-    for _, _, label, guarantee in _SCALE_ROWS:
+    for _, _, label, guarantee in _scale_rows(records):
         lines.append(f"| {label} | {guarantee} | " + " | ".join(_stat(points.get((label, n), [])) for n in sizes)
                      + " |")
     top_label, recipe_label = _SCALE_ROWS[0][2], _SCALE_ROWS[-1][2]
