@@ -21,23 +21,33 @@ from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_n
 INPUT = (64, 48)
 
 
-def _setup(variant: str, strategy: str, *, task_uncertainty: bool = True, seed: int = 0, size: int = 5):
+def perturbed_model(variant: str, *, task_uncertainty: bool = True, seed: int = 0):
+    """The pose model with its weights away from their init (zero biases, unit norms), so every rule is exercised."""
     torch.manual_seed(seed)
     model = build_model(ModelConfig(variant=variant, task_uncertainty=task_uncertainty), INPUT)
-    with torch.no_grad():  # weights away from their init (zero biases, unit norms) so every rule is exercised
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    trainable = apply_strategy(model, strategy)
-    named = dict(model.named_parameters())
-    params = {n: named[n].detach() for n in trainable}
+    return model
+
+
+def pose_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+    """``size`` random images of INPUT with random joints, about 80 % of them visible."""
     h, w = INPUT
-    gen = torch.Generator().manual_seed(seed + 1)
-    batch = {
+    gen = torch.Generator().manual_seed(seed)
+    return {
         "image": torch.rand(size, 3, h, w, generator=gen),
         "joints": torch.rand(size, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
         "visible": (torch.rand(size, 16, generator=gen) > 0.2).float(),
     }
-    return model, make_loss_fn(model, trainable), params, batch
+
+
+def _setup(variant: str, strategy: str, *, task_uncertainty: bool = True, seed: int = 0, size: int = 5):
+    model = perturbed_model(variant, task_uncertainty=task_uncertainty, seed=seed)
+    trainable = apply_strategy(model, strategy)
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in trainable}
+    return model, make_loss_fn(model, trainable), params, pose_batch(size, seed + 1)
 
 
 def _generic(loss_fn):

@@ -122,10 +122,11 @@ def test_new_fields_at_their_default_keep_the_ids_of_cells_and_caches():
 
     cfg = config_from_dict({})
     flat = identity_flat(cfg)
-    assert not {"privacy.augment_multiplicity", "train.ema", "privacy.basis_clip"} & set(flat)
+    assert not {"privacy.augment_multiplicity", "train.ema", "privacy.basis_clip", "train.lora_rank"} & set(flat)
     moved = identity_flat(replace(cfg, **{"privacy.augment_multiplicity": 2, "train.ema": 0.9,
-                                          "privacy.basis_clip": 1.0}))
-    assert (moved["privacy.augment_multiplicity"], moved["train.ema"], moved["privacy.basis_clip"]) == (2, 0.9, 1.0)
+                                          "privacy.basis_clip": 1.0, "train.lora_rank": 4}))
+    assert (moved["privacy.augment_multiplicity"], moved["train.ema"], moved["privacy.basis_clip"],
+            moved["train.lora_rank"]) == (2, 0.9, 1.0, 4)
 
 
 @pytest.mark.parametrize("strategy", ["bitfit", "bitfit-head"])
