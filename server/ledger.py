@@ -220,19 +220,21 @@ class ServerLedger:
         attempted and interrupted rows of that round and later ones, and ``reported`` (the round whose row the site's
         own report is about to write) leaves out the attempted rows that report covers and that round's
         interrupted rows, which the new row replaces."""
-        rows = self.conn.execute(
-            "SELECT sigma, sample_rate, steps FROM spend WHERE site = :site AND state != 'resolved'"
+        return [StepRecord(sigma=r[1], sample_rate=r[2], steps=r[3]) for r in self._counted(site, asking, reported)]
+
+    def unanswered(self, site: str, *, asking: int | None = None) -> int:
+        """The site's requests that got no answer and that ``history`` (with the same ``asking``) counts at the plan."""
+        return sum(row[0] == "attempted" for row in self._counted(site, asking, None))
+
+    def _counted(self, site: str, asking: int | None, reported: int | None) -> list[tuple]:
+        """(state, sigma, sample_rate, steps) of the rows ``history`` counts, in order (its rule, in one place)."""
+        return self.conn.execute(
+            "SELECT state, sigma, sample_rate, steps FROM spend WHERE site = :site AND state != 'resolved'"
             " AND NOT (state IN ('attempted', 'interrupted') AND round >= :asking)"
             " AND NOT (state = 'attempted' AND round <= :reported)"
             " AND NOT (state = 'interrupted' AND round = :reported) ORDER BY id",
             {"site": site, "asking": math.inf if asking is None else asking,
              "reported": -math.inf if reported is None else reported}).fetchall()
-        return [StepRecord(sigma=r[0], sample_rate=r[1], steps=r[2]) for r in rows]
-
-    def unanswered(self, site: str, *, asking: int | None = None) -> int:
-        """The site's requests that got no answer and that ``history`` (with the same ``asking``) counts at the plan."""
-        return int(self.conn.execute("SELECT COUNT(*) FROM spend WHERE site = ? AND state = 'attempted' AND round < ?",
-                                     (site, math.inf if asking is None else asking)).fetchone()[0])
 
     def server_epsilon(self, site: str, *, asking: int | None = None) -> float:
         plan = self.plans()[site]

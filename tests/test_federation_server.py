@@ -312,6 +312,24 @@ def test_ledger_recomputes_epsilon_counts_the_larger_and_resume_keeps_interrupte
     ledger.close()
 
 
+def test_unanswered_counts_the_attempted_rows_history_counts_at_the_plan(tmp_path):
+    ledger = ServerLedger(tmp_path / "ledger.sqlite")
+    ledger.save_plans([_plan("s0")])
+
+    def spend(state):
+        return Spend(site="s0", sigma=1.2, sample_rate=0.2, steps=2, site_epsilon=None, aggregated=False,
+                     state=state)
+
+    ledger.record_round(1, [spend("completed")], [])
+    ledger.record_round(2, [spend("attempted")], [])
+    ledger.record_round(3, [spend("attempted")], [])
+    assert ledger.unanswered("s0") == 2 and len(ledger.history("s0")) == 3
+    # asking round 3 again: its own attempted row is not counted, round 2's is
+    assert ledger.unanswered("s0", asking=3) == 1 and len(ledger.history("s0", asking=3)) == 2
+    assert ledger.unanswered("s0", asking=2) == 0 and len(ledger.history("s0", asking=2)) == 1
+    ledger.close()
+
+
 def test_plan_meets_the_budget_and_stops_sampling_after_it():
     cfg = config_from_dict({"privacy": {"epsilon": 1.0, "delta": 1e-5}, "train": {"batch_size": 32},
                             "federation": {"rounds": 4, "local_steps": 5}})
