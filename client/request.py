@@ -14,7 +14,7 @@ from fedpose.client.policy import SitePolicy, sigma_shortfall
 from fedpose.shared.privacy.step.psi import psi_strength
 from fedpose.shared.flower.messages import ARRAYS, CONFIG, Refusal, RefusalCode, TrainRequest, record_tensors
 from fedpose.shared.privacy.step.psi import psi_label_of
-from fedpose.shared.configuration.methods import WITH_PUBLIC
+from fedpose.shared.configuration.methods import WITH_PUBLIC, raw_psi_conflict
 
 _FEDERATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -40,6 +40,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.train.strategy == "lora":  # adapters are made and merged inside one centralized run
         raise Refusal(RefusalCode.BAD_REQUEST, "train.strategy='lora' is for centralized runs only: its adapters live "
                                                "inside one run, and a round trains the weights it was sent")
+    conflict = raw_psi_conflict(method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
+    if cfg.train.images == "raw+psi" and conflict:  # the run would refuse it after the charge
+        raise Refusal(RefusalCode.BAD_REQUEST, conflict)
     if method not in policy.allowed_methods:
         raise Refusal(RefusalCode.POLICY,
                       f"method {method!r} is not allowed by this site (allows {list(policy.allowed_methods)})")

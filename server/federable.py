@@ -1,4 +1,4 @@
-"""What a federation refuses in a config: the settings only a centralized run can honour.
+"""What a federation refuses in a config: the settings only a centralized run can honour, and those no run can.
 
 Each of them would make every site refuse every request (client/request.py) or has no meaning across sites, so the
 server stops before its first round, with nothing sent and nothing spent.
@@ -6,6 +6,7 @@ server stops before its first round, with nothing sent and nothing spent.
 
 from __future__ import annotations
 
+from fedpose.shared.configuration.methods import raw_psi_conflict
 from fedpose.shared.configuration.schema import Config
 from fedpose.shared.errors import ConfigError
 
@@ -27,3 +28,6 @@ def refuse_centralized_only(cfg: Config) -> None:
     if cfg.train.strategy == "lora":  # the sites would refuse every request (client/request.py)
         raise ConfigError("train.strategy: lora is for centralized runs only: its adapters are made and merged inside "
                           "one run, while a federation sends and averages whole weights; choose full or finetune")
+    conflict = raw_psi_conflict(cfg.train.method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
+    if cfg.train.images == "raw+psi" and conflict:  # the sites would refuse every request (client/request.py)
+        raise ConfigError(conflict)

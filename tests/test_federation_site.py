@@ -182,6 +182,25 @@ def test_a_request_to_train_low_rank_adapters_is_refused_with_nothing_spent(worl
         run_federation(None, replace(cfg, **{"train.strategy": "lora"}), tmp_path / "never-written")
 
 
+def test_a_request_whose_raw_and_psi_pair_would_not_be_one_records_bound_is_refused_with_nothing_spent(world,
+                                                                                                      tmp_path):
+    """train.images: raw+psi clips a record's image and psi of its crop as one: with fdp / fpdp (their psi term is
+    added unclipped) or augmentation multiplicity the run would refuse it after the charge; the site refuses it
+    before, and a federation will not start with it."""
+    from fedpose.server.run import run_federation
+    from fedpose.shared.errors import ConfigError
+
+    cfg, state, _, _ = world
+    policy = _policy(cfg, tmp_path)
+    for method, change in (("fpdp", {}), ("proj", {"privacy.augment_multiplicity": 2})):
+        asked = replace(cfg, **{"train.images": "raw+psi", "train.method": method, **change})
+        refusal = _refusal(_request(asked, state, sigma=min_sigma_for(policy), method=method), policy)
+        assert refusal.code == RefusalCode.BAD_REQUEST and "raw+psi" in refusal.reason
+        assert _rows(policy) == []
+        with pytest.raises(ConfigError, match="train.images: raw"):
+            run_federation(None, asked, tmp_path / "never-written")
+
+
 def test_bad_basis_and_missing_basis_are_refused(world, tmp_path):
     cfg, state, _, p = world
     policy = _policy(cfg, tmp_path)

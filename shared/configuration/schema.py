@@ -242,9 +242,9 @@ class TrainConfig:
     seed: int | None = None  # None: noise from OS entropy (production); an int: reproducible, not for production
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out: str = "runs/train"
-    # raw: train on the images; psi: the non-private baseline "psi(x) only" (trained on psi of each record's
-    # canonical crop, what the public term of fdp / fpdp sees); nonprivate only.
-    images: Literal["raw", "psi"] = "raw"
+    # raw: the images; psi: the non-private baseline "psi(x) only" (psi of each record's canonical crop, what the
+    # public term of fdp / fpdp sees); raw+psi: a record's image and that psi, clipped as one (dpsgd, proj).
+    images: Literal["raw", "psi", "raw+psi"] = "raw"
     # Exponential moving average of the trained weights (De et al. 2022): after every step
     # w_ema <- ema w_ema + (1 - ema) w, and the run ends with w_ema in the model (centralized: over the whole run;
     # a site: over its round's local steps). Post-processing of the DP updates: no privacy cost. 0: off.
@@ -253,10 +253,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.ema < 1:
             raise ConfigError(f"train.ema: must be in [0, 1) (0: off), got {self.ema}")
-        if self.images == "psi" and self.method != "nonprivate":
+        if self.images == "psi" and self.method != "nonprivate":  # raw+psi's methods: checked by the run
             raise ConfigError(f"train.images: 'psi' is the non-private psi(x)-only baseline; train.method is "
-                              f"{self.method!r} (fdp / fpdp already add the psi(x) gradient): use train.method: "
-                              "nonprivate or train.images: raw")
+                              f"{self.method!r} (fdp / fpdp already add the psi(x) gradient)")
         if min(self.epochs, self.batch_size, self.public_batch_size, self.lora_rank) < 1:
             raise ConfigError("train.epochs, batch_size, public_batch_size and lora_rank must be >= 1")
         if self.lr <= 0:

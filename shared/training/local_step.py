@@ -66,9 +66,11 @@ class StepPhases:
         self.basis = column_major(basis) if basis is not None else None  # the layout project() reads fastest
         self.n = data.units(spec.unit)
         self.private = data.private
-        self.psi_only = make_psi_from(privacy, generator) if train.images == "psi" else None
-        if self.psi_only is not None:
-            self.private = data.private.canonical()  # psi of each record's canonical crop, as fdp / fpdp's public term
+        self.psi_images = make_psi_from(privacy, generator) if train.images != "raw" else None
+        # psi of each record's canonical crop, as fdp / fpdp's public term: all the rows (psi) or beside each (raw+psi)
+        self.crops = data.private.canonical() if train.images != "raw" else None
+        if train.images == "psi":
+            self.private = self.crops
         self.psi = make_psi_from(privacy, generator) if spec.uses_public else None
         self.canonical = None
         if self.psi is not None:
@@ -112,13 +114,21 @@ class StepPhases:
         else:
             idx = poisson_sample(n, sample_rate=spec.sample_rate, generator=self.generator)
             self.batch_sizes.append(int(idx.numel()))
-            if spec.multiplicity > 1:  # K augmented copies of each sampled record, clipped as one mean
+            if self.run.privacy.augment_multiplicity > 1:  # K augmented copies of each record, clipped as one mean
                 idx, groups = augmented_copies(idx, spec.multiplicity)
         raw = self.private.batch(idx.tolist())
-        if self.psi_only is not None:  # the psi(x)-only baseline trains on psi of its (canonical) batch
-            tensors = psi_on(self.psi_only, raw, self.device).tensors
-            return {k: v for k, v in tensors.items() if k != "index"}, groups
+        if self.run.train.images == "psi":  # the psi(x)-only baseline trains on psi of its (canonical) batch
+            return self._psi_of(raw), groups
+        if self.run.train.images == "raw+psi":  # each record's image, then psi of its canonical crop
+            blurred = self._psi_of(self.crops.batch(idx.tolist()))
+            rows = {k: torch.stack([v, blurred[k]], 1).flatten(0, 1) for k, v in to_device(raw, self.device).items()}
+            pairs = torch.arange(idx.numel(), dtype=torch.long).repeat_interleave(2)  # (2B,): the record of each row
+            return rows, (pairs if spec.method != "nonprivate" else None)
         return to_device(raw, self.device), groups
+
+    def _psi_of(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = psi_on(self.psi_images, batch, self.device).tensors
+        return {k: v for k, v in tensors.items() if k != "index"}
 
     def public_batch(self) -> PsiBatch | None:
         """Phase 2: psi of exactly public_batch_size distinct canonical crops (fdp / fpdp), else None.

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fedpose.shared.training.allocator import keep_freed_memory
 from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
-from fedpose.shared.configuration.methods import Method
+from fedpose.shared.configuration.methods import Method, raw_psi_conflict
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.patients import PatientGroups
 from fedpose.shared.model.lora import add_adapters, merge_adapters
@@ -86,7 +86,8 @@ def step_spec(method: Method, train: TrainConfig, privacy: PrivacyConfig, *, sig
         expected_batch=float(train.batch_size) if expected_batch is None else float(expected_batch),
         chunk_size=privacy.chunk_size if chunk_size is None else chunk_size,
         unit=unit,
-        multiplicity=privacy.augment_multiplicity if private else 1,
+        # raw+psi: a record's image and psi of its crop are two rows of one group, clipped as one mean
+        multiplicity=(2 if train.images == "raw+psi" else privacy.augment_multiplicity) if private else 1,
     )
 
 
@@ -113,6 +114,9 @@ class LocalRun:
                              f"a run of {total}")
         if self.train.images == "psi" and self.step.method != "nonprivate":
             raise ValueError(f"train.images='psi' is a non-private baseline; method is {self.step.method!r}")
+        conflict = raw_psi_conflict(self.step.method, self.step.unit, self.privacy.augment_multiplicity)
+        if self.train.images == "raw+psi" and conflict:
+            raise ValueError(conflict)
 
     @property
     def span(self) -> tuple[int, int]:
