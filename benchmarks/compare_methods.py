@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.configuration.methods import METHODS  # noqa: E402
-from fedpose.shared.training.runs import run_train  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace
+from fedpose.shared.configuration.methods import METHODS
+from fedpose.shared.training.runs import run_train
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "tests"))  # federation_support: the tests' world and pilot
 
 TRAINED = re.compile(r"site (site-\d+) round (\d+): trained \d+ steps .* in ([0-9.]+) s \(\+([0-9.]+) s basis\)")
 HANDLED = re.compile(r"site (site-\d+): (\w+) message handled in ([0-9.]+) s; "

@@ -43,7 +43,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 INPUT = (128, 96)
 BATCH = 32

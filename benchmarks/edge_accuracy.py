@@ -31,9 +31,6 @@ from typing import Any
 
 import numpy as np
 
-if __package__ in (None, ""):
-    # Running as a script: make the repository root importable.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_MODELS = (("pretrained", "runs/pretrained/model.pt"), ("federated", "runs/federation/model.pt"))
 

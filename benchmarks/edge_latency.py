@@ -36,9 +36,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
-    # Running as a script: make the repository root importable.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CASES = (("tinyvit-small", (128, 96)), ("tinyvit-5m", (256, 192)))
 

@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SETTINGS = {"tinyvit-small": "configs/default.yaml", "tinyvit-5m": "configs/paper.yaml"}
 DOWNLINK_TARGET = 1.5

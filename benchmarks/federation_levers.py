@@ -22,13 +22,11 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from fedpose.shared.configuration.methods import PRIVATE, PROJECTED
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from tqdm.auto import tqdm

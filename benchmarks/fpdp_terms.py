@@ -25,27 +25,26 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from fedpose.cli.main import parse_sets  # noqa: E402
-from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
-from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
-from fedpose.shared.privacy.step.fpdp import public_gradient  # noqa: E402
-from fedpose.shared.privacy.step.subspace import flatten, project  # noqa: E402
-from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on, public_basis_at  # noqa: E402
-from fedpose.shared.training.provenance import provenance  # noqa: E402
-from fedpose.shared.training.runs import (  # noqa: E402
+from fedpose.cli.main import parse_sets
+from fedpose.shared.configuration.schema import load_config, replace
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+from fedpose.shared.privacy.step.fpdp import public_gradient
+from fedpose.shared.privacy.step.subspace import flatten, project
+from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on, public_basis_at
+from fedpose.shared.training.provenance import provenance
+from fedpose.shared.training.runs import (
     ensure_data, initial_model, load_records, plan_sigma, private_records)
-from fedpose.shared.training.schedule import steps_per_epoch  # noqa: E402
+from fedpose.shared.training.schedule import steps_per_epoch
 
 CPU = torch.device("cpu")
 
 
-def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
+def measure(cfg, *, batches: int, seed: int) -> dict:
     """Mean norms (and their spread over batches) of the step's terms at the public start of ``cfg``."""
     root = ensure_data(cfg, progress=False)
     private = private_records(root, cfg)  # the pooled training splits a centralized run trains on
@@ -84,7 +83,7 @@ def measure(cfg, *, batches: int, seed: int) -> dict:  # noqa: ANN001
             "k": int(basis.shape[1]), "params": int(signal.numel()), "mean": mean, "std": spread, "batches": rows}
 
 
-def ward_config(path: str, sets: list[str], per_site: int):  # noqa: ANN201
+def ward_config(path: str, sets: list[str], per_site: int):
     """The run config at ``per_site`` records per site: a larger ward and its own public start, as the scale
     study names them (``configs/study-scale.yaml``)."""
     cfg = load_config(path, parse_sets(sets))

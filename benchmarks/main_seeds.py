@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from fedpose.server.report import read_rounds  # noqa: E402
 from fedpose.shared.training.provenance import provenance  # noqa: E402

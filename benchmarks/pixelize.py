@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    # Running as a script: make the repository root importable.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.shared.pixelization.spec import PixelizeSpec  # noqa: E402
-from fedpose.edge.pixelize.masks import body_mask_from_keypoints  # noqa: E402
-from fedpose.shared.pixelization.mechanism import pixelize  # noqa: E402
+from fedpose.shared.pixelization.spec import PixelizeSpec
+from fedpose.edge.pixelize.masks import body_mask_from_keypoints
+from fedpose.shared.pixelization.mechanism import pixelize
 
 
 def _source_index(r: int, length: int) -> int:

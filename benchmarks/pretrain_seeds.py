@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from fedpose.shared.training.provenance import provenance  # noqa: E402
 

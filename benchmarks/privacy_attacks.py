@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from fedpose.shared.configuration.methods import PRIVATE, PROJECTED
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedpose.shared.configuration.schema import config_from_dict  # noqa: E402
+from fedpose.shared.configuration.schema import config_from_dict
 
 
 def bench_config(root: Path, **train: object) -> object:

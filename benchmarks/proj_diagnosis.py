@@ -28,29 +28,28 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.model.posenet import load_checkpoint  # noqa: E402
-from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
-from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum  # noqa: E402
-from fedpose.shared.privacy.step.noise import gaussian_noise_like  # noqa: E402
-from fedpose.shared.privacy.step.sampling import poisson_sample  # noqa: E402
-from fedpose.shared.privacy.step.subspace import flatten, unflatten  # noqa: E402
-from fedpose.shared.training.provenance import provenance  # noqa: E402
-from fedpose.shared.training.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records  # noqa: E402
-from fedpose.shared.training.batches import make_dataset, public_basis_at, to_device  # noqa: E402
-from fedpose.shared.training.schedule import steps_per_epoch  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace
+from fedpose.shared.model.posenet import load_checkpoint
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+from fedpose.shared.privacy.step.noise import gaussian_noise_like
+from fedpose.shared.privacy.step.sampling import poisson_sample
+from fedpose.shared.privacy.step.subspace import flatten, unflatten
+from fedpose.shared.training.provenance import provenance
+from fedpose.shared.training.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records
+from fedpose.shared.training.batches import make_dataset, public_basis_at, to_device
+from fedpose.shared.training.schedule import steps_per_epoch
 
 
 LEARNING_RATES = {"adam": (1e-4, 1e-3), "sgd": (0.01, 0.1, 1.0)}  # one step of each size along the last update
 
 
-def clipped_mean(loss_fn, params, dataset, idx, cfg) -> torch.Tensor:  # noqa: ANN001
+def clipped_mean(loss_fn, params, dataset, idx, cfg) -> torch.Tensor:
     total = None
     for start in range(0, len(idx), 64):
         batch = to_device(dataset.batch(idx[start:start + 64]), torch.device("cpu"))
@@ -92,7 +91,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
-def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) -> dict:  # noqa: ANN001
+def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) -> dict:
     torch.manual_seed(seed)
     root = ensure_data(cfg, progress=False)
     private = private_records(root, cfg)
@@ -165,7 +164,7 @@ TRAIN_RUNS = tuple((method, "adam", lr) for lr in (1e-3, 1e-4, 3e-4, 3e-5) for m
     (method, "sgd", lr) for lr in (0.01, 0.001) for method in ("dpsgd", "proj")) + (("proj", "adam", 1e-5),)
 
 
-def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[dict]:  # noqa: ANN001
+def train_runs(cfg, runs: Path, seed: int, threads: int, on_run=None) -> list[dict]:
     from fedpose.shared.training.runs import run_train
 
     rows = []
@@ -215,7 +214,7 @@ def main() -> None:
     result = {"points": [], "training": [], "steps": args.steps, "signal_batch": args.signal_batch,
               "seed": args.seed, "config": args.config, **provenance(command=" ".join(sys.argv))}
 
-    def write(**values) -> None:  # after each training run and after each diagnosis point  # noqa: ANN003
+    def write(**values) -> None:  # after each training run and after each diagnosis point
         result.update(values, seconds=round(time.perf_counter() - t0, 1))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

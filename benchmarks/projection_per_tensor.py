@@ -20,18 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from fedpose.shared.configuration.schema import load_config, replace  # noqa: E402
-from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
-from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
-from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, project, unflatten  # noqa: E402
-from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks  # noqa: E402
-from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E402
-from fedpose.shared.training.provenance import provenance  # noqa: E402
-from fedpose.shared.training.runs import ensure_data, initial_model, load_records, private_records  # noqa: E402
+from fedpose.shared.configuration.schema import load_config, replace
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, project, unflatten
+from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks
+from fedpose.shared.training.batches import make_dataset, to_device
+from fedpose.shared.training.provenance import provenance
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records, private_records
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,7 +46,7 @@ def _tensor_frame(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([(parts[n] / (_rms(parts[n]) + 1e-30)).flatten() for n in sorted(parts)])
 
 
-def measure(loss_fn, params, public_batch, private_batch, cfg, scaled: bool) -> dict:  # noqa: ANN001
+def measure(loss_fn, params, public_batch, private_batch, cfg, scaled: bool) -> dict:
     """The per-tensor and overall figures of the module docstring, with the public scales or without."""
     options = {"k": cfg.privacy.k, "chunk_size": cfg.privacy.chunk_size, "clip": cfg.privacy.basis_clip}
     basis, scales = (compute_scaled_basis(loss_fn, params, public_batch, **options) if scaled

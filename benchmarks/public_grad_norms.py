@@ -16,22 +16,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from fedpose.shared.configuration.schema import load_config  # noqa: E402
-from fedpose.shared.model.lora import add_adapters  # noqa: E402
-from fedpose.shared.model.posenet import TASK_SCALE  # noqa: E402
-from fedpose.shared.model.pose_loss import make_loss_fn  # noqa: E402
-from fedpose.shared.model.strategy import apply_strategy  # noqa: E402
-from fedpose.shared.privacy.step.persample import iter_per_sample_grads, robust_norms  # noqa: E402
-from fedpose.shared.training.provenance import provenance  # noqa: E402
-from fedpose.shared.training.runs import ensure_data, initial_model, load_records  # noqa: E402
-from fedpose.shared.training.batches import make_dataset, to_device  # noqa: E402
+from fedpose.shared.configuration.schema import load_config
+from fedpose.shared.model.lora import add_adapters
+from fedpose.shared.model.posenet import TASK_SCALE
+from fedpose.shared.model.pose_loss import make_loss_fn
+from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.privacy.step.persample import iter_per_sample_grads, robust_norms
+from fedpose.shared.training.provenance import provenance
+from fedpose.shared.training.runs import ensure_data, initial_model, load_records
+from fedpose.shared.training.batches import make_dataset, to_device
 
 
-def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -> dict:  # noqa: ANN001
+def norms_of(cfg, strategy: str, *, records: int, task_scale: bool, seed: int) -> dict:
     """Quantiles of the per-sample norms and the norm of the mean gradient of ``strategy``'s weights."""
     model = initial_model(cfg, progress=False)
     if strategy == "lora":  # the adapters as a run starts them (U = 0: only U and the heads have a gradient)
