@@ -113,6 +113,25 @@ def test_projection_and_feature_dp_audits_hold_and_say_what_they_claim(cfg, meth
 
 
 @pytest.mark.slow
+def test_an_audit_of_low_rank_adapters_counts_their_coordinates_and_holds(cfg, tmp_path):
+    """train.strategy: lora trains adapters local_train puts on the model: the Dirac canaries are drawn over the
+    adapters' and the heads' coordinates, and the bound stays below the claim."""
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.model.lora import add_adapters
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.training.runs import initial_model
+
+    lora = replace(cfg, **{"train.strategy": "lora", "train.lora_rank": 2})
+    result = run_audit(lora, AuditSpec(method="dpsgd", epsilon=4.0, canaries=500, seed=2), tmp_path,
+                       progress=False)
+    assert 0.0 <= result["epsilon_lb"] <= result["epsilon_claimed"], result
+    model = initial_model(lora, progress=False)
+    add_adapters(model, 2, torch.Generator())
+    named = dict(model.named_parameters())
+    assert result["trained_coordinates"] == sum(named[n].numel() for n in apply_strategy(model, "lora"))
+
+
+@pytest.mark.slow
 def test_input_space_canaries_black_box(cfg, tmp_path):
     sound = run_audit(cfg, AuditSpec(method="fdp", epsilon=1.0, canaries=24, mode="input", seed=0), tmp_path,
                       progress=False)

@@ -34,6 +34,7 @@ both worlds (IN and OUT).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -235,8 +236,14 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
     if spec.mode == "gradient":
         from fedpose.shared.model.strategy import apply_strategy
 
-        trainable = apply_strategy(model, cfg.train.strategy)
-        named = dict(model.named_parameters())
+        probe = model
+        if cfg.train.strategy == "lora":  # local_train puts the adapters on: count the coordinates it will train
+            from fedpose.shared.model.lora import add_adapters
+
+            probe = copy.deepcopy(model)
+            add_adapters(probe, cfg.train.lora_rank, torch.Generator())
+        trainable = apply_strategy(probe, cfg.train.strategy)
+        named = dict(probe.named_parameters())
         p = sum(named[name].numel() for name in trainable)
         if spec.placement == "dirac":
             if spec.canaries > p:
@@ -324,6 +331,7 @@ def run_audit(cfg: Config, spec: AuditSpec, out: str | Path | None = None, *, pr
         "sigma_ran": sigma_ran,
         "epsilon_ran": eps_ran,
         "psi": psi,
+        **({"trained_coordinates": p} if spec.mode == "gradient" else {}),  # where Dirac canaries are drawn
         **bound,
         "sound": bool(bound["epsilon_lb"] <= eps_claimed),
         "note": audit_note(spec.method, spec.mode, psi, spec.placement, unit=unit),

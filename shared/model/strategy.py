@@ -39,7 +39,7 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
         if not adapters:
             raise ValueError("train.strategy lora trains low-rank adapters, and this model carries none: adapters "
                              "are added and merged inside one centralized training run (fedpose train, fedpose "
-                             "study); a federation (whole weights) and fedpose audit do not run it")
+                             "study, fedpose audit); a federation (whole weights) does not run it")
         return [n for n in names if n in adapters or (n.startswith(("head.", "face_head.")) and n != TASK_SCALE)]
     if strategy not in ("finetune", "bitfit", "bitfit-head"):
         raise ValueError(f"unknown strategy {strategy!r}; choose finetune, full, scratch, bitfit, bitfit-head, "
