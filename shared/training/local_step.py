@@ -4,8 +4,8 @@
 then calls, every step:
 
 1. ``sample``: a Poisson sample of the private records (q = the spec's sample rate; P4), or of patients at
-   patient level, or K augmented copies of each sampled record (augmentation multiplicity); nonprivate draws a
-   plain batch;
+   patient level, or K augmented copies of each sampled record (augmentation multiplicity), or each record's
+   image beside psi of its canonical crop (``train.images: raw+psi``); nonprivate draws a plain batch;
 2. ``public_batch``: for fdp / fpdp, psi of exactly ``train.public_batch_size`` canonical crops (P3, P13, P17);
 3. ``gradient``: V refreshed from public data when due (P2), then ``fpdp.dp_gradient`` (P1, P14, P15);
 4. ``update``: the optimizer step at the schedule's learning rate, and the iterate average.
