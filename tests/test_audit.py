@@ -132,6 +132,20 @@ def test_an_audit_of_low_rank_adapters_counts_their_coordinates_and_holds(cfg, t
 
 
 @pytest.mark.slow
+def test_an_audit_of_records_clipped_with_their_blurred_copies_holds(cfg, tmp_path):
+    """train.images: raw+psi under the recipe's method: each record's image and blur form one clipped term, a canary
+    (in V's span) another; the bound stays below the record-level claim, calibrated as for raw images alone."""
+    from fedpose.shared.configuration.schema import replace
+
+    paired = replace(cfg, **{"train.images": "raw+psi"})
+    result = run_audit(paired, AuditSpec(method="proj", epsilon=4.0, canaries=500, seed=2), tmp_path,
+                       progress=False)
+    assert 0.0 <= result["epsilon_lb"] <= result["epsilon_claimed"], result
+    assert result["epsilon_claimed"] == pytest.approx(4.0, rel=0.02) and result["epsilon_claimed"] <= 4.0 + 1e-9
+    assert "record-level" in result["note"] and "psi(x)" not in result["note"]
+
+
+@pytest.mark.slow
 def test_input_space_canaries_black_box(cfg, tmp_path):
     sound = run_audit(cfg, AuditSpec(method="fdp", epsilon=1.0, canaries=24, mode="input", seed=0), tmp_path,
                       progress=False)

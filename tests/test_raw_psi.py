@@ -117,3 +117,49 @@ def test_raw_psi_is_refused_at_patient_level():
     step = DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.1, expected_batch=4.0, unit="patient")
     with pytest.raises(ValueError, match="privacy.unit 'patient'"):
         LocalRun(step, 1, train, cfg.privacy)
+
+
+def test_a_steps_noisy_sum_clips_each_records_image_and_blur_as_one_like_a_per_example_loop(world):
+    """The rows a raw+psi step samples, through the real pose model: (sum_i clip((g(x_i) + g(psi_i)) / 2, C) +
+    N(0, sigma^2 C^2 I)) / B, each pair's mean by its own autograd calls, equals what the step releases."""
+    import dataclasses
+
+    import fedpose.shared.training.batches as batches
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.privacy.step.fpdp import dp_gradient
+    from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
+    from fedpose.shared.privacy.step.subspace import flatten
+    from fedpose.shared.training.local_step import StepPhases
+    from fedpose.shared.training.loop import LocalData, LocalRun, step_spec
+    from fedpose.shared.training.runs import initial_model
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 6, "train.images": "raw+psi"})
+    data = LocalData(batches.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=0))
+    run = LocalRun(step_spec("dpsgd", cfg.train, cfg.privacy, sigma=1.3, data=data), 1, cfg.train, cfg.privacy)
+    model = initial_model(cfg, progress=False).eval()
+    phases = StepPhases(model, data, run, make_generator(3)[0], basis=None, optimizer=None, audit=None)
+    batch, groups = phases.sample()
+    records = batch["image"].shape[0] // 2
+    assert records >= 3 and groups.tolist() == [j for j in range(records) for _ in range(2)]
+    params = {name: phases.named[name].detach() for name in phases.trainable}
+    loss_fn = phases.loss_fn
+    rows = []  # each row's gradient by its own autograd call
+    for row in range(2 * records):
+        leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
+        rows.append(flatten(dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))))
+    pairs = [(rows[2 * r] + rows[2 * r + 1]) / 2 for r in range(records)]
+    clip = sorted(float(m.norm()) for m in pairs)[records // 2] * 1.01  # some pairs clipped, some not
+
+    def clipped_sum(vectors):
+        return sum(v * min(1.0, clip / (float(v.norm()) + 1e-6)) for v in vectors)
+
+    want = clipped_sum(pairs)
+    spec = dataclasses.replace(run.step, clip_norm=clip, chunk_size=3)  # chunks that split a record's pair
+    got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
+                            generator=make_generator(8, "cpu")[0], basis=None)
+    noise = gaussian_noise_like(params, std=1.3 * clip, generator=make_generator(8, "cpu")[0])
+    torch.testing.assert_close(flatten(got), (want + flatten(noise)) / spec.expected_batch, rtol=1e-4, atol=1e-5)
+    assert info["batch_size"] == records  # records, not rows
+    assert not torch.allclose(clipped_sum(rows), want, rtol=1e-3)  # not the image and its blur as two records
