@@ -117,8 +117,9 @@ def provision(out: Path, *, sites: list[str], hosts: list[str], port: int, cfg, 
         log.warning("the federation's method %s is Feature-DP: the sites' policies accept dpsgd and proj only, "
                     "unless a site opts in to Feature-DP (release_blurred_images_and_labels: true); for a "
                     "record-level federation provision with the recipe of docs/how-to/server.md "
-                    "(--set train.method=proj --set train.optimizer=sgd --set train.momentum=0.9 --set train.lr=0.003 "
-                    "--set federation.site_optimizer=keep)", cfg.train.method)
+                    "(--set train.method=proj --set train.images=raw+psi --set train.optimizer=sgd "
+                    "--set train.momentum=0.9 --set train.lr=0.003 --set federation.site_optimizer=keep)",
+                    cfg.train.method)
     return kits
 
 

@@ -346,7 +346,8 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, command)])
 
 
-RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the best record-level recipe (proj)
+RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the record-level recipe's step (proj)
+BEST = "train.images=raw+psi, " + RECIPE  # the best record-level recipe: each record clipped with its blurred copy
 SETTING_ORDER = ("centralized", "reference", "federated")
 SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
@@ -360,16 +361,17 @@ def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
     records = _one_start(_own_ward(records))
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
-    recipe = _pckh(records, method="proj", strategy="full", variant=RECIPE, setting="centralized")
+    recipe = _pckh(records, method="proj", strategy="full", variant=BEST, setting="centralized")
     federated = _pckh(records, method="proj", strategy="full", setting="federated",
-                      variant=RECIPE + ", federation.site_optimizer=keep")
+                      variant=BEST + ", federation.site_optimizer=keep")
     fpdp = _pckh(records, method="fpdp", strategy="full", variant="", epsilon=0.8)
     psi = _pckh(records, method="psi-only", variant="")
     if not (start and nonprivate and recipe and fpdp and psi):
         return "_The record-level study has not finished yet._"
     low, top = start[0], statistics.mean(nonprivate)
     return (f"On the same ward, trained centrally on the three sites' 1,200 images at epsilon 0.8 ({len(recipe)} "
-            f"seeds): record-level DP, whose guarantee covers each image (`proj` with SGD and momentum), reaches "
+            f"seeds): record-level DP, whose guarantee covers each image (`proj` with SGD and momentum, each image "
+            f"clipped with its blurred copy), reaches "
             f"**{statistics.mean(recipe):.1f}**, {_gain_share(statistics.mean(recipe), low, top):.2f} of the gain "
             f"from the start ({low:.1f}, public data only) to the non-private run ({top:.1f}, no guarantee)"
             + (f", and {statistics.mean(federated):.1f} federated across the three sites, each accounting for its "
