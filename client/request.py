@@ -40,8 +40,8 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.train.strategy == "lora":  # adapters are made and merged inside one centralized run
         raise Refusal(RefusalCode.BAD_REQUEST, "train.strategy='lora' is for centralized runs only: its adapters live "
                                                "inside one run, and a round trains the weights it was sent")
-    conflict = raw_psi_conflict(method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
-    if cfg.train.images == "raw+psi" and conflict:  # the run would refuse it after the charge
+    conflict = raw_psi_conflict(cfg.train.images, method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
+    if conflict:  # the run would refuse it after the charge
         raise Refusal(RefusalCode.BAD_REQUEST, conflict)
     if method not in policy.allowed_methods:
         raise Refusal(RefusalCode.POLICY,

@@ -28,6 +28,6 @@ def refuse_centralized_only(cfg: Config) -> None:
     if cfg.train.strategy == "lora":  # the sites would refuse every request (client/request.py)
         raise ConfigError("train.strategy: lora is for centralized runs only: its adapters are made and merged inside "
                           "one run, while a federation sends and averages whole weights; choose full or finetune")
-    conflict = raw_psi_conflict(cfg.train.method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
-    if cfg.train.images == "raw+psi" and conflict:  # the sites would refuse every request (client/request.py)
+    conflict = raw_psi_conflict(cfg.train.images, cfg.train.method, cfg.privacy.unit, cfg.privacy.augment_multiplicity)
+    if conflict:  # the sites would refuse every request (client/request.py)
         raise ConfigError(conflict)

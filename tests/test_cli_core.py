@@ -72,6 +72,20 @@ def test_train_every_method_from_a_fresh_directory(tiny, method, capsys):
         assert "Feature-DP" in metrics["claim"] and "not record-level" in metrics["claim"]
     if method in ("dpsgd", "proj"):
         assert "record-level" in metrics["claim"] and "Feature-DP" not in metrics["claim"]
+    assert metrics["images"] == "raw"
+
+
+def test_a_run_that_clips_each_image_with_its_blurred_copy_names_both_and_claims_record_level(tiny):
+    from fedpose.shared.configuration.schema import load_config
+    from fedpose.shared.privacy.step.psi import psi_label_of
+
+    out = tiny / "run-raw-psi"
+    code = main(["train", "--config", str(tiny / "cfg.yaml"), "--method", "proj", "--epsilon", "2.0", "--seed", "5",
+                 "--set", "train.images=raw+psi", "--out", str(out), "--quiet"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["images"] == "raw+" + psi_label_of(load_config(tiny / "cfg.yaml").privacy)
+    assert "record-level" in metrics["claim"] and "Feature-DP" not in metrics["claim"]
 
 
 def test_eval_prints_json_and_writes_predictions_in_order(tiny, capsys):

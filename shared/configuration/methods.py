@@ -31,13 +31,14 @@ Unit = Literal["record", "patient"]
 UNITS: tuple[Unit, ...] = get_args(Unit)
 
 
-def raw_psi_conflict(method: str, unit: str, multiplicity: int) -> str | None:
-    """Why ``train.images: raw+psi`` cannot run with this method, unit and augmentation multiplicity; None if it can.
+def raw_psi_conflict(images: str, method: str, unit: str, multiplicity: int) -> str | None:
+    """Why ``train.images`` raw+psi cannot run with this method, unit and augmentation multiplicity; None if it can
+    (and for any other ``images``).
 
     It clips a record's image and psi of its crop as one group, which keeps one record's bound only where the step
     clips per record and adds nothing of psi(x) outside the clip. The one rule the run, a site and the server read.
     """
-    if method in WITH_PUBLIC or unit != "record" or multiplicity > 1:
+    if images == "raw+psi" and (method in WITH_PUBLIC or unit != "record" or multiplicity > 1):
         return (f"train.images: raw+psi clips a record's image and its psi(x) as one group, for nonprivate, dpsgd "
                 f"or proj at record level without augmentation multiplicity; method is {method!r}, privacy.unit "
                 f"{unit!r}, augment_multiplicity {multiplicity}")

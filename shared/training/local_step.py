@@ -114,8 +114,9 @@ class StepPhases:
         else:
             idx = poisson_sample(n, sample_rate=spec.sample_rate, generator=self.generator)
             self.batch_sizes.append(int(idx.numel()))
-            if self.run.privacy.augment_multiplicity > 1:  # K augmented copies of each record, clipped as one mean
-                idx, groups = augmented_copies(idx, spec.multiplicity)
+            copies = self.run.privacy.augment_multiplicity  # spec.multiplicity counts raw+psi's pair too
+            if copies > 1:  # K augmented copies of each sampled record, clipped as one mean
+                idx, groups = augmented_copies(idx, copies)
         raw = self.private.batch(idx.tolist())
         if self.run.train.images == "psi":  # the psi(x)-only baseline trains on psi of its (canonical) batch
             return self._psi_of(raw), groups

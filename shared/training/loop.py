@@ -114,8 +114,9 @@ class LocalRun:
                              f"a run of {total}")
         if self.train.images == "psi" and self.step.method != "nonprivate":
             raise ValueError(f"train.images='psi' is a non-private baseline; method is {self.step.method!r}")
-        conflict = raw_psi_conflict(self.step.method, self.step.unit, self.privacy.augment_multiplicity)
-        if self.train.images == "raw+psi" and conflict:
+        conflict = raw_psi_conflict(self.train.images, self.step.method, self.step.unit,
+                                    self.privacy.augment_multiplicity)
+        if conflict:
             raise ValueError(conflict)
 
     @property

@@ -331,8 +331,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "clip": cfg.privacy.clip_norm if method in PRIVATE else None,
         "accountant": cfg.privacy.accountant if method in PRIVATE else None,
         "psi": spent["psi"],
-        "images": {"raw": "raw", "psi": psi_label_of(cfg.privacy)}.get(cfg.train.images,
-                                                                       f"raw+{psi_label_of(cfg.privacy)}"),
+        "images": cfg.train.images.replace("psi", psi_label_of(cfg.privacy)),  # raw, blur(0.03), raw+blur(0.03)
         "k": cfg.privacy.k if method in PROJECTED else None,
         "k_min": result.narrowest_basis,  # fewer than k when the public gradients spanned fewer directions
         "seeded": seeded,
