@@ -504,6 +504,28 @@ def test_dataset_batch_shapes_empty_batch_and_seeded_augmentation(ward: Path) ->
         collate([])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_is_its_items_drawn_in_order_whatever_the_threads_rendering_it(ward: Path, threads: int) -> None:
+    """batch() renders crops in a pool of torch's thread count; each item's draws still come from the dataset's
+    generator in order, so the batch equals the same items taken one by one (photometric jitter and face labels
+    included), bit for bit."""
+    records = load_split(ward, "site-1")
+    indices = [3, 1, 3, 0, 2, 1, 0, 2]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for augment in (Augment(photometric=0.5), Augment(), None):
+            one = PoseDataset(records, input_size=(48, 40), augment=augment, seed=5, face_tasks=True)
+            expected = collate([one[i] for i in indices])
+            batch = PoseDataset(records, input_size=(48, 40), augment=augment, seed=5, face_tasks=True).batch(indices)
+            assert batch.keys() == expected.keys()
+            for key, value in expected.items():
+                assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), (augment, key)
+            assert batch["image"].is_contiguous()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_joints_outside_the_crop_are_invisible(ward: Path) -> None:
     record = load_split(ward, "public")[0]
     # A small box around the head: the legs fall outside the crop.

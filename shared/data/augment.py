@@ -6,6 +6,7 @@ applies, and a photometric jitter of the crop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,16 +53,34 @@ def sample_augment(rng: np.random.Generator, augment: Augment) -> tuple[float, f
     return scale_mult, rotation, flip
 
 
-def photometric_jitter(crop: np.ndarray, rng: np.random.Generator, strength: float) -> np.ndarray:
-    """(H, W, 3) uint8 -> (H, W, 3) uint8 with the jitter of ``Augment.photometric`` drawn from ``rng``."""
+class Jitter(NamedTuple):
+    """One photometric jitter's draws (``draw_jitter``), applied by ``apply_jitter``."""
+
+    gain: np.ndarray  # (3,) float32, per channel
+    contrast: np.float32
+    brightness: np.float32
+    noise: np.ndarray | None  # (H, W, 3) float32 sensor noise (already scaled), None when its std drew 0
+
+
+def draw_jitter(rng: np.random.Generator, strength: float, shape: tuple[int, ...]) -> Jitter:
+    """The draws of ``Augment.photometric`` at ``strength`` for a crop of ``shape`` (H, W, 3), from ``rng``.
+
+    Drawn apart from the crop so that a batch can take every draw from one generator in order and render its
+    crops in parallel (``PoseDataset.batch``)."""
     p = float(strength)
-    gain = rng.uniform(1.0 - p, 1.0 + p, size=3).astype(np.float32)  # per channel
+    gain = rng.uniform(1.0 - p, 1.0 + p, size=3).astype(np.float32)
     contrast = np.float32(rng.uniform(1.0 - p, 1.0 + p))
     brightness = np.float32(rng.uniform(-48.0 * p, 48.0 * p))
-    noise = float(rng.uniform(0.0, 12.0 * p))
-    out = crop.astype(np.float32) * gain
+    std = float(rng.uniform(0.0, 12.0 * p))
+    noise = rng.standard_normal(shape).astype(np.float32) * np.float32(std) if std > 0 else None
+    return Jitter(gain, contrast, brightness, noise)
+
+
+def apply_jitter(crop: np.ndarray, jitter: Jitter) -> np.ndarray:
+    """(H, W, 3) uint8 -> (H, W, 3) uint8: gain, contrast about the crop's mean, brightness, then the noise."""
+    out = crop.astype(np.float32) * jitter.gain
     mean = out.mean(dtype=np.float32)
-    out = (out - mean) * contrast + mean + brightness
-    if noise > 0:
-        out += rng.standard_normal(out.shape).astype(np.float32) * np.float32(noise)
+    out = (out - mean) * jitter.contrast + mean + jitter.brightness
+    if jitter.noise is not None:
+        out += jitter.noise
     return np.clip(out, 0.0, 255.0).round().astype(np.uint8)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from fedpose.shared.data.augment import Augment, photometric_jitter, sample_augment
+from fedpose.shared.data.augment import Augment, Jitter, apply_jitter, draw_jitter, sample_augment
 from fedpose.shared.data.face import NUM_LANDMARKS
 from fedpose.shared.data.image_files import read_image
 from fedpose.shared.data.joints import NUM_JOINTS
@@ -47,6 +49,15 @@ def _empty_face(n: int, *, squeeze: bool = False) -> dict[str, Tensor]:
     out = {key: torch.zeros(lead + shape) for key, shape in shapes.items()}
     out["face_attribute"] = torch.full(lead, -1, dtype=torch.int64)
     return out
+
+
+class _Draws(NamedTuple):
+    """What one item draws from the dataset's generator: the box's scale multiplier, rotation, flip, jitter."""
+
+    scale_mult: float
+    rotation: float
+    flip: bool
+    jitter: Jitter | None
 
 
 class PoseDataset(Dataset):
@@ -105,24 +116,36 @@ class PoseDataset(Dataset):
 
     def _sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool]:
         """``sample`` plus the augmentation drawn: the (2, 3) matrix, the rotation (degrees) and the flip."""
+        return self._render(index, self._draw(index))
+
+    def _draw(self, index: int) -> _Draws:
+        """Everything item ``index`` takes from the dataset's generator, in the order it always took it."""
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)} records")
+        if self.augment is None:
+            return _Draws(1.0, 0.0, False, None)
+        scale_mult, rotation, flip = sample_augment(self.rng, self.augment)
+        jitter = None
+        if self.augment.photometric > 0:
+            jitter = draw_jitter(self.rng, self.augment.photometric, (*self.input_size, 3))
+        return _Draws(scale_mult, rotation, flip, jitter)
+
+    def _render(self, index: int, draws: _Draws) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float,
+                                                          bool]:
+        """Item ``index`` with ``draws`` applied: no generator is read here, so renders may run in parallel."""
         record = self.records[index]
-        scale, rotation, flip = record.scale, 0.0, False
-        if self.augment is not None:
-            scale_mult, rotation, flip = sample_augment(self.rng, self.augment)
-            scale *= scale_mult
-        matrix = affine_matrix(record.center, scale, self.input_size, rotation=rotation)
+        matrix = affine_matrix(record.center, record.scale * draws.scale_mult, self.input_size,
+                               rotation=draws.rotation)
         crop = warp_image(self._image(index), matrix, self.input_size)  # (H, W, 3)
         joints = warp_points(record.joints, matrix)  # (16, 2) input px
         visible = record.visible.copy()
-        if flip:
+        if draws.flip:
             crop, joints, visible = flip_horizontal(crop, joints, visible, self.input_size[1])
-        if self.augment is not None and self.augment.photometric > 0:
-            crop = photometric_jitter(crop, self.rng, self.augment.photometric)
+        if draws.jitter is not None:
+            crop = apply_jitter(crop, draws.jitter)
         visible &= inside(joints, self.input_size)
         joints[~visible] = 0.0
-        return crop, joints, visible, matrix, float(rotation), bool(flip)
+        return crop, joints, visible, matrix, float(draws.rotation), bool(draws.flip)
 
     def _face_items(self, index: int, matrix: np.ndarray, rotation: float, flip: bool) -> dict[str, Tensor]:
         face = self.records[index].face
@@ -141,17 +164,19 @@ class PoseDataset(Dataset):
         }
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        crop, joints, visible, matrix, rotation, flip = self._sample(int(index))
-        rgb = cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
-        image = torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0)  # (3, H, W)
-        item = {
-            "image": image,
-            "joints": torch.from_numpy(joints),
-            "visible": torch.from_numpy(visible.astype(np.float32)),
-            "index": torch.tensor(int(index), dtype=torch.int64),
-        }
+        return self._item(int(index), self._sample(int(index)))
+
+    def _item(self, index: int, sample: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool],
+              *, image: bool = True) -> dict[str, Tensor]:
+        """The item's tensors from its rendered ``sample`` (without the image when ``image`` is False)."""
+        crop, joints, visible, matrix, rotation, flip = sample
+        item = {"joints": torch.from_numpy(joints), "visible": torch.from_numpy(visible.astype(np.float32)),
+                "index": torch.tensor(index, dtype=torch.int64)}
+        if image:
+            rgb = cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
+            item = {"image": torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0), **item}  # (3, H, W)
         if self.face_tasks:
-            item.update(self._face_items(int(index), matrix, rotation, flip))
+            item.update(self._face_items(index, matrix, rotation, flip))
         return item
 
     def canonical(self) -> PoseDataset:
@@ -172,7 +197,28 @@ class PoseDataset(Dataset):
                 "index": torch.empty((0,), dtype=torch.int64),
             }
             return {**empty, **_empty_face(0)} if self.face_tasks else empty
-        return collate([self[int(i)] for i in indices])
+        # The draws are taken from the generator in order, one item after another (the same stream as item by
+        # item); the crops, which read no generator, are rendered by a pool of torch's thread count.
+        order = [int(i) for i in indices]
+        draws = [self._draw(i) for i in order]
+        if self.cache_images:  # decode each new image once, here, before the threads read the cache
+            for i in dict.fromkeys(order):
+                self._image(i)
+        images = torch.empty((len(order), 3, *self.input_size), dtype=torch.float32)
+
+        def render(row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool]:
+            sample = self._render(order[row], draws[row])
+            images[row].copy_(torch.from_numpy(sample[0]).permute(2, 0, 1).flip(0))  # BGR (H, W, 3) -> RGB (3, H, W)
+            return sample
+
+        workers = min(len(order), torch.get_num_threads())
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                samples = list(pool.map(render, range(len(order))))
+        else:
+            samples = [render(row) for row in range(len(order))]
+        batch = collate([self._item(i, s, image=False) for i, s in zip(order, samples)])
+        return {"image": images.div_(255.0), **batch}
 
     @staticmethod
     def worker_init(worker_id: int) -> None:
