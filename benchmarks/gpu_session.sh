@@ -37,11 +37,11 @@ python3 -c "import os, torch; print('torch', torch.__version__, torch.cuda.get_d
 date -u +"start %H:%M:%S"
 
 echo "== batch assembly on this machine's CPU (256 crops at 256x192 from 320 px images)"
-timeout 60 python3 "$REPO/benchmarks/batch_assembly.py" --threads 1,8,16 --batch 256 --rounds 3 \
+timeout 60 python3 "$REPO/benchmarks/batch_assembly.py" --threads 1,16 --batch 256 --rounds 2 \
     --out "$OUT/batch_assembly.json"
 
 echo "== the paper-model study ($STUDY_CONFIG), $(left) s left"
-timeout -s TERM -k 20 "$(( $(left) - 90 ))" python3 -m fedpose.cli.main study --config "$STUDY_CONFIG" \
+timeout -s TERM -k 20 "$(( $(left) - 60 ))" python3 -m fedpose.cli.main study --config "$STUDY_CONFIG" \
     --out runs/study-paper-gpu --jobs 2 --record runs/study-paper-gpu-record
 python3 -m fedpose.cli.main study --config "$STUDY_CONFIG" --out runs/study-paper-gpu --report-only --quiet
 tar -czf "$OUT/study-paper-gpu.tar.gz" runs/study-paper-gpu-record runs/study-paper-gpu/*.md runs/study-paper-gpu/*.csv \
