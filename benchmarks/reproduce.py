@@ -132,9 +132,19 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/dp_step.py", "--repeats", "9", "--out", "{out}/dp_step.json"),
     ), results=("dp_step.json",)),
     Entry("dp-step-cuda", "the same steps on a GPU at the paper's input and batch (a machine with CUDA torch)", (
-        ("{py}", "benchmarks/dp_step.py", "--device", "cuda", "--variants", "tinyvit-5m", "--repeats", "10",
+        ("{py}", "benchmarks/dp_step.py", "--device", "cuda", "--variants", "tinyvit-5m", "--repeats", "5",
          "--input", "256x192", "--batch", "256", "--chunk", "32", "--out", "{out}/dp_step_cuda.json"),
     ), results=("dp_step_cuda.json",)),
+    Entry("batch-assembly-gpu", "how fast the training process assembles batches, by thread count (run on the GPU "
+                                "machine: its CPU feeds the GPU)", (
+        ("{py}", "benchmarks/batch_assembly.py", "--threads", "1,16", "--batch", "256", "--rounds", "2", "--out",
+         "{out}/batch_assembly_gpu.json"),
+    ), results=("batch_assembly_gpu.json",)),
+    Entry("study-paper-gpu", "the paper's model and input: the record-level recipe, fpdp, non-private, psi-only and "
+                             "the start (CUDA torch; benchmarks/gpu_session.sh runs it with the above)", (
+        (*FEDPOSE, "study", "--config", "configs/study-paper-gpu.yaml", "--out", "{out}/study-paper-gpu", "--record",
+         "benchmarks/results/study-paper-gpu", "--jobs", "2"),
+    ), records=("study-paper-gpu",)),
     Entry("deploy-round", "a round on Flower's deployment engine, warm start and cold (machine idle)", (
         ("{py}", "benchmarks/deploy_round.py", "--rounds", "4", "--out", "{out}/deploy_round.json"),
     ), results=("deploy_round.json",)),

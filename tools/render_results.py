@@ -304,13 +304,17 @@ def render_recordlevel_proxy_start(records: list[dict[str, Any]]) -> str:
     return render_recordlevel_start(records, command=RECORDLEVEL_PROXY)
 
 
-def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL, *, own_ward: bool = True) -> str:
+def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL, *, own_ward: bool = True,
+                       strategy: str = "full", validation: str = "the 240-image validation split",
+                       runs: str = "one torch thread") -> str:
     """benchmarks/results/study-recordlevel/: the record-level recipes beside the start, non-private, psi-only and
     the study's methods, centralized at eps 0.8; each row's share of the gain (non-private minus the start).
-    ``own_ward``: leave out the cells of another ward (``render_recordlevel_start`` shows them)."""
+    ``own_ward``: leave out the cells of another ward (``render_recordlevel_start`` shows them). ``strategy``: the
+    study's own (its non-private run is the gain's end; rows of another one name theirs); ``validation`` and
+    ``runs`` are said in the note under the table."""
     records = _one_start(_own_ward(records) if own_ward else records)
     start = _pckh(records, method="pretrained")
-    nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
+    nonprivate = _pckh(records, method="nonprivate", strategy=strategy, variant="")
     if not start or not nonprivate:
         return "_The start and the non-private run have not finished yet._"
     low, gain = start[0], statistics.mean(nonprivate) - start[0]
@@ -322,9 +326,9 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
                      if r["cell"]["method"] != "pretrained"},
                     key=lambda p: (SETTING_ORDER.index(p[4]),
                                    ("nonprivate", "psi-only", "fpdp", "dpsgd", "proj").index(p[0]),
-                                   p[1] != "full", p[1], p[3], p[5] or 0.0, p[2] or 0.0))
-    for method, strategy, clip, variant, setting, epsilon in points:
-        rows = _records(records, method=method, strategy=strategy, clip=clip, variant=variant, setting=setting,
+                                   p[1] != strategy, p[1], p[3], p[5] or 0.0, p[2] or 0.0))
+    for method, strategy_of, clip, variant, setting, epsilon in points:
+        rows = _records(records, method=method, strategy=strategy_of, clip=clip, variant=variant, setting=setting,
                         epsilon=epsilon)
         values = [float(r["metrics"]["pckh"]["mean"]) for r in rows]
         eps = [r["metrics"].get("epsilon") for r in rows]
@@ -335,15 +339,53 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
         share = (statistics.mean(values) - low) / gain
         label = ", ".join([*([SETTING_LABEL[setting]] if setting in SETTING_LABEL else []), method,
                            *([f"eps {epsilon:g}"] if epsilon not in (None, 0.8) else []),
-                           *([strategy] if strategy != "full" else []),
+                           *([strategy_of] if strategy_of != strategy else []),
                            *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
         lines.append(f"| {label} | {_guarantee(method)} | {_stat(values)} | {share:.2f} | {eps_text} | "
                      f"{', '.join(f'{v:g}' for v in sorted(sigma))} | {', '.join(map(str, sorted(steps)))} | "
                      f"{minutes:.1f} |")
-    notes = [f"PCKh@0.5 on the 240-image validation split, mean ± std (seeds); the gain is non-private minus the "
+    notes = [f"PCKh@0.5 on {validation}, mean ± std (seeds); the gain is non-private minus the "
              f"start ({statistics.mean(nonprivate):.2f} - {low:.2f} = {gain:.2f}); epsilon is the accountant's for the "
-             "(sigma, q, steps) that ran, the largest over seeds (delta 1e-5); minutes per run, one torch thread."]
+             f"(sigma, q, steps) that ran, the largest over seeds (delta 1e-5); minutes per run, {runs}."]
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, command)])
+
+
+PAPER_GPU = ("fedpose study --config configs/study-paper-gpu.yaml --out runs/study-paper-gpu --jobs 2 "
+             "--record benchmarks/results/study-paper-gpu")
+
+
+def render_paper_gpu(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-paper-gpu/: the paper's model and input on a GPU, the best record-level recipe beside
+    fpdp, non-private, psi-only and the start (``benchmarks/gpu_session.sh``)."""
+    gpus = sorted({str(r["metrics"]["provenance"].get("gpu")) for r in records if r["metrics"].get("provenance")})
+    val = {r["metrics"]["data"].get("records", {}).get("val") for r in records if r["metrics"].get("data")} - {None}
+    where = f"the {val.pop():,}-image validation split" if len(val) == 1 else "the validation split"
+    return (f"GPU-measured on one {', '.join(gpus)}.\n\n"
+            + render_recordlevel(records, command=PAPER_GPU, own_ward=False, strategy="finetune", validation=where,
+                                 runs="two cells side by side on the one GPU"))
+
+
+def render_batch_assembly(data: dict[str, Any]) -> str:
+    """benchmarks/results/batch_assembly*.json (benchmarks/batch_assembly.py): a training process's batches a second."""
+    h, w = data["input"]
+    rates = data["images_per_second"]
+    threads = sorted({int(n) for by in rates.values() for n in by})
+    labels = {"train": "a private step's batch (scale, rotation, flip)",
+              "pretrain": "public pretraining's batch (and the photometric jitter)",
+              "canonical": "the unaugmented crops psi is applied to"}
+    rows = [f"Batch {data['batch']} at {h}x{w} from 320 px images, images per second, median (min-max) of "
+            f"{data['rounds']} interleaved rounds.", "",
+            "| batch | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in threads) + " |",
+            "|---|" + "---|" * len(threads)]
+    for kind, by in rates.items():
+        one = by[str(threads[0])]["median"]
+        cells = []
+        for n in threads:
+            v = by[str(n)]
+            speedup = f", x{v['median'] / one:.2f}" if n != threads[0] else ""
+            cells.append(f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f}){speedup}")
+        rows.append(f"| {labels.get(kind, kind)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 
 RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the record-level recipe's step (proj)
@@ -862,6 +904,8 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
+    "batch-assembly-gpu": ("batch_assembly_gpu.json", render_batch_assembly),
+    "paper-gpu": ("study-paper-gpu", render_paper_gpu),
     "edge-latency": ("edge_latency.json", render_edge_latency),
     "deploy-round": ("deploy_round.json", render_deploy_round),
 }
