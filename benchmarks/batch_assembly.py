@@ -85,7 +85,8 @@ def main() -> None:
             f"--{k} {v}" for k, v in [("threads", args.threads), ("batch", args.batch), ("input", args.input)])
         args.out.write_text(json.dumps({"batch": args.batch, "input": [height, width], "rounds": args.rounds,
                                         "images_per_second": result,
-                                        "provenance": provenance(command=command, seconds=time.time() - started)},
+                                        "provenance": provenance(command=command, seconds=time.time() - started,
+                                                                 threads=args.threads)},
                                        indent=2) + "\n")
 
 

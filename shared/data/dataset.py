@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -19,12 +17,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from fedpose.shared.data.augment import Augment, Jitter, apply_jitter, draw_jitter, sample_augment
+from fedpose.shared.data.augment import Augment
+from fedpose.shared.data.crops import Crop, draw, render, render_batch
 from fedpose.shared.data.face import NUM_LANDMARKS
 from fedpose.shared.data.image_files import read_image
 from fedpose.shared.data.joints import NUM_JOINTS
-from fedpose.shared.data.records import PoseRecord, inside
-from fedpose.shared.data.transforms import affine_matrix, flip_horizontal, transform_face, warp_image, warp_points
+from fedpose.shared.data.records import PoseRecord
+from fedpose.shared.data.transforms import transform_face
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +50,8 @@ def _empty_face(n: int, *, squeeze: bool = False) -> dict[str, Tensor]:
     return out
 
 
-class _Draws(NamedTuple):
-    """What one item draws from the dataset's generator: the box's scale multiplier, rotation, flip, jitter."""
-
-    scale_mult: float
-    rotation: float
-    flip: bool
-    jitter: Jitter | None
+def _out_of_range(index: int, size: int) -> IndexError:
+    return IndexError(f"index {index} out of range for a dataset of {size} records")
 
 
 class PoseDataset(Dataset):
@@ -114,38 +108,12 @@ class PoseDataset(Dataset):
         """Numpy view of one item: (crop (H, W, 3) uint8 BGR, joints (16, 2) float32, visible (16,) bool)."""
         return self._sample(index)[:3]
 
-    def _sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool]:
+    def _sample(self, index: int) -> Crop:
         """``sample`` plus the augmentation drawn: the (2, 3) matrix, the rotation (degrees) and the flip."""
-        return self._render(index, self._draw(index))
-
-    def _draw(self, index: int) -> _Draws:
-        """Everything item ``index`` takes from the dataset's generator, in the order it always took it."""
         if not 0 <= index < len(self.records):
-            raise IndexError(f"index {index} out of range for a dataset of {len(self.records)} records")
-        if self.augment is None:
-            return _Draws(1.0, 0.0, False, None)
-        scale_mult, rotation, flip = sample_augment(self.rng, self.augment)
-        jitter = None
-        if self.augment.photometric > 0:
-            jitter = draw_jitter(self.rng, self.augment.photometric, (*self.input_size, 3))
-        return _Draws(scale_mult, rotation, flip, jitter)
-
-    def _render(self, index: int, draws: _Draws) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float,
-                                                          bool]:
-        """Item ``index`` with ``draws`` applied: no generator is read here, so renders may run in parallel."""
-        record = self.records[index]
-        matrix = affine_matrix(record.center, record.scale * draws.scale_mult, self.input_size,
-                               rotation=draws.rotation)
-        crop = warp_image(self._image(index), matrix, self.input_size)  # (H, W, 3)
-        joints = warp_points(record.joints, matrix)  # (16, 2) input px
-        visible = record.visible.copy()
-        if draws.flip:
-            crop, joints, visible = flip_horizontal(crop, joints, visible, self.input_size[1])
-        if draws.jitter is not None:
-            crop = apply_jitter(crop, draws.jitter)
-        visible &= inside(joints, self.input_size)
-        joints[~visible] = 0.0
-        return crop, joints, visible, matrix, float(draws.rotation), bool(draws.flip)
+            raise _out_of_range(index, len(self.records))
+        return render(self.records[index], self._image(index), draw(self.rng, self.augment, self.input_size),
+                      self.input_size)
 
     def _face_items(self, index: int, matrix: np.ndarray, rotation: float, flip: bool) -> dict[str, Tensor]:
         face = self.records[index].face
@@ -166,8 +134,7 @@ class PoseDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         return self._item(int(index), self._sample(int(index)))
 
-    def _item(self, index: int, sample: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool],
-              *, image: bool = True) -> dict[str, Tensor]:
+    def _item(self, index: int, sample: Crop, *, image: bool = True) -> dict[str, Tensor]:
         """The item's tensors from its rendered ``sample`` (without the image when ``image`` is False)."""
         crop, joints, visible, matrix, rotation, flip = sample
         item = {"joints": torch.from_numpy(joints), "visible": torch.from_numpy(visible.astype(np.float32)),
@@ -200,25 +167,14 @@ class PoseDataset(Dataset):
         # The draws are taken from the generator in order, one item after another (the same stream as item by
         # item); the crops, which read no generator, are rendered by a pool of torch's thread count.
         order = [int(i) for i in indices]
-        draws = [self._draw(i) for i in order]
-        if self.cache_images:  # decode each new image once, here, before the threads read the cache
-            for i in dict.fromkeys(order):
-                self._image(i)
-        images = torch.empty((len(order), 3, *self.input_size), dtype=torch.float32)
-
-        def render(row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, bool]:
-            sample = self._render(order[row], draws[row])
-            images[row].copy_(torch.from_numpy(sample[0]).permute(2, 0, 1).flip(0))  # BGR (H, W, 3) -> RGB (3, H, W)
-            return sample
-
-        workers = min(len(order), torch.get_num_threads())
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                samples = list(pool.map(render, range(len(order))))
-        else:
-            samples = [render(row) for row in range(len(order))]
-        batch = collate([self._item(i, s, image=False) for i, s in zip(order, samples)])
-        return {"image": images.div_(255.0), **batch}
+        for i in order:
+            if not 0 <= i < len(self.records):
+                raise _out_of_range(i, len(self.records))
+        draws = [draw(self.rng, self.augment, self.input_size) for _ in order]
+        items = [(self.records[i], self._image(i), d) for i, d in zip(order, draws)]
+        images, crops = render_batch(items, self.input_size, torch.get_num_threads())
+        batch = collate([self._item(i, c, image=False) for i, c in zip(order, crops)])
+        return {"image": images, **batch}
 
     @staticmethod
     def worker_init(worker_id: int) -> None:
