@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import cv2
 import numpy as np
 import torch
 from torch import Tensor
@@ -132,18 +131,14 @@ class PoseDataset(Dataset):
         }
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return self._item(int(index), self._sample(int(index)))
+        return {key: value[0] for key, value in self.batch([int(index)]).items()}
 
-    def _item(self, index: int, sample: Crop, *, image: bool = True) -> dict[str, Tensor]:
-        """The item's tensors from its rendered ``sample`` (without the image when ``image`` is False)."""
-        crop, joints, visible, matrix, rotation, flip = sample
-        item = {"joints": torch.from_numpy(joints), "visible": torch.from_numpy(visible.astype(np.float32)),
+    def _labels(self, index: int, crop: Crop) -> dict[str, Tensor]:
+        """Item ``index``'s tensors besides its image, from its rendered ``crop``."""
+        item = {"joints": torch.from_numpy(crop.joints), "visible": torch.from_numpy(crop.visible.astype(np.float32)),
                 "index": torch.tensor(index, dtype=torch.int64)}
-        if image:
-            rgb = cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
-            item = {"image": torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0), **item}  # (3, H, W)
         if self.face_tasks:
-            item.update(self._face_items(index, matrix, rotation, flip))
+            item.update(self._face_items(index, crop.matrix, crop.rotation, crop.flip))
         return item
 
     def canonical(self) -> PoseDataset:
@@ -173,7 +168,7 @@ class PoseDataset(Dataset):
         draws = [draw(self.rng, self.augment, self.input_size) for _ in order]
         items = [(self.records[i], self._image(i), d) for i, d in zip(order, draws)]
         images, crops = render_batch(items, self.input_size, torch.get_num_threads())
-        batch = collate([self._item(i, c, image=False) for i, c in zip(order, crops)])
+        batch = collate([self._labels(i, c) for i, c in zip(order, crops)])
         return {"image": images, **batch}
 
     @staticmethod
