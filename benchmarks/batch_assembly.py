@@ -78,7 +78,7 @@ def main() -> None:
     for kind, by in result.items():
         one = by[str(threads[0])]["median"]
         cells = [f"{n} thr {v['median']:7.0f} ({v['min']:.0f}-{v['max']:.0f}) x{v['median'] / one:.2f}"
-                 for n, v in ((int(n), v) for n, v in by.items())]
+                 for n, v in by.items()]
         print(f"{kind:>10}: " + " | ".join(cells))
     if args.out:
         command = "python benchmarks/batch_assembly.py " + " ".join(

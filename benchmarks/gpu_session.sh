@@ -7,10 +7,10 @@
 #
 #   OUT=/tmp/gpu SECONDS_TOTAL=560 bash benchmarks/gpu_session.sh     # results and the log under $OUT
 #
-# fedpose runs as installed, from a wheel of this tree (built here when .whl/ holds none), from a scratch
-# folder, so that the repository's own fedpose/ folder does not stand in front of it. Packages the machine
-# lacks (opacus) can be put in .whl/ as wheels; everything there is installed to /tmp/site. Nothing is
-# downloaded. STUDY_CONFIG names another study file (a CPU dry run of this script uses a small one).
+# fedpose runs as installed, from a wheel of this tree (built here; one already in .whl/ only if that fails),
+# from a scratch folder, so that the repository's own fedpose/ folder does not stand in front of it. Packages
+# the machine lacks (opacus) can be put in .whl/ as wheels; everything there is installed to /tmp/site.
+# Nothing is downloaded. STUDY_CONFIG names another study file (a CPU dry run of this script uses a small one).
 set -u
 OUT=${OUT:-/tmp/fedpose-gpu}
 TOTAL=${SECONDS_TOTAL:-560}
@@ -23,8 +23,9 @@ export PYTHONUNBUFFERED=1
 left() { echo $((TOTAL - SECONDS)); }
 
 cd "$REPO" || exit 1
-if ! compgen -G ".whl/fedpose-*.whl" > /dev/null; then
-    python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w .whl . || exit 1
+if ! python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w .whl .; then
+    compgen -G ".whl/fedpose-*.whl" > /dev/null || exit 1
+    echo "WARNING: fedpose's wheel could not be built here: using the one in .whl/, which must be of this tree"
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
     exit 1
@@ -60,7 +61,9 @@ fi
 
 if [ "$(left)" -gt 60 ]; then
     echo "== the DP step on the GPU (tinyvit-5m finetune, 256x192, batch 256, chunk 32), $(left) s left"
-    timeout "$(( $(left) - 15 ))" python3 "$REPO/benchmarks/dp_step.py" --device cuda --variants tinyvit-5m \
-        --repeats 5 --input 256x192 --batch 256 --chunk 32 --out "$OUT/dp_step_cuda.json"
+    # from the checkout, to the path the results page reads (the command it records names no path of this machine)
+    (cd "$REPO" && timeout "$(( $(left) - 15 ))" python3 benchmarks/dp_step.py --device cuda --variants tinyvit-5m \
+        --repeats 5 --input 256x192 --batch 256 --chunk 32 --out benchmarks/results/dp_step_cuda.json &&
+        cp benchmarks/results/dp_step_cuda.json "$OUT/")
 fi
 date -u +"end %H:%M:%S"
