@@ -11,6 +11,9 @@
 # from a scratch folder, so that the repository's own fedpose/ folder does not stand in front of it. Packages
 # the machine lacks (opacus) can be put in .whl/ as wheels; everything there is installed to /tmp/site.
 # Nothing is downloaded. STUDY_CONFIG names another study file (a CPU dry run of this script uses a small one).
+# The installed copy has no git beside it, so the records name the commit in FEDPOSE_SOURCE_COMMIT: taken from
+# the checkout's git when there is one, else give it (a copy of the tree without .git):
+#   FEDPOSE_SOURCE_COMMIT=$(git rev-parse HEAD) OUT=/tmp/gpu bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-/tmp/fedpose-gpu}
 TOTAL=${SECONDS_TOTAL:-560}
@@ -23,6 +26,9 @@ export PYTHONUNBUFFERED=1
 left() { echo $((TOTAL - SECONDS)); }
 
 cd "$REPO" || exit 1
+FEDPOSE_SOURCE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo "${FEDPOSE_SOURCE_COMMIT:-}")
+export FEDPOSE_SOURCE_COMMIT
+echo "source commit: ${FEDPOSE_SOURCE_COMMIT:-unknown (set FEDPOSE_SOURCE_COMMIT)}"
 if ! python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w .whl .; then
     compgen -G ".whl/fedpose-*.whl" > /dev/null || exit 1
     echo "WARNING: fedpose's wheel could not be built here: using the one in .whl/, which must be of this tree"

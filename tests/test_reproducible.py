@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from federation_support import REPO, tiny_dict
 
 SCRIPT = """
@@ -80,3 +81,23 @@ def test_cached_pretrained_weights_are_found_wherever_the_data_and_weights_are_n
         assert pretrained_problem(config_from_dict(relative)) is None
     finally:
         os.chdir(cwd)
+
+
+def test_a_record_from_an_installed_copy_names_the_commit_it_was_built_from(tmp_path: Path, monkeypatch) -> None:
+    """An installed copy (a wheel on a GPU machine) has no git beside it: its records named no commit. The commit
+    it was built from, given as FEDPOSE_SOURCE_COMMIT, is recorded, its state marked unknown; a malformed one is
+    refused rather than written into a record."""
+    from fedpose.shared.training import provenance
+
+    monkeypatch.setattr(provenance, "REPO", tmp_path)  # no repository here
+    monkeypatch.delenv("FEDPOSE_SOURCE_COMMIT", raising=False)
+    assert provenance.provenance()["commit"] is None
+    sha = "3b0413d" + "0" * 33
+    monkeypatch.setenv("FEDPOSE_SOURCE_COMMIT", sha)
+    record = provenance.provenance()
+    assert (record["commit"], record["dirty"], record["commit_source"]) == (sha, None, "FEDPOSE_SOURCE_COMMIT")
+    monkeypatch.setenv("FEDPOSE_SOURCE_COMMIT", "main; rm -rf")
+    with pytest.raises(ValueError, match="FEDPOSE_SOURCE_COMMIT"):
+        provenance.provenance()
+    monkeypatch.setattr(provenance, "REPO", REPO)  # in the checkout, git's own commit wins
+    assert provenance.provenance()["commit"] != sha

@@ -25,6 +25,8 @@ PACKAGES = ("torch", "numpy", "opencv-python-headless", "pillow", "scipy", "opac
             "onnx", "pycocotools")
 
 REPO = Path(__file__).resolve().parents[1]
+# Where no git repository holds this copy (a wheel installed on a GPU machine), the commit it was built from
+SOURCE_COMMIT = "FEDPOSE_SOURCE_COMMIT"
 
 
 def select_device(name: str) -> torch.device:
@@ -78,6 +80,13 @@ def _git() -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = run("rev-parse", "HEAD")
+    if commit is None and os.environ.get(SOURCE_COMMIT):
+        # an installed copy (a wheel, on a machine without the repository): the commit it was built from, as its
+        # builder says; whether that tree had local changes is unknown
+        given = os.environ[SOURCE_COMMIT].strip().lower()
+        if not (7 <= len(given) <= 40 and all(c in "0123456789abcdef" for c in given)):
+            raise ValueError(f"{SOURCE_COMMIT}={os.environ[SOURCE_COMMIT]!r} is not a git commit (7 to 40 hex digits)")
+        return {"commit": given, "dirty": None, "commit_source": SOURCE_COMMIT}
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
