@@ -25,3 +25,8 @@ class ConfigError(ValueError):
 
 class PrivacyRefusal(ValueError):
     """Refused to protect a guarantee (a budget, a policy, a lost ledger): nothing ran, nothing was spent."""
+
+
+class NonFinitePublicGradients(ValueError):
+    """No finite per-sample gradient of the public samples at the current weights: V and the tensor scales cannot
+    be computed there (a training run that reaches this after its first step has diverged)."""

@@ -463,3 +463,18 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     assert with_basis.keys() == want.keys() and all(with_basis[n] == pytest.approx(want[n], rel=1e-4) for n in want)
     with pytest.raises(ValueError, match="needs the public split"):
         _train(scaled_cfg, 1, [], monkeypatch)
+
+
+def test_a_run_whose_weights_diverge_stops_saying_so_when_its_public_statistics_are_due(world, monkeypatch):
+    """A step so large that the weights leave float range: the next refresh of the public scales (or of V) found
+    no finite public gradient and stopped blaming the public samples. It now stops naming the divergence, the
+    step and the learning rate, as a failed run (RuntimeError: one line and exit 5 from the command line)."""
+    from fedpose.shared.configuration.schema import replace
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "privacy.m": 8, "privacy.basis_every": 2,
+                            "train.tensor_scales": "public", "train.optimizer": "sgd", "train.momentum": 0.9,
+                            "train.lr": 1.0e30, "train.schedule": "constant"})
+    with pytest.raises(RuntimeError, match=r"diverged.*step 2.*train.lr"):
+        _train(cfg, 4, [], monkeypatch, public=True)
+    with pytest.raises(RuntimeError, match=r"diverged.*step 2.*train.lr"):
+        _train(replace(cfg, **{"train.method": "proj", "privacy.k": 4}), 4, [], monkeypatch, public=True)

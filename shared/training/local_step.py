@@ -20,6 +20,7 @@ import torch
 
 from fedpose.shared.training.batches import (make_psi_from, psi_on, public_basis_at, public_scaled_basis_at,
                                               public_scales_at, to_device)
+from fedpose.shared.errors import NonFinitePublicGradients
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
@@ -150,12 +151,20 @@ class StepPhases:
         if (spec.projects or scaled) and self.data.public is not None and step % privacy.basis_every == 0:
             started = time.perf_counter()
             public = (self.model, self.loss_fn, self.trainable, self.data.public, privacy, self.device)
-            if spec.projects and scaled:  # one pass: the scales, and V of the scaled public gradients
-                self.basis, self.scales = public_scaled_basis_at(*public)
-            elif spec.projects:
-                self.basis = public_basis_at(*public)
-            else:
-                self.scales = public_scales_at(*public)
+            try:
+                if spec.projects and scaled:  # one pass: the scales, and V of the scaled public gradients
+                    self.basis, self.scales = public_scaled_basis_at(*public)
+                elif spec.projects:
+                    self.basis = public_basis_at(*public)
+                else:
+                    self.scales = public_scales_at(*public)
+            except NonFinitePublicGradients as error:
+                if step == 0:  # at the start: the public samples or the start themselves
+                    raise
+                raise RuntimeError(
+                    f"training diverged: at step {step} no public sample has a finite gradient at the current "
+                    f"weights, so V and the tensor scales cannot be computed; lower train.lr (now "
+                    f"{self.run.train.lr:g})") from error
             if spec.projects:
                 width = self.basis.shape[1]
                 self.narrowest = width if self.narrowest is None else min(self.narrowest, width)

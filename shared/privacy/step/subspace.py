@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from fedpose.shared.errors import NonFinitePublicGradients
 from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
 from fedpose.shared.privacy.step.persample import LossFn
 from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks, scales_of
@@ -141,7 +142,8 @@ def basis_from_blocks(rows: list[list[Tensor]], k: int, *, rtol: float = DEFAULT
     # A NaN/inf anywhere in row i makes the squared norm K_ii NaN/inf: checking the m x m Gram
     # matrix is exact for that and costs nothing, where isfinite over G (m x p) costs seconds.
     if not torch.isfinite(gram).all():
-        raise ValueError("public per-sample gradients contain NaN/inf (or overflow); cannot build a basis")
+        raise NonFinitePublicGradients("public per-sample gradients contain NaN/inf (or overflow); cannot build a "
+                                       "basis")
     scale = None
     if clip is not None:  # D: min(1, clip / ||g_i||) per row; (D G)(D G)^T = D (G G^T) D
         scale = (clip / gram.diagonal().sqrt().clamp_min(1e-300)).clamp(max=1.0)

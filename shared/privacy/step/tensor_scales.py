@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import Tensor
 
+from fedpose.shared.errors import NonFinitePublicGradients
 from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
 from fedpose.shared.privacy.step.persample import LossFn, iter_per_sample_grads
 
@@ -60,7 +61,7 @@ def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int]) 
             squares[name] += float(f[finite].pow(2).sum())
         rows += int(finite.sum())
     if rows == 0:
-        raise ValueError("no public sample gave a finite gradient; the tensor scales cannot be computed")
+        raise NonFinitePublicGradients("no public sample gave a finite gradient; the tensor scales cannot be computed")
     c = math.sqrt(sum(squares.values()) / (rows * sum(sizes.values())))
     scales = {}
     for name, total in squares.items():
