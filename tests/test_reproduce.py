@@ -221,4 +221,56 @@ def test_the_data_scale_table_shows_every_recorded_recipe_even_one_it_has_no_nam
     assert rows[0] == "| proj, 3e-3, V from clipped gradients | record-level DP | - | - |", rows
     assert rows[1] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
     assert rows[2] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
-    assert "400: 0.72; 1,600: 0.54." in table
+    assert "400: 0.72 (proj, SGD momentum 0.9, 3e-3); 1,600: 0.54 (proj, SGD momentum 0.9, 3e-3)." in table
+
+
+def test_a_scale_cell_recorded_before_the_data_counts_takes_its_size_from_a_cell_of_the_same_data():
+    """Cells recorded before metrics.json counted the records per site (restored from another study's records)
+    are placed by their data digest: a record of the same ward that has the counts gives them. A digest no
+    counted record shares places nothing."""
+    render = _render()
+    counted = _study_record("nonprivate", 50.0)
+    counted["metrics"]["data"] = {"digest": "ward-a", "records": {f"site-{i}": 400 for i in range(3)}}
+    older = _study_record("dpsgd", 33.0, variant="train.lr=0.0001")  # a named row: "dpsgd, Adam 1e-4"
+    older["metrics"]["data"] = {"digest": "ward-a"}
+    stray = _study_record("dpsgd", 20.0, variant="train.lr=0.0001")
+    stray["metrics"]["data"] = {"digest": "ward-b"}
+    table = render.render_scale([counted, older, stray])
+    assert "| dpsgd, Adam 1e-4 | record-level DP | 33.00 (1 seed) |" in table, table
+
+
+def test_the_main_brief_says_when_its_runs_share_one_start_and_differ_only_in_their_noise():
+    """main_seeds.py --pretrain-seed: every run starts from the main command's own pretraining, so the brief gives
+    that one start and the spread of the end over the noise, not a spread of starts the main command never has."""
+    render = _render()
+    seeds = [{"seed": s, "start": 32.56, "final": end, "gain": end - 32.56, "best": end, "best_round": 10,
+              "curve": [end], "sites": {"site-0": 0.8}, "seconds": 150.0} for s, end in ((1, 40.0), (2, 41.0))]
+    summary = {key: {"mean": sum(r[key] for r in seeds) / 2, "std": 0.0 if key == "start" else 0.71}
+               for key in ("start", "best", "final", "gain")}
+    data = {"seeds": seeds, "summary": summary, "pretrain_seed": 0,
+            "provenance": {"cpu": "AMD EPYC", "cpu_capability": "AVX512", "cpus": 2}}
+    brief = render.render_main_brief(data)
+    assert brief.startswith("On AMD EPYC (AVX512) the main command's public-pretrained start scores **32.6** ")
+    assert "over 2 runs from it, each with its own privacy noise, the federated model ends at **40.5 ± 0.7**" in brief
+    assert "| noise seed |" in render.render_main(data)
+    assert render.render_main_brief({**data, "pretrain_seed": None}).startswith("Over 2 seeds on AMD EPYC")
+
+
+def test_the_data_scale_share_is_the_best_record_level_row_at_each_size_and_names_it():
+    """Where another record-level method beats the recipe at a size, the share of non-private is that method's,
+    named, so the curve answers how many records record-level DP needs, not one recipe."""
+    render = _render()
+
+    def sized(method, pckh, size, variant=""):
+        record = _study_record(method, pckh, variant=variant)
+        record["cell"]["variant"] = ", ".join(p for p in ("" if size == 400 else f"data.synth.per_site={size}",
+                                                          variant) if p)
+        record["metrics"]["data"] = {"records": {f"site-{i}": size for i in range(3)}}
+        return record
+
+    records = [sized("nonprivate", 50.0, 400), sized("proj", 36.0, 400, render.RECIPE),
+               sized("dpsgd", 33.0, 400, "train.lr=0.0001"), sized("nonprivate", 80.0, 6400),
+               sized("proj", 36.0, 6400, render.RECIPE), sized("dpsgd", 76.0, 6400, "train.lr=0.0001")]
+    table = render.render_scale(records)
+    assert "400: 0.72 (proj, SGD momentum 0.9, 3e-3); 6,400: 0.95 (dpsgd, Adam 1e-4)." in table, table
+    assert "It reaches 90 % of non-private from 6,400 records per site." in table
