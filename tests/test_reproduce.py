@@ -274,3 +274,5 @@ def test_the_data_scale_share_is_the_best_record_level_row_at_each_size_and_name
     table = render.render_scale(records)
     assert "400: 0.72 (proj, SGD momentum 0.9, 3e-3); 6,400: 0.95 (dpsgd, Adam 1e-4)." in table, table
     assert "It reaches 90 % of non-private from 6,400 records per site." in table
+    tied = render.render_scale([*records[:2], sized("dpsgd", 36.0, 400, "train.lr=0.0001")])
+    assert "400: 0.72 (proj, SGD momentum 0.9, 3e-3)." in tied  # on a tie, the recipe

@@ -529,7 +529,8 @@ def render_scale(records: list[dict[str, Any]]) -> str:
 def _best_record_level(points: dict[tuple[str, int], list[float]], rows: list[tuple[str, str, str, str]],
                        sizes: list[int]) -> dict[int, str]:
     """Per size, the label of the record-level row with the highest mean (the recipe's on a tie)."""
-    labels = [label for _, _, label, guarantee in reversed(rows) if guarantee == "record-level DP"]
+    recipe = _SCALE_ROWS[-1][2]
+    labels = [recipe, *(label for _, _, label, guarantee in rows if guarantee == "record-level DP" and label != recipe)]
     best = {}
     for n in sizes:
         ran = [label for label in labels if points.get((label, n))]
