@@ -6,7 +6,10 @@ noise seed (``fedpose simulate --seed S``: reproducible, not for production):
     fedpose simulate --config CONFIG --seed S --set pretrain.seed=S --set pretrain.out=OUT/pretrained-S
                      --out OUT/seed-S
 
-each in its own process, and writes ``OUT/main.json``: per seed the start (the public-pretrained model's
+each in its own process. With ``--pretrain-seed P`` every run starts from the one model pretrained with seed P
+(``OUT/pretrained-P``) and S seeds only the sites' noise: the spread of the main command itself, whose
+pretraining is seeded by the config (``pretrain.seed``) and whose noise comes from the operating system.
+It writes ``OUT/main.json``: per seed the start (the public-pretrained model's
 PCKh@0.5 on the validation split), the PCKh after every round, the best and the final round, every site's
 epsilon and the seconds; over the seeds the mean and standard deviation of the start, the best, the final
 and the gain; and the provenance (commit, date, command, versions, threads, CPU). A seed whose run folder
@@ -33,9 +36,10 @@ from fedpose.server.report import read_rounds  # noqa: E402
 from fedpose.shared.training.provenance import provenance  # noqa: E402
 
 
-def command(config: str, seed: int, out: Path) -> list[str]:
+def command(config: str, seed: int, out: Path, pretrain_seed: int | None = None) -> list[str]:
+    pretrain = seed if pretrain_seed is None else pretrain_seed
     return [sys.executable, "-m", "fedpose.cli.main", "simulate", "--config", config, "--seed", str(seed),
-            "--set", f"pretrain.seed={seed}", "--set", f"pretrain.out={out / f'pretrained-{seed}'}",
+            "--set", f"pretrain.seed={pretrain}", "--set", f"pretrain.out={out / f'pretrained-{pretrain}'}",
             "--out", str(out / f"seed-{seed}"), "--quiet"]
 
 
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="default", help="a config file or a shipped name (default default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--pretrain-seed", type=int, default=None,
+                        help="pretrain once with this seed and let --seeds seed only the sites' noise "
+                             "(default: each seed pretrains with itself)")
     parser.add_argument("--out", type=Path, default=Path("runs/main-seeds"))
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         run = out / f"seed-{seed}"
         seconds = None
         if not (run / "metrics.json").is_file():
-            cmd = command(args.config, seed, out)
+            cmd = command(args.config, seed, out, args.pretrain_seed)
             print(f"seed {seed}: {' '.join(cmd)}", flush=True)
             t0, load = time.perf_counter(), os.getloadavg()[0]
             done = subprocess.run(cmd, cwd=REPO)
@@ -82,11 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: start {row['start']:.2f}, best {row['best']:.2f} (round {row['best_round']}), final "
               f"{row['final']:.2f}, gain {row['gain']:+.2f}", flush=True)
     summary = {key: spread([r[key] for r in seeds]) for key in ("start", "best", "final", "gain")}
-    result = {"what": "the main command's pretraining and default federation, per seed",
-              "config": args.config, "seeds": seeds, "summary": summary,
+    what = ("the main command's pretraining and default federation, per seed" if args.pretrain_seed is None else
+            f"the main command's default federation per noise seed, from one start pretrained with seed "
+            f"{args.pretrain_seed}")
+    result = {"what": what, "config": args.config, "pretrain_seed": args.pretrain_seed, "seeds": seeds,
+              "summary": summary,
               "provenance": provenance(
                   command=" ".join(["python", "benchmarks/main_seeds.py", *(argv or sys.argv[1:])]),
-                  commands=[" ".join(command(args.config, s, Path("OUT"))[1:]) for s in args.seeds])}
+                  commands=[" ".join(command(args.config, s, Path("OUT"), args.pretrain_seed)[1:])
+                            for s in args.seeds])}
     (out / "main.json").write_text(json.dumps(result, indent=1) + "\n")
     for key, s in summary.items():
         print(f"{key}: {s['mean']:.2f} ± {s['std']:.2f} over {len(seeds)} seeds")

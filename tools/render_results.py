@@ -57,7 +57,9 @@ def render_main(data: dict[str, Any]) -> str:
         rows.append(f"| {r['seed']} | {r['start']:.2f} | {r['best']:.2f} ({r['best_round']}) | {r['final']:.2f} | "
                     f"{r['gain']:+.2f} | {max(r['sites'].values()):.4f} | {minutes} |")
     s = data["summary"]
-    rows.append(f"| **mean ± std** | **{s['start']['mean']:.2f} ± {s['start']['std']:.2f}** | "
+    start = (f"{s['start']['mean']:.2f}" if data.get("pretrain_seed") is not None  # one start, no spread
+             else f"{s['start']['mean']:.2f} ± {s['start']['std']:.2f}")
+    rows.append(f"| **mean ± std** | **{start}** | "
                 f"{s['best']['mean']:.2f} ± {s['best']['std']:.2f} | **{s['final']['mean']:.2f} ± "
                 f"{s['final']['std']:.2f}** | **{s['gain']['mean']:+.2f} ± {s['gain']['std']:.2f}** | | |")
     curves = ["", "PCKh@0.5 after each round (round 0 is the start):", ""]
