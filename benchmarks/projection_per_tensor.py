@@ -146,7 +146,7 @@ def main() -> None:
     public_batch = to_device(public.batch(list(range(min(cfg.privacy.m, len(public))))), cpu)
     private = make_dataset(private_records(root, cfg), cfg, train=True, seed=1)
     private_batch = to_device(private.batch(list(range(min(args.records, len(private))))), cpu)
-    n, batch_size = len(private_records(root, cfg)), cfg.train.batch_size
+    n, batch_size = len(private), cfg.train.batch_size
     steps = cfg.train.epochs * steps_per_epoch(n, batch_size)
     sigma = plan_sigma(replace(cfg, **{"train.method": "proj"}), n=n, steps=steps)
     public_by_tensor = public_rows_of(loss_fn, params, public_batch, cfg.privacy.chunk_size)

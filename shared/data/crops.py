@@ -6,7 +6,7 @@ stream is the same as item by item) and then render its crops in parallel: rende
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -65,14 +65,16 @@ def render(record: PoseRecord, image: np.ndarray, draws: Draws, size_hw: tuple[i
     return Crop(crop, joints, visible, matrix, float(draws.rotation), bool(draws.flip))
 
 
-def render_batch(items: Sequence[tuple[PoseRecord, np.ndarray, Draws]], size_hw: tuple[int, int],
+def render_batch(items: Sequence[tuple[PoseRecord, Callable[[], np.ndarray], Draws]], size_hw: tuple[int, int],
                  threads: int) -> tuple[Tensor, list[Crop]]:
-    """Each (record, decoded image, draws) rendered by ``threads`` threads: the (N, 3, H, W) float32 RGB batch in
-    [0, 1] and the crops."""
+    """Each (record, its image's loader, draws) rendered by ``threads`` threads: the (N, 3, H, W) float32 RGB batch
+    in [0, 1] and the crops. Each thread loads the image it renders, so images not kept in memory are decoded in
+    parallel and dropped once cropped."""
     images = torch.empty((len(items), 3, *size_hw), dtype=torch.float32)
 
     def fill(row: int) -> Crop:
-        crop = render(*items[row], size_hw)
+        record, load, draws = items[row]
+        crop = render(record, load(), draws, size_hw)
         images[row].copy_(torch.from_numpy(crop.image).permute(2, 0, 1).flip(0))  # BGR (H, W, 3) -> RGB (3, H, W)
         return crop
 

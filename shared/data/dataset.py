@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -166,7 +167,10 @@ class PoseDataset(Dataset):
             if not 0 <= i < len(self.records):
                 raise _out_of_range(i, len(self.records))
         draws = [draw(self.rng, self.augment, self.input_size) for _ in order]
-        items = [(self.records[i], self._image(i), d) for i, d in zip(order, draws)]
+        if self.cache_images:  # decode each new image once, here, before the threads read the cache
+            for i in dict.fromkeys(order):
+                self._image(i)
+        items = [(self.records[i], partial(self._image, i), d) for i, d in zip(order, draws)]
         images, crops = render_batch(items, self.input_size, torch.get_num_threads())
         batch = collate([self._labels(i, c) for i, c in zip(order, crops)])
         return {"image": images, **batch}
