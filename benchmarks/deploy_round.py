@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # federation_support: the tests' world and pilot
+sys.path.insert(0, str(REPO / "tests"))  # support.federation: the tests' world and pilot
 
 TRAINED = re.compile(r"site (site-\d+) round (\d+): trained \d+ steps .* in ([0-9.]+) s \(\+([0-9.]+) s basis\)")
 HANDLED = re.compile(r"site (site-\d+): (\w+) message handled in ([0-9.]+) s; "
@@ -50,7 +50,7 @@ MODES = {"default": (), "poll-3": ("--poll", "3"), "cold": ("--cold", "--poll", 
 
 def run_pilot(rounds: int, *, flags: tuple[str, ...], keep: Path | None) -> tuple[list[dict], list, Any]:
     """A federation of ``rounds`` rounds on a real SuperLink and two gated SuperNodes; its rounds and site logs."""
-    from federation_support import Pilot, prepare_world
+    from support.federation import Pilot, prepare_world
 
     from fedpose.shared.configuration.schema import dump_config
 

@@ -93,10 +93,8 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
     """{kind: step()} for one model; every kind updates the same model with SGD."""
     import torch
 
-    from fedpose.shared.privacy.step.spec import DPSpec
-    from fedpose.shared.privacy.step.fpdp import dp_gradient
-    from fedpose.shared.privacy.step.psi import apply_psi
-    from fedpose.shared.privacy.step.psi_maps import GaussianBlur
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
+    from fedpose.shared.privacy.step.psi import apply_psi, GaussianBlur
 
     model, names, loss_fn = _setup(variant, size_hw=size_hw, device=device)
     named = dict(model.named_parameters())

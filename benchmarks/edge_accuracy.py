@@ -38,7 +38,7 @@ DEFAULT_MODELS = (("pretrained", "runs/pretrained/model.pt"), ("federated", "run
 def val_crops_pck(runtime: Any, records: list) -> dict[str, Any]:
     """PCK@0.2 of the person's height of a runtime on records' ground-truth crops (the validation split's)."""
     from fedpose.edge.pipeline.accuracy import pck_against_truth
-    from fedpose.edge.quantize import predict_records
+    from fedpose.edge.export.quantize import predict_records
 
     pred = predict_records(runtime, records)
     return pck_against_truth(pred, np.stack([r.joints for r in records]), np.stack([r.visible for r in records]))
@@ -46,7 +46,7 @@ def val_crops_pck(runtime: Any, records: list) -> dict[str, Any]:
 
 def clip_pck(runtime: Any, clip: Path, out_dir: Path, *, true_boxes: bool) -> dict[str, Any]:
     """The pipeline's accuracy on a demo clip: tracked from the whole frame, or cropped at the true boxes."""
-    from fedpose.edge.demo_video import load_truth
+    from fedpose.edge.pipeline.demo_video import load_truth
     from fedpose.edge.pipeline.source import FrameSource
     from fedpose.edge.pipeline.options import PipelineOptions
     from fedpose.edge.pipeline.loop import run_pipeline
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge_accuracy.json"))
     args = parser.parse_args(argv)
 
-    from fedpose.edge.demo_video import DemoSpec, write_demo_video
+    from fedpose.edge.pipeline.demo_video import DemoSpec, write_demo_video
     from fedpose.shared.data.mpii import load_split
 
     models = ([tuple(m.split("=", 1)) for m in args.model] if args.model

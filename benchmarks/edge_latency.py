@@ -71,8 +71,9 @@ def bench_case(variant: str, size: tuple[int, int], root: Path, *, threads: int,
                checkpoint: Path | None) -> tuple[dict[str, tuple[float, float]], list[float]]:
     """(p50, p95) ms per backend, and onnxruntime fp32's speed-up over eager in each round."""
     from fedpose.edge.export.exporter import export_onnx
-    from fedpose.edge.quantize import quantize_int8
-    from fedpose.edge.onnx_runtime import OnnxRuntime
+    from fedpose.edge.export.spec import ExportOptions
+    from fedpose.edge.export.quantize import quantize_int8
+    from fedpose.edge.runtime.onnx import OnnxRuntime
     from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model, load_checkpoint
 
@@ -85,7 +86,7 @@ def bench_case(variant: str, size: tuple[int, int], root: Path, *, threads: int,
         model = build_model(ModelConfig(variant=variant), size)
     model.eval()
     fp32 = root / f"{variant}_{size[0]}x{size[1]}.onnx"
-    export_onnx(model, fp32, batch=1)
+    export_onnx(model, fp32, ExportOptions(batch=1))
     rng = np.random.default_rng(0)
     calib = rng.random((32, 3, *size), dtype=np.float32)
     int8_cpu = quantize_int8(fp32, root / f"{variant}_{size[0]}x{size[1]}.cpu.int8.onnx", calib, target="cpu")
@@ -122,11 +123,11 @@ def bench_pipeline(root: Path, variant: str, size: tuple[int, int], *, threads: 
                    rounds: int) -> list[tuple[float, float, float]]:
     """Per round: onnxruntime alone on ``frames`` crops (the bound, FPS), then ``run_pipeline`` on the demo clip
     with the same session (FPS, infer-path p50 ms); the two timed moments apart, so their ratio is fair."""
-    from fedpose.edge.demo_video import DemoSpec, load_truth, write_demo_video
+    from fedpose.edge.pipeline.demo_video import DemoSpec, load_truth, write_demo_video
     from fedpose.edge.pipeline.source import FrameSource
     from fedpose.edge.pipeline.options import PipelineOptions
     from fedpose.edge.pipeline.loop import run_pipeline
-    from fedpose.edge.onnx_runtime import OnnxRuntime
+    from fedpose.edge.runtime.onnx import OnnxRuntime
 
     clip = root / f"demo-{frames}.mp4"
     if not clip.exists():

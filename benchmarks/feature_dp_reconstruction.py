@@ -34,7 +34,7 @@ SCALE = 4  # the picture's pixels per model-input pixel
 def site_policy(cfg, data: Path, ledger: Path):
     """The site's own policy: Feature-DP opted in, a public batch of one record, its q and normaliser."""
     from fedpose.client.policy import policy_from_dict
-    from fedpose.client.site_data import load_split_dir
+    from fedpose.client.data import load_split_dir
 
     n = len(load_split_dir(data, "site data"))
     return policy_from_dict({
@@ -99,7 +99,7 @@ def picture(path: Path, size: tuple[int, int], raw: torch.Tensor, psi: torch.Ten
 def main(argv: list[str] | None = None) -> dict:
     from fedpose.client.policy import min_sigma_for
     from fedpose.client.site import handle_train
-    from fedpose.client.site_data import prepare_site
+    from fedpose.client.data import prepare_site
     from fedpose.shared.configuration.schema import load_config
     from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
     from fedpose.shared.experiments.reconstruction_read import (
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     readout = read_reply(crafted, grads, cfg.model, public_batch_size=cfg.train.public_batch_size)
 
     # scoring only: the site's records, psi of each canonical crop as the public term sees it
-    from fedpose.client.site_data import load_split_dir
+    from fedpose.client.data import load_split_dir
 
     canonical = make_dataset(load_split_dir(data, "site data"), cfg, train=False)
     batch = canonical.batch(list(range(len(canonical))))

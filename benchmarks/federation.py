@@ -115,7 +115,8 @@ def timing(cfg: Any, work: Path, *, batches: tuple[int, int], ms: tuple[int, int
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.privacy.step.noise import make_generator
     from fedpose.shared.training.runs import ensure_data
-    from fedpose.shared.training.batches import make_dataset, public_basis_at
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.privacy.step.subspace import public_basis_at
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     n_private = 2 * max(batches)

@@ -2,10 +2,10 @@
 
 No Flower processes: each round, every site runs ``fedpose.shared.training.loop.local_train`` on its own private
 split with its own Poisson sampling and its own sigma (calibrated for rounds x local_steps at
-q = B / n exactly as server/plan.py does), the site-side basis exactly as client/site_basis.py
+q = B / n exactly as server/plan.py does), the site-side basis exactly as client/basis.py
 ``obtain_basis`` does for ``basis_mode: site`` (``public_basis_at`` at the received global weights,
 a new version every ``privacy.basis_every`` rounds as server/basis.py decides), then
-``fedpose.server.combine.fedavg`` (+ the server optimizer of server/aggregate.py) and
+``fedpose.server.aggregate.aggregate`` (the mean, + the server optimizer of server/aggregate.py) and
 ``fedpose.shared.training.loop.evaluate`` on the val split. Site optimizer state is kept through client/optim_state.py
 (real files).
 
@@ -31,16 +31,16 @@ from fedpose.shared.configuration.methods import PRIVATE, PROJECTED
 import torch
 from tqdm.auto import tqdm
 
-from fedpose.server.aggregate import ServerOptimizer
+from fedpose.server.aggregate import ServerOptimizer, aggregate, bound_updates
 from fedpose.server.plan import _calibrated
-from fedpose.server.combine import aggregate, bound_updates
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
 from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
 from fedpose.shared.training.runs import ensure_data, initial_model
-from fedpose.shared.training.batches import make_dataset, public_basis_at
+from fedpose.shared.training.batches import make_dataset
+from fedpose.shared.privacy.step.subspace import public_basis_at
 from fedpose.shared.metrics.evaluation import evaluate
 from fedpose.shared.training.schedule import round_span
 from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec

@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-from fedpose.cli.main import parse_sets
+from fedpose.cli.common import parse_sets
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum
-from fedpose.shared.privacy.step.fpdp import public_gradient
-from fedpose.shared.privacy.step.subspace import flatten, project
-from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on, public_basis_at
+from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, public_gradient
+from fedpose.shared.privacy.step.subspace import flat_vector, project, public_basis_at
+from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
 from fedpose.shared.training.provenance import provenance
 from fedpose.shared.training.runs import (
     ensure_data, initial_model, load_records, plan_sigma, private_records)
@@ -66,11 +65,11 @@ def measure(cfg, *, batches: int, seed: int) -> dict:
         idx = torch.randperm(n, generator=generator)[:batch_size].tolist()
         batch = {k: v for k, v in data.batch(idx).items() if k != "index"}
         summed = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=cfg.privacy.chunk_size).summed
-        signal = flatten(summed) / batch_size
+        signal = flat_vector(summed) / batch_size
         noise = torch.randn(signal.shape, generator=generator, dtype=signal.dtype) * (sigma * clip / batch_size)
         signal_v, noise_v = project(basis, signal), project(basis, noise)
         pub_idx = torch.randperm(n, generator=generator)[:cfg.train.public_batch_size].tolist()
-        g_pub = flatten(public_gradient(loss_fn, params, psi_on(psi, data.batch(pub_idx), CPU)))
+        g_pub = flat_vector(public_gradient(loss_fn, params, psi_on(psi, data.batch(pub_idx), CPU)))
         beyond = signal_v - (signal_v @ g_pub) / (g_pub @ g_pub) * g_pub  # what the public term does not point to
         rows.append({"private": float(signal.norm()), "private_in_v": float(signal_v.norm()),
                      "private_in_v_beyond_public": float(beyond.norm()),

@@ -23,7 +23,7 @@ import numpy as np
 
 
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.edge.pixelize.masks import body_mask_from_keypoints
+from fedpose.shared.pixelization.masks import body_mask_from_keypoints
 from fedpose.shared.pixelization.mechanism import pixelize
 
 

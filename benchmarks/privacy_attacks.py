@@ -83,7 +83,7 @@ def run_membership(root: Path, out: Path) -> dict:
 
 
 def run_reidentification(root: Path, out: Path) -> dict:
-    from fedpose.edge.reid import ReidSpec, run_reid
+    from fedpose.shared.experiments.reid import ReidSpec, run_reid
     from fedpose.shared.data.synth.ward import WardSpec, ensure_ward
 
     ward = ensure_ward(root / "reid-ward", WardSpec(sites=1, per_site=240, public=8, val=8, seed=12, image_size=128),

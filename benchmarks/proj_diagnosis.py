@@ -36,13 +36,13 @@ from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.posenet import load_checkpoint
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
 from fedpose.shared.privacy.step.noise import gaussian_noise_like
 from fedpose.shared.privacy.step.sampling import poisson_sample
-from fedpose.shared.privacy.step.subspace import flatten, unflatten
+from fedpose.shared.privacy.step.subspace import flat_vector, from_flat_vector, public_basis_at
 from fedpose.shared.training.provenance import provenance
 from fedpose.shared.training.runs import ensure_data, ensure_pretrained, load_records, plan_sigma, private_records
-from fedpose.shared.training.batches import make_dataset, public_basis_at, to_device
+from fedpose.shared.training.batches import make_dataset, to_device
 from fedpose.shared.training.schedule import steps_per_epoch
 
 
@@ -55,7 +55,7 @@ def clipped_mean(loss_fn, params, dataset, idx, cfg) -> torch.Tensor:
         batch = to_device(dataset.batch(idx[start:start + 64]), torch.device("cpu"))
         summed, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=cfg.privacy.clip_norm,
                                         chunk_size=cfg.privacy.chunk_size)
-        flat = flatten(summed)
+        flat = flat_vector(summed)
         total = flat if total is None else total + flat
     return total / len(idx)
 
@@ -119,7 +119,7 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
         """One private step's (clipped mean of a Poisson batch, its noise), both scaled by 1 / B as training does."""
         idx = poisson_sample(n, sample_rate=q, generator=generator).tolist()
         clean = clipped_mean(loss_fn, params, dataset, idx, cfg) * (len(idx) / batch_size) if idx else g_star * 0
-        noise = flatten(gaussian_noise_like(params, std=sigma * cfg.privacy.clip_norm / batch_size,
+        noise = flat_vector(gaussian_noise_like(params, std=sigma * cfg.privacy.clip_norm / batch_size,
                                             generator=generator))
         return clean, noise
 
@@ -145,7 +145,7 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
     with torch.no_grad():
         before = float(loss_fn(params, held).mean())
         for name, o in last.items():
-            u = unflatten(updates[tuple(name.split("/"))], like=params)
+            u = from_flat_vector(updates[tuple(name.split("/"))], like=params)
             o["loss_change"] = {f"{lr:g}": float(loss_fn({k: params[k] - lr * u[k] for k in params}, held).mean())
                                 - before
                                 for lr in LEARNING_RATES[name.split("/")[1]]}

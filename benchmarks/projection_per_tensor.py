@@ -32,8 +32,8 @@ import torch
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
-from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, project, unflatten
-from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks
+from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, from_flat_vector, project
+from fedpose.shared.privacy.step.bookkeeping import per_sample_chunks
 from fedpose.shared.training.batches import make_dataset, to_device
 from fedpose.shared.training.provenance import provenance
 from fedpose.shared.training.runs import ensure_data, initial_model, load_records, plan_sigma, private_records
@@ -110,7 +110,7 @@ def measure(loss_fn, params, public_batch, private_batch, cfg, scaled: bool) -> 
     like = {n: params[n] for n in sorted(params)}
     mean, clip_mean = total / rows, clipped / rows
     projected = project(basis, clip_mean)
-    g, gc, pg = (unflatten(v, like=like) for v in (mean, clip_mean, projected))
+    g, gc, pg = (from_flat_vector(v, like=like) for v in (mean, clip_mean, projected))
     tensors = [{"name": n, "numel": params[n].numel(), "rms_mean": _rms(g[n]), "rms_clipped": _rms(gc[n]),
                 "rms_projected": _rms(pg[n]), "cos_projected_clipped": _cos(pg[n], gc[n])} for n in sorted(params)]
     return {"k": basis.shape[1], "tensors": tensors, "clipped": gc, "mean": g,

@@ -3,46 +3,31 @@
 ``audit`` runs the one-run privacy audit (shared/experiments/audit.py) and prints the
 empirical lower bound eps_LB next to the accountant's claim; ``attack mia``
 runs membership inference on trained pose models (shared/experiments/membership.py);
-``attack reid`` re-identifies people in DP-pixelized crops (edge/reid.py).
+``attack reid`` re-identifies people in DP-pixelized crops (shared/experiments/reid.py).
 Each writes JSON and a PNG under --out. Handlers import lazily.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from fedpose.cli.main import _add_common, _load, add_json, emit_json
+from fedpose.cli.common import add_common, add_json, emit_json, load_cli_config
 from fedpose.shared.configuration.methods import PRIVATE
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from fedpose.shared.experiments.audit import AuditSpec, run_audit
+    from fedpose.shared.experiments.audit import AuditSpec, audit_summary, run_audit
 
-    cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
-                       "train.epochs": args.epochs, "privacy.unit": args.unit})
+    cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None,
+                                 "train.epochs": args.epochs, "privacy.unit": args.unit})
     spec = AuditSpec(method=args.method, epsilon=args.epsilon, canaries=args.canaries, mode=args.mode,
                      confidence=args.confidence, noise_scale=args.noise_scale, seed=args.seed,
                      placement=args.canary_placement)
     result = run_audit(cfg, spec, args.out, progress=not args.quiet)
     if emit_json(args, result):
         return 0
-    placed = f" ({result['placement']} placement)" if result["placement"] else ""
-    print(f"audit of {result['method']} with {result['canaries']} {result['mode']} canaries{placed} "
-          f"({result['included']} included), one run of {result['steps']} steps, {result['unit']} level, "
-          f"q = {result['sample_rate']:.4f}, "
-          f"sigma = {result['sigma_ran']:.4f}, C = {result['clip']}, delta = {result['delta']:g}")
-    print(f"  claimed eps  = {result['epsilon_claimed']:.4f}  ({result['accountant'].upper()} accountant, "
-          f"sigma {result['sigma_claimed']:.4f})")
-    if result["noise_scale"] != 1.0:
-        print(f"  ran eps      = {result['epsilon_ran']:.4g}  (accountant on the sigma that actually ran)")
-    print(f"  eps_LB       = {result['epsilon_lb']:.4f}  at {result['confidence']:.0%} confidence "
-          f"({result['v']} of {result['r']} guesses correct, best of {result['tests']} guess counts, Bonferroni)")
-    print(f"  {'sound: eps_LB <= claimed eps' if result['sound'] else 'VIOLATION: eps_LB > claimed eps'}")
-    print(f"note: {result['note']}")
-    if args.out:
-        print(f"wrote {Path(args.out) / 'audit.json'} and {Path(args.out) / 'audit.png'} ({result['seconds']:.0f} s)")
+    print("\n".join(audit_summary(result, args.out)))
     return 0
 
 
@@ -61,47 +46,28 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_mia(args: argparse.Namespace) -> int:
-    from fedpose.shared.experiments.membership import MiaSpec, run_mia
+    from fedpose.shared.experiments.membership import MiaSpec, mia_summary, run_mia
 
-    cfg = _load(args, {"data.root": args.data, "data.source": "files" if args.data else None,
-                       "train.epochs": args.epochs})
+    cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None,
+                                 "train.epochs": args.epochs})
     spec = MiaSpec(methods=tuple(m for m in args.methods.split(",") if m), models=args.models, pool=args.pool,
                    split=args.split, epsilon=args.epsilon, seed=args.seed)
     res = run_mia(cfg, spec, args.out, progress=not args.quiet)
     if emit_json(args, res):
         return 0
-    print(f"membership inference: {res['models']} models per method, each on a random half of {res['pool']} "
-          f"records of {res['split']} ({res['steps']} steps); every model attacked with the others as shadows")
-    print(f"{'method':<11} {'eps':>6} {'attack':<13} {'AUC':>6} {'TPR@1%':>7} {'TPR@0.1%':>8}")
-    for method, r in res["methods"].items():
-        eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "-"
-        for attack, a in r["attacks"].items():
-            print(f"{method:<11} {eps:>6} {attack:<13} {a['auc']:6.3f} {a['tpr@0.01fpr']:7.3f} "
-                  f"{a['tpr@0.001fpr']:8.3f}")
-    print("chance is AUC 0.5 and TPR = FPR; eps is the accountant's value for the plan every model ran (delta "
-          f"{res['delta']:g})")
-    if args.out:
-        print(f"wrote {Path(args.out) / 'mia.json'} and {Path(args.out) / 'mia.png'} ({res['seconds']:.0f} s)")
+    print("\n".join(mia_summary(res, args.out)))
     return 0
 
 
 def cmd_reid(args: argparse.Namespace) -> int:
-    from fedpose.edge.reid import ReidSpec, run_reid
+    from fedpose.shared.experiments.reid import ReidSpec, reid_summary, run_reid
 
     spec = ReidSpec(epsilons=args.epsilons, cells=args.cells, m=args.m, n=args.n, steps=args.steps,
                     train_per_identity=args.train_per_identity, color=not args.gray, seed=args.seed)
     res = run_reid(args.data, args.split, spec, args.out, progress=not args.quiet)
     if emit_json(args, res):
         return 0
-    print(f"re-identification of {res['identities']} people ({res['query_frames']} query frames, chance "
-          f"{res['chance']:.3f}); attacker trained on {res['train_frames']} clean crops")
-    print(f"  clean {res['clean']:.3f}   blur sigma {res['blur_sigma']:g} px {res['blur']:.3f}   " + "   ".join(
-        f"plain pixelization b={r['b']} {r['top1']:.3f}" for r in res["plain_pixelization"]))
-    for r in res["pixelized"]:
-        print(f"  DP pixelization b={r['b']:<3} eps={r['eps']:<5g} {r['mode']:<9} top-1 {r['top1']:.3f}")
-    print(f"claim: {res['claim']}")
-    if args.out:
-        print(f"wrote {Path(args.out) / 'reid.json'} and {Path(args.out) / 'reid.png'} ({res['seconds']:.0f} s)")
+    print("\n".join(reid_summary(res, args.out)))
     return 0
 
 
@@ -126,7 +92,7 @@ def register(sub: Any) -> None:
     au.add_argument("--seed", type=int, default=None, help="reproducible canaries and noise (NOT for production)")
     au.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     au.add_argument("--out", default=None, help="write audit.json and audit.png here")
-    _add_common(au)
+    add_common(au)
     add_json(au, "audit.json's content")
     au.set_defaults(func=cmd_audit)
 
@@ -142,7 +108,7 @@ def register(sub: Any) -> None:
     mia.add_argument("--seed", type=int, default=None, help="reproducible splits and noise (NOT for production)")
     mia.add_argument("--data", default=None, help="a data root of splits on disk (default: the config's)")
     mia.add_argument("--out", default=None, help="write mia.json and mia.png here")
-    _add_common(mia)
+    add_common(mia)
     add_json(mia, "mia.json's content")
     mia.set_defaults(func=cmd_mia)
 
@@ -160,6 +126,6 @@ def register(sub: Any) -> None:
     reid.add_argument("--gray", action="store_true", help="grayscale frames (the pipeline's default release)")
     reid.add_argument("--seed", type=int, default=0, help="seed of the attack and the noise (default 0)")
     reid.add_argument("--out", default=None, help="write reid.json and reid.png here")
-    _add_common(reid, config=False)
+    add_common(reid, config=False)
     add_json(reid, "reid.json's content")
     reid.set_defaults(func=cmd_reid)

@@ -7,24 +7,23 @@ It reads the same files as ``fedpose site status`` / ``fedpose server status`` o
 ``/`` (the page), ``/api/status`` (JSON) and ``/metrics`` (Prometheus), bound to 127.0.0.1 unless
 ``--host`` says otherwise; then a token is required (printed, or given with ``--token``). Without a token
 it answers only requests addressed to a loopback name (``Host`` 127.0.0.1, localhost or [::1]), so that a
-web page cannot read it by DNS rebinding (``fedpose.cli.console_web``).
+web page cannot read it by DNS rebinding (``fedpose.shared.console``, the server itself).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import serve_console
 
     if bool(args.policy) == bool(args.out):
         raise ValueError("console: give --policy (a site's console) or --out (the server's run folder), one of them")
     if args.policy:
-        from fedpose.client.site_status import site_metrics, site_status
+        from fedpose.client.status import site_metrics, site_status
 
         policy = Path(args.policy).expanduser().resolve()
         site_status(policy)  # fail now on an unreadable policy or ledger, not on the first page view
@@ -43,19 +42,7 @@ def cmd_console(args: argparse.Namespace) -> int:
             return server_status(out)
 
         metrics, title = server_metrics, "fedpose federation console"
-    server, token = start_console(title, status, metrics, host=args.host, port=args.port, token=args.token)
-    host, port = server.server_address[:2]
-    shown = f"[{host}]" if ":" in str(host) else host
-    print(f"console on http://{shown}:{port}/" + (f"?token={token}" if token else "")
-          + f"  (Prometheus: /metrics{' with Authorization: Bearer <token>' if token else ''}); Ctrl-C stops it",
-          flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
+    serve_console(title, status, metrics, host=args.host, port=args.port, token=args.token)
     return 0
 
 

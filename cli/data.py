@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedpose.cli.main import _add_common
+from fedpose.cli.common import add_common
 
 
 def cmd_data_synth(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
     synth.add_argument("--val", type=int, default=240, help="images of the validation split (default 240)")
     synth.add_argument("--seed", type=int, default=0, help="the ward is a function of this seed (default 0)")
     synth.add_argument("--image-size", type=int, default=128, help="image side in px (default 128)")
-    _add_common(synth, config=False)
+    add_common(synth, config=False)
     synth.set_defaults(func=cmd_data_synth)
 
     conv = data.add_parser("convert", help="a real dataset (MPII as mmpose's json, COCO keypoints, AFLW's face "
@@ -84,7 +84,7 @@ def register(sub: Any) -> None:
                                                         "aligned with valid.json, or a headboxes.json)")
     conv.add_argument("--copy", action="store_true",
                       help="copy the images (default: hard links, copies across file systems)")
-    _add_common(conv, config=False)
+    add_common(conv, config=False)
     conv.set_defaults(func=cmd_data_convert)
 
     spl = data.add_parser("split", help="cut one split folder into sites, public and val (by patient when the data "
@@ -98,5 +98,5 @@ def register(sub: Any) -> None:
     spl.add_argument("--copy", action="store_true",
                      help="copy the images (default: hard links, copies across file systems)")
     spl.add_argument("--json", action="store_true", help="print the records per split as JSON")
-    _add_common(spl, config=False)
+    add_common(spl, config=False)
     spl.set_defaults(func=cmd_data_split)

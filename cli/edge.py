@@ -3,8 +3,7 @@
 ``register(subparsers)`` is called by ``fedpose.cli.main``; every handler imports its
 modules lazily so ``fedpose --help`` never loads onnx, TensorRT or torch.
 Handlers raise ValueError / FileNotFoundError / ImportError / RuntimeError
-with a message; ``fedpose.cli.main`` prints it in one line with its exit code. pixelize and restore live in
-``fedpose.cli.edge_pixelize``.
+with a message; ``fedpose.cli.main`` prints it in one line with its exit code.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from fedpose.cli.edge_pixelize import cmd_pixelize, cmd_restore
-
 
 # ---------------------------------------------------------------------------
 # export / build
@@ -22,7 +19,7 @@ from fedpose.cli.edge_pixelize import cmd_pixelize, cmd_restore
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedpose.edge.export.spec import INPUT_NAME, parse_batch, parse_input_size
+    from fedpose.edge.export.spec import INPUT_NAME, ExportOptions, parse_batch, parse_input_size
     from fedpose.edge.export.exporter import export_onnx
     from fedpose.shared.model.posenet import load_checkpoint
 
@@ -31,7 +28,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     model, _ = load_checkpoint(args.checkpoint)
     report = export_onnx(
-        model, out, batch=batch, opset=args.opset, input_size=input_size, fp16=args.fp16, tolerance=args.tolerance
+        model, out, ExportOptions(batch=batch, opset=args.opset, input_size=input_size, fp16=args.fp16,
+                                  tolerance=args.tolerance)
     )
     print(f"wrote {report.path}: input {INPUT_NAME} (N={report.batch}, 3, {report.input_size[0]}, "
           f"{report.input_size[1]}), opset {report.opset}{', fp16' if report.fp16 else ''}")
@@ -44,31 +42,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
-    import numpy as np
-
-    from fedpose.cli.main import load_cli_config
-    from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
-    from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.training.runs import ensure_data
+    from fedpose.cli.common import load_cli_config
+    from fedpose.edge.export.quantize import compare_on_val, quantize_on_public
 
     cfg = load_cli_config(args, {"data.root": args.data, "data.source": "files" if args.data else None})
-    root = ensure_data(cfg)  # data.source synthetic: the ward is generated on first use
-    public = load_split(root, cfg.data.public_split)
-    if not public:
-        raise ValueError(f"the public split {cfg.data.public_split!r} under {root} is empty: nothing to calibrate on")
-    if args.calib_count < 1:
-        raise ValueError(f"--calib-count must be >= 1, got {args.calib_count}")
-    chosen = sorted(np.random.default_rng(0).permutation(len(public))[: args.calib_count].tolist())
-    calib = record_crops([public[i] for i in chosen], tuple(model.input_size))
-    int8_path = fp32_path.with_name(fp32_path.stem + ".int8.onnx")
-    quantize_int8(fp32_path, int8_path, calib, method=args.calib_method, target=args.int8_target)
+    int8 = quantize_on_public(fp32_path, cfg, tuple(model.input_size), count=args.calib_count,
+                              method=args.calib_method, target=args.int8_target)
     layout = ("symmetric INT8, zero points 0: for TensorRT" if args.int8_target == "tensorrt"
               else "UINT8 activations x INT8 weights: for onnxruntime on CPU, not buildable by TensorRT")
-    print(f"wrote {int8_path}: Q/DQ ({layout}), calibrated on {len(calib)} public images")
-    val = load_split(root, cfg.data.val_split)
-    if args.val_count:
-        val = val[: args.val_count]
-    rep = compare_precisions(fp32_path, int8_path, val)
+    print(f"wrote {int8.path}: Q/DQ ({layout}), calibrated on {int8.calibrated} public images")
+    rep = compare_on_val(fp32_path, int8, cfg.data.val_split, args.val_count)
     print(f"PCKh@0.5 on {rep.records} val people: fp32 {rep.fp32['pckh']['mean']:.2f}, "
           f"int8 {rep.int8['pckh']['mean']:.2f}, drop {rep.drop:+.2f}")
     print(f"PCKh@0.1: fp32 {rep.fp32['pckh@0.1']['mean']:.2f}, int8 {rep.int8['pckh@0.1']['mean']:.2f}, "
@@ -76,7 +59,7 @@ def _export_int8(args: argparse.Namespace, model: Any, fp32_path: Path) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from fedpose.edge.trt_build import (
+    from fedpose.edge.export.trt_build import (
         build_engine,
         check_build_request,
         parse_profile,
@@ -100,17 +83,18 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedpose.cli.main import emit_json
+    from fedpose.cli.common import emit_json
     from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy
     from fedpose.edge.pipeline.options import PipelineOptions, parse_pixelize
     from fedpose.edge.pipeline.tracking import parse_roi
+    from fedpose.edge.pipeline.demo_video import truth_beside
     from fedpose.edge.pipeline.loop import run_pipeline
     from fedpose.edge.runtime import make_runtime
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     pix = parse_pixelize(args.pixelize)
-    truth = _ground_truth(args.source)
+    truth = truth_beside(args.source)
     options = PipelineOptions(
         out_dir=Path(args.out_dir),
         roi=parse_roi(args.roi),
@@ -143,25 +127,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ground_truth(source: str) -> dict[str, Any] | None:
-    """The ground truth beside a video file (``clip.mp4.json`` from ``edge demo-video``), or None."""
-    from fedpose.edge.demo_video import load_truth, sidecar_path
-
-    path = sidecar_path(source)
-    if "://" in source or source.strip().isdigit() or not path.is_file():
-        return None
-    truth = load_truth(source)
-    truth["path"] = path
-    return truth
-
-
 def cmd_demo_video(args: argparse.Namespace) -> int:
-    from fedpose.edge.demo_video import DemoSpec, parse_size, write_demo_video
+    from fedpose.edge.pipeline.demo_video import DemoSpec, parse_size, write_demo_video
 
     spec = DemoSpec(frames=args.frames, size=parse_size(args.size), seed=args.seed, fps=args.fps, style=args.style)
     sidecar = write_demo_video(args.out, spec)
     print(f"wrote {args.out} ({spec.frames} frames, {spec.size[1]}x{spec.size[0]} (HxW), {spec.fps:g} fps) "
           f"and ground truth {sidecar}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# pixelize / restore
+# ---------------------------------------------------------------------------
+
+
+def cmd_pixelize(args: argparse.Namespace) -> int:
+    from fedpose.edge.pipeline.files import pixelize_files
+    from fedpose.shared.pixelization.spec import PixelizeSpec
+
+    spec = PixelizeSpec(eps=args.eps, b=args.b, m=args.m, n=args.n, noise=args.noise)
+    out = Path(args.out)
+    done = pixelize_files(Path(args.input), out, spec, gray=args.gray, store=args.store, mask=args.mask,
+                          model=args.model, backend=args.backend, seed=args.seed)
+    print(f"pixelized {done.frames} {'frame' if done.frames == 1 else 'frames'} -> {out}"
+          + (" (NPZ: noisy means only; rebuild with `fedpose edge restore`)" if args.store == "npz" else ""))
+    print(done.claim)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from fedpose.edge.pipeline.files import restore_image
+
+    src, out = Path(args.input), Path(args.out)
+    image = restore_image(src, out)
+    print(f"restored {src} -> {out} ({image.shape[0]}x{image.shape[1]} (HxW), "
+          f"{'grayscale' if image.ndim == 2 else 'colour'}; identical to the released frame)")
     return 0
 
 
@@ -177,7 +178,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``edge`` command group to the main parser."""
-    from fedpose.cli.main import add_config, add_json
+    from fedpose.cli.common import add_config, add_json
 
     edge = subparsers.add_parser("edge", help="deployment on cameras: export, TensorRT, pipeline, DP pixelization")
     sub = edge.add_subparsers(dest="edge_command", required=True)

@@ -1,136 +1,39 @@
 """``fedpose simulate | ledger | certs | site-policy``: the federation's command line.
 
-Registered by ``fedpose.cli.main`` when this module exists. Handlers import what they
-need inside, so ``fedpose --help`` stays instant. The handlers of ``ledger``
+Registered by ``fedpose.cli.main``. Handlers import what they need inside, so ``fedpose --help`` stays
+instant; ``simulate`` is ``fedpose.cli.local_federation.simulate``. The handlers of ``ledger``
 and ``site-policy`` live in ``fedpose.cli.ledger`` and ``fedpose.cli.site_policy``, the key
-material of ``certs`` in ``fedpose.cli.certs``.
+material of ``certs`` in ``fedpose.server.kits.certs``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from fedpose.cli.certs import LOOPBACK_NAMES, make_certs
+from fedpose.server.kits.certs import LOOPBACK_NAMES, make_certs
 from fedpose.cli.ledger import cmd_ledger
-from fedpose.cli.simulation import flower_env
 from fedpose.cli.site_policy import cmd_site_policy
-from fedpose.shared.errors import ConfigError
 
 # ---------------------------------------------------------------------------
 # simulate
 # ---------------------------------------------------------------------------
 
 
-def check_simulation_sites(cfg: Any) -> None:
-    """A simulated federation has one site per ``data.train_splits`` entry: ``min_sites`` must fit.
-
-    (Not a Config rule: a centralized run with one split keeps the default
-    ``min_sites``, and a deployment's sites are its SuperNodes, not splits.)
-    """
-    if cfg.federation.min_sites > len(cfg.data.train_splits):
-        raise ConfigError(
-            f"federation.min_sites = {cfg.federation.min_sites} is more than the "
-            f"{len(cfg.data.train_splits)} sites of data.train_splits: no round could ever be aggregated"
-        )
-
-
-def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
-    """Server and client apps for ``run_simulation``, which passes no run config: inject ours."""
-    from flwr.app import Context, Message
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-
-    from fedpose.client import client_app as site_app
-    from fedpose.server import server_app as central_app
-
-    server = ServerApp()
-    client = ClientApp()
-
-    @server.main()
-    def main(grid: Grid, context: Context) -> None:
-        context.run_config = dict(run_config)
-        central_app.serve(grid, context)
-
-    @client.query()
-    def query(msg: Message, context: Context) -> Message:
-        return site_app.on_query(msg, context, dict(run_config))
-
-    @client.train()
-    def train(msg: Message, context: Context) -> Message:
-        return site_app.on_train(msg, context, dict(run_config))
-
-    return server, client
-
-
-def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
-    """Data, pretrained weights, site policies and each site's own checks (P2 disjointness, duplicates), and
-    the run's config file; returns its path."""
-    from fedpose.client.policy import load_policy, write_policy
-    from fedpose.client.policy_resolve import default_policy
-    from fedpose.client.site_data import prepare_site
-    from fedpose.shared.configuration.schema import dump_config
-    from fedpose.shared.training.runs import ensure_data, ensure_pretrained
-
-    ensure_data(cfg, progress=progress)
-    if cfg.train.strategy != "scratch":
-        ensure_pretrained(cfg, progress=progress)
-    for i, split in enumerate(cfg.data.train_splits):
-        path = out / "sites" / split / "policy.yaml"
-        if not path.exists():
-            write_policy(path, default_policy(cfg, out, i))
-        prepare_site(load_policy(path))  # each simulated site's operator step: its own checks, once per run
-    config_path = out / "run-config.yaml"
-    dump_config(cfg, config_path)
-    return config_path
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from fedpose.cli.main import emit_json, load_cli_config
+    from fedpose.cli.common import emit_json, parse_sets
+    from fedpose.cli.local_federation import simulate
 
-    out = Path(args.out).expanduser().resolve()
-    overrides: dict[str, Any] = {"federation.out": str(out)}
-    if args.rounds is not None:
-        overrides["federation.rounds"] = args.rounds
-    if args.seed is not None:
-        overrides["train.seed"] = args.seed
-    if args.resume:
-        previous = out / "run-config.yaml"
-        if not previous.is_file():
-            raise FileNotFoundError(f"{previous} not found: nothing to resume in {out}")
-        cfg = load_cli_config(args, overrides, path=previous)
-    else:
-        if (out / "checkpoint.pt").exists() or (out / "ledger.sqlite").exists():
-            raise ValueError(f"{out} already holds a federation: continue it with --resume or choose another --out")
-        cfg = load_cli_config(args, overrides)
-    from fedpose.server.prepare import absolute_paths
-
-    cfg = absolute_paths(cfg)  # Ray workers may run elsewhere
-    check_simulation_sites(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    flower_env(out / "flwr-home")
-    config_path = prepare_simulation(cfg, out, progress=not args.quiet)
-    run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": bool(args.resume)}
-    sites = len(cfg.data.train_splits)
-
-    from fedpose.cli.simulation import run_local_simulation
-
-    status = run_local_simulation(out, run_config, sites=sites, quiet=args.quiet or args.json)
-    metrics_path = out / "metrics.json"
-    if status != "finished:completed" or not metrics_path.is_file():
-        raise RuntimeError(f"the federation did not finish ({status or 'no status'}); see the log above and "
-                           f"{out / 'superlink.log'}")
-    metrics = json.loads(metrics_path.read_text())
+    metrics = simulate(args.config, args.out, sets=parse_sets(args.set), rounds=args.rounds, seed=args.seed,
+                       resume=args.resume, progress=not args.quiet, quiet=args.quiet or args.json)
     if not emit_json(args, metrics):
-        print_summary(metrics, out)
+        print_summary(metrics, Path(args.out).expanduser().resolve())
     return 0
 
 
 def print_summary(metrics: dict[str, Any], out: Path) -> None:
-    from fedpose.cli.main import data_line
+    from fedpose.cli.common import data_line
     from fedpose.server.report import read_rounds
     from fedpose.shared.metrics.pose import pckh_table
 
@@ -155,9 +58,9 @@ def print_summary(metrics: dict[str, Any], out: Path) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from fedpose.cli.provision import _inside_git_tree
+    from fedpose.shared.flower.node_keys import inside_git_tree
 
-    repo = _inside_git_tree(Path(args.out).expanduser().resolve())
+    repo = inside_git_tree(Path(args.out).expanduser().resolve())
     if repo is not None:
         raise ValueError(f"{args.out} is inside the git work tree {repo}: private keys must never be written there; "
                          "choose a folder outside any repository (or use `fedpose provision`)")
@@ -172,7 +75,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from fedpose.cli.main import add_config, add_json
+    from fedpose.cli.common import add_config, add_json
 
     sim = sub.add_parser("simulate", help="run the federation in Flower's simulation (one process, Ray)")
     add_config(sim)
@@ -251,9 +154,3 @@ def register(sub: Any) -> None:
     pol.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="privacy accountant (default rdp)")
     pol.add_argument("--verbose", action="store_true", help="debug logging")
     pol.set_defaults(func=cmd_site_policy)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from fedpose.cli.main import main
-
-    sys.exit(main())

@@ -1,7 +1,10 @@
 """``fedpose`` command line: a thin layer that parses arguments and calls plain functions.
 
-Every sub-command imports what it needs inside its handler, so ``fedpose --help``
-is instant and a CPU-only machine never imports GPU-only packages.
+The core commands (config, pretrain, train, eval) are here; every other group is registered by its own
+command module, imported here by name (an import error is a crash, not a missing command). Every handler
+imports what it needs inside, so ``fedpose --help`` is instant, a CPU-only machine never imports GPU-only
+packages, and a camera without torch still runs ``fedpose edge ...`` (a command that needs torch says which
+extra brings it: ``install_hint``).
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("fedpose")
+from fedpose.cli import audit, console, data, edge, fed, provision, server, site, study
+from fedpose.cli.common import add_common, add_json, data_line, emit_json, load_cli_config
 
-DEFAULT_CONFIG = "default"  # configs/default.yaml, shipped with fedpose (any command takes a name or a path)
+log = logging.getLogger("fedpose")
 
 
 def _setup_logging(verbose: bool, quiet: bool = False) -> None:
@@ -27,34 +31,6 @@ def _setup_logging(verbose: bool, quiet: bool = False) -> None:
     )
     for noisy in ("matplotlib", "PIL", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
-    """``--set key=value`` pairs (the value read as YAML: 0.5, true, [64, 48], null) as dotted overrides."""
-    from fedpose.shared.errors import ConfigError
-    from fedpose.shared.configuration.yaml_io import parse_yaml
-
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip() or " " in key.strip():
-            raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set train.lr=0.0005")
-        out[key.strip()] = parse_yaml(raw, what=f"--set {key.strip()}") if raw.strip() else ""
-    return out
-
-
-def load_cli_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None, *, path: Any = None) -> Any:
-    """The command's config: its --config (a file or a shipped name), then its --set pairs, then ``overrides``
-    (the command's own flags that were given)."""
-    from fedpose.shared.configuration.schema import load_config
-
-    merged = {**parse_sets(getattr(args, "set", None)),
-              **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    return load_config(path if path is not None else args.config, merged)
-
-
-def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
-    return load_cli_config(args, overrides)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -68,26 +44,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def emit_json(args: argparse.Namespace, payload: Any) -> bool:
-    """With ``--json``: print the command's result as one JSON object on stdout (instead of the summary)."""
-    if not getattr(args, "json", False):
-        return False
-    print(json.dumps(payload, indent=1, default=str))
-    return True
-
-
-def add_json(p: argparse.ArgumentParser, what: str = "the result (metrics.json's content)") -> None:
-    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON object instead of the summary")
-
-
-def data_line(metrics: dict[str, Any]) -> str:
-    """One line naming the data and the software a run's numbers came from (metrics.json has the rest)."""
-    data, prov = metrics["data"], metrics["provenance"]
-    commit = (prov.get("commit") or "unknown")[:10] + ("+changes" if prov.get("dirty") else "")
-    return (f"data: {data['source']} at {data['root']} (digest {data['digest'][:12]}); torch "
-            f"{prov['versions'].get('torch')}, {prov['threads']} threads, commit {commit}")
-
-
 # ---------------------------------------------------------------------------
 # core commands
 # ---------------------------------------------------------------------------
@@ -97,8 +53,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from fedpose.shared.metrics.pose import pckh_table
     from fedpose.shared.training.runs import run_pretrain
 
-    cfg = _load(args, {"pretrain.out": args.out, "data.root": args.data,
-                       "data.source": "files" if args.data else None})
+    cfg = load_cli_config(args, {"pretrain.out": args.out, "data.root": args.data,
+                                 "data.source": "files" if args.data else None})
     metrics = run_pretrain(cfg, args.out, progress=not args.quiet)
     if emit_json(args, metrics):
         return 0
@@ -114,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fedpose.shared.metrics.pose import pckh_table
     from fedpose.shared.training.runs import run_train
 
-    cfg = _load(
+    cfg = load_cli_config(
         args,
         {
             "train.method": args.method,
@@ -191,21 +147,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------
 
 
-def add_config(p: argparse.ArgumentParser, *, default: str = DEFAULT_CONFIG, help: str | None = None) -> None:
-    """--config and --set, the same on every command that takes a config."""
-    p.add_argument("--config", default=default,
-                   help=help or f"a YAML config file, or the name of a shipped one (default {default})")
-    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set train.lr=0.0005 (repeat; YAML values)")
-
-
-def _add_common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
-    if config:
-        add_config(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--verbose", action="store_true", help="debug logging")
-
-
 def _options_along(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
     """The option strings of ``parser`` and of the subcommands ``argv`` names below it."""
     options = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001
@@ -251,14 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     conf = sub.add_parser("config", help="configs").add_subparsers(dest="config_command", required=True)
     show = conf.add_parser("show", help="print the resolved config: the file (or shipped name) and every --set")
     add_json(show, "the resolved config")
-    _add_common(show)
+    add_common(show)
     show.set_defaults(func=cmd_config_show)
 
     pre = sub.add_parser("pretrain", help="non-private pretraining on the public split")
     pre.add_argument("--out", default=None, help="output directory (default: the config's pretrain.out)")
     pre.add_argument("--data", default=None, help="data root (default: the config's data.root)")
     add_json(pre)
-    _add_common(pre)
+    add_common(pre)
     pre.set_defaults(func=cmd_pretrain)
 
     tr = sub.add_parser("train", help="train with one of the five methods and evaluate")
@@ -285,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a data root of splits on disk (sets data.source files; default: the config's)")
     tr.add_argument("--out", required=True, help="results folder (model.pt, metrics.json, config.yaml)")
     add_json(tr)
-    _add_common(tr)
+    add_common(tr)
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="PCKh of a checkpoint on a split in the MPII json layout")
@@ -294,11 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--headboxes", default=None, help="headboxes.json or the official mpii_gt_val.mat")
     ev.add_argument("--predictions", default=None, help="write predictions (MPII json layout) here")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_common(ev, config=False)
+    add_common(ev, config=False)
     ev.set_defaults(func=cmd_eval)
 
-    for register in _extensions():
-        register(sub)
+    # The command groups of the data, the federation, the edge and the audit, each registered by its own module.
+    for group in (data, fed, provision, server, site, console, edge, audit, study):
+        group.register(sub)
     _common_options(parser)
     return parser
 
@@ -329,22 +271,6 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
                 options[short] = action
             elif long not in options:
                 leaf.add_argument(short, long, action="store_true", help=text)
-
-
-def _extensions() -> list[Callable[[Any], None]]:
-    """Sub-command groups of the federation, the edge and the audit (added by their own modules)."""
-    out = []
-    for module in ("fedpose.cli.data", "fedpose.cli.fed", "fedpose.cli.provision", "fedpose.cli.server",
-                   "fedpose.cli.site", "fedpose.cli.console", "fedpose.cli.edge", "fedpose.cli.audit",
-                   "fedpose.cli.study"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
-            continue
-        out.append(mod.register)
-    return out
 
 
 # The extra that brings each third-party module a command may need (pyproject.toml's optional dependencies).

@@ -2,126 +2,56 @@
 
 ``prepare``: the server's public split, validation split and pretrained weights (server/prepare.py).
 ``run``: submit the federation to the SuperLink with ``flwr run``, follow it and exit non-zero unless it
-finished completed (``flwr run`` itself returns 0 as soon as the run is submitted).
+finished completed (``flwr run`` itself returns 0 as soon as the run is submitted; server/submit.py).
 ``status``: the run folder's rounds, per-site spend and events (server/status.py).
 ``build-app``: the Flower app and the bundle the sites approve, from this install (cli/app_bundle.py).
 ``register-sites``: the sites' public keys, registered again safely (cli/register_sites.py).
-``front``: the sites' address, which passes the SuperLink's Fleet API only (cli/fleet_front.py).
+``front``: the sites' address, which passes the SuperLink's Fleet API only (server/front.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from fedpose.shared.errors import ExitCode
-
-# ``fedpose server run``: 0 finished completed; FAILED when the run failed, was stopped or was not submitted.
-RUN_FAILED = NOT_SUBMITTED = ExitCode.FAILED
+from fedpose.server.submit import RUN_FAILED
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from fedpose.cli.main import load_cli_config
+    from fedpose.cli.common import load_cli_config
     from fedpose.server.prepare import prepare_server
 
     prepare_server(load_cli_config(args), Path(args.out), progress=not args.quiet)
     return 0
 
 
-def _flwr(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("flwr")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _status_of(connection: str, run_id: int) -> str:
-    done = _flwr("ls", connection, "--run-id", str(run_id), "--format", "json", timeout=60)
-    if done.returncode != 0:
-        return ""
-    try:
-        return str(json.loads(done.stdout)["runs"][0]["status"])
-    except (ValueError, KeyError, IndexError):
-        return ""
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Submit, follow, and say plainly how the run ended (exit 0 only when it finished completed)."""
-    app = Path(args.app).expanduser().resolve()
-    if not (app / "pyproject.toml").is_file():
-        raise FileNotFoundError(f"no Flower app at {app} (it needs pyproject.toml): give --app the folder "
-                                "`fedpose server build-app --out DIR` wrote, whose bundle the sites approved")
-    out = Path(args.out).expanduser().resolve()
-    parts = [f"out='{out}'"]
-    if args.resume:
-        parts.append("resume=true")
-    else:
-        parts.append(f"config='{Path(args.config).expanduser().resolve()}'")
-    submitted_at = time.time() - 1.0
-    submitted = _flwr("run", str(app), args.connection, "--format", "json", "--run-config", " ".join(parts))
+    from fedpose.server.submit import submit_run
+
+    return submit_run(args.app, args.connection, args.out, config=args.config, resume=args.resume,
+                      timeout=args.timeout, poll=args.poll)
+
+
+def cmd_front(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from fedpose.server.front import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
+    superlink = list(args.superlink_command or [])
+    if superlink[:1] == ["--"]:
+        superlink = superlink[1:]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop ends the front cleanly
     try:
-        run_id = int(json.loads(submitted.stdout)["run-id"])
-    except (ValueError, KeyError, TypeError):
-        print(f"fedpose server run: the run was not submitted: {(submitted.stdout + submitted.stderr).strip()[-800:]}",
-              file=sys.stderr)
-        return NOT_SUBMITTED
-    print(f"submitted run {run_id} to {args.connection}; results in {out}", flush=True)
-    seen, status, deadline = 0, "", time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        status = _status_of(args.connection, run_id)
-        rounds = out / "rounds.jsonl"
-        if rounds.is_file():
-            lines = [line for line in rounds.read_text().splitlines() if line.strip()]
-            for line in lines[seen:]:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    break
-                print(round_line(r), flush=True)
-                seen += 1
-        if status.startswith("finished"):
-            break
-        time.sleep(args.poll)
-    if status == "finished:completed":
-        metrics = out / "metrics.json"
-        if metrics.is_file():
-            m = json.loads(metrics.read_text())
-            if m.get("stopped"):
-                print(f"stopped early: {m['stopped']}")
-            print(f"finished: PCKh {m['pckh_mean']:.2f} (start {m.get('initial_pckh_mean') or float('nan'):.2f}); "
-                  f"claim: {m['claim']}")
-        else:
-            print("finished")
+        return serve(args.listen, args.superlink, ca=Path(args.ca), cert=Path(args.cert), key=Path(args.key),
+                     superlink=superlink or None)
+    except KeyboardInterrupt:
         return 0
-    from fedpose.server.outcome import read_outcome
-
-    outcome = read_outcome(out) if (out / "outcome.json").is_file() and \
-        (out / "outcome.json").stat().st_mtime >= submitted_at else None  # this run's, not an earlier one's
-    if status.startswith("finished") and outcome is not None and outcome.get("state") == "failed":
-        # the server said why it could not go on: that line, not the traceback Flower logs around it
-        print(f"fedpose server run: run {run_id} failed: {outcome['reason']} (its whole log: flwr log {run_id} "
-              f"{args.connection} --show)", file=sys.stderr)
-        return RUN_FAILED
-    log = _flwr("log", str(run_id), args.connection, "--show", timeout=120).stdout
-    why = status or f"still running after --timeout {args.timeout:.0f} s"
-    print(f"fedpose server run: run {run_id} did not finish completed ({why}); the end of its log:\n"
-          + "\n".join(log.splitlines()[-40:]), file=sys.stderr)
-    return RUN_FAILED
-
-
-def round_line(r: dict[str, Any]) -> str:
-    """One round of rounds.jsonl as ``server run`` prints it; a round that was not aggregated names who paid for it."""
-    if r.get("aggregated", True):
-        line = f"round {r['round']}: PCKh {r['pckh_mean']:.2f}, accepted {', '.join(r['accepted']) or '-'}"
-    else:
-        line = (f"round {r['round']}: not aggregated (too few valid replies), PCKh {r['pckh_mean']:.2f} unchanged"
-                + (f"; {', '.join(r['discarded'])} paid for an update that was thrown away" if r.get("discarded")
-                   else ""))
-    return (line + (f", missed {', '.join(r['missed'])}" if r.get("missed") else "")
-            + (f", refused {', '.join(r['refused'])}" if r.get("refused") else ""))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -148,7 +78,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from fedpose.cli.main import add_config
+    from fedpose.cli.common import add_config
 
     server = sub.add_parser("server", help="the federation server: prepare its data and weights, run and follow "
                                            "a federation, its status")
@@ -180,12 +110,24 @@ def register(sub: Any) -> None:
     run.set_defaults(func=cmd_run)
 
     from fedpose.cli.app_bundle import register as register_build_app
-    from fedpose.cli.fleet_front import register as register_front
     from fedpose.cli.register_sites import register as register_sites
 
     register_build_app(ss)
     register_sites(ss)
-    register_front(ss)
+
+    front = ss.add_parser("front", help="serve the sites' address: forward the Fleet API (and /health) to the "
+                                        "SuperLink on this machine, refuse everything else (its Control API)")
+    front.add_argument("--listen", required=True, help="the address the sites dial, HOST:PORT (e.g. 0.0.0.0:8000)")
+    front.add_argument("--superlink", required=True,
+                       help="the SuperLink's own address, on this machine (e.g. 127.0.0.1:9093)")
+    front.add_argument("--ca", required=True, help="the CA certificate (ca.crt): checks the SuperLink's certificate")
+    front.add_argument("--cert", required=True, help="the server certificate the sites check (server.pem)")
+    front.add_argument("--key", required=True, help="its private key (server.key)")
+    front.add_argument("superlink_command", nargs=argparse.REMAINDER,
+                       help="-- then the flower-superlink command: started, and stopped, with the front (left "
+                            "out: the front serves a SuperLink started otherwise)")
+    front.add_argument("--verbose", action="store_true", help="debug logging")
+    front.set_defaults(func=cmd_front)
 
     st = ss.add_parser("status", help="a run folder's rounds, per-site spend against budget, events")
     st.add_argument("--out", required=True, help="the run's results folder")

@@ -187,7 +187,7 @@ def install_gate(runtime: Any, approved: frozenset[str]) -> None:
             raise verdict["refused"]
         if hashlib.sha256(content).hexdigest() != verdict.get("digest"):
             raise UnapprovedAppError("app bundle to install is not the one checked against the approved list: refused")
-        # The round binds its charge to the bundle that runs it (P16: client.request_identity.running_bundle).
+        # The round binds its charge to the bundle that runs it (P16: client.request.running_bundle).
         os.environ["FEDPOSE_APP_DIGEST"] = verdict["digest"]
         return install(content, *args, **kwargs)
 

@@ -29,7 +29,7 @@ from flwr.clientapp import ClientApp
 
 from fedpose.client.policy_resolve import resolve_policy
 from fedpose.client.site import handle_train
-from fedpose.client.site_data import site_info, spend_so_far
+from fedpose.client.data import site_info, spend_so_far
 from fedpose.shared.flower.app_logging import setup_app_logging
 from fedpose.shared.flower.messages import CONFIG, INFO, Refusal, RefusalCode, spend_suffix
 

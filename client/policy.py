@@ -128,7 +128,7 @@ class SitePolicy:
     min_sigma: float | None = None
     public_path: str | None = None
     public_digest: str | None = None
-    eval_path: str | None = None  # held-out split evaluated at the site only (client/site_eval.py)
+    eval_path: str | None = None  # held-out split evaluated at the site only (client/evaluation.py)
     accountant: str = "rdp"
     # None: dpsgd and proj, or all four with the Feature-DP opt-in below (resolved in __post_init__)
     methods: tuple[str, ...] | None = None

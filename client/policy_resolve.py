@@ -12,7 +12,7 @@ from typing import Any
 from fedpose.client.policy import SitePolicy, load_policy, policy_from_dict, write_policy
 from fedpose.shared.privacy.step.psi import psi_strength
 from fedpose.shared.configuration.methods import WITH_PUBLIC
-from fedpose.client.site_data import load_split_dir
+from fedpose.client.data import load_split_dir
 from fedpose.shared.configuration.schema import Config
 from fedpose.shared.data.patients import group_by_patient, stated_group_size
 from fedpose.shared.data.split import manifest_digest as public_digest
@@ -106,10 +106,38 @@ def simulation_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
     path = out / "sites" / splits[index] / "policy.yaml"
     if path.is_file():
         return load_policy(path)
-    from fedpose.client.site_data import prepare_site
+    from fedpose.client.data import prepare_site
 
     policy = default_policy(cfg, out, index)
     write_policy(path, policy)
     prepare_site(policy)  # the simulated site's operator step: its checks, once
     log.info("site %s: wrote default simulation policy %s", policy.site, path)
+    return policy
+
+
+def _units(policy_data: dict, base: Path) -> int:
+    """The site's privacy units (records, or patients at patient level) in its data: read locally, once."""
+    data = Path(policy_data["data_path"])
+    records = load_split_dir(data if data.is_absolute() else base / data, "site data")
+    if policy_data.get("unit") == "patient":
+        return group_by_patient(records, cap=policy_data.get("max_records_per_patient"))[1].count
+    return len(records)
+
+
+def write_site_policy(out: str | Path, values: dict[str, Any]) -> SitePolicy:
+    """``fedpose site-policy``: write the policy file ``out`` from the operator's own ``values`` (every field but
+    the version and the public digest). The public set it names (relative to ``out``'s folder) is approved as it
+    is now, its digest written; a ``sample_rate`` of None is derived here, once, as q = B / n from the data (n
+    itself is never written)."""
+    out = Path(out).resolve()
+    digest = None
+    if values.get("public_path"):
+        public = Path(values["public_path"])
+        public = public if public.is_absolute() else (out.parent / public)
+        digest = public_digest(load_split_dir(public.resolve(), "public set"))
+    data = {"policy_version": 3, **values, "public_digest": digest}
+    if data["sample_rate"] is None:  # q = B / n from the data, here, once: n itself is never written
+        data["sample_rate"] = round(min(1.0, data["expected_batch"] / _units(data, out.parent)), 4)
+    policy = policy_from_dict(data, base=out.parent)
+    write_policy(out, policy)
     return policy

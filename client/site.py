@@ -22,44 +22,48 @@ chunk size, its normaliser, P15) and a reply checked finite is stored, and the r
 before it leaves.
 
 A charged round is one release (P16): its row is bound to the digest of the whole request
-(``fedpose.client.request_identity.request_digest``: weights, basis, every config field, the app bundle). A
+(``fedpose.client.request.request_digest``: weights, basis, every config field, the app bundle). A
 (federation, round) asked again gets its stored reply when it is done, and its stored failure when it
 failed after the charge (final: the noise seed is erased, nothing runs again). Only a round whose
 process died mid-way stays charged, and only the identical request replays it, on the same seed and
 the same data, so it is never spent twice and never evaluated on other inputs. With ``round_seconds``
 in the policy the answer of a charged round leaves at a multiple of that period after the request
-arrived (``fedpose.client.round_timing.hold_reply``), not when training happened to end.
+arrived (``hold_reply``), not when training happened to end; one site runs one round at a time, across
+processes (``site_lock``).
 
-This module is the round itself; the steps it calls live beside it: ``fedpose.client.request`` (parse, check
-against the policy, load weights), ``fedpose.client.request_identity`` (the digest a charge is bound to),
-``fedpose.client.round_timing`` (one round at a time, the held answer), ``fedpose.client.site_data`` (the site's own
-checks), ``fedpose.client.site_basis`` (V), ``fedpose.client.replies`` (stored replies) and
-``fedpose.client.policy_resolve`` (which policy a node runs under).
+This module is the round itself, its lock and its held answer; the steps it calls live beside it:
+``fedpose.client.request`` (parse, check against the policy, load weights, the digest a charge is bound to),
+``fedpose.client.data`` (the site's own checks), ``fedpose.client.basis`` (V), ``fedpose.client.replies``
+(stored replies) and ``fedpose.client.policy_resolve`` (which policy a node runs under).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import math
 import os
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from fedpose.client.ledger import SiteLedger
-from fedpose.client.ledger_round import Mechanism
+from fedpose.client.ledger import Mechanism, SiteLedger
 from fedpose.client.policy import SitePolicy
 from fedpose.client.replies import repeated_round, store_reply
-from fedpose.client.request import check_model_size, check_request, load_weights, parse_request
-from fedpose.client.request_identity import request_digest, running_bundle
-from fedpose.client.round_timing import hold_reply, site_lock
+from fedpose.client.request import (check_model_size, check_request, load_weights, parse_request, request_digest,
+                                    running_bundle)
 from fedpose.shared.configuration.methods import PROJECTED, WITH_PUBLIC
-from fedpose.client.site_basis import cache_basis, drop_basis_cache, obtain_basis
-from fedpose.client.site_data import SiteCheck, load_checked, site_ready
+from fedpose.client.basis import cache_basis, drop_basis_cache, obtain_basis
+from fedpose.client.data import SiteCheck, load_checked, site_ready
 from fedpose.shared.flower.messages import ARRAYS, METRICS, Refusal, RefusalCode, weights_record
 from fedpose.shared.privacy.accounting.accountant import StepRecord
 from fedpose.shared.privacy.step.psi import psi_label_of
 
-# Names other code and the tests have imported from client.site; their homes are the modules above.
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +77,46 @@ def _augment_seed(secret: int) -> int:
     return int.from_bytes(hashlib.sha256(b"fedpose-augment" + secret.to_bytes(8, "big")).digest()[:4], "big")
 
 
+@contextmanager
+def site_lock(policy: SitePolicy) -> Iterator[None]:
+    """One round at a time per site, across processes (Flower starts one per message); released on death."""
+    from fedpose.shared.private_files import open_private, private_dir
+
+    path = Path(policy.ledger_path).with_suffix(".lock")
+    private_dir(path.parent)  # made 0700, the lock 0600, whatever the umask (secrets at rest)
+    with open(path, "a+", opener=open_private) as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def hold_reply(arrived: float, period: float | None) -> None:
+    """Hold a charged round's answer until the first multiple of ``period`` (the policy's ``round_seconds``) after
+    its request ``arrived`` (time.monotonic()) that has not passed yet.
+
+    A round that ran past its deadline then leaves at the next multiple, never when training happened to end, so
+    the departure time moves with the private data only when a round crosses a multiple (pinned resources and the
+    pinned public batch keep rounds inside one); the site's operator is told each time it happens.
+    """
+    if period is None:
+        return
+    elapsed = time.monotonic() - arrived
+    periods = max(1, math.ceil(elapsed / period))
+    if periods > 1:
+        log.warning("a round took %.1f s, more than round_seconds=%g: its answer leaves at %g s; raise round_seconds "
+                    "so that every round fits", elapsed, period, periods * period)
+    left = arrived + periods * period - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
     from fedpose.shared.model.posenet import build_model
     from fedpose.shared.model.strategy import apply_strategy
-    from fedpose.shared.training.provenance import select_device
+    from fedpose.shared.training.loop import select_device
 
     arrived = time.monotonic()
     request = parse_request(content)
@@ -117,8 +156,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             log.warning("site %s: round %d of federation %s was charged but never finished: replaying the identical "
                         "request on its own seed (not spent again)", policy.site, request.round, request.federation)
         try:
-            return _train_charged(request, policy, ready, row, model, trainable, (basis, seconds_basis),
-                                  progress=progress)
+            return _train_charged(request, policy, ready, row, model, trainable, basis=basis,
+                                  seconds_basis=seconds_basis, progress=progress)
         except Exception as err:
             # A failure after the charge is final (P16): stored as the round's answer, its noise seed erased. A
             # crash (the process dies) leaves the row charged, replayable by the identical request only.
@@ -164,15 +203,17 @@ def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> 
 
 
 def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], model: Any,
-                   trainable: list[str], obtained: tuple[Any, float], *, progress: bool) -> Any:
+                   trainable: list[str], *, basis: torch.Tensor | None, seconds_basis: float,
+                   progress: bool) -> Any:
     """The charged round: private data is read from here on; any failure is already paid for.
 
-    ``obtained``: the round's V (None for methods that do not project) and the seconds it took (``obtain_basis``).
+    ``basis``: the round's V (None for methods that do not project); ``seconds_basis``: the seconds it took
+    (``obtain_basis``).
     """
     import torch
     from flwr.app import MetricRecord, RecordDict
 
-    from fedpose.client.site_eval import evaluate_global
+    from fedpose.client.evaluation import evaluate_global
     from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
     from fedpose.shared.privacy.step.noise import generator_from_secret, make_generator
     from fedpose.shared.training.provenance import configure_numerics
@@ -181,7 +222,6 @@ def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = request.config
-    basis, seconds_basis = obtained
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)
     checked = load_checked(policy, ready)
     # Only a charged round gets the received model scored at the site: a refused one costs no evaluation.

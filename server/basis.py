@@ -2,7 +2,7 @@
 
 Every ``privacy.basis_every`` rounds V is recomputed at the current global
 weights from public data only (P2): the top-k directions of m per-sample
-gradients on S_pub (``fedpose.shared.training.loop.public_basis_at``). Its version is the
+gradients on S_pub (``fedpose.shared.privacy.step.subspace.public_basis_at``). Its version is the
 round it was made for.
 
 - ``basis_mode: broadcast`` - the server computes V and sends it as its own
@@ -63,7 +63,8 @@ class BasisKeeper:
             log.info("basis version %d: sites compute V from their public set", round)
             return 0.0
         from fedpose.shared.model.pose_loss import make_loss_fn
-        from fedpose.shared.training.batches import make_dataset, public_basis_at
+        from fedpose.shared.training.batches import make_dataset
+        from fedpose.shared.privacy.step.subspace import public_basis_at
 
         t0 = time.perf_counter()
         device = next(model.parameters()).device

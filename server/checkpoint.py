@@ -4,7 +4,7 @@ The file is written to a temporary sibling, fsynced and renamed over the
 previous one, so a killed server leaves either the old or the new
 checkpoint, never a mix. The server optimizer's moments (FedAvgM / FedAdam) are in
 it too, so a resumed federation takes the same steps. ``--resume`` loads it, reconciles the SQLite
-ledger with the snapshot (``fedpose.server.ledger_resume.reconcile``) and continues at
+ledger with the snapshot (``fedpose.server.ledger.reconcile``) and continues at
 ``round + 1``: completed rounds are neither lost nor counted twice.
 """
 

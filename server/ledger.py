@@ -16,7 +16,9 @@ Rows are never deleted. A row whose round was not checkpointed (the server
 died between the ledger commit and the checkpoint rename) is kept and marked
 ``interrupted`` on resume: that spend happened at the site, so it still
 counts; the round is then asked again, the site replays its one charge, and the
-row of its reply replaces the interrupted one (``ledger_resume``).
+row of its reply replaces the interrupted one. Resuming (``reconcile``, on
+``fedpose server --resume``) also restores the rows the checkpoint holds when
+the database lost them.
 
 A site charges a round before it reads a private record (P13), so a request
 that got no answer (the node died, or the reply was lost) may have been spent.
@@ -39,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.server.plan import SitePlan
-from fedpose.shared.privacy.accounting.accountant import StepRecord
-from fedpose.shared.privacy.accounting.ledger import check_entry, connect, cumulative_epsilon, transaction, utc_now
+from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
+from fedpose.shared.privacy.accounting.history import check_entry, connect, transaction, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +240,7 @@ class ServerLedger:
 
     def server_epsilon(self, site: str, *, asking: int | None = None) -> float:
         plan = self.plans()[site]
-        return cumulative_epsilon(self.history(site, asking=asking), delta=plan.delta, accountant=plan.accountant)
+        return epsilon_spent(self.history(site, asking=asking), delta=plan.delta, accountant=plan.accountant)
 
     def _reported(self, site: str, column: str) -> float:
         a = self.conn.execute(f"SELECT MAX({column}) FROM reports WHERE site = ?", (site,)).fetchone()[0]
@@ -286,7 +288,7 @@ class ServerLedger:
             reported = round if s.site in reporting else None
             history = histories.setdefault(s.site, self.history(s.site, reported=reported))
             history.append(entry)
-            eps = cumulative_epsilon(history, delta=plan.delta, accountant=plan.accountant)
+            eps = epsilon_spent(history, delta=plan.delta, accountant=plan.accountant)
             for value in (s.site_epsilon, s.run_epsilon):
                 if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                     raise ValueError(f"site {s.site}: reported epsilon {value!r} is not a finite number")
@@ -335,7 +337,7 @@ class ServerLedger:
 
     def record_sent(self, round: int, sites: list[str]) -> None:
         """Write, before sending, that these sites are asked to train ``round``: should the server die before
-        their replies, ``ledger_resume.reconcile`` counts each at the plan."""
+        their replies, ``reconcile`` counts each at the plan."""
         now = utc_now()
         with transaction(self.conn):
             for site in sites:
@@ -364,3 +366,55 @@ class ServerLedger:
             "sites": [dict(r) for r in self.conn.execute("SELECT * FROM sites ORDER BY site")],
             "meta": {r[0]: r[1] for r in self.conn.execute("SELECT key, value FROM meta")},
         }
+
+
+def _put(ledger: ServerLedger, insert: str, row: dict[str, Any]) -> None:
+    """``insert`` ("INSERT [OR REPLACE] INTO table") one checkpointed row, its columns named by its keys."""
+    ledger.conn.execute(f"{insert} ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
+
+
+def reconcile(ledger: ServerLedger, snapshot: dict[str, Any], *, through_round: int) -> int:
+    """Make the ledger agree with a checkpoint taken after ``through_round``; returns rows marked interrupted.
+
+    Rows the checkpoint holds must be present and identical; if the
+    database lost them (deleted, replaced), they are restored from the
+    checkpoint. Rows of later rounds (committed, never checkpointed) are
+    kept and marked ``interrupted``: that spend happened.
+    """
+    stored = {r["id"]: r for r in snapshot["spend"]}
+    with transaction(ledger.conn):
+        for site in snapshot["sites"]:
+            _put(ledger, "INSERT OR REPLACE INTO sites", site)
+        for key, value in snapshot["meta"].items():
+            ledger.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        restored = 0
+        for row_id, row in stored.items():
+            have = ledger.conn.execute("SELECT * FROM spend WHERE id = ?", (row_id,)).fetchone()
+            if have is None or dict(have) != row:
+                _put(ledger, "INSERT OR REPLACE INTO spend", row)
+                restored += 1
+        if restored:
+            log.warning("ledger %s: restored %d spend rows from the checkpoint", ledger.path, restored)
+        for report in snapshot.get("reports", []):
+            if ledger.conn.execute("SELECT 1 FROM reports WHERE id = ?", (report["id"],)).fetchone() is None:
+                _put(ledger, "INSERT INTO reports", report)
+        for event in snapshot["events"]:
+            if ledger.conn.execute("SELECT 1 FROM events WHERE id = ?", (event["id"],)).fetchone() is None:
+                _put(ledger, "INSERT INTO events", event)
+        cur = ledger.conn.execute(
+            "UPDATE spend SET state = 'interrupted' WHERE round > ? AND state = 'completed'", (through_round,)
+        )
+        interrupted = cur.rowcount
+    if interrupted:
+        log.warning("ledger %s: %d spend rows of an interrupted round (> %d) kept as spent",
+                    ledger.path, interrupted, through_round)
+    plans = ledger.plans()
+    unanswered = ledger.conn.execute(  # sent, then the server died: it may have been spent
+        "SELECT DISTINCT round, site FROM sent WHERE round > ? AND NOT EXISTS (SELECT 1 FROM spend WHERE"
+        " spend.site = sent.site AND spend.round = sent.round) ORDER BY round, site", (through_round,)).fetchall()
+    for rnd, site in unanswered:
+        if site in plans:
+            log.warning("ledger %s: %s was asked to train round %d before the server stopped: counted at the "
+                        "plan until its own report covers it", ledger.path, site, rnd)
+            ledger.record_round(rnd, [attempted(plans[site])], [])
+    return interrupted

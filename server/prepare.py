@@ -11,7 +11,7 @@ in whatever directory its SuperLink was started from and pretraining for minutes
 What the server can evaluate on: only data it may hold, i.e. public data (a held-out part of
 the public set, or a public benchmark's validation split). It never sees a site's images. The
 sites evaluate the global model on their own held-out data themselves (``eval_path`` in a
-site policy); those numbers stay at the site (client/site_eval.py).
+site policy); those numbers stay at the site (client/evaluation.py).
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from fedpose.shared.flower.messages import RefusalCode, parse_spend_suffix
 log = logging.getLogger(__name__)
 
 
-
-def _node_unavailable() -> int:
+def node_unavailable() -> int:
     """Flower's error code for a node that did not answer (also what ``exchange`` gives a missing reply)."""
     from flwr.common.constant import ErrorCode
 
@@ -62,7 +61,7 @@ def process_replies(replies: list[Reply], *, expected: dict[str, torch.Size], pl
     for r in replies:
         if r.error_code is not None:
             code = r.error_code
-            kind = "refused" if code >= 1000 else "missed" if code == _node_unavailable() else "error"
+            kind = "refused" if code >= 1000 else "missed" if code == node_unavailable() else "error"
             reason, spend = parse_spend_suffix(r.error_reason)
             if spend is not None:
                 out.reports.append(Report(site=r.site, source="refusal", site_epsilon=spend["site-epsilon"],

@@ -9,9 +9,10 @@ uniform over sites, each update norm-bounded, optionally median or trimmed
 mean: one hostile site cannot dominate), evaluate on the validation split and
 checkpoint weights + ledger + round atomically.
 
-The loop is here (``run_federation``, ``finish``); what it calls lives
-beside it: ``fedpose.server.exchange`` (the Grid), ``fedpose.server.replies`` (sorting
-replies), ``fedpose.server.combine`` (aggregation).
+The loop is here (``run_federation``, ``finish``), in named phases (``_run_federation``
+lists them); what it calls lives beside it: ``fedpose.server.exchange`` (the Grid),
+``fedpose.server.replies`` (sorting replies), ``fedpose.server.aggregate`` (bounding,
+combining, the server optimizer).
 """
 
 from __future__ import annotations
@@ -19,26 +20,24 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedpose.server.aggregate import server_optimizer
+from fedpose.server.aggregate import ServerOptimizer, aggregate, bound_updates, server_optimizer
 from fedpose.server.basis import BasisKeeper
 from fedpose.server.checkpoint import ServerState, load_state, save_state
-from fedpose.server.combine import aggregate, bound_updates
 from fedpose.server.federable import refuse_centralized_only
 from fedpose.server.exchange import describe_sites, exchange, sites_for_round
-from fedpose.server.ledger import Event, ServerLedger
-from fedpose.server.ledger_resume import reconcile
+from fedpose.server.ledger import Event, ServerLedger, reconcile
 from fedpose.server.outcome import (FederationStopped, clear_outcome, discarded_events, final_statuses, record_failure,
                             sole_server)
 from fedpose.server.plan import SitePlan, left_out, plan_site
 from fedpose.server.policy_watch import watch
 from fedpose.server.prepare import require_prepared
-from fedpose.server.replies import _node_unavailable, process_replies
+from fedpose.server.replies import Reply, RoundOutcome, node_unavailable, process_replies
 from fedpose.server.report import append_round, write_plot, write_report, write_rounds
 from fedpose.shared.configuration.schema import Config, dump_config
 from fedpose.shared.flower.messages import ARRAYS, BASIS, CONFIG, TrainRequest, payload_bytes, weights_record
@@ -46,11 +45,12 @@ from fedpose.shared.training.provenance import configure_numerics, provenance
 from fedpose.shared.configuration.methods import WITH_PUBLIC
 
 if TYPE_CHECKING:  # the model module is imported where it is used
+    from fedpose.shared.data.records import PoseRecord
     from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
-# What a federation releases to the server besides the DP-noised weights (named in the claim, P10).
+
 def federation_release(cfg: Config) -> str:
     """What a federation releases to the server besides the DP-noised weights (named in the claim, P10, P13)."""
     combine = ("every site's update is scaled to at most the round's median update norm, then sites are averaged "
@@ -96,15 +96,126 @@ def run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool = Fa
             raise
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A federation's folder, data, initial model and ledger, before it is known to be new or resumed."""
+
+    paths: Paths
+    ledger: ServerLedger
+    model: PoseNet
+    trainable: list[str]
+    public: list[PoseRecord]
+    val: list[PoseRecord]
+
+
+@dataclass(frozen=True)
+class Begun:
+    """Where the federation starts: a new one at round 1, or the resumed one after its last checkpoint."""
+
+    federation: str  # the id sent to the sites
+    history: list[dict[str, Any]]  # rounds.jsonl records so far; each round appends its own
+    start: int  # the first round to run
+    optimizer_state: dict[str, Any] | None  # the server optimizer's moments from the checkpoint
+    resumed: bool
+
+
+@dataclass
+class Federation:
+    """What travels between the phases of a running federation.
+
+    Fixed once the sites are planned, except ``node_of`` (each site's node, refreshed every round), ``recheck``
+    (the sites to ask again what their policy declares), ``noticed`` (events not recorded in the ledger yet) and
+    ``history`` (one record per round).
+    """
+
+    grid: Any
+    cfg: Config
+    paths: Paths
+    ledger: ServerLedger
+    model: PoseNet
+    trainable: list[str]
+    val: list[PoseRecord]
+    federation: str
+    history: list[dict[str, Any]]
+    plans: dict[str, SitePlan]
+    node_of: dict[str, int]
+    keeper: BasisKeeper
+    server_opt: ServerOptimizer  # server/aggregate.py; its moments are in the checkpoint
+    noticed: list[Event]
+    recheck: set[str] = field(default_factory=set)  # sites to ask again what their policy declares
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The sites asked to train in a round, and the planned sites whose SuperNode is offline."""
+
+    active: list[str]
+    offline: list[str]
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """A round's requests and replies: the replies and what they sort into, the bytes sent to each site, and the
+    seconds the basis refresh and the exchange took."""
+
+    replies: list[Reply]
+    outcome: RoundOutcome
+    down: dict[str, int]
+    seconds_basis: float
+    seconds_train: float
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """Whether a round's updates moved the global model, the bound on their norm, and which were scaled to it."""
+
+    aggregated: bool
+    tau: float | None
+    scaled: list[int]  # indices into the round's accepted sites, in site order
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """The global model's score on the validation split after a round."""
+
+    report: dict[str, Any]
+    seconds: float
+
+
 def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) -> dict[str, Any]:
+    """The federation in phases: open its folder, data, model and ledger; begin it (new, or resumed from its
+    checkpoint); plan the sites. Then per round: choose the sites that can take part, exchange the requests and
+    replies, aggregate the valid updates, evaluate the global model, record the round in the ledger, checkpoint
+    it. Last, ``finish``: the final model, the metrics and the claim, the report."""
+    t_start = time.perf_counter()
+    opened = _open(cfg, Path(out))
+    begun = _begin(cfg, opened, resume=resume)
+    run = _plan(grid, cfg, opened, begun)
+    for rnd in range(begun.start, cfg.federation.rounds + 1):
+        chosen = _choose(run, rnd)
+        if chosen is None:
+            break
+        sent = _exchange(run, rnd, chosen.active)
+        aggregated = _aggregate(run, sent.outcome)
+        evaluated = _evaluate(run)
+        _record(run, rnd, sent, aggregated)
+        _checkpoint(run, rnd, _round_record(run, rnd, chosen, sent, aggregated, evaluated))
+    metrics = finish(cfg, run.paths, run.model, run.val, run.ledger, run.plans, run.history, run.federation,
+                     seconds=time.perf_counter() - t_start)
+    run.ledger.close()
+    return metrics
+
+
+def _open(cfg: Config, out: Path) -> Opened:
+    """The run folder, the public and validation splits, the initial model and the server ledger; a config only a
+    centralized run can honour, or a server that is not prepared, is refused first."""
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.runs import initial_model
-    from fedpose.shared.metrics.evaluation import evaluate
 
-    t_start = time.perf_counter()
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
-    paths = Paths(Path(out))
+    paths = Paths(out)
     paths.out.mkdir(parents=True, exist_ok=True)
     refuse_centralized_only(cfg)
     require_prepared(cfg)  # server/prepare.py: public data and pretrained weights exist (no silent generation)
@@ -113,10 +224,17 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     val = load_split(root, cfg.data.val_split)
     model = initial_model(cfg, progress=False)  # present: checked above
     trainable = apply_strategy(model, cfg.train.strategy)
-    named = dict(model.named_parameters())
-    expected = {name: named[name].shape for name in trainable}
+    return Opened(paths=paths, ledger=ServerLedger(paths.ledger), model=model, trainable=trainable, public=public,
+                  val=val)
 
-    ledger = ServerLedger(paths.ledger)
+
+def _begin(cfg: Config, opened: Opened, *, resume: bool) -> Begun:
+    """A new federation (a fresh id, the initial model's score kept), or the resumed one: from its checkpoint
+    (weights, history, the server optimizer's moments; the ledger reconciled with its snapshot), or from round 1
+    under the same id when the server died before its first checkpoint. Writes rounds.jsonl and config.yaml."""
+    from fedpose.shared.metrics.evaluation import evaluate
+
+    paths, ledger, model = opened.paths, opened.ledger, opened.model
     optimizer_state = None
     history: list[dict[str, Any]]
     if resume and not paths.checkpoint.exists() and (known := ledger.get_meta("federation")) is not None:
@@ -140,11 +258,20 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
                              "resume it with --resume or choose another --out")
         federation, history, start = uuid.uuid4().hex[:12], [], 1
         ledger.set_meta("federation", federation)
-        initial, _, _ = evaluate(model, val)
+        initial, _, _ = evaluate(model, opened.val)
         ledger.set_meta("initial_pckh_mean", repr(float(initial["pckh"]["mean"])))
         write_rounds(paths.rounds, [])
     dump_config(cfg, paths.out / "config.yaml")
+    return Begun(federation=federation, history=history, start=start, optimizer_state=optimizer_state,
+                 resumed=resume)
 
+
+def _plan(grid: Any, cfg: Config, opened: Opened, begun: Begun) -> Federation:
+    """Ask the sites who they are, plan each new one once (its sigma, q and steps for its budget), keep what each
+    declares against what it declared before this server (re)started (issue #9), and stop when fewer than
+    ``min_sites`` can take part. Then the basis keeper and the server optimizer (its moments restored on resume);
+    a resumed federation says so in the ledger, with what was noticed."""
+    ledger = opened.ledger
     sites = describe_sites(grid, cfg)
     plans = ledger.plans()
     new_plans = [p for s, (_, info) in sorted(sites.items()) if s not in plans and (p := plan_site(info, cfg))]
@@ -156,7 +283,6 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
     node_of = {s: nid for s, (nid, _) in sites.items()}
     # What each site declares, against what it declared before this server (re)started (issue #9).
     noticed = watch(ledger, plans, {s: info for s, (_, info) in sites.items()}, cfg)
-    recheck: set[str] = set()  # sites to ask again what their policy declares (refused, missed, offline)
     usable = sorted(s for s in plans if s in node_of)
     if len(usable) < cfg.federation.min_sites:
         why = [f"{s} {left_out(info, cfg) or 'has no plan'}" for s, (_, info) in sorted(sites.items())
@@ -166,149 +292,203 @@ def _run_federation(grid: Any, cfg: Config, out: str | Path, *, resume: bool) ->
             "no site can take part"
         raise FederationStopped(f"{head}, fewer than federation.min_sites={cfg.federation.min_sites}: "
                                 + ("; ".join(why) or "no site described itself (see the sites' logs)"))
-    keeper = BasisKeeper(cfg, public)
+    keeper = BasisKeeper(cfg, opened.public)
     server_opt = server_optimizer(cfg)  # server/aggregate.py; its moments are in the checkpoint
-    if optimizer_state is not None:
-        server_opt.load_state_dict(optimizer_state)
+    if begun.optimizer_state is not None:
+        server_opt.load_state_dict(begun.optimizer_state)
 
-    if resume:
+    if begun.resumed:
+        start = begun.start
         ledger.record_round(start - 1, [], [Event(site="(server)", kind="resumed", code=0,
                                                   reason=f"server resumed from the checkpoint of round {start - 1}"),
                                             *noticed])
         noticed = []
-    for rnd in range(start, cfg.federation.rounds + 1):
-        active, offline, changed, waiting = sites_for_round(grid, node_of, plans, ledger, cfg, rnd, recheck=recheck)
-        noticed += changed
-        if len(active) < cfg.federation.min_sites:  # no site is asked to train for a round that cannot count
-            if active or waiting:
-                waits = "; ".join(f"{s}: {r}" for s, r in waiting.items()) or "the others have no rounds left"
-                stopped = (f"round {rnd}: only {len(active)} site(s) can take part ({', '.join(active) or 'none'}), "
-                           f"fewer than federation.min_sites={cfg.federation.min_sites} ({waits}); stopping")
-                log.warning("%s", stopped)
-                noticed.append(Event(site="(server)", kind="stopped", code=0, reason=stopped))
-            else:
-                log.info("round %d: every site's planned rounds or budget are done", rnd)
-            if noticed:
-                ledger.record_round(rnd, [], noticed)
-            break
+    return Federation(grid=grid, cfg=cfg, paths=opened.paths, ledger=ledger, model=opened.model,
+                      trainable=opened.trainable, val=opened.val, federation=begun.federation, history=begun.history,
+                      plans=plans, node_of=node_of, keeper=keeper, server_opt=server_opt, noticed=noticed)
 
-        seconds_basis = keeper.refresh(rnd, model, trainable)
-        arrays = weights_record(model.state_dict())
 
-        def content_for(site: str, force_basis: bool = False) -> Any:
-            from flwr.app import RecordDict
+def _choose(run: Federation, rnd: int) -> Chosen | None:
+    """The sites that take part in round ``rnd``, or None when fewer than ``min_sites`` can: no site is asked to
+    train for a round that cannot count, and why the federation stops is recorded in the ledger's events."""
+    cfg = run.cfg
+    active, offline, changed, waiting = sites_for_round(run.grid, run.node_of, run.plans, run.ledger, cfg, rnd,
+                                                        recheck=run.recheck)
+    run.noticed += changed
+    if len(active) >= cfg.federation.min_sites:
+        return Chosen(active=active, offline=offline)
+    if active or waiting:
+        waits = "; ".join(f"{s}: {r}" for s, r in waiting.items()) or "the others have no rounds left"
+        stopped = (f"round {rnd}: only {len(active)} site(s) can take part ({', '.join(active) or 'none'}), "
+                   f"fewer than federation.min_sites={cfg.federation.min_sites} ({waits}); stopping")
+        log.warning("%s", stopped)
+        run.noticed.append(Event(site="(server)", kind="stopped", code=0, reason=stopped))
+    else:
+        log.info("round %d: every site's planned rounds or budget are done", rnd)
+    if run.noticed:
+        run.ledger.record_round(rnd, [], run.noticed)
+    return None
 
-            request = TrainRequest(federation=federation, round=rnd, site=site, sigma=plans[site].sigma,
-                                   sample_rate=plans[site].sample_rate, steps=plans[site].steps_per_round,
-                                   basis_version=keeper.version, basis_mode=cfg.federation.basis_mode, config=cfg)
-            content = RecordDict({ARRAYS: arrays, CONFIG: request.to_record()})
-            if force_basis:
-                keeper.forget(site)
-            basis = keeper.attach_for(site)
-            if basis is not None:
-                content[BASIS] = basis
-            return content
 
-        t0 = time.perf_counter()
-        contents = {site: content_for(site) for site in active}
-        down = {site: payload_bytes(c) for site, c in contents.items()}
-        ledger.record_sent(rnd, sorted(contents))  # before sending: a site may charge it even if we die now (P13)
-        replies = exchange(grid, contents, node_of, rnd, cfg.federation.round_timeout)
-        global_now = {name: named[name].detach().clone() for name in trainable}
-        bound = cfg.federation.max_update_norm
-        outcome = process_replies(replies, expected=expected, plans=plans, keeper=keeper, global_weights=global_now,
-                                  max_update_norm=bound)
-        if outcome.need_basis:  # a site lost its cached V: send it once more, with V
-            retry = {site: content_for(site, force_basis=True) for site in outcome.need_basis}
-            for site, c in retry.items():
-                down[site] += payload_bytes(c)
-            again = exchange(grid, retry, node_of, rnd, cfg.federation.round_timeout)
-            more = process_replies(again, expected=expected, plans=plans, keeper=keeper, global_weights=global_now,
-                                   max_update_norm=bound)
-            for name in ("updates", "spends", "events", "reports", "need_basis", "accepted"):
-                getattr(outcome, name).extend(getattr(more, name))
-            outcome.statuses.update(more.statuses)
-            outcome.seeded = outcome.seeded or more.seeded
-            replies += again
-        seconds_train = time.perf_counter() - t0
+def _content_for(run: Federation, rnd: int, arrays: Any, site: str, *, force_basis: bool = False) -> Any:
+    """The train message of ``site`` in round ``rnd``: the global weights, its own request, and V when it lacks
+    that version (``force_basis``: it lost its cached V, so V is sent whatever it held)."""
+    from flwr.app import RecordDict
 
-        t0 = time.perf_counter()
-        aggregated = len(outcome.updates) >= cfg.federation.min_sites
-        if aggregated:
-            with torch.no_grad():
-                current = {name: named[name].detach().clone() for name in trainable}
-                # In site order, not arrival order: the same replies give the same float sums (reproducible runs).
-                order = sorted(range(len(outcome.accepted)), key=lambda i: outcome.accepted[i])
-                outcome.accepted[:] = [outcome.accepted[i] for i in order]
-                outcome.updates[:] = [outcome.updates[i] for i in order]
-                bounded, tau, scaled = bound_updates(outcome.updates, current, cfg.federation.update_bound)
-                combined = aggregate(bounded, cfg.federation.aggregator)
-                for name, value in server_opt.apply(current, combined).items():
-                    named[name].copy_(value)
-        else:
-            tau, scaled = None, []
-        seconds_agg = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        report, _, _ = evaluate(model, val)
-        seconds_eval = time.perf_counter() - t0
+    plan = run.plans[site]
+    request = TrainRequest(federation=run.federation, round=rnd, site=site, sigma=plan.sigma,
+                           sample_rate=plan.sample_rate, steps=plan.steps_per_round,
+                           basis_version=run.keeper.version, basis_mode=run.cfg.federation.basis_mode, config=run.cfg)
+    content = RecordDict({ARRAYS: arrays, CONFIG: request.to_record()})
+    if force_basis:
+        run.keeper.forget(site)
+    basis = run.keeper.attach_for(site)
+    if basis is not None:
+        content[BASIS] = basis
+    return content
 
-        before = {s: ledger.counted_epsilon(s) for s in outcome.accepted}
-        ledger.record_round(rnd, outcome.spends, noticed + outcome.events, outcome.statuses, outcome.reports)
-        noticed = []
-        if not aggregated and outcome.accepted:  # they paid for a round that was thrown away: say who
-            cost = {s: (before[s], ledger.counted_epsilon(s), plans[s].epsilon) for s in outcome.accepted}
-            ledger.record_round(rnd, [], discarded_events(rnd, len(outcome.updates), cfg.federation.min_sites, cost))
-            log.warning("round %d: not aggregated (%d valid replies < min_sites %d): global model unchanged; %s",
-                        rnd, len(outcome.updates), cfg.federation.min_sites,
-                        "; ".join(f"{s} paid for an update that was thrown away (eps {b:.4f} -> {a:.4f})"
-                                  for s, (b, a, _) in sorted(cost.items())))
-        if outcome.seeded and ledger.get_meta("seeded") != "1":
-            log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
-            ledger.set_meta("seeded", "1")
-        up: dict[str, int] = {}
-        for r in replies:
-            up[r.site] = up.get(r.site, 0) + r.bytes_up
-        missed = sorted({r.site for r in replies if r.error_code == _node_unavailable()})
-        recheck |= set(missed) | {e.site for e in outcome.events if e.kind == "refused"}
-        recheck |= {s for s, (status, _) in ledger.statuses().items() if status == "refused" and s in plans}
-        down = {site: b for site, b in down.items() if site not in missed}  # nothing reached a dead node
-        record: dict[str, Any] = {
-            "round": rnd,
-            "pckh_mean": float(report["pckh"]["mean"]),
-            "pckh@0.1_mean": float(report["pckh@0.1"]["mean"]),
-            "aggregated": aggregated,
-            "sites": sorted(active),
-            "accepted": sorted(outcome.accepted),
-            "discarded": [] if aggregated else sorted(outcome.accepted),  # charged, trained, thrown away
-            "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
-            "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
-            "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
-            "missed": missed,
-            "offline": offline,
-            "update_bound": tau,
-            "bounded": sorted(outcome.accepted[i] for i in scaled),
-            "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.counted_epsilon(s) > 0},
-            "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
-            "epsilon_lifetime": {s: ledger.site_epsilon(s) for s in sorted(plans) if ledger.site_epsilon(s) > 0},
-            "bytes_down": down,
-            "bytes_up": up,
-            "basis_version": keeper.version,
-            "seconds": {"train": seconds_train, "basis": seconds_basis, "aggregation": seconds_agg,
-                        "evaluation": seconds_eval},
-        }
-        history.append(record)
-        save_state(paths.checkpoint, ServerState(round=rnd, federation=federation, weights=model.state_dict(),
-                                                 ledger=ledger.snapshot(), history=history,
-                                                 optimizer=server_opt.state_dict()))
-        append_round(paths.rounds, record)
-        log.info("round %d: PCKh %.2f, eps %s, %s", rnd, record["pckh_mean"],
-                 {s: round(e, 4) for s, e in record["epsilon"].items()},
-                 f"accepted {record['accepted']}" if aggregated else "not aggregated")
 
-    metrics = finish(cfg, paths, model, val, ledger, plans, history, federation,
-                     seconds=time.perf_counter() - t_start)
-    ledger.close()
-    return metrics
+def _exchange(run: Federation, rnd: int, active: list[str]) -> Exchanged:
+    """Refresh V if due, send each active site its train message, and sort the replies (``process_replies``); a
+    site that lost its cached V is sent its message once more, with V. Every request is written down in the
+    ledger before it is sent."""
+    cfg, keeper = run.cfg, run.keeper
+    seconds_basis = keeper.refresh(rnd, run.model, run.trainable)
+    arrays = weights_record(run.model.state_dict())
+    named = dict(run.model.named_parameters())
+    expected = {name: named[name].shape for name in run.trainable}
+
+    t0 = time.perf_counter()
+    contents = {site: _content_for(run, rnd, arrays, site) for site in active}
+    down = {site: payload_bytes(c) for site, c in contents.items()}
+    run.ledger.record_sent(rnd, sorted(contents))  # before sending: a site may charge it even if we die now (P13)
+    replies = exchange(run.grid, contents, run.node_of, rnd, cfg.federation.round_timeout)
+    global_now = {name: named[name].detach().clone() for name in run.trainable}
+    bound = cfg.federation.max_update_norm
+    outcome = process_replies(replies, expected=expected, plans=run.plans, keeper=keeper, global_weights=global_now,
+                              max_update_norm=bound)
+    if outcome.need_basis:  # a site lost its cached V: send it once more, with V
+        retry = {site: _content_for(run, rnd, arrays, site, force_basis=True) for site in outcome.need_basis}
+        for site, c in retry.items():
+            down[site] += payload_bytes(c)
+        again = exchange(run.grid, retry, run.node_of, rnd, cfg.federation.round_timeout)
+        more = process_replies(again, expected=expected, plans=run.plans, keeper=keeper, global_weights=global_now,
+                               max_update_norm=bound)
+        for name in ("updates", "spends", "events", "reports", "need_basis", "accepted"):
+            getattr(outcome, name).extend(getattr(more, name))
+        outcome.statuses.update(more.statuses)
+        outcome.seeded = outcome.seeded or more.seeded
+        replies += again
+    return Exchanged(replies=replies, outcome=outcome, down=down, seconds_basis=seconds_basis,
+                     seconds_train=time.perf_counter() - t0)
+
+
+def _aggregate(run: Federation, outcome: RoundOutcome) -> Aggregated:
+    """With at least ``min_sites`` valid updates, in site order: bound each one, combine them, and let the server
+    optimizer step the global model; with fewer the global model is unchanged."""
+    cfg = run.cfg
+    named = dict(run.model.named_parameters())
+    t0 = time.perf_counter()
+    aggregated = len(outcome.updates) >= cfg.federation.min_sites
+    tau: float | None = None
+    scaled: list[int] = []
+    if aggregated:
+        with torch.no_grad():
+            current = {name: named[name].detach().clone() for name in run.trainable}
+            # In site order, not arrival order: the same replies give the same float sums (reproducible runs).
+            order = sorted(range(len(outcome.accepted)), key=lambda i: outcome.accepted[i])
+            outcome.accepted[:] = [outcome.accepted[i] for i in order]
+            outcome.updates[:] = [outcome.updates[i] for i in order]
+            bounded, tau, scaled = bound_updates(outcome.updates, current, cfg.federation.update_bound)
+            combined = aggregate(bounded, cfg.federation.aggregator)
+            for name, value in run.server_opt.apply(current, combined).items():
+                named[name].copy_(value)
+    return Aggregated(aggregated=aggregated, tau=tau, scaled=scaled, seconds=time.perf_counter() - t0)
+
+
+def _evaluate(run: Federation) -> Evaluated:
+    """Score the global model on the validation split."""
+    from fedpose.shared.metrics.evaluation import evaluate
+
+    t0 = time.perf_counter()
+    report, _, _ = evaluate(run.model, run.val)
+    return Evaluated(report=report, seconds=time.perf_counter() - t0)
+
+
+def _missed(replies: list[Reply]) -> list[str]:
+    """The sites whose node did not answer (Flower's "node unavailable")."""
+    return sorted({r.site for r in replies if r.error_code == node_unavailable()})
+
+
+def _record(run: Federation, rnd: int, sent: Exchanged, aggregated: Aggregated) -> None:
+    """Write the round into the ledger: its spends, the events noticed since the last round and the replies' own,
+    the sites' statuses and reports; who paid for an update that was thrown away; a site's seeded noise. Then
+    which sites to ask again what their policy declares (they missed the round or refused, now or before)."""
+    cfg, ledger, outcome = run.cfg, run.ledger, sent.outcome
+    before = {s: ledger.counted_epsilon(s) for s in outcome.accepted}
+    ledger.record_round(rnd, outcome.spends, run.noticed + outcome.events, outcome.statuses, outcome.reports)
+    run.noticed = []
+    if not aggregated.aggregated and outcome.accepted:  # they paid for a round that was thrown away: say who
+        cost = {s: (before[s], ledger.counted_epsilon(s), run.plans[s].epsilon) for s in outcome.accepted}
+        ledger.record_round(rnd, [], discarded_events(rnd, len(outcome.updates), cfg.federation.min_sites, cost))
+        log.warning("round %d: not aggregated (%d valid replies < min_sites %d): global model unchanged; %s",
+                    rnd, len(outcome.updates), cfg.federation.min_sites,
+                    "; ".join(f"{s} paid for an update that was thrown away (eps {b:.4f} -> {a:.4f})"
+                              for s, (b, a, _) in sorted(cost.items())))
+    if outcome.seeded and ledger.get_meta("seeded") != "1":
+        log.warning("a site trained with seeded noise: the claim of this run is not for production (P7)")
+        ledger.set_meta("seeded", "1")
+    run.recheck |= set(_missed(sent.replies)) | {e.site for e in outcome.events if e.kind == "refused"}
+    run.recheck |= {s for s, (status, _) in ledger.statuses().items() if status == "refused" and s in run.plans}
+
+
+def _round_record(run: Federation, rnd: int, chosen: Chosen, sent: Exchanged, aggregated: Aggregated,
+                  evaluated: Evaluated) -> dict[str, Any]:
+    """The round's line in rounds.jsonl and in the checkpoint's history: its score, who took part and how, the
+    spend so far, the bytes each way and the seconds each phase took."""
+    ledger, outcome, plans, report = run.ledger, sent.outcome, run.plans, evaluated.report
+    up: dict[str, int] = {}
+    for r in sent.replies:
+        up[r.site] = up.get(r.site, 0) + r.bytes_up
+    missed = _missed(sent.replies)
+    down = {site: b for site, b in sent.down.items() if site not in missed}  # nothing reached a dead node
+    return {
+        "round": rnd,
+        "pckh_mean": float(report["pckh"]["mean"]),
+        "pckh@0.1_mean": float(report["pckh@0.1"]["mean"]),
+        "aggregated": aggregated.aggregated,
+        "sites": sorted(chosen.active),
+        "accepted": sorted(outcome.accepted),
+        "discarded": [] if aggregated.aggregated else sorted(outcome.accepted),  # charged, trained, thrown away
+        "refused": sorted({e.site for e in outcome.events if e.kind == "refused"}),
+        "rejected": sorted({e.site for e in outcome.events if e.kind == "rejected"}),
+        "failed": sorted({e.site for e in outcome.events if e.kind == "error"}),
+        "missed": missed,
+        "offline": chosen.offline,
+        "update_bound": aggregated.tau,
+        "bounded": sorted(outcome.accepted[i] for i in aggregated.scaled),
+        "epsilon": {s: ledger.counted_epsilon(s) for s in sorted(plans) if ledger.counted_epsilon(s) > 0},
+        "epsilon_server": {s: ledger.server_epsilon(s) for s in sorted(plans) if ledger.history(s)},
+        "epsilon_lifetime": {s: ledger.site_epsilon(s) for s in sorted(plans) if ledger.site_epsilon(s) > 0},
+        "bytes_down": down,
+        "bytes_up": up,
+        "basis_version": run.keeper.version,
+        "seconds": {"train": sent.seconds_train, "basis": sent.seconds_basis, "aggregation": aggregated.seconds,
+                    "evaluation": evaluated.seconds},
+    }
+
+
+def _checkpoint(run: Federation, rnd: int, record: dict[str, Any]) -> None:
+    """Keep the round: weights, ledger snapshot, history and the server optimizer's moments in one atomic file,
+    then its line in rounds.jsonl and the log."""
+    run.history.append(record)
+    save_state(run.paths.checkpoint, ServerState(round=rnd, federation=run.federation, weights=run.model.state_dict(),
+                                                 ledger=run.ledger.snapshot(), history=run.history,
+                                                 optimizer=run.server_opt.state_dict()))
+    append_round(run.paths.rounds, record)
+    log.info("round %d: PCKh %.2f, eps %s, %s", rnd, record["pckh_mean"],
+             {s: round(e, 4) for s, e in record["epsilon"].items()},
+             f"accepted {record['accepted']}" if record["aggregated"] else "not aggregated")
 
 
 def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerLedger,

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tomllib
 
-from federation_support import REPO, bin_path, flower_env
+from support.federation import REPO, bin_path, flower_env
 
-from fedpose.cli.app_bundle import PACKAGES
+from fedpose.server.kits.bundle import PACKAGES
 
 
 def test_build_app_writes_the_app_that_flwr_builds_into_the_bundle_it_wrote(tmp_path, capsys):

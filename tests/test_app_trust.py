@@ -27,7 +27,7 @@ from fedpose.client.app_trust import (
     parse_approved,
     write_shim,
 )
-from federation_support import REPO, bin_path
+from support.federation import REPO, bin_path
 
 A = hashlib.sha256(b"bundle a").hexdigest()
 B = hashlib.sha256(b"bundle b").hexdigest()
@@ -234,7 +234,7 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
     import importlib
     import time
 
-    from fedpose.cli.supernode_poll import LOOP_MODULE
+    from fedpose.client.supernode import LOOP_MODULE
     from fedpose.shared.flower.waits import cap_waits
 
     loop = importlib.import_module(LOOP_MODULE)
@@ -253,10 +253,10 @@ def test_the_site_looks_for_messages_at_its_own_interval_in_the_installed_flower
 
     # The SuperNode behind the cap is Flower's own entry point, with the site's arguments and exit codes.
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
-    done = subprocess.run([sys.executable, "-m", "fedpose.cli.supernode_poll", "--poll", "0.2", "--", "--help"],
+    done = subprocess.run([sys.executable, "-m", "fedpose.client.supernode", "--poll", "0.2", "--", "--help"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0 and "--superlink" in done.stdout, done.stdout + done.stderr
-    done = subprocess.run([sys.executable, "-m", "fedpose.cli.supernode_poll", "--", "--no-such-flag"], env=env,
+    done = subprocess.run([sys.executable, "-m", "fedpose.client.supernode", "--", "--no-such-flag"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2, done.stdout + done.stderr  # a usage error, which the supervisor never retries
 
@@ -277,7 +277,7 @@ def test_processes_that_wait_for_a_messages_objects_look_again_soon_in_the_insta
     from flwr.supercore.constant import PULL_INITIAL_BACKOFF, PULL_MAX_TIME
 
     assert PULL_INITIAL_BACKOFF >= 1  # what the site would wait otherwise
-    sites = {"flwr.supernode.start_client_internal": "pull_objects",  # the SuperNode (cli.supernode_poll)
+    sites = {"flwr.supernode.start_client_internal": "pull_objects",  # the SuperNode (client.supernode)
              "flwr.supernode.runtime.run_clientapp": "pull_and_inflate_object_from_tree",  # the ClientApp (gate)
              "flwr.superlink.grid.http_grid": "pull_objects"}  # the ServerApp (server.server_app)
     for module_name, name in sites.items():

@@ -18,9 +18,8 @@ import yaml
 from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.experiments.audit import AuditSpec, run_audit
 from fedpose.shared.privacy.audit.canaries import DiracCanaries, DiracGrads
-from fedpose.shared.privacy.step.spec import DPSpec, StepAudit
-from fedpose.shared.privacy.step.fpdp import dp_gradient
-from fedpose.shared.privacy.step.subspace import flatten
+from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
+from fedpose.shared.privacy.step.subspace import flat_vector
 
 
 def tiny_dict(root) -> dict:
@@ -58,7 +57,7 @@ def test_a_dirac_canary_is_clipped_like_a_record_and_noised_with_the_sum():
     canary = DiracGrads(coords=torch.tensor([3, 3]), values=torch.tensor([0.5, 7.0]))
     grads, _ = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
                            generator=torch.Generator().manual_seed(0), basis=None, audit=StepAudit(canaries=canary))
-    flat = flatten(grads)
+    flat = flat_vector(grads)
     # each canary clipped to C = 0.5 (the 7.0 one too), summed, divided by q n = 2
     assert flat[3].item() == pytest.approx((0.5 + 0.5) / 2, rel=1e-5)
     assert flat[[0, 1, 2, 4]].abs().max().item() < 1e-6
@@ -227,7 +226,7 @@ def test_a_span_canary_lies_in_the_basis_in_use_and_is_clipped_to_C():
                                generator=torch.Generator().manual_seed(0), basis=basis,
                                audit=StepAudit(canaries=canary))
         expected = basis.double() @ (0.5 * u[0]) / 2.0  # all of it survives the projection; / (q n)
-        assert torch.allclose(flatten(grads).double(), expected, atol=1e-6)
+        assert torch.allclose(flat_vector(grads).double(), expected, atol=1e-6)
     with pytest.raises(ValueError, match="basis"):  # dpsgd has no V: span canaries are refused there
         dp_gradient(loss_fn, params, spec=DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.0, sample_rate=0.5,
                                                    expected_batch=2.0), private_batch=batch, psi_batch=None,
@@ -270,7 +269,7 @@ def test_span_canaries_follow_every_refresh_of_the_basis_in_local_train(cfg):
     assert result.narrowest_basis == min(basis.shape[1] for basis in used) == cfg.privacy.k  # reported with the run
     for step, (basis, seen) in enumerate(zip(used, released)):
         assert seen.step == step and seen.basis is basis  # the auditor sees the V the canaries were built on
-        private = flatten(seen.private)
+        private = flat_vector(seen.private)
         assert (private - basis @ (basis.T @ private)).norm() < 1e-2 * private.norm()  # float32 V, p ~ 4e5
     assert used[0] is used[3] and used[4] is not used[3]  # refreshed at step 4
     assert not torch.allclose(used[0], used[4])

@@ -10,48 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpose.shared.configuration.schema import ModelConfig
-from fedpose.shared.model.posenet import build_model
-from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy
-from fedpose.shared.privacy.step import bookkeeping, bookkeeping_plan
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+from fedpose.shared.privacy.step import bookkeeping
+from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
 from fedpose.shared.privacy.step.persample import per_sample_grads, per_sample_norms
+from support.models import generic_loss, model_setup
 
-INPUT = (64, 48)
-
-
-def perturbed_model(variant: str, *, task_uncertainty: bool = True, seed: int = 0):
-    """The pose model with its weights away from their init (zero biases, unit norms), so every rule is exercised."""
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(variant=variant, task_uncertainty=task_uncertainty), INPUT)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
-def pose_batch(size: int, seed: int) -> dict[str, torch.Tensor]:
-    """``size`` random images of INPUT with random joints, about 80 % of them visible."""
-    h, w = INPUT
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "image": torch.rand(size, 3, h, w, generator=gen),
-        "joints": torch.rand(size, 16, 2, generator=gen) * torch.tensor([w - 1.0, h - 1.0]),
-        "visible": (torch.rand(size, 16, generator=gen) > 0.2).float(),
-    }
-
-
-def _setup(variant: str, strategy: str, *, task_uncertainty: bool = True, seed: int = 0, size: int = 5):
-    model = perturbed_model(variant, task_uncertainty=task_uncertainty, seed=seed)
-    trainable = apply_strategy(model, strategy)
-    named = dict(model.named_parameters())
-    params = {n: named[n].detach() for n in trainable}
-    return model, make_loss_fn(model, trainable), params, pose_batch(size, seed + 1)
-
-
-def _generic(loss_fn):
-    return lambda params, batch: loss_fn(params, batch)  # hides the model: the vmap(grad) path
 
 
 def _close(a: dict, b: dict, rtol=2e-4, atol=2e-6) -> None:
@@ -66,10 +29,10 @@ def _close(a: dict, b: dict, rtol=2e-4, atol=2e-6) -> None:
     ("tinyvit-5m", "finetune"), ("tinyvit-5m", "full"), ("tinyvit-small", "finetune"),
 ])
 def test_clipped_sum_and_norms_equal_the_generic_path(variant, strategy):
-    model, loss_fn, params, batch = _setup(variant, strategy)
-    assert bookkeeping_plan.supports(loss_fn, params)
+    model, loss_fn, params, batch = model_setup(variant, strategy)
+    assert bookkeeping.supports(loss_fn, params)
     fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=3)
-    slow = clipped_grad_sum(_generic(loss_fn), params, batch, clip_norm=0.05, chunk_size=3)
+    slow = clipped_grad_sum(generic_loss(loss_fn), params, batch, clip_norm=0.05, chunk_size=3)
     assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
     assert fast.zeroed == slow.zeroed == 0
     assert bool((slow.norms > 0.05).any()), "the test must clip some samples"
@@ -80,8 +43,8 @@ def test_clipped_sum_and_norms_equal_the_generic_path(variant, strategy):
 
 
 def test_norms_are_the_per_example_norms_and_chunks_do_not_matter():
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", task_uncertainty=True, size=4)
-    reference = per_sample_norms(per_sample_grads(_generic(loss_fn), params, batch, chunk_size=1))
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", task_uncertainty=True, size=4)
+    reference = per_sample_norms(per_sample_grads(generic_loss(loss_fn), params, batch, chunk_size=1))
     for chunk in (1, 3, 4):
         got = clipped_grad_sum(loss_fn, params, batch, clip_norm=1e9, chunk_size=chunk)
         assert torch.allclose(got.norms, reference, rtol=1e-4)
@@ -92,22 +55,22 @@ def test_norms_are_the_per_example_norms_and_chunks_do_not_matter():
 
 def test_every_rule_is_used_by_the_pose_model():
     """The model's trainable tensors under 'full' fall under each rule at least once (none goes unnoticed)."""
-    model, loss_fn, params, _ = _setup("tinyvit-5m", "full")
+    model, loss_fn, params, _ = model_setup("tinyvit-5m", "full")
     layer_names = [n for n in params if n not in loss_fn.combine_names]
-    kinds = {kind for _, kind, _ in bookkeeping_plan._plan(model, layer_names).values()}
+    kinds = {rule.name for _, rule, _ in bookkeeping._plan(model, layer_names).values()}
     assert kinds == {"linear", "conv", "grouped_conv", "layer_norm", "bias_table"}
 
 
 def test_unsupported_loss_or_parameter_takes_the_generic_path():
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=2)
-    assert not bookkeeping_plan.supports(_generic(loss_fn), params)
-    assert not bookkeeping_plan.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=2)
+    assert not bookkeeping.supports(generic_loss(loss_fn), params)
+    assert not bookkeeping.supports(loss_fn, {**params, "no.such.weight": torch.zeros(2)})
 
 
 @pytest.mark.invariant("P14")
 def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
     """P14 on this path: a sample whose forward overflows gives zero; the others' sum is unchanged."""
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=4)
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=4)
     poisoned = dict(batch)
     poisoned["image"] = batch["image"].clone()
     poisoned["image"][2] = float("nan")
@@ -122,7 +85,7 @@ def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
     big = dict(params)
     big["head.x_head.weight"] = params["head.x_head.weight"] * 1e25
     huge = clipped_grad_sum(loss_fn, big, batch, clip_norm=0.05, chunk_size=4)
-    generic = clipped_grad_sum(_generic(loss_fn), big, batch, clip_norm=0.05, chunk_size=4)
+    generic = clipped_grad_sum(generic_loss(loss_fn), big, batch, clip_norm=0.05, chunk_size=4)
     assert huge.zeroed == generic.zeroed
     total = torch.sqrt(sum(v.double().pow(2).sum() for v in huge.summed.values()))
     assert bool(torch.isfinite(total)) and float(total) <= 0.05 * 4 * (1 + 1e-4)
@@ -133,9 +96,9 @@ def test_a_non_finite_sample_contributes_zero_and_a_huge_one_is_clipped():
 def test_public_basis_from_book_keeping_spans_the_generic_one():
     from fedpose.shared.privacy.step.subspace import compute_basis
 
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=12)
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=12)
     fast = compute_basis(loss_fn, params, batch, k=4, chunk_size=5)
-    slow = compute_basis(_generic(loss_fn), params, batch, k=4, chunk_size=5)
+    slow = compute_basis(generic_loss(loss_fn), params, batch, k=4, chunk_size=5)
     cosines = torch.linalg.svdvals(fast.double().T @ slow.double())  # principal angles (float64: p is large)
     assert float(cosines.min()) > 0.999
 
@@ -146,7 +109,7 @@ def test_the_depthwise_rule_gives_each_samples_weight_gradient_as_autograd_does(
     """The depthwise rule's grouped convolution gives each sample's weight gradient exactly as autograd does."""
     from torch import nn
 
-    from fedpose.shared.privacy.step.conv_rules import depthwise_weight
+    from fedpose.shared.privacy.step.layer_rules import depthwise_weight
 
     torch.manual_seed(0)
     conv = nn.Conv2d(6, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=6)
@@ -163,7 +126,7 @@ def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one()
     result is the gradient the functional path computes from copies of them."""
     from fedpose.shared.privacy.step.persample import mean_grad
 
-    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=6)
+    model, loss_fn, params, batch = model_setup("tinyvit-small", "finetune", size=6)
     own = mean_grad(loss_fn, params, batch)
     copies = mean_grad(loss_fn, {name: value.clone() for name, value in params.items()}, batch)
     assert own.keys() == copies.keys() == params.keys()
@@ -175,9 +138,9 @@ def test_the_mean_gradient_of_the_models_own_weights_equals_the_functional_one()
 def test_the_models_own_parameters_are_those_of_named_parameters_and_follow_a_replaced_one():
     from torch import nn
 
-    from fedpose.shared.privacy.step.own_weights import own_parameters
+    from fedpose.shared.privacy.step.persample import own_parameters
 
-    model, _, _, _ = _setup("tinyvit-small", "finetune")
+    model, _, _, _ = model_setup("tinyvit-small", "finetune")
     assert list(own_parameters(model).items()) == list(model.named_parameters())
     old = model.head.final.weight
     model.head.final.weight = nn.Parameter(old.detach().clone())
@@ -224,7 +187,7 @@ def test_the_task_weights_taken_per_row_weigh_each_row_as_the_shared_ones_do():
     uses its own copy only: book-keeping reads every sample's task-weight gradient off the one backward."""
     from fedpose.shared.model.posenet import TASK_SCALE
 
-    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=4)
+    model, loss_fn, params, batch = model_setup("tinyvit-small", "finetune", size=4)
     assert loss_fn.combine_takes_rows
     parts = torch.rand(4, 3)
     scale = params[TASK_SCALE] + torch.tensor([0.1, -0.2, 0.3])
@@ -238,7 +201,7 @@ def test_the_task_weights_taken_per_row_weigh_each_row_as_the_shared_ones_do():
 
 
 def test_a_combine_that_does_not_take_rows_gives_the_same_sum_through_vmap():
-    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=5)
+    model, loss_fn, params, batch = model_setup("tinyvit-small", "finetune", size=5)
     by_row = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=5)
     loss_fn.combine_takes_rows = False  # a loss that does not say so: vmap(grad) of combine alone
     mapped = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=5)
@@ -261,7 +224,7 @@ def test_a_chunks_tensors_are_freed_before_the_next_chunk_runs_the_model(monkeyp
         return got
 
     monkeypatch.setattr(torch.autograd, "grad", recording)
-    model, loss_fn, params, batch = _setup("tinyvit-small", "finetune", size=4)
+    model, loss_fn, params, batch = model_setup("tinyvit-small", "finetune", size=4)
     tapes = bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=2)
     first = next(tapes)
     assert len(made) == 1 and len(made[0]) > 10

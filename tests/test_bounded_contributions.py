@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpose.shared.privacy.step.clipping import clipped_grad_sum, clipped_group_sum
+from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, clipped_group_sum
 
 P = 6
 
@@ -91,13 +91,6 @@ def test_two_huge_records_of_one_patient_do_not_overflow_their_mean():
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-
-    return prepare_world(world_root(tmp_path_factory))
-
-
 def _target_trigger(cfg, records) -> tuple[dict[str, torch.Tensor], int]:
     """Finite global weights whose per-sample gradient overflows on exactly one record of ``records``.
 
@@ -153,18 +146,18 @@ def test_a_crafted_model_cannot_turn_the_reply_into_a_membership_oracle(world, t
     from fedpose.client.site import handle_train
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.flower.messages import ARRAYS, METRICS, record_tensors
-    from test_federation_site import _policy, _request
+    from support.site import site_policy, train_request
 
     cfg = world
     records = load_split(Path(cfg.data.root), "site-0")
     state, target = _target_trigger(cfg, records)
-    policy = _policy(cfg, tmp_path, sample_rate=1.0, expected_batch=float(len(records)), seed=3)
-    from fedpose.client.site_data import prepare_site
+    policy = site_policy(cfg, tmp_path, sample_rate=1.0, expected_batch=float(len(records)), seed=3)
+    from fedpose.client.data import prepare_site
 
     prepare_site(policy)
     sigma = min_sigma_for(policy)
     with caplog.at_level(logging.INFO, logger="fedpose.client"):
-        reply = handle_train(_request(cfg, state, sigma=sigma, steps=2, sample_rate=1.0), policy)
+        reply = handle_train(train_request(cfg, state, sigma=sigma, steps=2, sample_rate=1.0), policy)
     weights = record_tensors(reply[ARRAYS])
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
     assert reply[METRICS]["steps"] == 2

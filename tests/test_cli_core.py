@@ -156,8 +156,8 @@ def test_a_mistyped_option_gets_a_suggestion(argv, typo, suggestion, capsys):
 
 def test_server_run_says_the_exit_codes_it_returns(capsys):
     """Its help and the operator's guide said 1 (failed or stopped) and 3 (not submitted); it returns 5 for both."""
-    from fedpose.cli.server import NOT_SUBMITTED, RUN_FAILED
-    from federation_support import REPO
+    from fedpose.server.submit import NOT_SUBMITTED, RUN_FAILED
+    from support.federation import REPO
 
     with pytest.raises(SystemExit):
         main(["server", "run", "--help"])
@@ -169,7 +169,7 @@ def test_server_run_says_the_exit_codes_it_returns(capsys):
 
 
 def test_simulate_prints_flowers_log_plain_through_a_pipe_and_coloured_on_a_terminal():
-    from fedpose.cli.simulation import clean_log_line
+    from fedpose.shared.flower.simulation import clean_log_line
 
     ray = ("\x1b[36m(ClientAppActor pid=7)\x1b[0m 10:06:17 INFO client.site: trained\x1b[32m [repeated 3x across "
            "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication.)\x1b[0m")

@@ -1,7 +1,7 @@
 """The web console in a real browser, during a live federation: the numbers it shows are the ledgers'.
 
 A federation runs in a background thread (the server's real round loop, the sites' real handlers and
-ledgers; ``federation_support.InProcessGrid``) and is held after round 1. ``fedpose console`` serves the
+ledgers; ``support.federation.InProcessGrid``) and is held after round 1. ``fedpose console`` serves the
 server's run folder and one site's policy from their own processes; Debian's Chromium, driven by
 Playwright, opens both pages. What the pages show is compared with the SQLite ledgers; then the
 federation is let go, and the server page must follow it to the end by itself. The ``/metrics`` text is
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import REPO, InProcessGrid, free_port, prepare_world, start, stop, wait_for, world_root
+from support.federation import REPO, InProcessGrid, free_port, prepare_world, start, stop, wait_for, world_root
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,8 @@ def _get(url: str) -> str | None:
 
 
 def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path, tmp_path_factory):
-    from fedpose.cli.fed import prepare_simulation
-    from fedpose.client.site_status import site_status
+    from fedpose.cli.local_federation import prepare_simulation
+    from fedpose.client.status import site_status
     from fedpose.server.run import run_federation
     from fedpose.server.status import server_status
     from fedpose.shared.configuration.schema import replace
@@ -175,7 +175,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
 
 def test_a_console_off_loopback_needs_its_token(tmp_path):
     """Bound beyond 127.0.0.1 the console requires a token: the page, the JSON and the metrics."""
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import start_console
 
     server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [("x", {}, 1.0, "h")], host="0.0.0.0",
                                   port=0)
@@ -213,7 +213,7 @@ def test_a_loopback_console_answers_only_to_loopback_names(tmp_path):
     Its browser sends ``Host: attacker.example:8480``; the console (no token on loopback) refuses every path
     for any Host that is not a loopback name, and a cross-site Origin too; 127.0.0.1, localhost and [::1] work.
     """
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import start_console
 
     status = {"kind": "site", "records": 1234, "refusals": 3}
     server, token = start_console("t", lambda: status, lambda s: [("x", {}, 1.0, "h")], host="127.0.0.1", port=0)
@@ -243,7 +243,7 @@ def test_a_loopback_console_answers_only_to_loopback_names(tmp_path):
 
 def test_a_console_off_loopback_takes_any_host_name_with_its_token(tmp_path):
     """Bound beyond loopback (behind a name, a proxy) the token protects it: any Host with the token is served."""
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import start_console
 
     server, token = start_console("t", lambda: {"kind": "server"}, lambda s: [], host="0.0.0.0", port=0)
     try:
@@ -263,7 +263,7 @@ def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
     import http.client
     import socket
 
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import start_console
 
     try:
         with socket.socket(socket.AF_INET6) as probe:
@@ -285,7 +285,7 @@ def test_a_console_on_ipv6_loopback_serves_its_page(tmp_path):
 
 def test_a_second_console_on_a_taken_port_names_the_port_and_the_flag():
     """Before: '[Errno 98] Address already in use', naming neither the port nor --port."""
-    from fedpose.cli.console_web import start_console
+    from fedpose.shared.console import start_console
 
     first, _ = start_console("t", lambda: {"kind": "site"}, lambda s: [], port=0)
     port = first.server_address[1]

@@ -51,7 +51,7 @@ def test_coco_keypoints_convert_to_the_16_mpii_joints(tmp_path):
 
 
 def test_split_keeps_every_image_and_every_patient_on_one_side(tmp_path, capsys):
-    from federation_support import tiny_dict
+    from support.federation import tiny_dict
     from fedpose.shared.configuration.schema import config_from_dict
     from fedpose.shared.training.runs import ensure_data
 
@@ -103,7 +103,7 @@ def test_a_validation_split_without_head_boxes_is_refused_before_pretraining(tmp
 
     import yaml
 
-    from federation_support import tiny_dict
+    from support.federation import tiny_dict
     from fedpose.shared.configuration.schema import config_from_dict
     from fedpose.shared.training.runs import ensure_data
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import REPO, tiny_dict
+from support.federation import REPO, tiny_dict
 
 DOCS = REPO / "docs"
 USER_DOCS = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]

@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from federation_support import prepare_world, world_root
 from fedpose.shared.errors import ConfigError
 from fedpose.shared.configuration.schema import config_from_dict, replace
 from fedpose.shared.configuration.flat import identity_flat
 from fedpose.shared.pixelization.spec import PixelizeSpec
 from fedpose.shared.privacy.accounting.claims import privacy_claim
-from fedpose.shared.privacy.step.psi import apply_psi, psi_label_of
-from fedpose.shared.privacy.step.psi_maps import DPPixelize, Pixelate
+from fedpose.shared.privacy.step.psi import apply_psi, psi_label_of, DPPixelize, Pixelate
 
 
 def _gray(batch: int, h: int = 32, w: int = 24) -> torch.Tensor:
@@ -80,13 +78,8 @@ def test_the_claim_composes_eps_pix_for_a_change_of_up_to_m_pixels():
     assert "eps_pix" not in privacy_claim(**{**base, "method": "dpsgd", "psi": None}, psi_dp=(1.0, 4))
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return prepare_world(world_root(tmp_path_factory))
-
-
 def test_a_centralized_run_trains_on_the_releases_and_claims_the_composition(world, tmp_path, monkeypatch):
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     from fedpose.shared.training.runs import run_train
 
     cfg = replace(world, **{"train.method": "fpdp", "train.epochs": 1, "privacy.psi": "dp-pixelize",

@@ -17,13 +17,14 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from fedpose.edge.export.spec import INPUT_NAME, OUTPUT_NAMES, ExportError, parse_batch, parse_input_size
+from fedpose.edge.export.spec import (INPUT_NAME, OUTPUT_NAMES, ExportError, ExportOptions, parse_batch,
+                                      parse_input_size)
 from fedpose.edge.export.trt_ops import TRT10_ONNX_OPS, nonconstant_restricted_inputs, unsupported_ops
 from fedpose.edge.export.exporter import export_onnx
 from fedpose.edge.export.fold import fold_constants
 from fedpose.edge.export.parity import verify_onnx
-from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
-from fedpose.edge.trt_build import (
+from fedpose.edge.export.quantize import compare_precisions, quantize_int8, record_crops
+from fedpose.edge.export.trt_build import (
     TRT_INSTALL_HINT,
     build_engine,
     check_build_request,
@@ -55,7 +56,7 @@ def exported(model, tmp_path_factory):
     out = {}
     for batch in (1, "dynamic"):
         path = root / f"pose_{batch}.onnx"
-        out[batch] = (path, export_onnx(model, path, batch=batch))
+        out[batch] = (path, export_onnx(model, path, ExportOptions(batch=batch)))
     return out
 
 
@@ -191,9 +192,9 @@ def test_verification_catches_a_wrong_graph(model, exported, tmp_path):
 
 def test_export_rejects_bad_requests(model, tmp_path):
     with pytest.raises(ValueError, match="tied to the training input size"):
-        export_onnx(model, tmp_path / "m.onnx", input_size=(128, 96))
+        export_onnx(model, tmp_path / "m.onnx", ExportOptions(input_size=(128, 96)))
     with pytest.raises(ValueError, match="batch"):
-        export_onnx(model, tmp_path / "m.onnx", batch=0)
+        export_onnx(model, tmp_path / "m.onnx", ExportOptions(batch=0))
     with pytest.raises(ValueError, match=r"\.onnx"):
         export_onnx(model, tmp_path / "m.pt")
     assert parse_batch("dynamic") == "dynamic" and parse_batch("4") == 4
@@ -206,7 +207,7 @@ def test_export_rejects_bad_requests(model, tmp_path):
 
 
 def test_fp16_export_runs(model, tmp_path):
-    report = export_onnx(model, tmp_path / "m16.onnx", fp16=True)
+    report = export_onnx(model, tmp_path / "m16.onnx", ExportOptions(fp16=True))
     info = read_onnx_info(report.path)
     assert info.fp16 and report.max_abs_diff <= 1e-2
 
@@ -284,7 +285,7 @@ def test_build_requests_are_validated(exported, tmp_path):
 
 def test_onnx_info_reads_what_onnx_reads(model, exported, tmp_path):
     """The build reads the file without the onnx package (the camera has none): it must agree with onnx.load."""
-    fp16 = export_onnx(model, tmp_path / "m16.onnx", fp16=True).path
+    fp16 = export_onnx(model, tmp_path / "m16.onnx", ExportOptions(fp16=True)).path
     calib = np.random.default_rng(0).random((4, 3, *INPUT), dtype=np.float32)
     qdq = quantize_int8(exported["dynamic"][0], tmp_path / "m.int8.onnx", calib)
     for path in (exported[1][0], exported["dynamic"][0], fp16, qdq):

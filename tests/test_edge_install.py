@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from federation_support import REPO
+from support.federation import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -82,12 +82,13 @@ def test_camera_commands_run_without_torch(slim, tmp_path):
     import torch
 
     from fedpose.edge.export.exporter import export_onnx
+    from fedpose.edge.export.spec import ExportOptions
     from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="tinyvit-small"), (64, 48)).eval()
-    export_onnx(model, tmp_path / "model.onnx", batch=1)  # made where torch is, as a camera receives it
+    export_onnx(model, tmp_path / "model.onnx", ExportOptions(batch=1))  # made where torch is, as a camera receives it
 
     clip = tmp_path / "demo.mp4"
     done = _fedpose(slim, "edge", "demo-video", "--out", str(clip), "--frames", "16", cwd=tmp_path)
@@ -129,13 +130,14 @@ def test_engine_build_needs_neither_onnx_nor_torch(slim, tmp_path):
     import torch
 
     from fedpose.edge.export.exporter import export_onnx
+    from fedpose.edge.export.spec import ExportOptions
     from fedpose.shared.configuration.schema import ModelConfig
     from fedpose.shared.model.posenet import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="tinyvit-small"), (64, 48)).eval()
-    fixed = export_onnx(model, tmp_path / "model.onnx", batch=1).path
-    dynamic = export_onnx(model, tmp_path / "dynamic.onnx", batch="dynamic").path
+    fixed = export_onnx(model, tmp_path / "model.onnx", ExportOptions(batch=1)).path
+    dynamic = export_onnx(model, tmp_path / "dynamic.onnx", ExportOptions(batch="dynamic")).path
     assert "onnx" not in subprocess.run([str(slim), "-m", "pip", "list"], capture_output=True, text=True,
                                         check=True).stdout.lower().split()  # the camera has no onnx package
 

@@ -30,8 +30,9 @@ import pytest
 import torch
 
 from fedpose.cli.main import main as cli_main
-from fedpose.edge.demo_video import DemoSpec, load_truth, render_demo, sidecar_path, write_demo_video
+from fedpose.edge.pipeline.demo_video import DemoSpec, load_truth, render_demo, sidecar_path, write_demo_video
 from fedpose.edge.export.exporter import export_onnx
+from fedpose.edge.export.spec import ExportOptions
 from fedpose.edge.pipeline.outputs import KEYPOINTS_FILE
 from fedpose.edge.pipeline.source import FrameSource, ReconnectPolicy, SourceError
 from fedpose.edge.pipeline.options import PipelineOptions, parse_pixelize
@@ -191,7 +192,7 @@ def trained(tmp_path_factory):
         path = root / "pretrain" / "model.pt"
     model, _ = load_checkpoint(path)
     out = root / "model.onnx"
-    export_onnx(model, out, batch=1)
+    export_onnx(model, out, ExportOptions(batch=1))
     return SimpleNamespace(checkpoint=Path(path), onnx=out, model=model)
 
 
@@ -207,7 +208,7 @@ def random_onnx(tmp_path_factory):
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="tinyvit-small"), INPUT).eval()
     path = tmp_path_factory.mktemp("random") / "random.onnx"
-    export_onnx(model, path, batch=1)
+    export_onnx(model, path, ExportOptions(batch=1))
     return path
 
 
@@ -295,7 +296,7 @@ def _errors_vs_truth(rows: list[dict], truth: dict, size: tuple[int, int]) -> tu
     The baseline is the clip's average pose in crop coordinates put into the run's own boxes: what a model
     that ignores the pixels could at best output, given the same crops.
     """
-    from fedpose.edge.prepost import box_to_center_scale
+    from fedpose.edge.runtime.prepost import box_to_center_scale
     from fedpose.shared.data.transforms import affine_matrix, invert_affine, warp_points
 
     pred = np.array([r["keypoints"] for r in rows])[..., :2]  # (F, 16, 2)
@@ -345,7 +346,7 @@ def test_pipeline_keypoints_match_ground_truth(trained, clip, tmp_path):
 
 def test_int8_accuracy_drop_on_trained_model(trained, tmp_path):
     """INT8 vs FP32 PCKh of a trained model on a small synthetic val split (needs FEDPOSE_EDGE_CHECKPOINT)."""
-    from fedpose.edge.quantize import compare_precisions, quantize_int8, record_crops
+    from fedpose.edge.export.quantize import compare_precisions, quantize_int8, record_crops
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
@@ -499,7 +500,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "FPS" in out and "p50" in out and "p95" in out
-    from fedpose.edge.pixelize.claim import pixelize_claim
+    from fedpose.shared.pixelization.claim import pixelize_claim
 
     spec, _ = parse_pixelize("eps=1,b=8,m=8,n=2")
     assert pixelize_claim(spec, mask_source="keypoints", frames=12) in out
@@ -511,7 +512,7 @@ def test_cli_run_with_video_and_pixelized_frames(lights, tmp_path, capsys):
     assert _frame_count(run_dir / "annotated.mp4") == 12
     npz = sorted((run_dir / "pixelized").glob("*.npz"))
     assert len(npz) == 12
-    from fedpose.edge.pixelize.storage import load_npz
+    from fedpose.shared.pixelization.storage import load_npz
 
     released = load_npz(npz[5])
     assert released.b == 8 and released.s_b == 4 and released.channels == 1
@@ -550,7 +551,7 @@ def test_cli_pixelize_image_with_pose_mask(lights, tmp_path, capsys):
                      "--seed", "1"])
     text = capsys.readouterr().out
     assert code == 0 and out.is_file() and "keypoints" in text
-    from fedpose.edge.pixelize.storage import load_npz
+    from fedpose.shared.pixelization.storage import load_npz
 
     released = load_npz(out)
     assert released.channels == 3 and released.s_b == 4
@@ -617,7 +618,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
     derived from the raw frames and NOT protected. An explicit --overlay draws the skeleton, and then the
     claim says so.
     """
-    from fedpose.edge.pixelize.storage import load_npz
+    from fedpose.shared.pixelization.storage import load_npz
 
     frames = 8
     run_dir = tmp_path / "run"
@@ -664,7 +665,7 @@ def test_published_pixelized_frames_carry_no_raw_overlay_and_the_claim_names_eve
 
 
 def test_cli_device_maps_to_onnxruntime_providers_and_prints_the_ones_used(random_onnx, clip, tmp_path, capsys):
-    from fedpose.edge.onnx_runtime import providers_for
+    from fedpose.edge.runtime.onnx import providers_for
 
     assert providers_for("tensorrt")[0] == "TensorrtExecutionProvider"
     assert providers_for("cpu") == ["CPUExecutionProvider"]
@@ -785,7 +786,7 @@ def test_cli_stream_that_never_opens_gives_up_within_the_first_open_budget(rando
 def test_cli_sizes_are_written_height_first(tmp_path, capsys):
     from fedpose.shared.pixelization.spec import PixelizeSpec
     from fedpose.shared.pixelization.mechanism import pixelize
-    from fedpose.edge.pixelize.storage import save_npz
+    from fedpose.shared.pixelization.storage import save_npz
 
     image = np.random.default_rng(0).integers(0, 256, (96, 128), dtype=np.uint8)  # 96x128 (HxW)
     save_npz(pixelize(image, PixelizeSpec(eps=1, b=16, m=4), rng=np.random.default_rng(0)), tmp_path / "f.npz")

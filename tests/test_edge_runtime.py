@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from fedpose.edge.export.exporter import export_onnx
-from fedpose.edge.onnx_runtime import OnnxRuntime
+from fedpose.edge.export.spec import ExportOptions
+from fedpose.edge.runtime.onnx import OnnxRuntime
 from fedpose.edge.pipeline.tracking import BoxTracker
-from fedpose.edge.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
+from fedpose.edge.runtime.prepost import box_from_keypoints, box_to_center_scale, clip_box, postprocess, preprocess
 from fedpose.edge.runtime import backend_for, make_runtime
-from fedpose.edge.torch_runtime import TorchRuntime
+from fedpose.edge.runtime.pytorch import TorchRuntime
 from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.data.transforms import affine_matrix, warp_points
 from fedpose.shared.model.posenet import build_model, save_checkpoint
@@ -37,8 +38,8 @@ def files(tmp_path_factory):
     torch.manual_seed(1)
     model = build_model(ModelConfig(variant="tinyvit-small"), INPUT).eval()
     save_checkpoint(root / "model.pt", model)
-    export_onnx(model, root / "model.onnx", batch="dynamic")
-    export_onnx(model, root / "model_b2.onnx", batch=2)
+    export_onnx(model, root / "model.onnx", ExportOptions(batch="dynamic"))
+    export_onnx(model, root / "model_b2.onnx", ExportOptions(batch=2))
     return {"model": model, "pt": root / "model.pt", "onnx": root / "model.onnx", "onnx_b2": root / "model_b2.onnx",
             "root": root}
 
@@ -47,7 +48,7 @@ def _model_file(files, backend):
     if backend == "tensorrt":
         if not HAS_TRT or not torch.cuda.is_available():
             pytest.skip(TRT_SKIP)
-        from fedpose.edge.trt_build import build_engine  # pragma: no cover - GPU only
+        from fedpose.edge.export.trt_build import build_engine  # pragma: no cover - GPU only
 
         plan = files["root"] / "model.plan"  # pragma: no cover
         if not plan.exists():  # pragma: no cover

@@ -193,8 +193,8 @@ def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertaint
     from fedpose.shared.model.posenet import build_model
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.model.strategy import apply_strategy
-    from fedpose.shared.privacy.step import bookkeeping_plan
-    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=ALL_TASKS, task_uncertainty=uncertainty), INPUT)
@@ -211,7 +211,7 @@ def test_face_losses_clip_exactly_like_the_per_example_loop(strategy, uncertaint
     assert parts.shape == (5, 3 + len(loss_terms(ALL_TASKS))) and bool(torch.isfinite(parts).all())
     unlabelled = batch["face_labelled"] == 0
     assert bool((parts[unlabelled, 3:] == 0).all()), "a record without face labels has no face loss"
-    assert bookkeeping_plan.supports(loss_fn, params)
+    assert bookkeeping.supports(loss_fn, params)
     fast = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=2)
     slow = clipped_grad_sum(lambda p, b: loss_fn(p, b), params, batch, clip_norm=0.05, chunk_size=2)
     assert torch.allclose(fast.norms, slow.norms, rtol=1e-4)
@@ -257,7 +257,7 @@ def test_checkpoint_keeps_the_face_head(tmp_path):
 
 @pytest.fixture(scope="module")
 def face_world(tmp_path_factory):
-    from federation_support import prepare_world
+    from support.federation import prepare_world
 
     return prepare_world(tmp_path_factory.getbasetemp() / "fedpose-face-world",
                          model={"face_tasks": list(ALL_TASKS)}, train={"epochs": 1})
@@ -266,8 +266,9 @@ def face_world(tmp_path_factory):
 @pytest.mark.parametrize("method", ["nonprivate", "dpsgd", "proj", "fdp", "fpdp"])
 def test_face_heads_train_under_every_method(face_world, method):
     from fedpose.shared.training.runs import initial_model, load_records
-    from fedpose.shared.training.batches import make_dataset, public_basis_at
-    from fedpose.shared.training.provenance import select_device
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.privacy.step.subspace import public_basis_at
+    from fedpose.shared.training.loop import select_device
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = face_world
@@ -321,22 +322,22 @@ def test_a_face_run_reports_the_face_metrics_and_names_its_labels_in_the_claim(f
 def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
     import onnx
 
-    from fedpose.edge.demo_video import DemoSpec, load_truth, write_demo_video
+    from fedpose.edge.pipeline.demo_video import DemoSpec, load_truth, write_demo_video
     from fedpose.edge.export.exporter import export_onnx
-    from fedpose.edge.export.spec import export_outputs
-    from fedpose.edge.onnx_runtime import OnnxRuntime
+    from fedpose.edge.export.spec import ExportOptions, export_outputs
+    from fedpose.edge.runtime.onnx import OnnxRuntime
     from fedpose.edge.pipeline.source import FrameSource
     from fedpose.edge.pipeline.options import PipelineOptions
     from fedpose.edge.pipeline.loop import run_pipeline
     from fedpose.edge.pipeline.outputs import release_claim
     from fedpose.shared.pixelization.spec import PixelizeSpec
-    from fedpose.edge.torch_runtime import TorchRuntime
+    from fedpose.edge.runtime.pytorch import TorchRuntime
     from fedpose.shared.model.posenet import build_model, save_checkpoint
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(face_tasks=ALL_TASKS), INPUT).eval()
     save_checkpoint(tmp_path / "m.pt", model)
-    report = export_onnx(model, tmp_path / "m.onnx", batch="dynamic")  # parity of every output is checked
+    report = export_onnx(model, tmp_path / "m.onnx", ExportOptions(batch="dynamic"))  # parity of every output checked
     assert report.max_abs_diff < 1e-4
     proto = onnx.load(str(tmp_path / "m.onnx"))
     names = ("simcc_x", "simcc_y", "visibility", "face_detect", "face_landmarks", "head_pose", "face_attribute")
@@ -347,7 +348,7 @@ def test_the_export_carries_the_face_heads_and_the_camera_writes_them(tmp_path):
 
     # the contract's second consumer (an integrator's OpenCV DNN / C++ pipeline) reads the face outputs too
     one = np.random.default_rng(1).random((1, 3, *INPUT), dtype=np.float32)
-    fixed = export_onnx(model, tmp_path / "m1.onnx", batch=1).path
+    fixed = export_onnx(model, tmp_path / "m1.onnx", ExportOptions(batch=1)).path
     import onnxruntime as ort
 
     ref = ort.InferenceSession(str(fixed), providers=["CPUExecutionProvider"]).run(list(names), {"image": one})
@@ -516,23 +517,23 @@ def test_a_site_trains_the_face_tasks_its_policy_lists_and_refuses_others(face_w
     from fedpose.client.policy import min_sigma_for
     from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode
     from fedpose.shared.training.runs import initial_model
-    from test_federation_site import _policy, _request, _rows
+    from support.site import site_policy, train_request, spend_rows
 
     cfg = face_world
     state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
-    allowed = _policy(cfg, tmp_path / "a", face_tasks=list(ALL_TASKS), methods=["dpsgd"])
+    allowed = site_policy(cfg, tmp_path / "a", face_tasks=list(ALL_TASKS), methods=["dpsgd"])
     from fedpose.client.site import handle_train
 
-    reply = handle_train(_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
+    reply = handle_train(train_request(cfg, state, sigma=min_sigma_for(allowed)), allowed)
     from fedpose.shared.flower.messages import record_tensors
 
     weights = record_tensors(reply[ARRAYS])
     moved = [k for k in weights if k.startswith("face_head.") and not torch.equal(weights[k], state[k])]
     assert moved, "the site's round did not train the face head"
-    assert len(_rows(allowed)) == 1
+    assert len(spend_rows(allowed)) == 1
     # a site whose policy lists only some of the tasks refuses, with nothing trained and nothing spent
-    partial = _policy(cfg, tmp_path / "b", face_tasks=["detect"], methods=["dpsgd"])
+    partial = site_policy(cfg, tmp_path / "b", face_tasks=["detect"], methods=["dpsgd"])
     with pytest.raises(Refusal) as info:
-        handle_train(_request(cfg, state, sigma=min_sigma_for(partial)), partial)
+        handle_train(train_request(cfg, state, sigma=min_sigma_for(partial)), partial)
     assert info.value.code == RefusalCode.POLICY and "face tasks" in str(info.value)
-    assert _rows(partial) == []
+    assert spend_rows(partial) == []

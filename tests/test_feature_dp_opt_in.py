@@ -24,38 +24,37 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import Refusal, RefusalCode
-from test_federation_site import _policy, _request, _rows
-from test_site_releases import world  # noqa: F401 (the shared tiny world)
+from support.site import site_policy, train_request, spend_rows
 
 
 @pytest.mark.invariant("P17")
-def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world, tmp_path):
-    cfg, _ = world
+def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world_weights, tmp_path):
+    cfg, _ = world_weights
     with pytest.raises(ValueError, match="release_blurred_images_and_labels: true") as refused:
-        _policy(cfg, tmp_path, methods=["dpsgd", "fpdp"], release_blurred_images_and_labels=False, prepare=False)
+        site_policy(cfg, tmp_path, methods=["dpsgd", "fpdp"], release_blurred_images_and_labels=False, prepare=False)
     assert "blurred copy of each image" in str(refused.value) and "pose labels" in str(refused.value)
-    opted = _policy(cfg, tmp_path, release_blurred_images_and_labels=True, prepare=False)
+    opted = site_policy(cfg, tmp_path, release_blurred_images_and_labels=True, prepare=False)
     assert opted.methods == ("dpsgd", "proj", "fdp", "fpdp")  # the one line opts in to all four
 
 
 @pytest.mark.invariant("P17")
-def test_a_policy_without_methods_trains_the_record_level_methods_only(world, tmp_path):
-    cfg, state = world
-    policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=False)
+def test_a_policy_without_methods_trains_the_record_level_methods_only(world_weights, tmp_path):
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path, release_blurred_images_and_labels=False)
     assert policy.methods == ("dpsgd", "proj")
     sigma = min_sigma_for(policy)
     for method in ("fdp", "fpdp"):
         with pytest.raises(Refusal) as refused:
-            handle_train(_request(cfg, state, sigma=sigma, method=method), policy)
+            handle_train(train_request(cfg, state, sigma=sigma, method=method), policy)
         assert refused.value.code == RefusalCode.POLICY
-    assert _rows(policy) == []
-    handle_train(_request(cfg, state, sigma=sigma, method="dpsgd"), policy)
-    assert [r["method"] for r in _rows(policy)] == ["dpsgd"]
+    assert spend_rows(policy) == []
+    handle_train(train_request(cfg, state, sigma=sigma, method="dpsgd"), policy)
+    assert [r["method"] for r in spend_rows(policy)] == ["dpsgd"]
 
 
 @pytest.mark.invariant("P17")
 def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
-    from fedpose.cli import kit_templates as kit
+    from fedpose.server.kits import templates as kit
 
     text = kit.POLICY
     assert "release_blurred_images_and_labels: false" in text
@@ -65,32 +64,32 @@ def test_the_kit_policy_is_record_level_and_names_what_the_opt_in_releases():
 
 
 @pytest.mark.invariant("P17")
-def test_the_public_batch_is_pinned_by_the_site(world, tmp_path):
-    cfg, state = world
-    policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=True,
+def test_the_public_batch_is_pinned_by_the_site(world_weights, tmp_path):
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path, release_blurred_images_and_labels=True,
                      public_batch_size=cfg.train.public_batch_size)
     sigma = min_sigma_for(policy)
     larger = replace(cfg, **{"train.public_batch_size": cfg.train.public_batch_size + 1})
     with pytest.raises(Refusal) as refused:
-        handle_train(_request(larger, state, sigma=sigma, method="fdp"), policy)
+        handle_train(train_request(larger, state, sigma=sigma, method="fdp"), policy)
     assert refused.value.code == RefusalCode.POLICY and "public_batch_size" in refused.value.reason
-    assert _rows(policy) == []
+    assert spend_rows(policy) == []
     with pytest.raises(ValueError, match="public_batch_size=41 is larger than the 40 records"):
-        _policy(cfg, tmp_path / "big", release_blurred_images_and_labels=True, public_batch_size=41)
+        site_policy(cfg, tmp_path / "big", release_blurred_images_and_labels=True, public_batch_size=41)
 
 
 @pytest.mark.invariant("P17")
-def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world, monkeypatch):
+def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world_weights, monkeypatch):
     from pathlib import Path
 
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     from fedpose.shared.training import batches
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.training.runs import initial_model
     from fedpose.shared.training.batches import make_dataset
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
-    cfg, _ = world
+    cfg, _ = world_weights
     records = load_split(Path(cfg.data.root), "site-0")[:6]
     drawn: list[list[int]] = []
     real = batches.psi_on
@@ -116,13 +115,13 @@ def test_the_public_draw_never_repeats_a_record_and_never_exceeds_the_data(world
 
 
 @pytest.mark.invariant("P17")
-def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world, tmp_path):
-    from fedpose.client.site_status import guarantee_in_force, plain_policy
+def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world_weights, tmp_path):
+    from fedpose.client.status import guarantee_in_force, plain_policy
     from fedpose.shared.privacy.accounting.claims import privacy_claim
 
-    cfg, _ = world
-    record = _policy(cfg, tmp_path / "r", release_blurred_images_and_labels=False, prepare=False)
-    feature = _policy(cfg, tmp_path / "f", release_blurred_images_and_labels=True, prepare=False)
+    cfg, _ = world_weights
+    record = site_policy(cfg, tmp_path / "r", release_blurred_images_and_labels=False, prepare=False)
+    feature = site_policy(cfg, tmp_path / "f", release_blurred_images_and_labels=True, prepare=False)
     assert guarantee_in_force(record).startswith("record-level DP")
     assert guarantee_in_force(feature).startswith("Feature-DP opted in")
     said = " ".join(plain_policy(feature))

@@ -15,7 +15,7 @@ import torch
 
 from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import handle_train
-from fedpose.client.site_data import load_split_dir, site_info
+from fedpose.client.data import load_split_dir, site_info
 from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
 from fedpose.shared.experiments.reconstruction_read import (
     find_record,
@@ -27,20 +27,13 @@ from fedpose.shared.experiments.reconstruction_read import (
     score,
 )
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from test_federation_site import _policy, _q, _rows
+from support.site import site_policy, q_of, spend_rows
 
 # The read-out is exact up to float32 rounding (measured: about 130 dB, joints within 3e-7 px). 80 dB is an
 # error of 1e-4 of the pixel range: far below what an eye or a face matcher resolves, and far above what
 # any blend of records or a reply not read exactly reaches (other records of the ward score below 30 dB).
 MIN_PSNR_DB = 80.0
 MAX_LABEL_ERROR_PX = 1e-3
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-
-    return prepare_world(world_root(tmp_path_factory))
 
 
 def _crafted(cfg):
@@ -67,12 +60,12 @@ def _site_psi(cfg, policy):
 @pytest.mark.invariant("P17")
 def test_one_fpdp_reply_gives_the_server_psi_of_the_drawn_record_and_its_exact_labels(world, tmp_path):
     cfg = attack_config(world)
-    policy = _policy(cfg, tmp_path, release_blurred_images_and_labels=True, public_batch_size=1)
+    policy = site_policy(cfg, tmp_path, release_blurred_images_and_labels=True, public_batch_size=1)
     crafted, basis = _crafted(cfg)
     content = attack_content(cfg, crafted, basis, federation="fed-test", round=1, site="site-0",
-                             sigma=min_sigma_for(policy), sample_rate=_q(cfg))
+                             sigma=min_sigma_for(policy), sample_rate=q_of(cfg))
     reply = handle_train(content, policy)
-    assert [r["state"] for r in _rows(policy)] == ["done"]  # an ordinary, charged round
+    assert [r["state"] for r in spend_rows(policy)] == ["done"]  # an ordinary, charged round
 
     grads = public_gradient_of(crafted.state, record_tensors(reply[ARRAYS]), crafted.read, lr=cfg.train.lr)
     readout = read_reply(crafted, grads, cfg.model, public_batch_size=cfg.train.public_batch_size)
@@ -103,13 +96,13 @@ def test_without_the_crafted_reply_there_is_nothing_to_read(world):
 @pytest.mark.invariant("P17")
 def test_a_site_that_pins_record_level_methods_refuses_the_reconstruction_request(world, tmp_path, method):
     cfg = attack_config(world, method=method)
-    policy = _policy(cfg, tmp_path, methods=["dpsgd", "proj"])
+    policy = site_policy(cfg, tmp_path, methods=["dpsgd", "proj"])
     crafted, basis = _crafted(cfg)
     content = attack_content(cfg, crafted, basis if method == "fpdp" else None, federation="fed-test", round=1,
-                             site="site-0", sigma=min_sigma_for(policy), sample_rate=_q(cfg))
+                             site="site-0", sigma=min_sigma_for(policy), sample_rate=q_of(cfg))
     with pytest.raises(Refusal) as refused:
         handle_train(content, policy)
     assert refused.value.code == RefusalCode.POLICY
     assert method in str(refused.value)
-    assert _rows(policy) == []  # nothing trained, nothing spent
+    assert spend_rows(policy) == []  # nothing trained, nothing spent
     assert site_info(policy).epsilon_spent == 0.0

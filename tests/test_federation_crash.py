@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from federation_support import Pilot, kill_group, ledger_rows, prepare_world, wait_for, world_root
+from support.federation import Pilot, kill_group, ledger_rows, prepare_world, wait_for, world_root
 from fedpose.shared.configuration.schema import dump_config
 from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import Pilot, app_snapshot, bin_path, ledger_rows, prepare_world, start, stop, world_root
+from support.federation import Pilot, app_snapshot, bin_path, ledger_rows, prepare_world, start, stop, world_root
 from fedpose.shared.configuration.schema import dump_config
 from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 

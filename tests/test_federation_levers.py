@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from federation_support import prepare_world, world_root
 
 from fedpose.client.policy import min_sigma_for, policy_from_dict
 from fedpose.client.site import handle_train
-from fedpose.server.aggregate import ServerOptimizer, server_optimizer
-from fedpose.server.combine import fedavg
+from fedpose.server.aggregate import ServerOptimizer, aggregate, server_optimizer
 from fedpose.shared.errors import ConfigError
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, CONFIG, TrainRequest, weights_record
@@ -25,22 +23,13 @@ def _w(*values: float) -> dict[str, torch.Tensor]:
     return {"a": torch.tensor(list(values), dtype=torch.float32)}
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from fedpose.shared.training.runs import initial_model
-
-    cfg = prepare_world(world_root(tmp_path_factory))
-    model = initial_model(cfg, progress=False)
-    return cfg, {k: v.clone() for k, v in model.state_dict().items()}
-
-
 # ---------------------------------------------------------------------------
 # server optimizer
 # ---------------------------------------------------------------------------
 
 
 def test_none_is_plain_fedavg():
-    avg = fedavg([_w(1.0, 2.0), _w(3.0, 6.0)])
+    avg = aggregate([_w(1.0, 2.0), _w(3.0, 6.0)], "mean")
     assert torch.equal(avg["a"], torch.tensor([2.0, 4.0]))
     out = ServerOptimizer("none").apply(_w(0.0, 0.0), avg)
     assert torch.equal(out["a"], avg["a"])
@@ -74,14 +63,14 @@ def test_adam_matches_a_hand_computation():
     assert w["a"].item() == pytest.approx(w0 + 0.1 * 0.08 / (0.0496 ** 0.5 + 1e-3), rel=1e-5)
 
 
-def test_server_optimizer_state_refuses_another_kind_and_config_validates(world):
+def test_server_optimizer_state_refuses_another_kind_and_config_validates(world_weights):
     opt = ServerOptimizer("momentum")
     opt.apply(_w(0.0), _w(1.0))
     with pytest.raises(ValueError, match="momentum"):
         ServerOptimizer("adam").load_state_dict(opt.state_dict())
     with pytest.raises(ValueError):
         ServerOptimizer("sgd")
-    cfg, _ = world
+    cfg, _ = world_weights
     assert server_optimizer(cfg).kind == "none"
     with pytest.raises(ConfigError, match="server_lr"):
         replace(cfg, **{"federation.server_lr": 0.0})
@@ -128,7 +117,7 @@ def test_state_round_trip_and_refusals(tmp_path):
 
 def _policy(cfg, tmp_path, *, rounds: int):
     """The tiny world's site-0 under a policy that pins this config's mechanism, its checks run."""
-    from fedpose.client.site_data import load_split_dir, prepare_site
+    from fedpose.client.data import load_split_dir, prepare_site
     from fedpose.shared.data.split import manifest_digest as public_digest
 
     root = Path(cfg.data.root)
@@ -154,8 +143,8 @@ def _content(cfg, state, *, sigma: float, round: int):
     return RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()})
 
 
-def test_site_keeps_its_optimizer_state_across_rounds(world, tmp_path):
-    cfg, state = world
+def test_site_keeps_its_optimizer_state_across_rounds(world_weights, tmp_path):
+    cfg, state = world_weights
     cfg = replace(cfg, **{"train.method": "dpsgd", "federation.site_optimizer": "keep"})
     policy = _policy(cfg, tmp_path, rounds=2)
     sigma = min_sigma_for(policy)
@@ -170,8 +159,8 @@ def test_site_keeps_its_optimizer_state_across_rounds(world, tmp_path):
     assert {float(s["step"]) for s in blob["state"]["state"].values()} == {4.0}  # continued, not restarted
 
 
-def test_fresh_site_optimizer_writes_no_state(world, tmp_path):
-    cfg, state = world
+def test_fresh_site_optimizer_writes_no_state(world_weights, tmp_path):
+    cfg, state = world_weights
     cfg = replace(cfg, **{"train.method": "dpsgd", "federation.site_optimizer": "fresh"})
     policy = _policy(cfg, tmp_path, rounds=1)
     sigma = min_sigma_for(policy)

@@ -10,12 +10,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from fedpose.server.ledger import Event, Report, ServerLedger, Spend
-from fedpose.server.ledger_resume import reconcile
+from fedpose.server.ledger import Event, Report, ServerLedger, Spend, reconcile
 from fedpose.server.plan import SitePlan, can_afford, plan_site
 from fedpose.server.replies import Reply, process_replies
-from fedpose.server.combine import aggregate, fedavg
-from federation_support import REPO
+from fedpose.server.aggregate import aggregate
+from support.federation import REPO
 from fedpose.shared.configuration.schema import config_from_dict
 from fedpose.shared.flower.messages import (
     ARRAYS,
@@ -79,7 +78,7 @@ def test_malformed_replies_are_rejected_never_averaged_and_refusals_mark_the_sit
 def test_aggregation_is_uniform_and_the_robust_aggregators_bound_one_site():
     """No site's weight comes from a number it reports (finding 15.4): uniform mean, median, trimmed mean."""
     updates = [{"w": torch.zeros(2)}, {"w": torch.ones(2)}]
-    assert torch.allclose(fedavg(updates)["w"], torch.full((2,), 0.5))
+    assert torch.allclose(aggregate(updates, "mean")["w"], torch.full((2,), 0.5))
     hostile = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.2, 2.2])}, {"w": torch.tensor([1e30, -1e30])}]
     assert torch.allclose(aggregate(hostile, "median")["w"], torch.tensor([1.2, 2.0]))
     assert torch.allclose(aggregate(hostile, "trimmed-mean")["w"], torch.tensor([1.2, 2.0]))
@@ -93,7 +92,7 @@ def test_by_default_no_single_site_can_plant_weights_in_the_average():
     """#21 finding 2: a site answering 2 x crafted - global made the uniform mean exactly the crafted model
     (planting a trigger in every other site's next round). The default bound scales every update to the
     round's lower-median norm first, so the hostile site moves the model no more than an honest one."""
-    from fedpose.server.combine import bound_updates
+    from fedpose.server.aggregate import bound_updates
     from fedpose.shared.configuration.schema import Config
 
     assert Config().federation.update_bound == "median"
@@ -441,7 +440,7 @@ def test_certs_are_usable_by_flower(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-    from fedpose.cli.certs import make_certs
+    from fedpose.server.kits.certs import make_certs
 
     make_certs(tmp_path, nodes=2, hosts=["localhost", "127.0.0.1"], days=2)
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from federation_support import (
+from support.federation import (
     REPO,
     flower_env,
     prepare_world,

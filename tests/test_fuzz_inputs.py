@@ -228,7 +228,7 @@ big = st.one_of(st.integers(-2, 64), st.integers(0, 2**40), st.sampled_from([200
        dtype=st.sampled_from(["float32", "float64", "int64", "bool", "U1"]), value=st.floats(-1, 300))
 def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, height, width, channels, simple,
                           complex_n, mask, dtype, value) -> None:
-    from fedpose.edge.pixelize.storage import restore
+    from fedpose.shared.pixelization.storage import restore
 
     path = tmp_path_factory.mktemp("npz") / "f.npz"
     with open(path, "wb") as f:
@@ -245,7 +245,7 @@ def test_npz_restore_fuzz(tmp_path_factory: pytest.TempPathFactory, b, s_b, heig
 @FUZZ
 @given(st.binary(max_size=300))
 def test_npz_restore_random_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    from fedpose.edge.pixelize.storage import restore
+    from fedpose.shared.pixelization.storage import restore
 
     path = tmp_path_factory.mktemp("npz") / "r.npz"
     path.write_bytes(b"PK\x03\x04" + raw if raw[:1] == b"\0" else raw)

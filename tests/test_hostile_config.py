@@ -105,7 +105,7 @@ def test_val_split_must_differ_from_public_and_train(val: str) -> None:
 
 
 def test_min_sites_above_train_splits_refused() -> None:
-    from fedpose.cli.fed import check_simulation_sites
+    from fedpose.shared.flower.simulation import check_simulation_sites
 
     cfg = config_from_dict({"federation": {"min_sites": 4}, "data": {"train_splits": ["site-0", "site-1", "site-2"]}})
     with pytest.raises(ConfigError, match=r"federation\.min_sites"):

@@ -17,7 +17,7 @@ import torch
 from fedpose.edge.pipeline.options import parse_pixelize
 from fedpose.edge.pipeline.tracking import parse_roi
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.edge.pixelize.storage import load_npz, restore, save_npz
+from fedpose.shared.pixelization.storage import load_npz, restore, save_npz
 from fedpose.shared.pixelization.mechanism import pixelize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_declared_huge_frame_refused_before_allocation(tmp_path: Path) -> None:
     path = _npz(tmp_path / "big.npz", **_frame_fields(b=200000, s_b=200000, height=200000, width=200000))
     assert path.stat().st_size < 4096
     result = _bounded(f"""
-        from fedpose.edge.pixelize.storage import restore
+        from fedpose.shared.pixelization.storage import restore
         try:
             restore({str(path)!r})
         except ValueError as err:
@@ -88,7 +88,7 @@ def test_zip_bomb_mask_refused_from_its_header(tmp_path: Path) -> None:
     path = _zip_bomb(tmp_path / "bomb.npz", 30000)  # 900 MB of mask in ~1 MB
     assert path.stat().st_size < 2_000_000
     result = _bounded(f"""
-        from fedpose.edge.pixelize.storage import restore
+        from fedpose.shared.pixelization.storage import restore
         try:
             restore({str(path)!r})
         except ValueError as err:

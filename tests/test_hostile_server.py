@@ -1,6 +1,6 @@
 """A malicious server against a real site (Flower simulation, real ClientApp, real SQLite ledger).
 
-``tests/hostile_server.py`` sends every attack of the threat model (docs/explanation/design.md, threat model,
+``tests/support/hostile_server.py`` sends every attack of the threat model (docs/explanation/design.md, threat model,
 invariants P10-P12) to a site whose policy pins fpdp. For each attack the site must refuse
 with a typed error, train nothing, and leave its ledger's content unchanged; a membership
 probe with a private image's hash must get exactly the reply a random hash gets; a reply
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from federation_support import REPO, flower_env, prepare_world, world_root
+from support.federation import REPO, flower_env, prepare_world, world_root
 from fedpose.shared.configuration.schema import dump_config, replace
 from fedpose.shared.flower.messages import REPLY_METRICS, RefusalCode, parse_spend_suffix
 
@@ -58,7 +58,7 @@ def attacks(tmp_path_factory):
     config_path = tmp / "config.yaml"
     dump_config(cfg, config_path)
     results = tmp / "attacks.json"
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "hostile_server.py"), str(config_path),
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "hostile_server.py"), str(config_path),
                           str(tmp / "out"), str(results)], cwd=REPO, env=flower_env(tmp / "flwr-home"),
                          capture_output=True, text=True, timeout=600)
     assert results.is_file(), run.stdout[-3000:] + run.stderr[-6000:]

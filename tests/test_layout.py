@@ -1,28 +1,23 @@
-"""Layout rules (CONTRIBUTING.md: layout and conventions), checked by reading
-the source with ast, so nothing is imported and the test is fast.
+"""Layout rules (CONTRIBUTING.md: layout), checked by reading the source with ast, so nothing is
+imported and the test is fast. They check the direction of the imports, not the size of files:
 
-- no module under shared/, client/, server/, edge/, cli/ is over 400 lines;
-- the project's import graph (module level and function-level lazy imports
-  alike) has no circle;
-- shared imports nothing from client, server or edge; those three never
-  import each other (the CLI sits on top and may import all of them).
+- the project's import graph (module level and function-level lazy imports alike) has no circle;
+- shared imports nothing from client, server or edge; those three never import each other (the CLI sits
+  on top and may import all of them); every project import goes through the fedpose root;
+- the library never imports the experiments (shared/experiments/);
+- CONTRIBUTING.md's layout section is the one tools/layout.py writes from the tree.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("shared", "client", "server", "edge", "cli")
 ROOT_PACKAGE = "fedpose"  # the one import root: fedpose.shared is shared/, and so on (pyproject.toml)
-MAX_LINES = 400
-
-# Files allowed over MAX_LINES for now (none: shared/training/loop.py and shared/configuration/schema.py were split
-# after the concurrent branches merged). An entry must name a file that is still too long.
-DEFERRED_LONG: set[str] = set()
 
 # Which top-level package may import which (besides itself).
 ALLOWED = {
@@ -142,27 +137,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_module_over_400_lines():
-    long = []
-    for path in _files():
-        rel = path.relative_to(ROOT).as_posix()
-        n = len(path.read_text().splitlines())
-        if n > MAX_LINES and rel not in DEFERRED_LONG:
-            long.append(f"{rel}: {n} lines")
-    assert not long, "modules over %d lines:\n  %s" % (MAX_LINES, "\n  ".join(long))
-
-
-def test_deferred_allowance_is_still_needed():
-    """An allowance that no longer applies is stale: remove it."""
-    stale = [
-        rel
-        for rel in sorted(DEFERRED_LONG)
-        if not (ROOT / rel).exists()
-        or len((ROOT / rel).read_text().splitlines()) <= MAX_LINES
-    ]
-    assert not stale, f"remove from DEFERRED_LONG: {stale}"
-
-
 def test_no_import_cycle():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n  " + "\n  ".join(
@@ -199,52 +173,56 @@ def test_the_library_never_imports_the_experiments():
     assert not bad, "\n".join(bad)
 
 
-def test_every_package_folder_is_in_the_distribution():
-    """pyproject.toml lists fedpose's packages one by one (package-dir maps them onto the folders): a package folder
-    left out would be missing from the wheel a site or a camera installs, while this checkout still imports it."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+def test_every_package_folder_is_under_the_import_root_and_in_the_distribution():
+    """fedpose/<folder> is a relative link to each top-level folder, so `fedpose.server.run` is the file
+    fedpose/server/run.py for any tool that resolves imports by path; and setuptools finds every package folder
+    through those links (one left out would be missing from the wheel a site or a camera installs)."""
+    from setuptools import find_packages
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for top in (*PACKAGES, "configs"):
+        link = ROOT / ROOT_PACKAGE / top
+        assert link.is_symlink() and Path(os.readlink(link)) == Path("..") / top, f"{link} must link to ../{top}"
     folders = {ROOT_PACKAGE} | {
         ".".join((ROOT_PACKAGE, *init.parent.relative_to(ROOT).parts))
         for top in (*PACKAGES, "configs") for init in (ROOT / top).rglob("__init__.py")}
-    assert set(project["packages"]) == folders
-    assert {name: ROOT / folder for name, folder in project["package-dir"].items()} == {
-        ROOT_PACKAGE: ROOT / ROOT_PACKAGE, **{f"{ROOT_PACKAGE}.{top}": ROOT / top for top in (*PACKAGES, "configs")}}
+    assert set(find_packages(str(ROOT), include=[f"{ROOT_PACKAGE}*"])) == folders
 
 
-# The training and privacy path: what a train message and a centralized run step through.
-STEP_PATH = ("shared/training", "shared/privacy", "client/site.py", "client/site_basis.py", "client/request.py",
-             "client/ledger.py")
-MAX_FUNCTION_LINES = 80
-MAX_PARAMETERS = 8
-# Keyword-only records of what ran, one parameter per fact (nothing can be swapped by position): allowed more.
-PARAMETER_ALLOWANCE = {
-    ("shared/privacy/accounting/claims.py", "privacy_claim"): 12,  # the facts a claim sentence states
-    ("client/ledger.py", "record"): 14,  # one per column of a ledger row
-    # the step's spec, its inputs, the audit's hooks and the public per-tensor scales, keyword-only
-    ("shared/privacy/step/fpdp.py", "dp_gradient"): 10,
-    ("shared/privacy/step/fpdp.py", "_noisy_private_sum"): 9,
-}
+def _layout_tool():
+    """tools/layout.py, loaded from its file (tools/ is no package); it reads the tree with ast, imports nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_tool", ROOT / "tools" / "layout.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _step_path_functions():
-    for entry in STEP_PATH:
-        path = ROOT / entry
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            for node in ast.walk(ast.parse(file.read_text())):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    args = node.args
-                    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
-                    count = len(names) - (names[:1] in (["self"], ["cls"])) + bool(args.vararg) + bool(args.kwarg)
-                    yield file.relative_to(ROOT).as_posix(), node, count
+def test_the_contributing_layout_names_only_files_that_exist_and_is_what_the_tool_writes():
+    """CONTRIBUTING.md's layout block is generated (python tools/layout.py): a file moved, merged or removed, or
+    a module whose first docstring sentence changed, leaves it stale."""
+    layout = _layout_tool()
+    block = layout.block((ROOT / "CONTRIBUTING.md").read_text())
+    missing = [path for path in layout.paths(block) if not (ROOT / path).exists()]
+    assert not missing, f"CONTRIBUTING.md's layout names missing files (run python tools/layout.py): {missing}"
+    assert block == layout.render(ROOT), "CONTRIBUTING.md's layout is not the tree's: run python tools/layout.py"
 
 
-def test_training_and_privacy_functions_stay_small():
-    """A reader follows the step one screen at a time: no function of the training and privacy path over
-    ~80 lines or ~8 parameters (keyword-only records of what ran excepted, above)."""
-    long = [f"{file}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for file, node, _ in _step_path_functions() if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
-    wide = [f"{file}:{node.lineno} {node.name} ({count} parameters)" for file, node, count in _step_path_functions()
-            if count > PARAMETER_ALLOWANCE.get((file, node.name), MAX_PARAMETERS)]
-    assert not long and not wide, "\n".join(long + wide)
+def test_the_layout_tool_lists_every_module_of_the_packages_once():
+    layout = _layout_tool()
+    listed = [path for path in layout.paths(layout.render(ROOT)) if path.endswith(".py")]
+    modules = sorted(p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+                     if p.name != "__init__.py" and "__pycache__" not in p.parts)
+    assert sorted(listed) == modules
+
+
+def test_the_layout_tool_takes_a_docstrings_first_sentence_and_trims_it_to_one_line():
+    layout = _layout_tool()
+    assert layout.first_sentence("A thing, e.g. this one. And more.\n\nDetails.") == "A thing, e.g. this one"
+    assert layout.first_sentence("Shape -> ... -> Pad chains\nfold. Then.") == "Shape -> ... -> Pad chains fold"
+    assert layout.first_sentence("``fedpose x``: does y") == "`fedpose x`: does y" and layout.first_sentence(None) == ""
+    assert layout.trim("short", 10) == "short"
+    cut = layout.trim("one two three four five six seven eight nine ten", 20)
+    assert cut == "one two three..." and len(cut) <= 20
+    assert layout.trim("a long sentence here (with an aside that is cut)", 40) == "a long sentence here..."

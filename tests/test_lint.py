@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUFF_PATHS = ("fedpose", "shared", "client", "server", "edge", "cli", "configs", "tools", "benchmarks", "tests")
 # Packages mypy checks (a gradual start: [tool.mypy] in pyproject.toml), as folders of the repository.
 MYPY_PATHS = ("shared/privacy", "client", "server")
-ROOT_PACKAGE = "fedpose"  # pyproject.toml maps fedpose.<folder> onto each top-level folder
+ROOT_PACKAGE = "fedpose"  # fedpose/<folder> is a link to each top-level folder: mypy resolves imports by path
 
 
 def _run(tool: str, *args: str, timeout: float, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -26,17 +26,6 @@ def _run(tool: str, *args: str, timeout: float, cwd: Path = REPO) -> subprocess.
         pytest.skip(f"{tool} is not installed (pip install -c constraints.txt -e '.[test]')")
     return subprocess.run([sys.executable, "-m", tool, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _package_tree(where: Path) -> Path:
-    """A folder laid out as the installed package (fedpose/shared, fedpose/client, ...), of links to the
-    repository's folders: mypy cannot follow the editable install's mapping, and reads this instead."""
-    root = where / ROOT_PACKAGE
-    root.mkdir()
-    (root / "__init__.py").symlink_to(REPO / ROOT_PACKAGE / "__init__.py")
-    for folder in ("shared", "client", "server", "edge", "cli", "configs"):
-        (root / folder).symlink_to(REPO / folder, target_is_directory=True)
-    return where
 
 
 def test_ruff_finds_nothing():
@@ -48,5 +37,5 @@ def test_mypy_finds_nothing(tmp_path):
     packages = [f"{ROOT_PACKAGE}.{path.replace('/', '.')}" for path in MYPY_PATHS]
     args = [x for p in packages for x in ("-p", p)]
     done = _run("mypy", "--config-file", str(REPO / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache"), *args,
-                timeout=900, cwd=_package_tree(tmp_path))
+                timeout=900)
     assert done.returncode == 0, f"mypy {' '.join(args)}:\n{done.stdout}{done.stderr}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_bookkeeping import perturbed_model, pose_batch
-from test_recordlevel import _record_loop, _train, world  # noqa: F401 (the world fixture and its local_train helper)
+from support.models import perturbed_model, pose_batch
+from support.models import record_loop, recorded_train
 
 
 def _model():
@@ -75,9 +75,9 @@ def test_the_adapters_per_sample_gradients_are_clipped_as_by_the_per_example_loo
     from fedpose.shared.model.lora import add_adapters
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.model.strategy import apply_strategy
-    from fedpose.shared.privacy.step import bookkeeping_plan
-    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
-    from fedpose.shared.privacy.step.subspace import flatten
+    from fedpose.shared.privacy.step import bookkeeping
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
+    from fedpose.shared.privacy.step.subspace import flat_vector
 
     model = _model()
     add_adapters(model, 2, torch.Generator().manual_seed(0))
@@ -87,16 +87,16 @@ def test_the_adapters_per_sample_gradients_are_clipped_as_by_the_per_example_loo
     params = {n: named[n].detach() for n in trainable}
     loss_fn = make_loss_fn(model, trainable)
     batch = pose_batch(4, seed=1)
-    assert bookkeeping_plan.supports(loss_fn, params)  # the fast path covers the adapters
+    assert bookkeeping.supports(loss_fn, params)  # the fast path covers the adapters
     # the per-example loop: one autograd call per record
-    norms = torch.stack([_record_loop(loss_fn, params, {k: v[row:row + 1] for k, v in batch.items()}, 1,
+    norms = torch.stack([record_loop(loss_fn, params, {k: v[row:row + 1] for k, v in batch.items()}, 1,
                                       clip=1e9).norm() for row in range(4)])
     clip = float(norms.median())
-    want = _record_loop(loss_fn, params, batch, 1, clip=clip)
+    want = record_loop(loss_fn, params, batch, 1, clip=clip)
     for fn in (loss_fn, lambda p, b: loss_fn(p, b)):  # book-keeping, then the generic vmap(grad) path
         got = clipped_grad_sum(fn, params, batch, clip_norm=clip, chunk_size=3)
         torch.testing.assert_close(got.norms.float(), norms, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(flatten(got.summed), want, rtol=2e-4, atol=1e-6)
+        torch.testing.assert_close(flat_vector(got.summed), want, rtol=2e-4, atol=1e-6)
     assert any(float(n) > clip for n in norms), "the test must clip some records"
 
 
@@ -111,7 +111,7 @@ def test_a_lora_run_hands_back_a_plain_posenet_with_only_the_linear_layers_and_h
     start_model = initial_model(cfg, progress=False)
     start = {n: p.detach().clone() for n, p in start_model.named_parameters()}
     layers = {f"{name}.weight" for name in adapted_layers(start_model)}
-    model, result = _train(cfg, 3, [], monkeypatch)
+    model, result = recorded_train(cfg, 3, [], monkeypatch)
     assert not has_adapters(model) and set(dict(model.named_parameters())) == set(start)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])}
     heads = {n for n in start if n.startswith("head.") and n != TASK_SCALE}

@@ -102,7 +102,7 @@ def test_a_map_smaller_than_its_window_attends_as_the_zero_padded_window_does():
     are those of the padded window. A trainable or tapped bias table keeps the padded window."""
     import torch.nn.functional as F
 
-    from fedpose.shared.model.tinyvit_blocks import TinyVitBlock
+    from fedpose.shared.model.tinyvit import TinyVitBlock
 
     torch.manual_seed(0)
     block = TinyVitBlock(dim=32, num_heads=2, window=7, mlp_ratio=2.0, local_conv_size=3)
@@ -223,7 +223,7 @@ def test_the_attention_bias_index_numbers_offsets_in_first_seen_order(window):
     order the offsets are first seen over the row-major points (timm's layout, which checkpoints assume)."""
     import itertools
 
-    from fedpose.shared.model.tinyvit_windows import offset_index
+    from fedpose.shared.model.tinyvit import offset_index
 
     points = list(itertools.product(range(window), range(window)))
     seen: dict[tuple[int, int], int] = {}

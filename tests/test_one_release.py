@@ -12,7 +12,7 @@ bundle). A failure after the charge is final: it is stored as the round's answer
 round gets it back, with nothing trained. Only a crash (the site process died mid-round) leaves the round open,
 and only the identical request replays it.
 
-A crash is simulated with ``KeyboardInterrupt`` raised from inside training (``_die_after_reading``): like SIGKILL or
+A crash is simulated with ``KeyboardInterrupt`` raised from inside training (``die_after_reading``): like SIGKILL or
 a power cut, it is not an ``Exception``, so no failure handler of the site runs, as none would in a dead process.
 
 Real files throughout: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``.
@@ -27,8 +27,8 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from test_federation_site import _policy, _request, _rows
-from test_site_releases import _die_after_reading, world  # noqa: F401 (the shared tiny world)
+from support.site import site_policy, train_request, spend_rows
+from support.site import die_after_reading
 
 
 def _count_training(monkeypatch) -> list[int]:
@@ -53,78 +53,78 @@ def _overflowing(cfg):
 
 
 @pytest.mark.invariant("P16")
-def test_a_failed_round_is_final_whatever_is_asked_next(world, tmp_path, monkeypatch):
-    cfg, state = world
-    policy = _policy(cfg, tmp_path)
+def test_a_failed_round_is_final_whatever_is_asked_next(world_weights, tmp_path, monkeypatch):
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path)
     sigma = min_sigma_for(policy)
     with pytest.raises(SiteFailure, match="not finite"):
-        handle_train(_request(_overflowing(cfg), state, sigma=sigma, steps=2), policy)
-    (row,) = _rows(policy)
+        handle_train(train_request(_overflowing(cfg), state, sigma=sigma, steps=2), policy)
+    (row,) = spend_rows(policy)
     assert row["state"] == "failed" and row["noise_seed"] is None and row["epsilon"] > 0
     trained = _count_training(monkeypatch)
     sane = replace(cfg, **{"train.lr": 1e-4})  # the replay attack: new settings, same round
-    for request in (_request(sane, state, sigma=sigma, steps=2), _request(_overflowing(cfg), state, sigma=sigma,
-                                                                          steps=2)):
+    for asked in (sane, _overflowing(cfg)):
+        request = train_request(asked, state, sigma=sigma, steps=2)
         with pytest.raises(SiteFailure, match="failed after its charge"):
             handle_train(request, policy)
     assert trained == []  # nothing ran again on the round's noise
-    assert [(r["state"], r["epsilon"]) for r in _rows(policy)] == [("failed", row["epsilon"])]
+    assert [(r["state"], r["epsilon"]) for r in spend_rows(policy)] == [("failed", row["epsilon"])]
 
 
 @pytest.mark.invariant("P16")
-def test_an_unfinished_round_replays_only_the_identical_request(world, tmp_path, monkeypatch):
-    cfg, state = world
-    crashed = _policy(cfg, tmp_path / "crashed", seed=11)
-    clean = _policy(cfg, tmp_path / "clean", seed=11)
+def test_an_unfinished_round_replays_only_the_identical_request(world_weights, tmp_path, monkeypatch):
+    cfg, state = world_weights
+    crashed = site_policy(cfg, tmp_path / "crashed", seed=11)
+    clean = site_policy(cfg, tmp_path / "clean", seed=11)
     sigma = min_sigma_for(crashed)
-    _die_after_reading(monkeypatch)
+    die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)
+        handle_train(train_request(cfg, state, sigma=sigma, steps=2), crashed)
     monkeypatch.undo()
     trained = _count_training(monkeypatch)
-    other_lr = _request(replace(cfg, **{"train.lr": cfg.train.lr * 2}), state, sigma=sigma, steps=2)
-    other_weights = _request(cfg, {k: (v + 1e-3 if v.is_floating_point() else v) for k, v in state.items()},
+    other_lr = train_request(replace(cfg, **{"train.lr": cfg.train.lr * 2}), state, sigma=sigma, steps=2)
+    other_weights = train_request(cfg, {k: (v + 1e-3 if v.is_floating_point() else v) for k, v in state.items()},
                              sigma=sigma, steps=2)
     for request in (other_lr, other_weights):
         with pytest.raises(Refusal) as refused:
             handle_train(request, crashed)
         assert refused.value.code == RefusalCode.ALREADY_SPENT
     assert trained == []
-    assert [r["state"] for r in _rows(crashed)] == ["charged"]
-    replayed = handle_train(_request(cfg, state, sigma=sigma, steps=2), crashed)  # the identical request
-    uninterrupted = handle_train(_request(cfg, state, sigma=sigma, steps=2), clean)
+    assert [r["state"] for r in spend_rows(crashed)] == ["charged"]
+    replayed = handle_train(train_request(cfg, state, sigma=sigma, steps=2), crashed)  # the identical request
+    uninterrupted = handle_train(train_request(cfg, state, sigma=sigma, steps=2), clean)
     a, b = record_tensors(replayed[ARRAYS]), record_tensors(uninterrupted[ARRAYS])
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same release: same seed, same data, same request
-    assert [(r["state"], r["noise_seed"]) for r in _rows(crashed)] == [("done", None)]
-    assert _rows(crashed)[0]["epsilon"] == _rows(clean)[0]["epsilon"]
+    assert [(r["state"], r["noise_seed"]) for r in spend_rows(crashed)] == [("done", None)]
+    assert spend_rows(crashed)[0]["epsilon"] == spend_rows(clean)[0]["epsilon"]
 
 
 @pytest.mark.invariant("P16")
-def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world, tmp_path, monkeypatch):
-    cfg, state = world
-    policy = _policy(cfg, tmp_path, seed=3)
+def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world_weights, tmp_path, monkeypatch):
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path, seed=3)
     sigma = min_sigma_for(policy)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "a" * 64)
-    _die_after_reading(monkeypatch)
+    die_after_reading(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        handle_train(_request(cfg, state, sigma=sigma), policy)
+        handle_train(train_request(cfg, state, sigma=sigma), policy)
     monkeypatch.undo()
     trained = _count_training(monkeypatch)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "b" * 64)  # the same request, run by other code
     with pytest.raises(Refusal) as refused:
-        handle_train(_request(cfg, state, sigma=sigma), policy)
+        handle_train(train_request(cfg, state, sigma=sigma), policy)
     assert refused.value.code == RefusalCode.ALREADY_SPENT and trained == []
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "a" * 64)
-    handle_train(_request(cfg, state, sigma=sigma), policy)
-    assert trained == [1] and [r["state"] for r in _rows(policy)] == ["done"]
+    handle_train(train_request(cfg, state, sigma=sigma), policy)
+    assert trained == [1] and [r["state"] for r in spend_rows(policy)] == ["done"]
 
 
 @pytest.mark.invariant("P16")
-def test_a_done_round_answers_any_request_with_its_stored_reply(world, tmp_path, monkeypatch):
-    cfg, state = world
-    policy = _policy(cfg, tmp_path)
+def test_a_done_round_answers_any_request_with_its_stored_reply(world_weights, tmp_path, monkeypatch):
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path)
     sigma = min_sigma_for(policy)
-    first = record_tensors(handle_train(_request(cfg, state, sigma=sigma), policy)[ARRAYS])
+    first = record_tensors(handle_train(train_request(cfg, state, sigma=sigma), policy)[ARRAYS])
     trained = _count_training(monkeypatch)
-    again = handle_train(_request(replace(cfg, **{"train.lr": 0.5}), state, sigma=sigma), policy)
+    again = handle_train(train_request(replace(cfg, **{"train.lr": 0.5}), state, sigma=sigma), policy)
     assert trained == [] and all(torch.equal(record_tensors(again[ARRAYS])[k], first[k]) for k in first)

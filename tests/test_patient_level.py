@@ -117,7 +117,7 @@ def test_the_ward_carries_patient_ids_and_mpii_without_a_sidecar_has_none(tmp_pa
     import shutil
     from pathlib import Path
 
-    from federation_support import prepare_world, world_root
+    from support.federation import prepare_world, world_root
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.data.patients import largest_group
 
@@ -144,30 +144,11 @@ def test_the_ward_carries_patient_ids_and_mpii_without_a_sidecar_has_none(tmp_pa
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def toy():
-    import torch
-    from torch.func import functional_call
-
-    from test_privacy import ToyPose
-
-    torch.manual_seed(0)
-    model = ToyPose()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def loss_fn(p, batch):
-        pred = functional_call(model, p, (batch["image"],))  # (B, 16, 2)
-        err = ((pred - batch["joints"]) ** 2).sum(-1) * batch["visible"]  # (B, 16)
-        return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
-
-    return loss_fn, params
-
-
 def _patient_loop(loss_fn, params, batch, groups, clip):
     """Reference: per patient, the model on that patient's records, autograd of their mean loss, clip, sum."""
     import torch
 
-    from fedpose.shared.privacy.step.subspace import flatten
+    from fedpose.shared.privacy.step.subspace import flat_vector
 
     total = None
     for patient in sorted(set(groups.tolist())):
@@ -175,22 +156,22 @@ def _patient_loop(loss_fn, params, batch, groups, clip):
         leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
         loss = loss_fn(leaves, {k: v[rows] for k, v in batch.items()}).mean()
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-        flat = flatten(grads)
+        flat = flat_vector(grads)
         clipped = flat * min(1.0, clip / (float(flat.norm()) + 1e-6))
         total = clipped if total is None else total + clipped
     return total
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 64])
-def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
+def test_per_patient_clipping_matches_a_per_patient_loop(toy_pose, chunk_size):
     """clip(mean of a patient's per-record gradients, C), summed over patients; groups may span chunks."""
     import torch
 
-    from fedpose.shared.privacy.step.clipping import clipped_group_sum
-    from fedpose.shared.privacy.step.subspace import flatten
-    from test_privacy import make_batch
+    from fedpose.shared.privacy.step.fpdp import clipped_group_sum
+    from fedpose.shared.privacy.step.subspace import flat_vector
+    from support.toy import make_batch
 
-    loss_fn, params = toy
+    loss_fn, params = toy_pose
     batch = make_batch(11, seed=3)
     groups = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3])  # 4 patients with 3, 1, 5, 2 records
     loop = _patient_loop(loss_fn, params, batch, groups, clip=1e9)  # unclipped: the per-patient means
@@ -202,24 +183,24 @@ def test_per_patient_clipping_matches_a_per_patient_loop(toy, chunk_size):
     clip = sorted(norms_ref)[1] * 1.01  # some patients clipped, some not
     want = _patient_loop(loss_fn, params, batch, groups, clip=clip)
     summed, norms, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=clip, chunk_size=chunk_size)
-    torch.testing.assert_close(flatten(summed), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat_vector(summed), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norms, torch.tensor(norms_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(want, loop)  # clipping did something
     # one record per patient is the record-level clipped sum
-    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
 
     per_record, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=clip, chunk_size=4)
     singles, _, _ = clipped_group_sum(loss_fn, params, batch, groups=torch.arange(11), clip_norm=clip, chunk_size=4)
-    torch.testing.assert_close(flatten(singles), flatten(per_record), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat_vector(singles), flat_vector(per_record), rtol=1e-5, atol=1e-6)
 
 
-def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
+def test_group_ids_must_be_contiguous_and_match_the_batch(toy_pose):
     import torch
 
-    from fedpose.shared.privacy.step.clipping import clipped_group_sum
-    from test_privacy import make_batch
+    from fedpose.shared.privacy.step.fpdp import clipped_group_sum
+    from support.toy import make_batch
 
-    loss_fn, params = toy
+    loss_fn, params = toy_pose
     batch = make_batch(4)
     for bad in (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1]), torch.tensor([[0, 0, 1, 1]])):
         with pytest.raises(ValueError, match="groups"):
@@ -229,18 +210,16 @@ def test_group_ids_must_be_contiguous_and_match_the_batch(toy):
     assert norms.shape == (0,) and not any(v.any() for v in summed.values())
 
 
-def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(toy):
+def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(toy_pose):
     """g = (sum_patients clip(mean g_i, C) + N(0, sigma^2 C^2)) / B (the declared expected patients), then V V^T g."""
     import torch
 
-    from fedpose.shared.privacy.step.spec import DPSpec
-    from fedpose.shared.privacy.step.fpdp import dp_gradient
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient, clipped_group_sum
     from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
-    from fedpose.shared.privacy.step.clipping import clipped_group_sum
-    from fedpose.shared.privacy.step.subspace import flatten
-    from test_privacy import make_batch
+    from fedpose.shared.privacy.step.subspace import flat_vector
+    from support.toy import make_batch
 
-    loss_fn, params = toy
+    loss_fn, params = toy_pose
     batch = make_batch(6, seed=4)
     groups = torch.tensor([0, 0, 1, 1, 1, 2])
     spec = DPSpec(method="dpsgd", clip_norm=0.5, sigma=1.3, sample_rate=0.25, expected_batch=3.0, unit="patient")
@@ -249,7 +228,7 @@ def test_patient_step_adds_one_noise_draw_and_divides_by_the_expected_patients(t
                             generator=make_generator(8, "cpu")[0], basis=None)
     summed, _, _ = clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=0.5, chunk_size=16)
     noise = gaussian_noise_like(summed, std=1.3 * 0.5, generator=make_generator(8, "cpu")[0])
-    torch.testing.assert_close(flatten(got), (flatten(summed) + flatten(noise)) / 3.0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat_vector(got), (flat_vector(summed) + flat_vector(noise)) / 3.0, rtol=1e-5, atol=1e-6)
     assert info["batch_size"] == 3 and info["unit"] == "patient"  # patients, not records
     with pytest.raises(ValueError, match="groups"):
         dp_gradient(loss_fn, params, spec=spec, private_batch=batch, psi_batch=None,
@@ -307,19 +286,12 @@ def test_patient_level_claims_name_the_unit():
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-
-    return prepare_world(world_root(tmp_path_factory))
-
-
 @pytest.mark.invariant("P4")
 def test_local_train_samples_patients_at_q_p_and_hands_the_step_their_groups(world, monkeypatch):
     """P4 at patient level: Poisson over patients with the q the result reports (the accountant's input)."""
     import torch
 
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     import fedpose.shared.training.batches as batches
     import fedpose.shared.training.loop as train_module
     from fedpose.shared.configuration.schema import replace
@@ -409,76 +381,70 @@ def test_fedpose_train_record_level_states_the_group_bound_from_the_data(world, 
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def site_world(world):
-    from fedpose.shared.training.runs import initial_model
-
-    return world, {k: v.clone() for k, v in initial_model(world, progress=False).state_dict().items()}
-
-
 def _patient_policy(cfg, tmp_path, **overrides):
-    from test_federation_site import _policy
+    from support.site import site_policy
 
-    return _policy(cfg, tmp_path, **{"unit": "patient", "sample_rate": 0.4, "max_records_per_patient": 6,
+    return site_policy(cfg, tmp_path, **{"unit": "patient", "sample_rate": 0.4, "max_records_per_patient": 6,
                                      **overrides})
 
 
 def _unit_request(cfg, state, *, unit: str, sigma: float, sample_rate: float, round: int = 1):
     from fedpose.shared.configuration.schema import replace
-    from test_federation_site import _request
+    from support.site import train_request
 
-    return _request(replace(cfg, **{"privacy.unit": unit}), state, sigma=sigma, sample_rate=sample_rate,
+    return train_request(replace(cfg, **{"privacy.unit": unit}), state, sigma=sigma, sample_rate=sample_rate,
                     round=round)
 
 
 @pytest.mark.invariant("P11", "P12")
-def test_a_patient_level_site_refuses_record_level_requests_and_records_its_unit(site_world, tmp_path):
+def test_a_patient_level_site_refuses_record_level_requests_and_records_its_unit(world_weights, tmp_path):
     from fedpose.client.policy import min_sigma_for
     from fedpose.client.site import handle_train
-    from fedpose.client.site_data import site_info
+    from fedpose.client.data import site_info
     from fedpose.shared.flower.messages import METRICS, RefusalCode
-    from test_federation_site import _policy, _q, _refusal, _rows
+    from support.site import site_policy, q_of, refusal_of, spend_rows
 
-    cfg, state = site_world
+    cfg, state = world_weights
     policy = _patient_policy(cfg, tmp_path)
     sigma = min_sigma_for(policy)
     info = site_info(policy)
     assert (info.unit, info.max_records_per_patient, info.sample_rate) == ("patient", 6, 0.4)
-    refusal = _refusal(_unit_request(cfg, state, unit="record", sigma=sigma, sample_rate=0.4), policy)
+    refusal = refusal_of(_unit_request(cfg, state, unit="record", sigma=sigma, sample_rate=0.4), policy)
     assert refusal.code == RefusalCode.POLICY and "unit" in refusal.reason
-    assert _rows(policy) == []  # nothing trained, nothing spent
+    assert spend_rows(policy) == []  # nothing trained, nothing spent
     reply = handle_train(_unit_request(cfg, state, unit="patient", sigma=sigma, sample_rate=0.4), policy)
     assert reply[METRICS]["sample-rate"] == 0.4  # q_p, the policy's, what the accountant gets
-    (row,) = _rows(policy)
+    (row,) = spend_rows(policy)
     assert (row["unit"], row["sample_rate"], row["method"]) == ("patient", 0.4, "dpsgd")
     # and a record-level site refuses a patient-level request (its q is over records)
-    record = _policy(cfg, tmp_path / "record")
-    refusal = _refusal(_unit_request(cfg, state, unit="patient", sigma=min_sigma_for(record), sample_rate=_q(cfg)),
+    record = site_policy(cfg, tmp_path / "record")
+    refusal = refusal_of(_unit_request(cfg, state, unit="patient", sigma=min_sigma_for(record), sample_rate=q_of(cfg)),
                        record)
-    assert refusal.code == RefusalCode.POLICY and _rows(record) == []
+    assert refusal.code == RefusalCode.POLICY and spend_rows(record) == []
     assert site_info(record).unit == "record" and site_info(record).max_records_per_patient is None
 
 
-def test_the_site_checks_its_cap_and_its_patient_ids(site_world, tmp_path):
+def test_the_site_checks_its_cap_and_its_patient_ids(world_weights, tmp_path):
     import shutil
     from pathlib import Path
 
-    from fedpose.client.site_data import check_site, load_split_dir
-    from test_federation_site import _policy
+    from fedpose.client.data import check_site, load_split_dir
+    from support.site import site_policy
 
-    cfg, _ = site_world
+    cfg, _ = world_weights
     # 8 images per identity, a stated cap of 4: the records beyond it are left out locally, with an alert (an
     # answer that changed with the data would tell the server when a patient passed the cap, P13)
-    capped = check_site(_policy(cfg, tmp_path, max_records_per_patient=4, prepare=False))
+    capped = check_site(site_policy(cfg, tmp_path, max_records_per_patient=4, prepare=False))
     assert len(capped.private) == 20 and capped.patients is None
     assert any("more than max_records_per_patient=4" in alert for alert in capped.alerts)
-    assert check_site(_policy(cfg, tmp_path, max_records_per_patient=8, prepare=False)).patients is None  # record level
+    record_level = site_policy(cfg, tmp_path, max_records_per_patient=8, prepare=False)
+    assert check_site(record_level).patients is None  # record level
     checked = check_site(_patient_policy(cfg, tmp_path, max_records_per_patient=3, prepare=False))
     assert checked.patients.count == 5 and len(checked.private) == 15  # a fixed 3 of each patient's 8
     # delta < 1 / n is checked against the number of the unit that is sampled: 5 patients, 40 records
     assert check_site(_patient_policy(cfg, tmp_path, delta=0.1, prepare=False)).patients.count == 5
     with pytest.raises(ValueError, match="delta"):
-        check_site(_policy(cfg, tmp_path, delta=0.1, prepare=False))
+        check_site(site_policy(cfg, tmp_path, delta=0.1, prepare=False))
     with pytest.raises(ValueError, match="delta"):
         check_site(_patient_policy(cfg, tmp_path, delta=0.25, prepare=False))
     # data without patient ids (MPII-like): record level only
@@ -488,14 +454,14 @@ def test_the_site_checks_its_cap_and_its_patient_ids(site_world, tmp_path):
     assert len(load_split_dir(copy, "site data")) == 40
     with pytest.raises(ValueError, match="no patient id"):
         check_site(_patient_policy(cfg, tmp_path, data_path=str(copy), prepare=False))
-    no_ids = check_site(_policy(cfg, tmp_path, data_path=str(copy), max_records_per_patient=2, prepare=False))
+    no_ids = check_site(site_policy(cfg, tmp_path, data_path=str(copy), max_records_per_patient=2, prepare=False))
     assert no_ids.patients is None and len(no_ids.private) == 40  # nothing to check the cap against
 
 
-def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
+def test_policy_unit_defaults_to_record_and_round_trips(world_weights, tmp_path):
     from fedpose.client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
 
-    cfg, _ = site_world
+    cfg, _ = world_weights
     policy = _patient_policy(cfg, tmp_path)
     assert load_policy(write_policy(tmp_path / "p.yaml", policy)) == policy
     old = {k: v for k, v in policy_to_dict(policy).items() if k not in ("unit", "max_records_per_patient")}
@@ -509,9 +475,7 @@ def test_policy_unit_defaults_to_record_and_round_trips(site_world, tmp_path):
 def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
     import sqlite3
 
-    from fedpose.client.ledger import SiteLedger
-    from fedpose.client.ledger_round import Mechanism
-    from fedpose.client.ledger_schema import SCHEMA_VERSION
+    from fedpose.client.ledger import SCHEMA_VERSION, Mechanism, SiteLedger
 
     old = tmp_path / "v2.sqlite"
     with SiteLedger(old, site="site-0") as ledger, ledger.round() as open_round:
@@ -572,7 +536,7 @@ def test_site_info_carries_the_unit_and_the_server_leaves_out_a_site_of_another_
 def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
     import json
 
-    from fedpose.cli.fed import prepare_simulation
+    from fedpose.cli.local_federation import prepare_simulation
     from fedpose.client.ledger import SiteLedger
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.privacy.accounting.accountant import epsilon_spent
@@ -585,7 +549,7 @@ def test_a_federation_of_patient_level_sites_runs_end_to_end(world, tmp_path):
     out = tmp_path / "fed"
     config_path = prepare_simulation(cfg, out, progress=False)  # writes each site's default policy
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
-    from federation_support import InProcessGrid
+    from support.federation import InProcessGrid
 
     metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
 
@@ -650,7 +614,7 @@ def test_cli_train_unit_patient_and_site_policy_unit_patient(world, tmp_path, ca
 
 @pytest.mark.slow
 def test_a_record_level_federation_claims_the_group_bound_at_the_sites_caps(world, tmp_path):
-    from fedpose.cli.fed import prepare_simulation
+    from fedpose.cli.local_federation import prepare_simulation
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.privacy.accounting.group import group_privacy
 
@@ -661,7 +625,7 @@ def test_a_record_level_federation_claims_the_group_bound_at_the_sites_caps(worl
     out = tmp_path / "fed"
     config_path = prepare_simulation(cfg, out, progress=False)  # record level: each policy states its split's 8
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": False}
-    from federation_support import InProcessGrid
+    from support.federation import InProcessGrid
 
     metrics = run_federation(InProcessGrid(run_config, sites=2), cfg, out)
     assert metrics["unit"] == "record" and metrics["claim"].startswith("record-level")

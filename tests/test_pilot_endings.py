@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import REPO, Pilot, prepare_world, start, wait_for, world_root
+from support.federation import REPO, Pilot, prepare_world, start, wait_for, world_root
 from fedpose.shared.configuration.schema import dump_config, replace
 
 pytestmark = pytest.mark.slow

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.client.ledger import SiteLedger
-from fedpose.client.ledger_round import Mechanism
-from federation_support import REPO
+from fedpose.client.ledger import Mechanism, SiteLedger
+from support.federation import REPO
 from fedpose.server.ledger import Report, ServerLedger, Spend
 from fedpose.server.plan import SitePlan
 from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
-from fedpose.cli.reconcile import reconcile
+from fedpose.shared.privacy.accounting.inspection import reconcile
 
 WHEEL = f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"  # the wheel a kit carries
 MECH = Mechanism(method="fpdp", psi="blur(0.06)", clip_norm=1.0, augment=True)
@@ -122,12 +121,12 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     """Each site makes its own key pair (``fedpose site keygen``): the operator never holds a site's private key."""
     import shutil
 
-    from fedpose.cli.provision import provision
+    from fedpose.server.kits.provision import Federation, provision
     from fedpose.shared.configuration.schema import config_from_dict
 
     cfg = config_from_dict({})
-    kits = provision(tmp_path / "kits", sites=["hospital-a", "hospital-b"], hosts=["server.example.org"], port=8000,
-                     cfg=cfg)
+    kits = provision(tmp_path / "kits", Federation(sites=("hospital-a", "hospital-b"), hosts=("server.example.org",),
+                                                   port=8000), cfg)
     assert set(kits) == {"server", "hospital-a", "hospital-b"}
     for site in ("hospital-a", "hospital-b"):
         kit = kits[site]
@@ -180,11 +179,11 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     assert "--sites hospital-a hospital-b" in register and "site-nodes.tsv" in register
 
     with pytest.raises(ValueError, match="git work tree"):
-        provision(REPO / "runs" / "kits-test", sites=["a"], hosts=["x"], port=8000, cfg=cfg)
+        provision(REPO / "runs" / "kits-test", Federation(sites=("a",), hosts=("x",), port=8000), cfg)
     with pytest.raises(ValueError, match="not empty"):
-        provision(tmp_path / "kits", sites=["a"], hosts=["x"], port=8000, cfg=cfg)
+        provision(tmp_path / "kits", Federation(sites=("a",), hosts=("x",), port=8000), cfg)
     with pytest.raises(ValueError, match="distinct"):
-        provision(tmp_path / "kits2", sites=["a", "a"], hosts=["x"], port=8000, cfg=cfg)
+        provision(tmp_path / "kits2", Federation(sites=("a", "a"), hosts=("x",), port=8000), cfg)
     assert not (REPO / "runs" / "kits-test").exists()
 
 
@@ -232,7 +231,7 @@ ledger_path: ledger.sqlite
 
 
 def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_nothing(tmp_path, monkeypatch):
-    from federation_support import tiny_config
+    from support.federation import tiny_config
     from fedpose.server.prepare import require_prepared
     from fedpose.shared.errors import ConfigError
     from fedpose.shared.configuration.schema import replace
@@ -253,7 +252,7 @@ def test_an_unprepared_server_stops_at_once_naming_the_command_and_generates_not
 
 def test_fedpose_server_prepare_makes_the_public_data_and_weights_in_steps(tmp_path, capsys):
     from fedpose.cli.main import main
-    from federation_support import tiny_dict
+    from support.federation import tiny_dict
     from fedpose.server.prepare import require_prepared
     from fedpose.shared.configuration.schema import load_config
 
@@ -279,25 +278,25 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
     import shutil
 
     from fedpose.client.site import handle_train
-    from fedpose.client.site_eval import evaluation_log
-    from federation_support import prepare_world, world_root
+    from fedpose.client.evaluation import evaluation_log
+    from support.federation import prepare_world, world_root
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.flower.messages import ARRAYS, CONFIG, METRICS, REPLY_METRICS, TrainRequest, weights_record
     from fedpose.shared.training.runs import initial_model
-    from test_federation_site import _policy, _q
+    from support.site import site_policy, q_of
 
     cfg = prepare_world(world_root(tmp_path_factory))
     state = {k: v.clone() for k, v in initial_model(cfg, progress=False).state_dict().items()}
     held_out = tmp_path / "held-out"
     shutil.copytree(Path(cfg.data.root) / "val", held_out)  # stands in for the site's own held-out split
-    policy = _policy(cfg, tmp_path, eval_path=str(held_out))
+    policy = site_policy(cfg, tmp_path, eval_path=str(held_out))
     from flwr.app import RecordDict
 
     cfg = replace(cfg, **{"train.method": "dpsgd"})
     replies = []
     for rnd in (1, 2):
-        request = TrainRequest(federation="fed-eval", round=rnd, site="site-0", sigma=5.0, sample_rate=_q(cfg),
+        request = TrainRequest(federation="fed-eval", round=rnd, site="site-0", sigma=5.0, sample_rate=q_of(cfg),
                                steps=1, basis_version=0, basis_mode="broadcast", config=cfg)
         replies.append(handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy))
     rows = [json.loads(line) for line in evaluation_log(policy).read_text().splitlines()]
@@ -311,7 +310,7 @@ def test_a_site_evaluates_the_global_model_on_its_held_out_data_and_keeps_the_nu
     # A refused request (here: past the policy's 2 rounds) is never evaluated: no work, no row.
     from fedpose.shared.flower.messages import Refusal
 
-    request = TrainRequest(federation="fed-eval", round=3, site="site-0", sigma=5.0, sample_rate=_q(cfg), steps=1,
+    request = TrainRequest(federation="fed-eval", round=3, site="site-0", sigma=5.0, sample_rate=q_of(cfg), steps=1,
                            basis_version=0, basis_mode="broadcast", config=cfg)
     with pytest.raises(Refusal):
         handle_train(RecordDict({ARRAYS: weights_record(state), CONFIG: request.to_record()}), policy)
@@ -330,7 +329,7 @@ def _info(**changes):
 def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_again(tmp_path):
     """Item 7: a site that edits its policy mid-federation (or while the server is down) shows up as a
     policy-changed event naming each field; a change the plan no longer satisfies marks it refused."""
-    from federation_support import tiny_config
+    from support.federation import tiny_config
     from fedpose.server.policy_watch import watch
     from fedpose.server.report import write_plot, write_report
 
@@ -387,10 +386,10 @@ def test_policy_changes_are_events_and_a_plan_that_no_longer_fits_is_not_asked_a
 def test_an_unfilled_kit_policy_says_which_command_fills_it_in_one_line(tmp_path, capsys):
     """The kit's template leaves data_path, sample_rate, public_path and public_digest: each has a command."""
     from fedpose.cli.main import main
-    from fedpose.cli.provision import provision
+    from fedpose.server.kits.provision import Federation, provision
     from fedpose.shared.configuration.schema import config_from_dict
 
-    kits = provision(tmp_path / "kits", sites=["a"], hosts=["127.0.0.1"], port=8000, cfg=config_from_dict({}))
+    kits = provision(tmp_path / "kits", Federation(sites=("a",), hosts=("127.0.0.1",), port=8000), config_from_dict({}))
     policy = kits["a"] / "policy.yaml"
     assert main(["site", "check", "--policy", str(policy)]) == 3
     err = capsys.readouterr().err.strip()
@@ -407,11 +406,11 @@ def test_a_lost_ledger_is_refused_not_silently_recreated(tmp_path, capsys):
     import shutil
 
     from fedpose.cli.main import main
-    from federation_support import prepare_world, world_root  # noqa: F401
-    from test_federation_site import _policy
+    from support.federation import prepare_world
+    from support.site import site_policy
 
     cfg = prepare_world(tmp_path / "world")
-    policy = _policy(cfg, tmp_path / "site", prepare=False)
+    policy = site_policy(cfg, tmp_path / "site", prepare=False)
     from fedpose.client.policy import write_policy
 
     path = write_policy(tmp_path / "site" / "policy.yaml", policy)
@@ -447,7 +446,7 @@ def test_site_start_starts_again_a_supernode_that_gave_up_on_its_superlink_and_e
                      "n = len(runs.read_text()) if runs.exists() else 0\n"
                      "runs.write_text('x' * (n + 1))\n"
                      "sys.exit(0 if n == 0 else 2)\n")
-    code = ("import sys\nfrom fedpose.cli.supervise import supervise\n"
+    code = ("import sys\nfrom fedpose.client.supernode import supervise\n"
             f"sys.exit(supervise([sys.executable, {str(child)!r}], {{}}, retry_for=30, pause=0))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert runs.read_text() == "xx", done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""Tests for edge/pixelize.py: DP pixelization (Fan 2018, uniform and region adaptive)."""
+"""Tests for fedpose.shared.pixelization: DP pixelization (Fan 2018, uniform and region adaptive)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from fedpose.shared.pixelization.frame import PixelizedFrame
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.edge.pixelize.masks import body_mask_from_keypoints, load_mask
-from fedpose.edge.pixelize.storage import load_npz, restore, save_npz
+from fedpose.shared.pixelization.masks import body_mask_from_keypoints, load_mask
+from fedpose.shared.pixelization.storage import load_npz, restore, save_npz
 from fedpose.shared.pixelization.mechanism import pixelize
-from fedpose.edge.pixelize.claim import pixelize_claim
+from fedpose.shared.pixelization.claim import pixelize_claim
 
 REPO = Path(__file__).resolve().parents[1]
 

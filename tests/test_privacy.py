@@ -13,44 +13,17 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 from torch.func import functional_call
 
 from fedpose.shared.privacy.accounting.claims import privacy_claim
-from fedpose.shared.privacy.step.spec import DPSpec
-from fedpose.shared.privacy.step.fpdp import dp_gradient, private_gradient, public_gradient
+from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient, private_gradient, public_gradient, clipped_grad_sum
 from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
-from fedpose.shared.privacy.step.clipping import clip_factors, clipped_grad_sum
-from fedpose.shared.privacy.step.persample import mean_grad, per_sample_grads, per_sample_norms
-from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
-from fedpose.shared.privacy.step.psi_maps import GaussianBlur, Pixelate, make_psi
+from fedpose.shared.privacy.step.persample import clip_factors, mean_grad, per_sample_grads, per_sample_norms
+from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi, GaussianBlur, Pixelate, make_psi
 from fedpose.shared.privacy.step.sampling import poisson_sample
-from fedpose.shared.privacy.step.subspace import (
-    check_orthonormal,
-    compute_basis,
-    flatten,
-    flatten_per_sample,
-    project,
-    projection_basis,
-    unflatten,
-)
-
-H = W = 8
-JOINTS = 16
-
-
-class ToyPose(nn.Module):
-    """conv -> LayerNorm -> ReLU -> linear to (B, 16, 2) joint coordinates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, kernel_size=3, stride=2, padding=1)
-        self.norm = nn.LayerNorm([4, H // 2, W // 2])
-        self.head = nn.Linear(4 * (H // 2) * (W // 2), JOINTS * 2)
-
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(self.norm(self.conv(image)))  # (B, 4, 4, 4)
-        return self.head(hidden.flatten(1)).view(-1, JOINTS, 2)  # (B, 16, 2)
+from fedpose.shared.privacy.step.subspace import (check_orthonormal, compute_basis, flat_vector, flat_vector_per_sample,
+                                                  from_flat_vector, project, projection_basis)
+from support.toy import H, W, ToyPose, make_batch
 
 
 @pytest.fixture
@@ -67,15 +40,6 @@ def toy():
         return err.sum(1) / batch["visible"].sum(1).clamp(min=1.0)  # (B,)
 
     return loss_fn, trainable
-
-
-def make_batch(size: int, seed: int = 1) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "image": torch.rand(size, 3, H, W, generator=gen),
-        "joints": torch.rand(size, JOINTS, 2, generator=gen) * 4 - 2,
-        "visible": (torch.rand(size, JOINTS, generator=gen) > 0.2).float(),
-    }
 
 
 def loop_grads(loss_fn, params, batch):
@@ -119,7 +83,7 @@ def test_clipping_bounds_every_per_sample_norm(toy):
     batch = make_batch(12)
     grads = per_sample_grads(loss_fn, params, batch, chunk_size=12)
     norms = per_sample_norms(grads)
-    flat = flatten_per_sample(grads)
+    flat = flat_vector_per_sample(grads)
     torch.testing.assert_close(norms, flat.norm(dim=1).double(), rtol=1e-6, atol=1e-6)  # flat norm, ALL params
     clip = float(norms.median())  # about half the samples get clipped
     factors = clip_factors(norms, clip)
@@ -132,7 +96,7 @@ def test_clipping_bounds_every_per_sample_norm(toy):
         loss_fn, params, batch, clip_norm=clip, chunk_size=5
     )
     torch.testing.assert_close(returned_norms, norms, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(flatten(summed), clipped.sum(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat_vector(summed), clipped.sum(0), rtol=1e-5, atol=1e-6)
 
 
 def test_chunking_gives_the_same_sum(toy):
@@ -183,7 +147,7 @@ def test_noise_std_matches_sigma_times_clip_and_seed_reproduces():
     gen, seeded = make_generator(1234, "cpu")
     assert seeded
     noise = gaussian_noise_like(like, std=sigma * clip, generator=gen)
-    values = flatten(noise)
+    values = flat_vector(noise)
     count = values.numel()
     expected = sigma * clip
     # std of the sample std is about expected / sqrt(2 N): 0.17 % here; allow ~6 of them
@@ -259,14 +223,14 @@ def test_poisson_sampling_validation(n, q, match):
 
 def test_flatten_order_is_sorted_names_and_roundtrips():
     a, b = torch.arange(6.0).view(2, 3), torch.arange(6.0, 10.0)
-    one = flatten({"b": b, "a": a})
-    two = flatten({"a": a, "b": b})
+    one = flat_vector({"b": b, "a": a})
+    two = flat_vector({"a": a, "b": b})
     assert torch.equal(one, two)
     assert torch.equal(one, torch.cat([a.reshape(-1), b]))
-    back = unflatten(one, like={"b": b, "a": a})
+    back = from_flat_vector(one, like={"b": b, "a": a})
     assert torch.equal(back["a"], a) and torch.equal(back["b"], b)
     with pytest.raises(ValueError, match="entries"):
-        unflatten(torch.zeros(9), like={"a": a, "b": b})
+        from_flat_vector(torch.zeros(9), like={"a": a, "b": b})
 
 
 def test_projection_basis_spans_top_singular_subspace():
@@ -337,7 +301,7 @@ def test_every_basis_a_step_projects_with_is_laid_out_column_by_column(toy, tmp_
     row, V^T g took 2.7x as long, every step of a round. The server's V, the V a site takes off the wire (whatever
     layout the server sent) or from its cache, and the V the training loop is handed all come in that layout,
     with the same values."""
-    from fedpose.client.site_basis import cache_basis, cached_basis
+    from fedpose.client.basis import cache_basis, cached_basis
     from fedpose.shared.flower.messages import basis_record, record_basis
     from fedpose.shared.privacy.step.subspace import basis_from_blocks, column_major
     from tests.test_site_releases import _policy_stub
@@ -411,7 +375,7 @@ def test_compute_basis_depends_only_on_public_batch_and_weights(toy):
     same = compute_basis(loss_fn, params, copy, k=4, chunk_size=5)
     torch.testing.assert_close(same, basis, rtol=0, atol=1e-6)
     # it is the top-k subspace of the public per-sample gradients (reference: loop + SVD)
-    matrix = flatten_per_sample(loop_grads(loss_fn, params, public)).double()  # (m, p)
+    matrix = flat_vector_per_sample(loop_grads(loss_fn, params, public)).double()  # (m, p)
     svd_u = torch.linalg.svd(matrix.T, full_matrices=False)[0][:, :4]
     torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-4)
     # other public data or other weights give another subspace
@@ -487,11 +451,11 @@ def test_p1_noise_added_once_to_the_sum_then_projected(toy):
     # manual Algorithm 1 with the same generator: one draw, added to the clipped sum
     summed, _, _ = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.5, chunk_size=5)
     noise = gaussian_noise_like(summed, std=1.3 * 0.5, generator=make_generator(99, "cpu")[0])
-    noisy = (flatten(summed) + flatten(noise)) / (0.25 * 20)
-    torch.testing.assert_close(flatten(got), project(basis, noisy), rtol=1e-5, atol=1e-6)
+    noisy = (flat_vector(summed) + flat_vector(noise)) / (0.25 * 20)
+    torch.testing.assert_close(flat_vector(got), project(basis, noisy), rtol=1e-5, atol=1e-6)
     # adding the noise after projecting would leave an out-of-span component
-    wrong = project(basis, flatten(summed)) / 5.0 + flatten(noise) / 5.0
-    assert (flatten(got) - wrong).abs().max() > 1e-2
+    wrong = project(basis, flat_vector(summed)) / 5.0 + flat_vector(noise) / 5.0
+    assert (flat_vector(got) - wrong).abs().max() > 1e-2
 
 
 @pytest.mark.invariant("P1")
@@ -502,12 +466,12 @@ def test_p1_with_empty_batch_the_step_is_projected_noise_only(toy):
         loss_fn, params, make_batch(0), spec=spec_for("proj"),
         generator=make_generator(5, "cpu")[0], basis=basis,
     )
-    flat = flatten(got)
+    flat = flat_vector(got)
     assert flat.norm() > 0  # the noise is there even with no samples
     residual = flat - project(basis, flat)
     assert residual.norm() < 1e-5 * flat.norm()  # entirely in span(V)
     noise = gaussian_noise_like(params, std=0.65, generator=make_generator(5, "cpu")[0])
-    torch.testing.assert_close(flat, project(basis, flatten(noise) / 5.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat, project(basis, flat_vector(noise) / 5.0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.invariant("P1")
@@ -522,10 +486,10 @@ def test_dpsgd_is_clipped_sum_plus_one_noise_draw_over_qn(toy):
     gen = make_generator(8, "cpu")[0]
     first = gaussian_noise_like(summed, std=0.65, generator=gen)
     second = gaussian_noise_like(summed, std=0.65, generator=gen)
-    expected = (flatten(summed) + flatten(first)) / 5.0
-    torch.testing.assert_close(flatten(got), expected, rtol=1e-5, atol=1e-6)
-    twice = (flatten(summed) + flatten(first) + flatten(second)) / 5.0
-    assert (flatten(got) - twice).abs().max() > 1e-2
+    expected = (flat_vector(summed) + flat_vector(first)) / 5.0
+    torch.testing.assert_close(flat_vector(got), expected, rtol=1e-5, atol=1e-6)
+    twice = (flat_vector(summed) + flat_vector(first) + flat_vector(second)) / 5.0
+    assert (flat_vector(got) - twice).abs().max() > 1e-2
 
 
 @pytest.mark.invariant("P4", "P15")
@@ -544,7 +508,7 @@ def test_p4_p15_normalisation_uses_the_public_expected_batch(toy):
     clipped_one, _, _ = clipped_grad_sum(loss_fn, params, one, clip_norm=0.1, chunk_size=1)
     # same noise, so the difference is 4 clipped gradients over B = 5, not over 3 or 7
     torch.testing.assert_close(
-        flatten(g7) - flatten(g3), 4 * flatten(clipped_one) / 5.0, rtol=1e-4, atol=1e-6
+        flat_vector(g7) - flat_vector(g3), 4 * flat_vector(clipped_one) / 5.0, rtol=1e-4, atol=1e-6
     )
     _, info = dp_gradient(
         loss_fn, params, spec=spec, private_batch=three, psi_batch=None,
@@ -596,7 +560,7 @@ def test_p3_public_gradient_depends_on_x_only_through_psi(toy):
     # ... while a change that psi does see changes g_pub (so the check above can fail)
     shifted = apply_psi(psi, {**base, "image": raw_one["image"].roll(1, dims=3)})
     g_shifted = public_gradient(loss_fn, params, shifted)
-    assert not torch.equal(flatten(g_shifted), flatten(g_one))
+    assert not torch.equal(flat_vector(g_shifted), flat_vector(g_one))
     # raw batches are refused outright
     with pytest.raises(TypeError, match="PsiBatch"):
         public_gradient(loss_fn, params, raw_one)
@@ -643,19 +607,19 @@ def test_dp_gradient_combines_per_method(toy):
         assert torch.equal(nonprivate[n], reference[n])
     assert info["noise_std"] == 0.0
     dpsgd, info = run("dpsgd")
-    assert torch.equal(flatten(dpsgd), flatten(priv("dpsgd")))
+    assert torch.equal(flat_vector(dpsgd), flat_vector(priv("dpsgd")))
     assert info["batch_size"] == 6 and info["max_norm"] >= info["mean_norm"] > 0
     proj, _ = run("proj", v=basis)
-    assert torch.equal(flatten(proj), flatten(priv("proj", basis)))
+    assert torch.equal(flat_vector(proj), flat_vector(priv("proj", basis)))
     fdp, _ = run("fdp", psi=psi_batch)
-    torch.testing.assert_close(flatten(fdp), flatten(priv("fdp")) + flatten(public))
+    torch.testing.assert_close(flat_vector(fdp), flat_vector(priv("fdp")) + flat_vector(public))
     fpdp, info = run("fpdp", psi=psi_batch, v=basis)
-    torch.testing.assert_close(flatten(fpdp), flatten(priv("fpdp", basis)) + flatten(public))
+    torch.testing.assert_close(flat_vector(fpdp), flat_vector(priv("fpdp", basis)) + flat_vector(public))
     assert info["public_batch_size"] == 4
     # the public part is not projected: fpdp - g_pub lies in span(V), fpdp does not
-    private_part = flatten(fpdp) - flatten(public)
+    private_part = flat_vector(fpdp) - flat_vector(public)
     assert (private_part - project(basis, private_part)).norm() < 1e-4 * private_part.norm()
-    assert (flatten(fpdp) - project(basis, flatten(fpdp))).norm() > 1e-3
+    assert (flat_vector(fpdp) - project(basis, flat_vector(fpdp))).norm() > 1e-3
 
 
 @pytest.mark.invariant("P14")
@@ -677,11 +641,11 @@ def test_a_public_gradient_that_is_not_finite_is_left_out_of_its_step(toy):
                                      psi_batch=psi_batch, generator=make_generator(4, "cpu")[0], basis=v)
             if bad is None:
                 assert info["public_zeroed"] == 0
-                torch.testing.assert_close(flatten(step), flatten(alone) + flatten(public_gradient(
+                torch.testing.assert_close(flat_vector(step), flat_vector(alone) + flat_vector(public_gradient(
                     loss_fn, params, psi_batch)))
             else:
                 assert info["public_zeroed"] == 1, (method, bad)
-                assert torch.equal(flatten(step), flatten(alone)), (method, bad)
+                assert torch.equal(flat_vector(step), flat_vector(alone)), (method, bad)
 
 
 def test_dp_gradient_refuses_missing_or_unused_inputs(toy):
@@ -788,7 +752,7 @@ def test_compute_basis_keeps_the_public_rank_when_it_is_below_k(toy, caplog):
         basis = compute_basis(loss_fn, params, twice, k=4, chunk_size=4)
     assert basis.shape == (sum(v.numel() for v in params.values()), 2)
     check_orthonormal(basis)
-    matrix = flatten_per_sample(loop_grads(loss_fn, params, twice)).double()  # (6, p)
+    matrix = flat_vector_per_sample(loop_grads(loss_fn, params, twice)).double()  # (6, p)
     svd_u = torch.linalg.svd(matrix.T, full_matrices=False)[0][:, :2]
     torch.testing.assert_close(projector(basis), svd_u @ svd_u.T, rtol=0, atol=1e-4)
     assert "numerical rank 2 < k=4" in caplog.text and "2 directions" in caplog.text

@@ -13,25 +13,25 @@ import torch
 from fedpose.client.site import handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, record_tensors
-from test_site_releases import _subset, world  # noqa: F401  (the module's world fixture)
-from test_federation_site import _policy, _request
+from support.site import subset_split
+from support.site import site_policy, train_request
 
 
 def _spread(cfg, state, policy, sigma: float) -> float:
     sgd = replace(cfg, **{"train.optimizer": "sgd", "train.lr": 1.0, "train.momentum": 0.0,
                           "train.weight_decay": 0.0, "train.schedule": "constant"})
-    reply = record_tensors(handle_train(_request(sgd, state, sigma=sigma, steps=1), policy)[ARRAYS])
+    reply = record_tensors(handle_train(train_request(sgd, state, sigma=sigma, steps=1), policy)[ARRAYS])
     update = torch.cat([(reply[k].double() - state[k].double()).flatten() for k in sorted(reply)])
     return float(update.std())
 
 
 @pytest.mark.invariant("P15")
-def test_the_update_spread_is_sigma_c_over_the_declared_batch_whatever_n(world, tmp_path):  # noqa: F811
-    cfg, state = world
+def test_the_update_spread_is_sigma_c_over_the_declared_batch_whatever_n(world_weights, tmp_path):
+    cfg, state = world_weights
     spreads = {}
     for n in (40, 20):
-        data = _subset(cfg, tmp_path / f"n{n}" / "site-0", n)
-        policy = _policy(cfg, tmp_path / f"n{n}", data_path=str(data), sample_rate=0.2, expected_batch=8.0,
+        data = subset_split(cfg, tmp_path / f"n{n}" / "site-0", n)
+        policy = site_policy(cfg, tmp_path / f"n{n}", data_path=str(data), sample_rate=0.2, expected_batch=8.0,
                          seed=5, min_sigma=1.0, epsilon=1e6)
         sigma = 50.0  # the noise dominates the clipped sum, so the spread reads off the normaliser
         spreads[n] = _spread(cfg, state, policy, sigma)

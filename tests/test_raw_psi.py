@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_recordlevel import _train, world  # noqa: F401 (the tiny world and a local_train that records each step)
+from support.models import recorded_train
 
 
 def _psi_of_every_crop(cfg, seed=0):
@@ -35,8 +35,8 @@ def test_each_record_gives_its_image_and_psi_of_its_crop_as_one_group_and_accoun
 
     base = replace(world, **{"train.method": "proj", "train.batch_size": 4})
     raw_seen, pair_seen = [], []
-    _, raw = _train(base, 3, raw_seen, monkeypatch, public=True)
-    _, pair = _train(replace(base, **{"train.images": "raw+psi"}), 3, pair_seen, monkeypatch, public=True)
+    _, raw = recorded_train(base, 3, raw_seen, monkeypatch, public=True)
+    _, pair = recorded_train(replace(base, **{"train.images": "raw+psi"}), 3, pair_seen, monkeypatch, public=True)
     assert (pair.sigma, pair.sample_rate, pair.steps, pair.n) == (raw.sigma, raw.sample_rate, raw.steps, raw.n)
     eps = [epsilon_spent([StepRecord(sigma=r.sigma, sample_rate=r.sample_rate, steps=r.steps)], delta=1e-5)
            for r in (raw, pair)]
@@ -61,7 +61,7 @@ def test_the_blurred_row_is_the_psi_of_the_same_records_crop(world, monkeypatch)
     """Row 2j + 1 is psi of the crop of the record row 2j shows: the pair is one record, not two."""
     from fedpose.shared.configuration.schema import replace
 
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 6, "train.images": "raw+psi"})
     drawn = []
@@ -73,7 +73,7 @@ def test_the_blurred_row_is_the_psi_of_the_same_records_crop(world, monkeypatch)
 
     monkeypatch.setattr(step_module, "poisson_sample", remember)
     seen = []
-    _train(cfg, 2, seen, monkeypatch)
+    recorded_train(cfg, 2, seen, monkeypatch)
     blurred = _psi_of_every_crop(cfg)
     assert [len(d) for d in drawn] == [s[1].shape[0] // 2 for s in seen]
     for idx, (_, images, _, _) in zip(drawn, seen, strict=True):
@@ -85,7 +85,7 @@ def test_nonprivate_raw_psi_trains_on_both_without_groups(world, monkeypatch):
 
     seen = []
     cfg = replace(world, **{"train.method": "nonprivate", "train.batch_size": 4, "train.images": "raw+psi"})
-    _train(cfg, 2, seen, monkeypatch)
+    recorded_train(cfg, 2, seen, monkeypatch)
     blurred = _psi_of_every_crop(cfg)
     for spec, images, groups, _ in seen:
         assert spec.multiplicity == 1 and groups is None and images.shape[0] == 8
@@ -103,13 +103,13 @@ def test_raw_psi_is_refused_where_its_pair_would_not_be_one_records_bound(world,
     seen = []
     cfg = replace(world, **{"train.images": "raw+psi", **change})
     with pytest.raises(ValueError, match=words):
-        _train(cfg, 1, seen, monkeypatch, public=True)
+        recorded_train(cfg, 1, seen, monkeypatch, public=True)
     assert seen == []  # refused before a step
 
 
 def test_raw_psi_is_refused_at_patient_level():
     from fedpose.shared.configuration.schema import Config
-    from fedpose.shared.privacy.step.spec import DPSpec
+    from fedpose.shared.privacy.step.fpdp import DPSpec
     from fedpose.shared.training.loop import LocalRun
 
     cfg = Config()
@@ -129,9 +129,8 @@ def test_a_steps_noisy_sum_clips_each_records_image_and_blur_as_one_like_a_per_e
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.privacy.step.fpdp import dp_gradient
     from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
-    from fedpose.shared.privacy.step.subspace import flatten
-    from fedpose.shared.training.local_step import StepPhases
-    from fedpose.shared.training.loop import LocalData, LocalRun, step_spec
+    from fedpose.shared.privacy.step.subspace import flat_vector
+    from fedpose.shared.training.loop import LocalData, LocalRun, StepPhases, step_spec
     from fedpose.shared.training.runs import initial_model
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 6, "train.images": "raw+psi"})
@@ -148,7 +147,7 @@ def test_a_steps_noisy_sum_clips_each_records_image_and_blur_as_one_like_a_per_e
     for row in range(2 * records):
         leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
         loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
-        rows.append(flatten(dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))))
+        rows.append(flat_vector(dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))))
     pairs = [(rows[2 * r] + rows[2 * r + 1]) / 2 for r in range(records)]
     clip = sorted(float(m.norm()) for m in pairs)[records // 2] * 1.01  # some pairs clipped, some not
 
@@ -160,6 +159,7 @@ def test_a_steps_noisy_sum_clips_each_records_image_and_blur_as_one_like_a_per_e
     got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
                             generator=make_generator(8, "cpu")[0], basis=None)
     noise = gaussian_noise_like(params, std=1.3 * clip, generator=make_generator(8, "cpu")[0])
-    torch.testing.assert_close(flatten(got), (want + flatten(noise)) / spec.expected_batch, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(flat_vector(got), (want + flat_vector(noise)) / spec.expected_batch, rtol=1e-4,
+                               atol=1e-5)
     assert info["batch_size"] == records  # records, not rows
     assert not torch.allclose(clipped_sum(rows), want, rtol=1e-3)  # not the image and its blur as two records

@@ -12,69 +12,48 @@ import math
 
 import pytest
 import torch
-
-from test_patient_level import toy  # noqa: F401 (the toy pose model and its per-record loss)
-
-
-def _record_loop(loss_fn, params, batch, copies: int, clip: float) -> torch.Tensor:
-    """Reference: per record, the gradient of each of its K copies by its own autograd call, their mean, clipped."""
-    from fedpose.shared.privacy.step.subspace import flatten
-
-    rows = batch["image"].shape[0]
-    total = None
-    for record in range(rows // copies):
-        per_copy = []
-        for row in range(record * copies, (record + 1) * copies):
-            leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
-            loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
-            per_copy.append(flatten(dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))))
-        mean = torch.stack(per_copy).mean(0)
-        clipped = mean * min(1.0, clip / (float(mean.norm()) + 1e-6))
-        total = clipped if total is None else total + clipped
-    return total
+from support.models import record_loop, recorded_train
 
 
 @pytest.mark.parametrize("copies", [2, 4])
-def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_loop(toy, copies):
+def test_multiplicity_clips_the_mean_of_each_records_copies_like_a_per_example_loop(toy_pose, copies):
     """g = (sum_records clip(mean_k g_{i,k}, C) + N(0, sigma^2 C^2 I)) / B: one clipped term per record."""
-    from fedpose.shared.privacy.step.spec import DPSpec
-    from fedpose.shared.privacy.step.fpdp import dp_gradient
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
     from fedpose.shared.privacy.step.noise import gaussian_noise_like, make_generator
     from fedpose.shared.privacy.step.sampling import augmented_copies
-    from fedpose.shared.privacy.step.subspace import flatten
-    from test_privacy import make_batch
+    from fedpose.shared.privacy.step.subspace import flat_vector
+    from support.toy import make_batch
 
-    loss_fn, params = toy
+    loss_fn, params = toy_pose
     records = 5
     rows, groups = augmented_copies(torch.tensor([3, 7, 8, 12, 20]), copies)
     assert rows.tolist() == [i for i in (3, 7, 8, 12, 20) for _ in range(copies)]
     assert groups.tolist() == [j for j in range(records) for _ in range(copies)]
     batch = make_batch(records * copies, seed=5)  # every row its own image: the copies' different augmentations
-    unclipped = _record_loop(loss_fn, params, batch, copies, clip=1e9)
-    norms = [float(_record_loop(loss_fn, params, {k: v[r * copies:(r + 1) * copies] for k, v in batch.items()},
+    unclipped = record_loop(loss_fn, params, batch, copies, clip=1e9)
+    norms = [float(record_loop(loss_fn, params, {k: v[r * copies:(r + 1) * copies] for k, v in batch.items()},
                                 copies, clip=1e9).norm()) for r in range(records)]
     clip = sorted(norms)[2] * 1.01  # some records clipped, some not
-    want_sum = _record_loop(loss_fn, params, batch, copies, clip=clip)
+    want_sum = record_loop(loss_fn, params, batch, copies, clip=clip)
     assert not torch.allclose(want_sum, unclipped)  # clipping did something
     spec = DPSpec(method="dpsgd", clip_norm=clip, sigma=1.3, sample_rate=0.25, expected_batch=4.0,
                   multiplicity=copies, chunk_size=3)  # chunks that split a record's copies
     got, info = dp_gradient(loss_fn, params, spec=spec, private_batch=batch, groups=groups, psi_batch=None,
                             generator=make_generator(8, "cpu")[0], basis=None)
     noise = gaussian_noise_like(params, std=1.3 * clip, generator=make_generator(8, "cpu")[0])
-    torch.testing.assert_close(flatten(got), (want_sum + flatten(noise)) / 4.0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat_vector(got), (want_sum + flat_vector(noise)) / 4.0, rtol=1e-5, atol=1e-6)
     assert info["batch_size"] == records and info["unit"] == "record"  # records, not rows
     # the clipped mean of K copies is not the sum of K clipped copies (what K records would give)
-    rowwise = _record_loop(loss_fn, params, batch, 1, clip=clip)
+    rowwise = record_loop(loss_fn, params, batch, 1, clip=clip)
     assert not torch.allclose(rowwise, want_sum, rtol=1e-3)
 
 
-def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy):
-    from fedpose.shared.privacy.step.spec import DPSpec
-    from fedpose.shared.privacy.step.fpdp import dp_gradient
+def test_multiplicity_needs_the_record_of_every_copy_and_record_level(toy_pose):
+    from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
     from fedpose.shared.privacy.step.noise import make_generator
-    from test_privacy import make_batch
+    from support.toy import make_batch
 
-    loss_fn, params = toy
+    loss_fn, params = toy_pose
     spec = DPSpec(method="dpsgd", clip_norm=1.0, sigma=1.0, sample_rate=0.5, expected_batch=2.0, multiplicity=2)
     with pytest.raises(ValueError, match="groups"):
         dp_gradient(loss_fn, params, spec=spec, private_batch=make_batch(4), psi_batch=None,
@@ -137,7 +116,7 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
     from fedpose.shared.model.posenet import TASK_SCALE, build_model
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.model.strategy import trainable_names
-    from fedpose.shared.privacy.step import bookkeeping_plan
+    from fedpose.shared.privacy.step import bookkeeping
 
     cfg = config_from_dict({})
     model = build_model(cfg.model, cfg.data.input_size)
@@ -153,7 +132,7 @@ def test_bitfit_trains_the_norms_and_the_biases_and_bitfit_head_the_heads_too(st
     share = sum(p.numel() for n, p in model.named_parameters() if n in set(names)) / total
     assert share < (0.15 if strategy == "bitfit-head" else 0.02)
     named = dict(model.named_parameters())
-    assert bookkeeping_plan.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
+    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})  # the fast path
 
 
 def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
@@ -161,14 +140,14 @@ def test_full_fixed_tasks_trains_every_weight_but_the_task_weights():
     from fedpose.shared.model.posenet import TASK_SCALE, build_model
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.model.strategy import trainable_names
-    from fedpose.shared.privacy.step import bookkeeping_plan
+    from fedpose.shared.privacy.step import bookkeeping
 
     cfg = config_from_dict({"train": {"strategy": "full-fixed-tasks"}})
     model = build_model(cfg.model, cfg.data.input_size)
     names = trainable_names(model, cfg.train.strategy)
     assert names == [n for n, _ in model.named_parameters() if n != TASK_SCALE]
     named = dict(model.named_parameters())
-    assert bookkeeping_plan.supports(make_loss_fn(model, names), {n: named[n] for n in names})
+    assert bookkeeping.supports(make_loss_fn(model, names), {n: named[n] for n in names})
 
 
 def test_weight_average_is_the_exponential_average_of_the_iterates():
@@ -190,39 +169,6 @@ def test_weight_average_is_the_exponential_average_of_the_iterates():
             WeightAverage([w], decay=bad)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from federation_support import prepare_world, world_root
-
-    return prepare_world(world_root(tmp_path_factory))
-
-
-def _train(cfg, steps, seen, monkeypatch, *, seed=0, public=False):
-    import fedpose.shared.training.local_step as step_module
-    from fedpose.shared.privacy.step import fpdp
-    import fedpose.shared.training.batches as batches
-    import fedpose.shared.training.loop as train_module
-    from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.privacy.step.noise import make_generator
-    from fedpose.shared.training.runs import initial_model
-
-    real_step = fpdp.dp_gradient
-
-    def step(loss_fn, params, *, spec, private_batch, groups=None, **kwargs):
-        seen.append((spec, private_batch["image"].clone(), groups, kwargs.get("scales")))
-        return real_step(loss_fn, params, spec=spec, private_batch=private_batch, groups=groups, **kwargs)
-
-    monkeypatch.setattr(step_module, "dp_gradient", step)
-    dataset = batches.make_dataset(load_split(cfg.data.root, "site-0"), cfg, train=True, seed=seed)
-    model = initial_model(cfg, progress=False)
-    local_data = train_module.LocalData(dataset, public=batches.make_dataset(
-        load_split(cfg.data.root, cfg.data.public_split), cfg, train=False) if public else None)
-    local_run = train_module.LocalRun(train_module.step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=1.0,
-                                      data=local_data), steps, cfg.train, cfg.privacy)
-    result = train_module.local_train(model, local_data, local_run, generator=make_generator(seed)[0], bar=None)
-    return model, result
-
-
 def test_local_train_augments_each_record_k_times_and_accounts_as_without(world, monkeypatch):
     """Same Poisson draw of records, K rows each with their own augmentation, the record of each row as its
     group; (sigma, q, steps), the accountant's whole input, is that of K = 1, so epsilon does not move."""
@@ -231,8 +177,8 @@ def test_local_train_augments_each_record_k_times_and_accounts_as_without(world,
 
     base = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4})
     plain_seen, many_seen = [], []
-    _, plain = _train(base, 3, plain_seen, monkeypatch)
-    _, many = _train(replace(base, **{"privacy.augment_multiplicity": 3}), 3, many_seen, monkeypatch)
+    _, plain = recorded_train(base, 3, plain_seen, monkeypatch)
+    _, many = recorded_train(replace(base, **{"privacy.augment_multiplicity": 3}), 3, many_seen, monkeypatch)
     assert (many.sigma, many.sample_rate, many.steps, many.n) == (plain.sigma, plain.sample_rate, plain.steps,
                                                                  plain.n)
     eps = [epsilon_spent([StepRecord(sigma=r.sigma, sample_rate=r.sample_rate, steps=r.steps)], delta=1e-5)
@@ -256,14 +202,14 @@ def test_local_train_bitfit_leaves_the_other_weights_and_ema_releases_the_averag
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "train.strategy": "bitfit",
                             "train.schedule": "constant"})
     start = {n: p.detach().clone() for n, p in initial_model(cfg, progress=False).named_parameters()}
-    model, _ = _train(cfg, 2, [], monkeypatch)
+    model, _ = recorded_train(cfg, 2, [], monkeypatch)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])}
     from fedpose.shared.model.strategy import trainable_names
 
     assert moved and moved <= set(trainable_names(model, "bitfit"))
     # with the average on, the same run (same seeds, so the same iterates w1, w2) ends at 0.25 w0 + 0.25 w1 + 0.5 w2
-    first, _ = _train(cfg, 1, [], monkeypatch)
-    averaged, _ = _train(replace(cfg, **{"train.ema": 0.5}), 2, [], monkeypatch)
+    first, _ = recorded_train(cfg, 1, [], monkeypatch)
+    averaged, _ = recorded_train(replace(cfg, **{"train.ema": 0.5}), 2, [], monkeypatch)
     w1, w2 = dict(first.named_parameters()), dict(model.named_parameters())
     for name, p in averaged.named_parameters():
         want = 0.25 * start[name] + 0.25 * w1[name].detach() + 0.5 * w2[name].detach()
@@ -336,7 +282,7 @@ def test_dp_tensor_adam_damps_a_tensor_whose_gradient_is_the_declared_noise_alon
 def test_local_train_tells_dp_tensor_adam_the_noise_its_step_adds(world, monkeypatch):
     """dpsgd: (sigma C / B)^2 on every coordinate; projected, a tensor's share std^2 ||V_t||^2 spread over it,
     which is what V (V^T z) puts there (checked against draws of z)."""
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.privacy.step.subspace import project
     from fedpose.shared.training.tensor_adam import noise_variances
@@ -346,9 +292,9 @@ def test_local_train_tells_dp_tensor_adam_the_noise_its_step_adds(world, monkeyp
     monkeypatch.setattr(step_module, "make_optimizer", lambda params, train: made.append(real(params, train))
                         or made[-1])
     cfg = replace(world, **{"train.method": "dpsgd", "train.batch_size": 4, "train.optimizer": "dp-tensor-adam"})
-    _train(cfg, 2, [], monkeypatch)
+    recorded_train(cfg, 2, [], monkeypatch)
     (opt,) = made
-    std = 1.0 * cfg.privacy.clip_norm / 4  # _train's sigma 1.0, C, the expected batch B
+    std = 1.0 * cfg.privacy.clip_norm / 4  # recorded_train's sigma 1.0, C, the expected batch B
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(opt.noise) == len(params) and all(opt.noise[p] == pytest.approx(std ** 2) for p in params)
 
@@ -358,7 +304,7 @@ def test_local_train_tells_dp_tensor_adam_the_noise_its_step_adds(world, monkeyp
     sizes = [(name, math.prod(shape)) for name, shape in shapes.items()]  # the optimizer's order, not sorted
     want = noise_variances(sizes, sorted(shapes), std=0.5, basis=basis)
     draws = torch.stack([project(basis, 0.5 * torch.randn(basis.shape[0], generator=gen)) for _ in range(20000)])
-    offsets = {"a": (0, 5), "b": (5, 17), "c": (17, 19)}  # flatten's sorted order
+    offsets = {"a": (0, 5), "b": (5, 17), "c": (17, 19)}  # flat_vector's sorted order
     for (name, _), variance in zip(sizes, want):
         lo, hi = offsets[name]
         assert float(draws[:, lo:hi].pow(2).mean()) == pytest.approx(variance, rel=0.05)
@@ -369,12 +315,12 @@ def test_tensor_scales_clip_each_records_scaled_gradient_like_a_per_example_loop
     """train.tensor_scales: public. Each record's gradient, every tensor t times its public scale a_t, clipped to C
     as one vector: sum_i clip(a * g_i, C), so one record still moves the sum by at most C (the accountant's input
     unchanged), and the sum equals a per-example loop, through the book-keeping tape and the generic path alike."""
-    from test_bookkeeping import _generic, _setup
+    from support.models import generic_loss, model_setup
 
-    from fedpose.shared.privacy.step.clipping import clipped_grad_sum
-    from fedpose.shared.privacy.step.subspace import flatten
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
+    from fedpose.shared.privacy.step.subspace import flat_vector
 
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=5)
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=5)
     gen = torch.Generator().manual_seed(5)
     scales = {name: float(10 ** (3 * torch.rand((), generator=gen) - 1.5)) for name in params}  # 0.03 .. 30
     want, norms = None, []
@@ -382,30 +328,30 @@ def test_tensor_scales_clip_each_records_scaled_gradient_like_a_per_example_loop
         leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
         loss = loss_fn(leaves, {k: v[row:row + 1] for k, v in batch.items()}).sum()
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-        flat = flatten({n: scales[n] * g for n, g in grads.items()})
+        flat = flat_vector({n: scales[n] * g for n, g in grads.items()})
         norms.append(float(flat.norm()))
         clipped = flat * min(1.0, 0.05 / (norms[-1] + 1e-6))
         want = clipped if want is None else want + clipped
-    got = clipped_grad_sum(loss_fn if fast else _generic(loss_fn), params, batch, clip_norm=0.05, chunk_size=2,
+    got = clipped_grad_sum(loss_fn if fast else generic_loss(loss_fn), params, batch, clip_norm=0.05, chunk_size=2,
                            scales=scales)
     assert max(norms) > 0.05  # some records are clipped
     torch.testing.assert_close(got.norms, torch.tensor(norms, dtype=torch.float64), rtol=1e-4, atol=1e-8)
-    torch.testing.assert_close(flatten(got.summed), want, rtol=2e-4, atol=2e-7)
+    torch.testing.assert_close(flat_vector(got.summed), want, rtol=2e-4, atol=2e-7)
 
 
 @pytest.mark.invariant("P2")
 def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
     """a_t = c / rms_t, rms_t the RMS of tensor t's per-sample public gradients and c their RMS over every
     coordinate: scaled, each tensor's public gradients have RMS c, the overall RMS (so C keeps its meaning)."""
-    from test_bookkeeping import _setup
+    from support.models import model_setup
 
     from fedpose.shared.privacy.step.persample import per_sample_grads
-    from fedpose.shared.privacy.step.tensor_scales import public_scales
+    from fedpose.shared.privacy.step.subspace import public_scales
 
     import inspect
 
     assert list(inspect.signature(public_scales).parameters) == ["loss_fn", "params", "public_batch", "chunk_size"]
-    model, loss_fn, params, batch = _setup("tinyvit-5m", "finetune", size=6)
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=6)
     scales = public_scales(loss_fn, params, batch, chunk_size=4)
     grads = per_sample_grads(loss_fn, params, batch, chunk_size=6)
     overall = float(torch.cat([g.reshape(-1) for g in grads.values()]).pow(2).mean().sqrt())
@@ -415,14 +361,14 @@ def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
         else:
             assert scales[name] == 1.0  # a tensor without public gradient keeps its scale
     # with a projection, one pass gives the same scales and a V spanning the scaled public gradients (k = m here)
-    from fedpose.shared.privacy.step.subspace import compute_scaled_basis, flatten, project
+    from fedpose.shared.privacy.step.subspace import compute_scaled_basis, flat_vector, project
 
     assert list(inspect.signature(compute_scaled_basis).parameters) == ["loss_fn", "params", "public_batch", "k",
                                                                         "chunk_size", "rtol", "clip"]
     basis, same = compute_scaled_basis(loss_fn, params, batch, k=6, chunk_size=4)
     assert same.keys() == scales.keys() and all(same[n] == pytest.approx(scales[n], rel=1e-6) for n in scales)
     for row in range(6):
-        scaled = flatten({name: scales[name] * g[row] for name, g in grads.items()})
+        scaled = flat_vector({name: scales[name] * g[row] for name, g in grads.items()})
         torch.testing.assert_close(project(basis, scaled), scaled, rtol=1e-3, atol=1e-3 * float(scaled.abs().max()))
 
 
@@ -434,7 +380,7 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.pose_loss import make_loss_fn
     from fedpose.shared.model.strategy import apply_strategy
-    from fedpose.shared.privacy.step.tensor_scales import public_scales
+    from fedpose.shared.privacy.step.subspace import public_scales
     from fedpose.shared.training.batches import make_dataset, to_device
     from fedpose.shared.training.runs import initial_model
 
@@ -442,8 +388,8 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
                              "privacy.basis_every": 2})
     scaled_cfg = replace(base, **{"train.tensor_scales": "public"})
     plain_seen, scaled_seen = [], []
-    _, plain = _train(base, 3, plain_seen, monkeypatch, public=True)
-    _, scaled = _train(scaled_cfg, 3, scaled_seen, monkeypatch, public=True)
+    _, plain = recorded_train(base, 3, plain_seen, monkeypatch, public=True)
+    _, scaled = recorded_train(scaled_cfg, 3, scaled_seen, monkeypatch, public=True)
     assert (scaled.sigma, scaled.sample_rate, scaled.steps) == (plain.sigma, plain.sample_rate, plain.steps)
     assert all(seen[3] is None for seen in plain_seen)
     model = initial_model(scaled_cfg, progress=False)
@@ -457,12 +403,12 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     assert first.keys() == want.keys() and all(first[n] == pytest.approx(want[n], rel=1e-4) for n in want)
     assert scaled_seen[1][3] is first and scaled_seen[2][3] is not first  # refreshed at step 2
     projected_seen = []  # proj: the scales come with V, from the same public samples and weights
-    _train(replace(scaled_cfg, **{"train.method": "proj", "privacy.k": 4}), 1, projected_seen, monkeypatch,
+    recorded_train(replace(scaled_cfg, **{"train.method": "proj", "privacy.k": 4}), 1, projected_seen, monkeypatch,
            public=True)
     with_basis = projected_seen[0][3]
     assert with_basis.keys() == want.keys() and all(with_basis[n] == pytest.approx(want[n], rel=1e-4) for n in want)
     with pytest.raises(ValueError, match="needs the public split"):
-        _train(scaled_cfg, 1, [], monkeypatch)
+        recorded_train(scaled_cfg, 1, [], monkeypatch)
 
 
 def test_a_run_whose_weights_diverge_stops_saying_so_when_its_public_statistics_are_due(world, monkeypatch):
@@ -475,6 +421,6 @@ def test_a_run_whose_weights_diverge_stops_saying_so_when_its_public_statistics_
                             "train.tensor_scales": "public", "train.optimizer": "sgd", "train.momentum": 0.9,
                             "train.lr": 1.0e30, "train.schedule": "constant"})
     with pytest.raises(RuntimeError, match=r"diverged.*step 2.*train.lr"):
-        _train(cfg, 4, [], monkeypatch, public=True)
+        recorded_train(cfg, 4, [], monkeypatch, public=True)
     with pytest.raises(RuntimeError, match=r"diverged.*step 2.*train.lr"):
-        _train(replace(cfg, **{"train.method": "proj", "privacy.k": 4}), 4, [], monkeypatch, public=True)
+        recorded_train(replace(cfg, **{"train.method": "proj", "privacy.k": 4}), 4, [], monkeypatch, public=True)

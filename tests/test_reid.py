@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from fedpose.edge.reid import ReidSpec, person_crop, run_reid
+from fedpose.shared.experiments.reid import ReidSpec, person_crop, run_reid
 from fedpose.shared.data.synth.ward import WardSpec, generate_ward
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from federation_support import REPO, tiny_dict
+from support.federation import REPO, tiny_dict
 
 SCRIPT = """
 import hashlib, json, sys

@@ -3,7 +3,7 @@ whether sites are asked to train when too few can take part, the sites' labels a
 state after a failure, and where ``server prepare --out`` writes.
 
 The federations here run the server's real round loop over the sites' real handlers and SQLite ledgers, in
-process (``federation_support.InProcessGrid``); a site that dies mid-round is a node that stays listed but
+process (``support.federation.InProcessGrid``); a site that dies mid-round is a node that stays listed but
 never answers again, as a SuperNode killed before its heartbeat lapsed.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from federation_support import REPO, InProcessGrid, ledger_rows, prepare_world, world_root
+from support.federation import REPO, InProcessGrid, ledger_rows, prepare_world, world_root
 
 
 class DyingGrid(InProcessGrid):
@@ -44,7 +44,7 @@ class DyingGrid(InProcessGrid):
 
 
 def _federation(tmp_path: Path, tmp_path_factory, **changes):
-    from fedpose.cli.fed import prepare_simulation
+    from fedpose.cli.local_federation import prepare_simulation
     from fedpose.shared.configuration.schema import replace
 
     cfg = prepare_world(world_root(tmp_path_factory))
@@ -146,7 +146,7 @@ def test_server_prepare_out_holds_the_ward_and_the_weights(tmp_path, monkeypatch
     """A config with relative paths (the shipped ones): `server prepare --out DIR` writes everything under DIR,
     nothing under the folder it was started from."""
     from fedpose.cli.main import main
-    from federation_support import tiny_dict
+    from support.federation import tiny_dict
     from fedpose.shared.configuration.schema import load_config
 
     config = tiny_dict(tmp_path)

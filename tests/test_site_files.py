@@ -23,7 +23,7 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import BASIS, basis_record
-from test_federation_site import _policy, _request, world  # noqa: F401 (the shared tiny world)
+from support.site import site_policy, train_request
 
 
 @pytest.fixture
@@ -51,16 +51,16 @@ def _round(cfg, state, p: int, policy, *, round: int = 1):
     """One real round of projected DP-SGD on a received V, the optimizer state kept: it writes every kind of file."""
     orthonormal, _ = torch.linalg.qr(torch.randn(p, cfg.privacy.k, dtype=torch.float64))
     cfg = replace(cfg, **{"federation.site_optimizer": "keep"})
-    content = _request(cfg, state, sigma=min_sigma_for(policy), method="proj", basis_version=1, round=round)
+    content = train_request(cfg, state, sigma=min_sigma_for(policy), method="proj", basis_version=1, round=round)
     content[BASIS] = basis_record(orthonormal.float(), version=1, dtype="float32")
     return handle_train(content, policy)
 
 
-def test_a_round_leaves_the_sites_folders_0700_and_its_files_0600(world, tmp_path, umask_022):
-    cfg, state, _, p = world
+def test_a_round_leaves_the_sites_folders_0700_and_its_files_0600(world_trainable, tmp_path, umask_022):
+    cfg, state, _, p = world_trainable
     top = tmp_path / "var"
     site = top / "fedpose" / "site-0"  # not there yet: the site makes it (and var/, fedpose/)
-    policy = _policy(cfg, site, eval_path=str(Path(cfg.data.root) / "val"))  # the site's checks: the first file
+    policy = site_policy(cfg, site, eval_path=str(Path(cfg.data.root) / "val"))  # the site's checks: the first file
     _round(cfg, state, p, policy)
     with SiteLedger(policy.ledger_path, site=policy.site) as ledger:  # an open ledger has its -wal and -shm
         ledger.rows()
@@ -76,7 +76,7 @@ def test_a_round_leaves_the_sites_folders_0700_and_its_files_0600(world, tmp_pat
     assert wrong == {}, wrong
 
 
-def test_an_older_sites_files_are_narrowed_to_its_own_account(world, tmp_path, umask_022):
+def test_an_older_sites_files_are_narrowed_to_its_own_account(world_trainable, tmp_path, umask_022):
     """Files an older fedpose left 0644 (and its own folders 0755) are 0600 (0700) once the site writes again.
 
     The ledger's -wal and -shm are narrowed too while another process (an older console, say) holds them open
@@ -85,11 +85,11 @@ def test_an_older_sites_files_are_narrowed_to_its_own_account(world, tmp_path, u
     """
     import sqlite3
 
-    cfg, state, _, p = world
+    cfg, state, _, p = world_trainable
     site = tmp_path / "site"
     site.mkdir()
     os.chmod(site, 0o755)
-    policy = _policy(cfg, site)
+    policy = site_policy(cfg, site)
     _round(cfg, state, p, policy)
     for path in site.rglob("*"):
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
@@ -99,7 +99,7 @@ def test_an_older_sites_files_are_narrowed_to_its_own_account(world, tmp_path, u
         older.execute(f"PRAGMA user_version = {version}")  # a write: the -wal holds a frame
         assert (site / "ledger.sqlite-wal").stat().st_size > 0
         assert _mode(site / "ledger.sqlite-wal") == _mode(site / "ledger.sqlite-shm") == "0o644"
-        _policy(cfg, site)  # the site's checks again (its operator's step)
+        site_policy(cfg, site)  # the site's checks again (its operator's step)
         _round(cfg, state, p, policy, round=2)
         with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
             assert [row["round"] for row in ledger.rows()] == [1, 2]

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.client.ledger import SiteLedger
-from fedpose.client.ledger_round import Mechanism
-from federation_support import prepare_world, world_root
-from fedpose.shared.privacy.accounting.ledger import LedgerBusy
+from fedpose.client.ledger import Mechanism, SiteLedger
+from support.federation import prepare_world, world_root
+from fedpose.shared.privacy.accounting.history import LedgerBusy
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def test_psi_sees_the_canonical_crop_through_the_real_training_loop(cfg, monkeyp
     The augmented crop of a record (rescaled, rotated, flipped) shows pixels outside the record's
     canonical crop and a sharper effective blur; psi must be applied to the canonical crop.
     """
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     import fedpose.shared.training.batches as batches
     import fedpose.shared.training.loop as train_module
     from fedpose.shared.configuration.schema import replace

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.cli.fleet_front import healthy
-from federation_support import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
+from fedpose.server.front import healthy
+from support.federation import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
 from fedpose.shared.configuration.schema import dump_config, replace
 
 pytestmark = pytest.mark.slow

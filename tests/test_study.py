@@ -250,13 +250,13 @@ def test_a_study_stopped_with_sigterm_stops_its_running_cell(tmp_path):
 
 
 def test_parallel_cells_go_to_the_gpus_round_robin():
-    from fedpose.cli.study import device_slots
+    from fedpose.shared.experiments.study_run import device_slots
 
     assert device_slots(3, 2) == [0, 1, 0] and device_slots(2, 0) == [None, None] and device_slots(1, 4) == [0]
 
 
 def test_progress_weights_cells_by_their_expected_cost(tmp_path):
-    from fedpose.cli.study import cost
+    from fedpose.shared.experiments.study_run import cost
     from fedpose.shared.experiments.study import expand, load_study
 
     cells = {(c.setting, c.method, c.epsilon): c for c in expand(load_study(write_study(tmp_path, study_text())))}
@@ -382,7 +382,7 @@ def test_record_keeps_finished_cells_and_another_out_resumes_from_it(tmp_path, c
 def test_relaunching_a_federated_cell_keeps_the_config_its_federation_saved(tmp_path):
     """A federated cell's folder is also its federation's --out, where the server saves the config it resumes
     with (config.yaml, absolute paths): launching the cell again must not overwrite that file."""
-    from fedpose.cli.study import write_cell
+    from fedpose.shared.experiments.study_run import write_cell
     from fedpose.shared.experiments.study import cell_dir, expand, load_study
 
     config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",
@@ -401,7 +401,7 @@ def test_an_interrupted_federated_cell_resumes_only_from_the_weights_it_began_wi
     """A federated cell killed mid-run resumes from its checkpoint; one that began from other pretrained weights
     (the start was pretrained again in between, or it began before starts were kept) starts over instead of
     finishing on top of the other start."""
-    from fedpose.cli.study import START, may_resume, write_cell
+    from fedpose.shared.experiments.study_run import START, may_resume, write_cell
     from fedpose.shared.experiments.study import expand, load_study
 
     config = write_study(tmp_path, study_text(methods="[fpdp]", epsilons="[0.8]", seeds="[1]", baselines="[]",

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpose.cli.fleet_front import healthy
-from federation_support import bin_path, flower_env, free_port, start, stop, wait_for
+from fedpose.server.front import healthy
+from support.federation import bin_path, flower_env, free_port, start, stop, wait_for
 
 SITES = ["site-a", "site-b"]
 
@@ -229,7 +229,7 @@ def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Pa
 
 
 def test_the_front_refuses_to_start_a_superlink_that_would_listen_beyond_its_upstream() -> None:
-    from fedpose.cli.fleet_front import allowed_routes, check_superlink_command
+    from fedpose.server.front import allowed_routes, check_superlink_command
 
     listen, upstream = ("0.0.0.0", 8000), ("127.0.0.1", 9093)
     kit = ["flower-superlink", "--ssl-ca-certfile", "ca.crt", "--enable-supernode-auth", "--host", "127.0.0.1",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from federation_support import prepare_world, world_root
+from support.federation import prepare_world, world_root
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.training.runs import initial_model, load_records
 from fedpose.shared.training.batches import make_dataset
@@ -74,7 +74,7 @@ def test_psi_only_images_are_refused_for_private_methods():
 
 def test_psi_only_training_sees_psi_of_the_canonical_crops_only(tiny, monkeypatch):
     """The psi(x)-only baseline: every training image is psi(canonical crop), never a raw or augmented one."""
-    import fedpose.shared.training.local_step as step_module
+    import fedpose.shared.training.loop as step_module
     import fedpose.shared.training.batches as batches
     from fedpose.shared.privacy.step.psi import apply_psi
 
@@ -110,8 +110,7 @@ from fedpose.shared.configuration.schema import ModelConfig
 from fedpose.shared.model.posenet import build_model
 from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy
-from fedpose.shared.privacy.step.spec import DPSpec
-from fedpose.shared.privacy.step.fpdp import dp_gradient
+from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
 
 torch.manual_seed(0)
 model = build_model(ModelConfig(variant="tinyvit-small"), (128, 96))

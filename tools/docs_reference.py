@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import fedpose  # noqa: E402 - this tree's root package
 
-# fedpose's packages are this tree's top-level folders (pyproject's package-dir): document this tree's code even
+# fedpose's packages are this tree's top-level folders, linked from fedpose/: document this tree's code even
 # when fedpose is installed from another checkout (a git worktree).
-fedpose.__path__.insert(0, str(REPO))
+fedpose.__path__.insert(0, str(REPO / "fedpose"))
 
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
@@ -157,7 +157,7 @@ def config_page() -> str:
 
 
 # Blocks of the how-to pages that show a kit's files: <!-- kit:NAME --> ... <!-- /kit:NAME -->, filled from the
-# templates fedpose provision uses (cli/kit_templates.py), for an example site, so the guide and a kit never differ.
+# templates fedpose provision uses (server/kits/templates.py), for an example site, so the guide and a kit never differ.
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
 EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
            "api_port": 9094, "health_port": 9095,
@@ -166,7 +166,7 @@ EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 
 
 def kit_blocks() -> dict[str, str]:
     """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
-    from fedpose.cli import kit_templates as kit
+    from fedpose.server.kits import templates as kit
     from fedpose.shared.configuration.schema import load_config, replace
 
     cfg = replace(load_config("default"), **{"train.method": "proj"})  # as the operator's guide provisions

@@ -24,7 +24,12 @@ Right after writing, the file is run by onnxruntime on random images and
 compared with PyTorch; a difference above ``tolerance`` (1e-4) fails the
 export (``ExportError``) and the file is removed.
 
-The package: spec (names, parsing, report, error), outputs (the traced module: pose outputs, then face ones),
-trt_ops (TensorRT 10 operator check), fold
-(constant folding of shape arithmetic), parity (onnxruntime vs PyTorch), exporter (``export_onnx``).
+What happens to the file after export is here too, since it is build time, not the camera's run time:
+INT8 Q/DQ quantization and its PCKh against FP32, and the TensorRT engine build (on the device, in the
+camera's slim install: no torch, no ``onnx`` package).
+
+The package: spec (names, parsing, options, report, error), outputs (the traced module: pose outputs, then face
+ones), trt_ops (TensorRT 10 operator check), fold (constant folding of shape arithmetic), parity (onnxruntime vs
+PyTorch), exporter (``export_onnx``), quantize (INT8 Q/DQ models), onnx_proto (the few fields of an ``.onnx``
+read without the ``onnx`` package), trt_build (``.onnx`` -> TensorRT ``.plan``).
 """

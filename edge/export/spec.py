@@ -1,5 +1,5 @@
 """What an export takes and gives: opset, tensor names, tolerance, batch and input-size parsing,
-``ExportReport`` and ``ExportError``.
+``ExportOptions``, ``ExportReport`` and ``ExportError``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,31 @@ Batch = int | Literal["dynamic"]
 
 class ExportError(RuntimeError):
     """The exported graph does not match PyTorch or is not one TensorRT can take."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How ``export_onnx`` traces, checks and verifies a model.
+
+    batch: fixed batch size, or "dynamic" (axis 0 named ``batch``).
+    opset: the ONNX opset (13..20; 17 serves TensorRT 8.6 and 10).
+    input_size: (H, W); must equal the model's input size when given (the head has one SimCC bin per input
+        pixel, so another size is another model).
+    fp16: export in half precision (for TensorRT 11's strongly typed FP16 builds); verified with a looser
+        tolerance (1e-2 relative to the logit range).
+    verify, tolerance, seed: run the file with onnxruntime on random images (seeded) and fail above the
+        tolerance.
+    strict_trt: raise ``ExportError`` on ops outside ``TRT10_ONNX_OPS`` or non-constant pads; otherwise only warn.
+    """
+
+    batch: Batch = 1
+    opset: int = OPSET
+    input_size: tuple[int, int] | None = None
+    fp16: bool = False
+    verify: bool = True
+    tolerance: float = DEFAULT_TOLERANCE
+    strict_trt: bool = True
+    seed: int = 0
 
 
 @dataclass(frozen=True)

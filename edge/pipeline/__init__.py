@@ -24,5 +24,8 @@ skipped. A source that cannot be opened at all raises ``SourceError``.
 
 The package: source (``FrameSource``, reconnects), tracking (``BoxTracker``, ROI), options
 (``PipelineOptions``, ``PipelineReport``, ``--pixelize`` parsing), outputs (records, drawing, pixelized
-frames, ``release_claim``), loop (``run_pipeline``).
+frames, ``release_claim``), loop (``run_pipeline``, ``process_frame``), demo_video (a synthetic ward clip with
+its ground truth, a source to try the pipeline on without a camera), accuracy (a run scored against that truth),
+files (DP pixelization of an image, a folder or a video, and a frame restored from its NPZ: ``edge pixelize``,
+``edge restore``).
 """

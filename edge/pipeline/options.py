@@ -80,8 +80,8 @@ class PipelineOptions:
     # this; keypoints go on. None: no limit (the claim states F x eps for whatever was released).
     max_eps: float | None = None
     store: str = "npz"  # how pixelized frames are written: npz (noisy cell means, restorable), png or jpeg
-    # Ground truth of the source (a demo clip's sidecar, ``fedpose.edge.demo_video.load_truth``): the run is scored
-    # against it (PCK@0.2 of the person's height) in the report and summary.json.
+    # Ground truth of the source (a demo clip's sidecar, ``fedpose.edge.pipeline.demo_video.load_truth``): the run is
+    # scored against it (PCK@0.2 of the person's height) in the report and summary.json.
     truth: dict[str, Any] | None = None
     # Frames in a row with fewer than half the joints at the score threshold before a warning is logged.
     low_confidence_warn: int = 25

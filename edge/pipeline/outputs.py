@@ -62,7 +62,7 @@ def release_claim(
     clip, the region mask NOT protected); everything else written is computed
     from the raw frames and is named here as NOT protected by that guarantee.
     """
-    from fedpose.edge.pixelize.claim import pixelize_claim
+    from fedpose.shared.pixelization.claim import pixelize_claim
 
     lines = [
         pixelize_claim(spec, mask_source="keypoints", frames=frames),
@@ -95,10 +95,11 @@ def release_claim(
     return "\n".join(lines)
 
 
-def _frame_record(
+def frame_record(
     index: int, pos_ms: float, box: np.ndarray, box_source: str, kps: np.ndarray, scores: np.ndarray, latency: float,
     face: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One frame's keypoints.jsonl object (``run_pipeline`` lists its keys)."""
     joints = [[round(float(x), 2), round(float(y), 2), round(float(s), 4)] for (x, y), s in zip(kps, scores)]
     record = {
         "frame": index,
@@ -114,16 +115,16 @@ def _frame_record(
     return record
 
 
-def _pixelize_frame(
+def pixelize_frame(
     frame: np.ndarray, kps: np.ndarray, scores: np.ndarray, options: PipelineOptions, rng: Any, out: Path, index: int
 ) -> tuple[np.ndarray, bool]:
     """DP-pixelize the frame with a body mask from this frame's keypoints.
 
     Returns the BGR image to publish and whether the body mask was empty.
     """
-    from fedpose.edge.pixelize.masks import body_mask_from_keypoints
+    from fedpose.shared.pixelization.masks import body_mask_from_keypoints
     from fedpose.shared.pixelization.mechanism import pixelize
-    from fedpose.edge.pixelize.storage import save_npz
+    from fedpose.shared.pixelization.storage import save_npz
 
     image = frame if options.pixelize_color else cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
     mask = body_mask_from_keypoints(frame.shape[:2], kps, scores, score_threshold=options.score_threshold)
@@ -137,7 +138,8 @@ def _pixelize_frame(
     return bgr, not mask.any()
 
 
-def _open_writer(path: Path, fps: float, size: tuple[int, int]) -> Any:
+def open_writer(path: Path, fps: float, size: tuple[int, int]) -> Any:
+    """The annotated video's OpenCV writer (mp4v) for frames of ``size`` = (H, W)."""
     h, w = size
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (int(w), int(h)))
     if not writer.isOpened():
@@ -145,7 +147,8 @@ def _open_writer(path: Path, fps: float, size: tuple[int, int]) -> Any:
     return writer
 
 
-def _check_gui() -> None:
+def check_gui() -> None:
+    """Refuse ``--show`` before the run starts when this OpenCV cannot open a window."""
     try:
         cv2.namedWindow("fedpose edge", cv2.WINDOW_NORMAL)
     except cv2.error as err:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpose.edge.prepost import BOX_PADDING, box_from_keypoints, clip_box
+from fedpose.edge.runtime.prepost import BOX_PADDING, box_from_keypoints, clip_box
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class BoxTracker:
         self._box = np.concatenate([center - size / 2.0, size])
 
 
-def _external_box(
+def external_box(
     boxes: Callable[[int], Any] | None, index: int, frame_size: tuple[int, int]
 ) -> tuple[np.ndarray, str] | None:
     """The caller's box for this frame (kept inside the frame like a tracked one), or None."""

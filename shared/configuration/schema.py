@@ -146,7 +146,7 @@ class PrivacyConfig:
     # blur: sigma as a fraction of min(H, W); pixelate, dp-pixelize: block size in input px.
     psi_param: float = 0.03
     # dp-pixelize only (centralized runs): psi(x) is a DP pixelization of each record's canonical crop, released
-    # once per record: eps_pix-DP for changes of up to psi_m pixels (edge/pixelize's mechanism, 3 channels).
+    # once per record: eps_pix-DP for changes of up to psi_m pixels (shared/pixelization's mechanism, 3 channels).
     psi_eps: float = 1.0
     psi_m: int = 1
     k: int = 50  # projection rank: V's directions (fewer, with a warning, when the public gradients span fewer)
@@ -232,7 +232,7 @@ class TrainConfig:
     # signal share under the DP noise (shared/training/tensor_adam.py)
     optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam"] = "adam"
     # public: every tensor's gradient scaled, per sample before clipping, to the same RMS on public data
-    # (shared/privacy/step/tensor_scales.py); needs the public split, so centralized runs only; none: as it is
+    # (shared/privacy/step/subspace.py); needs the public split, so centralized runs only; none: as it is
     tensor_scales: Literal["none", "public"] = "none"
     lr: float = 1e-3
     # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.

@@ -44,9 +44,8 @@ from fedpose.shared.privacy.accounting.accountant import (
 from fedpose.shared.privacy.step.noise import make_generator
 from fedpose.shared.training.runs import ensure_data, initial_model, load_records
 from fedpose.shared.training.batches import make_dataset, to_device
-from fedpose.shared.training.provenance import select_device
 from fedpose.shared.training.schedule import steps_per_epoch
-from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
+from fedpose.shared.training.loop import LocalData, LocalRun, local_train, select_device, step_spec
 from fedpose.shared.configuration.methods import PRIVATE
 from fedpose.shared.configuration.yaml_io import write_json
 
@@ -265,3 +264,21 @@ def plot_roc(results: dict[str, Any], path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def mia_summary(res: dict[str, Any], out: str | Path | None = None) -> list[str]:
+    """The lines ``fedpose attack mia`` prints of ``run_mia``'s result: a row per method and attack, and what it
+    wrote."""
+    lines = [f"membership inference: {res['models']} models per method, each on a random half of {res['pool']} "
+             f"records of {res['split']} ({res['steps']} steps); every model attacked with the others as shadows",
+             f"{'method':<11} {'eps':>6} {'attack':<13} {'AUC':>6} {'TPR@1%':>7} {'TPR@0.1%':>8}"]
+    for method, r in res["methods"].items():
+        eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "-"
+        for attack, a in r["attacks"].items():
+            lines.append(f"{method:<11} {eps:>6} {attack:<13} {a['auc']:6.3f} {a['tpr@0.01fpr']:7.3f} "
+                         f"{a['tpr@0.001fpr']:8.3f}")
+    lines.append("chance is AUC 0.5 and TPR = FPR; eps is the accountant's value for the plan every model ran (delta "
+                 f"{res['delta']:g})")
+    if out:
+        lines.append(f"wrote {Path(out) / 'mia.json'} and {Path(out) / 'mia.png'} ({res['seconds']:.0f} s)")
+    return lines

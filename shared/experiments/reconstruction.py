@@ -34,7 +34,7 @@ from torch import nn
 
 from fedpose.shared.configuration.schema import Config, replace
 from fedpose.shared.model.posenet import PoseNet
-from fedpose.shared.model.tinyvit_blocks import ConvNorm, PatchMerging
+from fedpose.shared.model.tinyvit import ConvNorm, PatchMerging
 from fedpose.shared.configuration.methods import PROJECTED
 
 OFFSET = 16.0  # every kept value rides on this: GELU(x) == x exactly in float32 for x >= 5.37

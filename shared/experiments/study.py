@@ -4,8 +4,8 @@ A study file (``configs/study.yaml``) names a base run config and the grid's axe
 strategy x setting (centralized | federated | reference) x seed, the non-private baselines and the ablations.
 ``expand`` turns it into ``Cell`` s, each with its resolved ``Config`` and an id hashing that config (output
 paths left out) and its kind: a cell is done iff ``<out>/cells/<id>/metrics.json`` exists, so running a study
-again resumes it. Running cells is ``cli/study.py`` (one subprocess per cell); tables and figures are
-``shared/experiments/study_report.py``.
+again resumes it. Running cells is ``shared/experiments/study_run.py`` (one subprocess per cell); tables and
+figures are ``shared/experiments/study_report.py``.
 
 ``grids``: each puts its keys over the top-level axes (every method at one epsilon with three seeds, then an
 epsilon sweep of two methods); a cell several grids name runs once. A grid's ``overrides`` (dotted keys, e.g.

@@ -93,10 +93,6 @@ def _fmt(mean: float, std: float, n: int) -> str:
     return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
 
 
-def _method_key(method: str) -> int:
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-
-
 def _table(title: str, labelled: list[tuple[str, list[dict[str, Any]]]], *, extra: str | None = None) -> str:
     head = "| Method | " + " | ".join(HEADERS) + " | eps spent | seeds |"
     lines = [f"### {title}", "", head, "|" + "---|" * (len(HEADERS) + 3)]

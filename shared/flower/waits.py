@@ -1,7 +1,7 @@
 """Flower 1.41's fixed waits, shortened where a process waits on another process of the same federation.
 
 - The SuperNode's loop sleeps 3 s after a look for a message that found none, and 0.5 s between two looks
-  for a finished reply (``cap_waits``; ``fedpose.cli.supernode_poll`` applies it to the SuperNode).
+  for a finished reply (``cap_waits``; ``fedpose.client.supernode`` applies it to the SuperNode).
 - Every pull of a message's objects (the weights, the basis, a reply) backs off 1 s, then 2 s, 4 s, ... up to
   10 s, while an object is not there yet. That is the usual case, not an error: Flower starts a ClientApp as
   soon as the SuperNode has the message, while the SuperNode is still fetching the message's objects from the

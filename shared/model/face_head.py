@@ -23,7 +23,7 @@ from torch import nn
 
 from fedpose.shared.data.face import NUM_LANDMARKS
 from fedpose.shared.model.face_decode import ANGLE_UNIT, face_slices, ordered
-from fedpose.shared.model.tinyvit_blocks import LayerNorm2d
+from fedpose.shared.model.layers import LayerNorm2d
 
 # The loss columns each task adds, in order (names for logs and metrics).
 TASK_TERMS: dict[str, tuple[str, ...]] = {

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedpose.shared.model.tinyvit_blocks import LayerNorm2d
+from fedpose.shared.model.layers import LayerNorm2d
 
 
 class SimCCHead(nn.Module):

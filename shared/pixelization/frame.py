@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpose.shared.pixelization.spec import _MAX_PIXEL, MAX_FRAME_PIXELS, _is_int
+from fedpose.shared.pixelization.spec import MAX_FRAME_PIXELS, MAX_PIXEL, is_integer
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +38,7 @@ class PixelizedFrame:
     def __post_init__(self) -> None:
         for name in ("b", "s_b", "height", "width", "channels"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             object.__setattr__(self, name, int(value))
         if self.b % self.s_b != 0:
@@ -66,7 +66,7 @@ class PixelizedFrame:
             arr = np.array(getattr(self, name), dtype=np.float32, copy=True)
             if arr.shape != shape:
                 raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
-            if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0 and arr.max() <= _MAX_PIXEL):
+            if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0 and arr.max() <= MAX_PIXEL):
                 raise ValueError(f"{name} must hold finite values in [0, 255]")
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)

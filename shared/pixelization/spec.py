@@ -11,7 +11,9 @@ from typing import Literal
 NoiseKind = Literal["laplace", "discrete"]
 _NOISE_KINDS: tuple[str, ...] = ("laplace", "discrete")
 
-_MAX_PIXEL = 255
+# The largest pixel value: what one changed pixel moves a cell sum by at most (the sensitivity's 255), and the
+# bound every released mean is clipped to.
+MAX_PIXEL = 255
 
 # Bounds checked before allocation (hostile NPZ files, options): an 8K frame is 33 M pixels.
 MAX_FRAME_PIXELS = 64_000_000
@@ -20,7 +22,8 @@ MAX_CELL = 1 << 16  # largest cell side b accepted anywhere
 MAX_M = 1 << 31  # largest m-neighbourhood accepted by PixelizeSpec (pixelize() also bounds it by H x W)
 
 
-def _is_int(value: object) -> bool:
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer parameter as every check of this package reads one (a bool is not)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -50,12 +53,12 @@ class PixelizeSpec:
             raise ValueError(f"eps must be a finite number, got {self.eps!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0 (the per-frame privacy budget), got {self.eps}")
-        if not _is_int(self.b) or not 1 <= self.b <= MAX_CELL:
+        if not is_integer(self.b) or not 1 <= self.b <= MAX_CELL:
             raise ValueError(f"b (cell side in pixels) must be an integer >= 1 and <= {MAX_CELL}, got {self.b!r}")
-        if not _is_int(self.m) or not 1 <= self.m <= MAX_M:
+        if not is_integer(self.m) or not 1 <= self.m <= MAX_M:
             raise ValueError(f"m (pixels that may differ between neighbours) must be an integer >= 1 and <= {MAX_M}, "
                              f"got {self.m!r}")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_integer(self.n) or self.n < 1:
             raise ValueError(f"n (subdivision of complex cells) must be an integer >= 1, got {self.n!r}")
         if self.b % self.n != 0:
             divisors = [d for d in range(1, self.b + 1) if self.b % d == 0]
@@ -70,4 +73,4 @@ class PixelizeSpec:
 
     def mean_scale(self, side: int, *, channels: int = 1, multiplicity: int = 1) -> float:
         """Laplace scale of one released mean of a cell of ``side``: 255 m C K / (side^2 eps)."""
-        return _MAX_PIXEL * self.m * channels * multiplicity / (side * side * self.eps)
+        return MAX_PIXEL * self.m * channels * multiplicity / (side * side * self.eps)

@@ -1,4 +1,5 @@
-"""What a training step reads: datasets from records, batches on the device, psi of a batch, V from public data.
+"""What a training step reads: datasets from records, batches on the device, psi of a batch (V from public data is
+``fedpose.shared.privacy.step.subspace.public_basis_at``).
 
 Every function here is a plain transformation of data the caller already holds; the privacy step itself
 (``fedpose.shared.privacy.step.fpdp``) never sees a dataset, only the batches made here.
@@ -6,22 +7,15 @@ Every function here is a plain transformation of data the caller already holds; 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
-from fedpose.shared.training.allocator import keep_freed_memory
 from fedpose.shared.configuration.schema import Config, PrivacyConfig
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.records import PoseRecord
 from fedpose.shared.data.augment import Augment
-from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.pixelization.spec import PixelizeSpec
-from fedpose.shared.privacy.step.psi import PsiBatch, apply_psi
-from fedpose.shared.privacy.step.psi_maps import DPPixelize, FeatureMap, make_psi
-from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis
-from fedpose.shared.privacy.step.tensor_scales import public_scales
+from fedpose.shared.privacy.step.psi import DPPixelize, FeatureMap, PsiBatch, apply_psi, make_psi
 
 
 def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: int | None = None) -> PoseDataset:
@@ -52,43 +46,3 @@ def psi_on(psi: FeatureMap, batch: dict[str, torch.Tensor], device: torch.device
     if getattr(psi, "per_record", False):
         moved["index"] = batch["index"]
     return apply_psi(psi, moved)
-
-
-def public_basis_at(
-    model: PoseNet,
-    loss_fn: Callable,
-    trainable: list[str],
-    public: PoseDataset,
-    privacy: PrivacyConfig,
-    device: torch.device,
-) -> torch.Tensor:
-    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
-    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
-    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)
-
-
-def public_scaled_basis_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
-                           privacy: PrivacyConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
-    """``train.tensor_scales: public`` with a projection: V of the scaled public gradients and the scales (P2)."""
-    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
-    return compute_scaled_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size,
-                                clip=privacy.basis_clip)
-
-
-def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
-                     privacy: PrivacyConfig, device: torch.device) -> dict[str, float]:
-    """``train.tensor_scales: public`` without a projection: each tensor's scale from the m public samples (P2)."""
-    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=False)
-    return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size)
-
-
-def _public_inputs(model: PoseNet, trainable: list[str], public: PoseDataset, privacy: PrivacyConfig,
-                   device: torch.device, *, basis: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The trained weights (detached) and the first m public samples on the device; for a ``basis``, k <= m."""
-    m = min(privacy.m, len(public))
-    if basis and privacy.k > m:
-        raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
-    batch = to_device(public.batch(list(range(m))), device)
-    keep_freed_memory()
-    named = dict(model.named_parameters())
-    return {name: named[name].detach() for name in trainable}, batch

@@ -3,8 +3,7 @@
 Every metrics.json carries ``provenance()``: a result is only reproducible when the package
 versions (the synthetic ward is drawn with OpenCV, so even the data depends on them), the
 intra-op thread count (float reductions are summed in another order with another count) and
-the determinism settings are the same. ``configure_numerics`` is what fixes the last two;
-``select_device`` picks the device a run computes on.
+the determinism settings are the same. ``configure_numerics`` is what fixes the last two.
 """
 
 from __future__ import annotations
@@ -15,10 +14,7 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 # The packages whose versions change the numbers (data drawing, maths, the federation runtime).
 PACKAGES = ("torch", "numpy", "opencv-python-headless", "pillow", "scipy", "opacus", "flwr", "ray", "onnxruntime",
@@ -27,19 +23,6 @@ PACKAGES = ("torch", "numpy", "opencv-python-headless", "pillow", "scipy", "opac
 REPO = Path(__file__).resolve().parents[1]
 # Where no git repository holds this copy (a wheel installed on a GPU machine), the commit it was built from
 SOURCE_COMMIT = "FEDPOSE_SOURCE_COMMIT"
-
-
-def select_device(name: str) -> torch.device:
-    """``auto``: CUDA when a GPU is present (hospital GPU boxes), else CPU; one code path for both."""
-    import torch
-
-    from fedpose.shared.errors import ConfigError
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
-    return torch.device(name)
 
 
 def configure_numerics(threads: int, *, deterministic: bool = True) -> None:

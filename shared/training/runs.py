@@ -3,6 +3,10 @@
 These are the plain functions behind ``fedpose data synth``, ``pretrain``,
 ``train`` and ``eval``; the federation reuses ``ensure_data`` and
 ``ensure_pretrained`` so a fresh clone needs no manual preparation.
+
+Pretraining (``pretrain_loop``) is non-private, on public data only: the starting point of finetune / full
+training. BatchNorm is active there (batch statistics are fine without privacy) and is folded into the
+convolutions before any private step (``fedpose.shared.model.tinyvit.fuse_batchnorm``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fedpose.shared.configuration.schema import Config, dump_config
 from fedpose.shared.errors import ConfigError
@@ -40,14 +46,12 @@ from fedpose.shared.privacy.accounting.claims import privacy_claim
 from fedpose.shared.privacy.accounting.group import group_privacy
 from fedpose.shared.privacy.step.psi import psi_label_of
 from fedpose.shared.privacy.step.noise import make_generator
-from fedpose.shared.training.pretraining import pretrain_loop
 from fedpose.shared.training.provenance import configure_numerics, provenance
-from fedpose.shared.training.batches import make_dataset
+from fedpose.shared.training.batches import make_dataset, to_device
 from fedpose.shared.configuration.flat import config_fingerprint
 from fedpose.shared.metrics.evaluation import evaluate
-from fedpose.shared.training.provenance import select_device
 from fedpose.shared.training.schedule import steps_per_epoch
-from fedpose.shared.training.loop import LocalData, LocalResult, LocalRun, local_train, step_spec
+from fedpose.shared.training.loop import LocalData, LocalResult, LocalRun, local_train, select_device, step_spec
 from fedpose.shared.configuration.methods import PRIVATE, PROJECTED, WITH_PUBLIC
 from fedpose.shared.configuration.yaml_io import write_json
 
@@ -141,6 +145,51 @@ def training_records(records: list[PoseRecord], cfg: Config) -> tuple[list[PoseR
 # ---------------------------------------------------------------------------
 # pretraining (non-private, public split only)
 # ---------------------------------------------------------------------------
+
+
+def pretrain_loop(
+    model: PoseNet,
+    dataset: PoseDataset,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    seed: int,
+    progress: bool = True,
+) -> float:
+    """Plain non-private minibatch training (AdamW, cosine LR) of an unfused model on public data.
+
+    Used for public pretraining only: BatchNorm is active here (batch
+    statistics are fine without privacy) and is folded afterwards.
+    Returns the mean loss of the last 10% of steps.
+    """
+    if len(dataset) == 0:
+        raise ValueError("the public dataset is empty: nothing to pretrain on")
+    device = next(model.parameters()).device
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    tail: list[float] = []
+    order = rng.permutation(len(dataset))
+    pos = 0
+    bar = tqdm(range(steps), desc="pretrain (public)", disable=not progress, leave=False, dynamic_ncols=True)
+    for step in bar:
+        if pos + batch_size > len(order):
+            order, pos = rng.permutation(len(dataset)), 0
+        idx = order[pos : pos + batch_size].tolist()
+        pos += batch_size
+        loss = model.losses(to_device(dataset.batch(idx), device)).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step >= steps - max(1, steps // 10):
+            tail.append(float(loss.detach()))
+        if progress and step % 10 == 0:
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    return float(np.mean(tail))
 
 
 def run_pretrain(cfg: Config, out: str | Path | None = None, *, progress: bool = True) -> dict[str, Any]:

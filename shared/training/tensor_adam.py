@@ -97,7 +97,7 @@ def noise_variances(sizes: list[tuple[str, int]], sorted_names: list[str], *, st
     ``sizes``: (name, numel) of the trained weights in the optimizer's order; ``std``: the noise std per coordinate
     before projection (sigma C / B). Without V the noise is N(0, std^2 I): std^2 everywhere. Projected,
     V (V^T z) = V w with w ~ N(0, std^2 I_k), so a tensor's rows V_t of V carry std^2 ||V_t||_F^2 of it, spread
-    over its coordinates. ``basis`` rows follow ``sorted_names`` (``subspace.flatten``'s order).
+    over its coordinates. ``basis`` rows follow ``sorted_names`` (``subspace.flat_vector``'s order).
     """
     if basis is None:
         return [std ** 2] * len(sizes)

@@ -10,7 +10,7 @@ clipping norm C (the worst case a record can be):
 
 A Dirac canary is a fake record whose per-sample gradient is C e_j at every
 step: zero everywhere except its own coordinate j (a flat index in
-``subspace.flatten`` order). It is the strongest single record a DP-SGD
+``subspace.flat_vector`` order). It is the strongest single record a DP-SGD
 step can be asked to hide: its gradient has exactly the clipping norm and
 lies where no other canary's does. The audit includes each of m canaries
 independently with probability 1/2 and then, at every step, treats each
@@ -18,6 +18,9 @@ included canary like a private record: it enters the step's batch with the
 Poisson rate q of the records (P4), its gradient is clipped to C like theirs
 and added to the same sum before the noise (P1), and the projection of
 proj / fpdp applies to it after the noise like to everything else.
+
+A step's drawn canaries (``DiracGrads``, ``SpanGrads``) plug into it through the hook the step
+defines, ``fpdp.StepCanaries``.
 
 Nothing here is used in production: ``local_train`` and ``dp_gradient``
 take canaries only from the audit (``fedpose.shared.experiments.audit``); their default is None.
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedpose.shared.privacy.step.clipping import clip_factors
+from fedpose.shared.privacy.step.persample import clip_factors
 
 log = logging.getLogger(__name__)
 

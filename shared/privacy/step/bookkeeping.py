@@ -14,7 +14,8 @@ loss at its output ``g_i``. A Linear layer's weight gradient is ``g_i^T a_i``, s
 
 One forward with hooks on the layers that own trainable tensors records ``a``; one
 ``autograd.grad`` of the summed loss with respect to those layers' outputs gives every
-``g`` (and skips the weight gradients a non-private backward would compute). Rules:
+``g`` (and skips the weight gradients a non-private backward would compute). The rules
+(``layer_rules.RULES``, keyed by module type):
 
 - ``nn.Linear`` and ``nn.Conv2d`` with groups = 1 (unfolded to a Linear over positions):
   ghost norm or per-sample product, whichever is cheaper for the layer's shape;
@@ -32,7 +33,10 @@ One forward with hooks on the layers that own trainable tensors records ``a``; o
 A loss supports this path when it has ``model`` (the nn.Module), ``parts(params,
 batch) -> (B, T)`` (per-sample loss parts through the model), ``combine(parts,
 params) -> (B,)`` and ``combine_names`` (the parameters only ``combine`` uses), and
-every trainable tensor falls under a rule; otherwise callers use the generic path.
+every trainable tensor falls under a rule (``supports``; the plan of the layers that own the
+trainable tensors and each one's rule is kept on the loss, ``cached_plan``); otherwise callers use the
+generic path: ``per_sample_chunks`` gives the per-sample gradients from the tape where it covers the
+weights and from ``vmap`` elsewhere.
 The sums are equal to the generic path's to float tolerance (tests/test_bookkeeping.py).
 
 P14 is kept row by row exactly as the generic path keeps it: a sample whose norm is
@@ -49,28 +53,64 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedpose.shared.privacy.step.bookkeeping_plan import cached_plan
-from fedpose.shared.privacy.step.grad_holders import Instantiated, LinearLike, Stacked, stack_instantiated
-from fedpose.shared.privacy.step.layer_rules import rule_for
-from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_chunk_size
-from fedpose.shared.privacy.step.own_weights import are_the_models_own
+from fedpose.shared.privacy.step.layer_rules import (Instantiated, LayerRule, LinearLike, Stacked, holder_for, rule_of,
+                                                     stack_instantiated)
+from fedpose.shared.privacy.step.persample import (SMALLEST_FLOAT32_FACTOR, LossFn, are_the_models_own, batch_size_of,
+                                                   check_chunk_size, iter_per_sample_grads)
 
-# Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
-# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
-# generic path (clipping.py) and this one use it.
-SMALLEST_FLOAT32_FACTOR = 1e-30
+
+def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str] | None:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        return None
+    return module_name, module, attr
+
+
+def supports(loss_fn: Any, params: Mapping[str, Tensor]) -> bool:
+    """True when ``loss_fn`` exposes its model and every tensor of ``params`` falls under a rule."""
+    model = getattr(loss_fn, "model", None)
+    if not isinstance(model, nn.Module) or not all(hasattr(loss_fn, a) for a in ("parts", "combine", "combine_names")):
+        return False
+    return cached_plan(loss_fn, tuple(params)) is not None
+
+
+def cached_plan(loss_fn: Any, names: tuple[str, ...]) -> dict | None:
+    """The plan for these names (None: some tensor falls under no rule), kept on the loss: it runs every step."""
+    cache = loss_fn.__dict__.setdefault("_bookkeeping_plans", {})
+    if names not in cache:
+        layer_names = [n for n in names if n not in loss_fn.combine_names]
+        found = [_owner(loss_fn.model, n) for n in layer_names]
+        covered = all(f is not None and rule_of(f[1], f[2]) is not None for f in found)
+        cache[names] = _plan(loss_fn.model, layer_names) if covered else None
+    return cache[names]
+
+
+def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, LayerRule, dict[str, str]]]:
+    """module name -> (module, its rule, {attr: parameter name}) for the layers that own ``names``."""
+    plan: dict[str, tuple[nn.Module, LayerRule, dict[str, str]]] = {}
+    for name in names:
+        owner = _owner(model, name)
+        rule = None if owner is None else rule_of(owner[1], owner[2])
+        if owner is None or rule is None:  # supports() checked every name first
+            raise ValueError(f"{name}: no book-keeping rule covers this parameter")
+        module_name, module, attr = owner
+        entry = plan.setdefault(module_name, (module, rule, {}))
+        entry[2][attr] = name
+    return plan
 
 
 class Tape:
-    """The rules of one chunk of samples, ready to give norms and to add their clipped sum."""
+    """The per-sample gradient holders of one chunk of samples, ready to give norms and to add their clipped sum."""
 
-    def __init__(self, rules: list[Instantiated | LinearLike | Stacked], size: int) -> None:
-        self.rules = rules
+    def __init__(self, holders: list[Instantiated | LinearLike | Stacked], size: int) -> None:
+        self.holders = holders
         self.size = size
 
     def norms(self) -> Tensor:
         """(b,) float64 per-sample L2 norms over all trainable tensors; rows that overflow float32 redone in float64."""
-        parts = [rule.sq_norms() for rule in self.rules]  # each in its layer's dtype
+        parts = [holder.sq_norms() for holder in self.holders]  # each in its layer's dtype
         dtype = parts[0].dtype if all(part.dtype == parts[0].dtype for part in parts) else torch.float64
         norms = torch.stack([part.to(dtype) for part in parts]).sum(0).sqrt_().to(torch.float64)
         odd = ~torch.isfinite(norms)
@@ -85,14 +125,14 @@ class Tape:
     def per_sample(self) -> dict[str, Tensor]:
         """Every sample's gradient, {name: (b, *shape)} in the parameters' dtype (the public basis needs them)."""
         out: dict[str, Tensor] = {}
-        for rule in self.rules:
-            out.update(rule.per_sample())
+        for holder in self.holders:
+            out.update(holder.per_sample())
         return out
 
     def _exact(self, rows: Tensor) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        for rule in self.rules:
-            out.update(rule.exact(rows))
+        for holder in self.holders:
+            out.update(holder.exact(rows))
         return out
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, finite: Tensor) -> None:
@@ -101,8 +141,8 @@ class Tape:
         special = tiny | ~finite
         regular = torch.where(special, torch.zeros_like(factors), factors)
         keep = None if not bool(special.any()) else ~special
-        for rule in self.rules:
-            rule.add_clipped(summed, regular, keep)
+        for holder in self.holders:
+            holder.add_clipped(summed, regular, keep)
         rows = (tiny & finite & (factors > 0)).nonzero().flatten()
         if len(rows):
             for name, g in self._exact(rows).items():
@@ -142,9 +182,8 @@ def iter_tapes(
             return hook
 
         handles = []
-        for module_name, (module, kind, _) in plan.items():
-            target = module.logits if kind == "bias_table" else module
-            handles.append(target.register_forward_hook(hook_for(module_name)))
+        for module_name, (module, rule, _) in plan.items():
+            handles.append(rule.tapped(module).register_forward_hook(hook_for(module_name)))
         try:
             with torch.enable_grad():
                 # the training loop passes the model's own weights: run the model as it is (no parameter swap)
@@ -161,15 +200,15 @@ def iter_tapes(
         wanted = outputs + list(rows.values())
         got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else []
         grads, row_grads = got[:len(outputs)], got[len(outputs):]
-        rules: list[Instantiated | LinearLike] = [rule_for(plan[key], seen[key], grad, shapes)
-                                                  for key, grad in zip(keys, grads)]
+        holders: list[Instantiated | LinearLike] = [holder_for(plan[key], seen[key], grad, shapes)
+                                                    for key, grad in zip(keys, grads)]
         missing = [k for k in plan if k not in seen]
         if missing:  # a layer the loss never ran: its gradient is zero for every sample
-            rules.append(Instantiated({name: params[name].new_zeros((b, *shapes[name]))
-                                        for k in missing for name in plan[k][2].values()}))
+            holders.append(Instantiated({name: params[name].new_zeros((b, *shapes[name]))
+                                          for k in missing for name in plan[k][2].values()}))
         if rows:
-            rules.append(Instantiated({n: torch.zeros_like(rows[n]) if g is None else g
-                                       for n, g in zip(rows, row_grads)}))
+            holders.append(Instantiated({n: torch.zeros_like(rows[n]) if g is None else g
+                                         for n, g in zip(rows, row_grads)}))
         elif combine_names:
             parts_d = parts.detach()
 
@@ -177,9 +216,18 @@ def iter_tapes(
                 return loss_fn.combine(row.unsqueeze(0), {**leaves, **extra}).sum()
 
             per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
-            rules.append(Instantiated(dict(per_sample)))
-        tape = Tape(stack_instantiated(rules), b)
+            holders.append(Instantiated(dict(per_sample)))
+        tape = Tape(stack_instantiated(holders), b)
         seen.clear()  # the chunk's activations go with the tape, not with this frame
-        del outputs, grads, rules, parts, losses, got, wanted, row_grads, rows
+        del outputs, grads, holders, parts, losses, got, wanted, row_grads, rows
         yield tape
         del tape  # only one chunk's activations are alive at a time
+
+
+def per_sample_chunks(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *,
+                      chunk_size: int, randomness: str = "different") -> Iterator[dict[str, Tensor]]:
+    """{name: (b, *shape)} per chunk of samples: from the book-keeping tape where it covers ``params``, else vmap
+    (with ``randomness``, as ``persample.iter_per_sample_grads``)."""
+    if supports(loss_fn, params):  # one forward and one backward per chunk
+        return (tape.per_sample() for tape in iter_tapes(loss_fn, params, batch, chunk_size=chunk_size))
+    return iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness)

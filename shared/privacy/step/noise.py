@@ -107,7 +107,7 @@ def gaussian_noise_like(
 
     Draws in sorted-name order so that the same generator state gives the
     same noise whatever the dict's insertion order (the flattening order of
-    ``subspace.flatten`` is the same). Noise is drawn on the generator's
+    ``subspace.flat_vector`` is the same). Noise is drawn on the generator's
     device and moved to each parameter's device.
     """
     value, draws = _unit_draws(params, std=std, generator=generator)

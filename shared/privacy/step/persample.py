@@ -1,4 +1,5 @@
-"""Per-sample gradients (and their norms), generic over any functional loss.
+"""Per-sample gradients (and their norms), generic over any functional loss, and the primitives every private
+contribution is bounded with (P14).
 
 DP-SGD (Abadi et al. 2016; FP-DP Algorithm 1, line "g_i = grad l(w, x_i)")
 needs the gradient of every sample separately so that each one can be clipped
@@ -16,21 +17,124 @@ function with B = 1: we ``vmap`` over ``grad`` of that single-sample loss.
 
 Memory: per-sample gradients cost B x p floats. ``iter_per_sample_grads``
 yields them in chunks of ``chunk_size`` samples, so a consumer that clips and
-sums them (``fedpose.shared.privacy.step.clipping``) holds chunk_size x p at most,
+sums them (``fedpose.shared.privacy.step.fpdp.clipped_grad_sum``) holds chunk_size x p at most,
 regardless of the (Poisson, hence random) batch size.
+
+What every private-step function checks of its inputs is here too (a batch dict of tensors that share their
+leading dimension, a dict of floating-point trainable tensors, a positive chunk size), and whether the tensors a
+step is given are the model's own trainable weights: then a plain forward of the model builds the graph the step
+needs, with no functional swap of every tensor (``mean_grad``, ``bookkeeping``).
+
+P14: DP-SGD bounds one record's influence on the step by clipping each per-sample gradient to L2 norm C before
+the sum; patient-level DP clips each patient's mean gradient instead (McMahan et al. 2018). Every contribution is
+finite with norm <= C whatever the weights: a non-finite gradient contributes zero (never an error, which would
+tell whoever chose the weights that the record was sampled), a huge finite one is clipped like any other.
+``bound_contributions`` is that rule; both ways of forming the clipped sum (``fpdp``'s vmap path and the
+book-keeping tape, ``bookkeeping``) apply it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_chunk_size, check_params
-from fedpose.shared.privacy.step.own_weights import are_the_models_own, own_parameters
-
 LossFn = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Tensor]
+
+
+def batch_size_of(batch: Mapping[str, Tensor]) -> int:
+    """Return the common leading dimension B of a batch dict, validating it.
+
+    Every value must be a tensor with at least one dimension, and all must
+    agree on B, otherwise per-sample slicing would silently pair sample i of
+    one tensor with sample j of another.
+    """
+    if not isinstance(batch, Mapping) or len(batch) == 0:
+        raise ValueError(
+            f"batch must be a non-empty dict of batched tensors, got {type(batch).__name__} "
+            f"of length {len(batch) if isinstance(batch, Mapping) else 'n/a'}"
+        )
+    sizes = {}
+    for name, value in batch.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"batch[{name!r}] is a {type(value).__name__}, not a Tensor: "
+                "keep only batched tensors in the batch dict"
+            )
+        if value.dim() == 0:
+            raise ValueError(
+                f"batch[{name!r}] is a 0-d tensor: every batch tensor needs a leading "
+                "batch dimension"
+            )
+        sizes[name] = int(value.shape[0])
+    distinct = set(sizes.values())
+    if len(distinct) != 1:
+        raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
+    return distinct.pop()
+
+
+def check_params(params: Mapping[str, Tensor]) -> None:
+    """Refuse anything but a non-empty dict of floating point tensors."""
+    if not isinstance(params, Mapping) or len(params) == 0:
+        raise ValueError("params must be a non-empty dict of trainable tensors")
+    for name, value in params.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            found = value.dtype if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"params[{name!r}] must be a floating point Tensor, got {found}: pass "
+                "only the trainable parameters"
+            )
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size={chunk_size!r} must be a positive int (samples per vmap call; "
+            "lower it to save memory)"
+        )
+
+
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def own_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``dict(model.named_parameters())``, kept per model and checked by identity on every call: every private
+    step asks it, and walking a pose model's modules costs about 1% of a small model's step. A parameter
+    replaced by another object is seen and the walk done again."""
+    slots = _SLOTS.get(model)
+    if slots is None or any(module._parameters.get(attr) is not param for _, module, attr, param in slots):
+        slots, seen = [], set()
+        for prefix, module in model.named_modules():
+            for attr, param in module._parameters.items():
+                if param is not None and id(param) not in seen:  # shared weights: the first name, as torch does
+                    seen.add(id(param))
+                    slots.append((f"{prefix}.{attr}" if prefix else attr, module, attr, param))
+        _SLOTS[model] = slots
+    return {name: param for name, _, _, param in slots}
+
+
+def are_the_models_own(model: nn.Module, params: Mapping[str, Tensor], combine_names: list[str]) -> bool:
+    """True when ``params`` hold the model's trainable weights themselves and nothing else in it trains.
+
+    Then a plain forward builds the same graph as one through ``params`` (only the gradients at the
+    layers' outputs are asked for, never the weights'), without swapping every tensor of the model.
+    ``combine_names``: parameters the loss uses after the model, which may be given as copies.
+    """
+    own = own_parameters(model)
+    for name, param in own.items():
+        value = params.get(name)
+        if value is None:
+            if param.requires_grad:
+                return False
+        elif name not in combine_names and (
+            not param.requires_grad or value.data_ptr() != param.data_ptr() or value.shape != param.shape
+            or value.stride() != param.stride() or value.dtype != param.dtype
+        ):
+            return False
+    return all(name in own for name in params)
 
 
 def _detached(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -101,7 +205,7 @@ def per_sample_grads(
 
     This materialises all B gradients (B x p floats): use it for tests and
     small batches, never for the private step, which uses
-    ``clipping.clipped_grad_sum``. ``randomness`` is passed to vmap ("different":
+    ``fpdp.clipped_grad_sum``. ``randomness`` is passed to vmap ("different":
     independent dropout masks per sample).
     """
     check_params(params)
@@ -149,6 +253,61 @@ def zero_rows(rows: Tensor, keep: Tensor) -> Tensor:
     """
     shape = (keep.shape[0],) + (1,) * (rows.dim() - 1)
     return torch.where(keep.view(shape), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+# Added to the norm before dividing, as in Opacus, so that a zero gradient
+# gets the factor min(1, C / 1e-6) = 1 instead of a division by zero.
+NORM_EPS = 1e-6
+
+
+# Below this a float32 clip factor is subnormal and loses precision: a row that needs it (a gradient of norm
+# above ~1e30 C, which only a crafted model produces) is scaled in float64 so its norm stays <= C. Both the
+# generic path (fpdp.py) and the book-keeping tape (bookkeeping.py) use it.
+SMALLEST_FLOAT32_FACTOR = 1e-30
+
+
+class Contributions(NamedTuple):
+    """What each per-sample (per-patient) gradient of a chunk may add to the clipped sum (P14): (b,) each."""
+
+    factors: Tensor  # float64 min(1, C / (||g_i|| + 1e-6)); 0 where the norm is not finite
+    finite: Tensor  # bool: the rows that contribute; the others are zeroed before scaling (0 x NaN is NaN)
+
+    @property
+    def zeroed(self) -> int:
+        """How many rows contribute nothing (private: the site's own log only)."""
+        return int((~self.finite).sum())
+
+
+def bound_contributions(norms: Tensor, clip_norm: float) -> Contributions:
+    """P14's enforcing function: every contribution to the noisy sum is finite with norm <= C, whatever the weights.
+
+    ``norms`` (b,) float64 are the rows' L2 norms as ``robust_norms`` (or the book-keeping tape) gives
+    them: recomputed in float64 where float32 overflowed, so a norm is not finite exactly when its gradient holds
+    an inf or a NaN. Such a row contributes zero (never an error: an error would tell whoever chose the weights
+    that the record was sampled); a huge finite one is scaled to norm C like any other. The sums add
+    ``factors_i g_i`` over the ``finite`` rows only (``zero_rows`` first).
+    """
+    finite = torch.isfinite(norms)
+    factors = (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+    return Contributions(torch.where(finite, factors, torch.zeros_like(factors)), finite)
+
+
+def clip_factors(norms: Tensor, clip_norm: float) -> Tensor:
+    """min(1, C / (||g_i|| + 1e-6)) per sample: (B,); 0 for a non-finite norm (P14: it contributes nothing)."""
+    return bound_contributions(norms, clip_norm).factors
+
+
+def check_clip_norm(clip_norm: float) -> float:
+    try:
+        value = float(clip_norm)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"clip_norm={clip_norm!r} must be a positive number") from err
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            f"clip_norm={clip_norm!r} must be a positive finite number (the per-sample "
+            "L2 bound C; the paper uses C in {0.01, 0.1, 1.0})"
+        )
+    return value
 
 
 def _check_losses(losses: Tensor, size: int) -> None:

@@ -60,7 +60,7 @@ def augmented_copies(indices: Tensor, copies: int) -> tuple[Tensor, Tensor]:
 
     Augmentation multiplicity (De et al. 2022): (B,) record indices -> rows (B * K,), each index K times in a
     row (the dataset draws a fresh augmentation for every row), and groups (B * K,) = 0, ..., 0, 1, ..., B - 1,
-    the form ``clipping.clipped_group_sum`` clips one mean per group with. The Poisson draw itself is unchanged:
+    the form ``fpdp.clipped_group_sum`` clips one mean per group with. The Poisson draw itself is unchanged:
     the accountant's q is the records', not the rows'.
     """
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:

@@ -1,4 +1,5 @@
-"""Gradient subspace for projected DP-SGD (FP-DP Algorithm 1, "g = V (V^T g)").
+"""Gradient subspace for projected DP-SGD (FP-DP Algorithm 1, "g = V (V^T g)"), the per-tensor gradient scales
+from public data, and both computed from a run's public set at the current weights.
 
 The server computes per-sample gradients of the full loss on the public set
 S_pub at the current global weights (invariant P2: nothing from any site),
@@ -14,24 +15,54 @@ V = G^T U_k S_k^{-1}. Each column block of G contributes a float32 product
 (fast BLAS) that is summed into a float64 Gram matrix; eigh runs in float64,
 so memory is m x p (float32, G itself) + m x m.
 
-Everyone who turns a parameter dict into a vector uses ``flatten`` /
-``unflatten`` here, with the parameters in sorted-name order, so the server's
+Everyone who turns a parameter dict into a vector uses ``flat_vector`` /
+``from_flat_vector`` here, with the parameters in sorted-name order, so the server's
 V and the sites' gradients agree coordinate by coordinate.
+
+Per-tensor gradient scales from public data (``train.tensor_scales: public``).
+
+The weights of a pose network take gradients of very different sizes: at the proxy ward's public start the mean
+gradient's RMS per tensor ranges from 2e-5 (stage-3 attention) to 0.5 (the task-uncertainty weights). Clipped as
+one vector, a record's gradient then spends its bound C on its few largest tensors, and the public basis V is
+built from the same lopsided gradients: 48 of 101 tensors keep a cosine under 0.3 with their own clipped gradient
+once projected (benchmarks/projection_per_tensor.py). Adam hides that without DP by dividing each coordinate by
+its running RMS, which under DP scales the noise too.
+
+Here every tensor t is scaled by a_t = c / rms_t before clipping, with rms_t its per-sample gradients' RMS on
+public data at the current weights and c their RMS over all coordinates: on public data every tensor then has the
+same RMS c, and the overall scale is kept, so C means what it meant. The private step clips sum_i clip(a * g_i, C),
+adds N(0, sigma^2 C^2 I), projects onto the V of the scaled public gradients and hands the result to the optimizer
+as the step direction: the signal is preconditioned per tensor, the noise is not (Li et al. 2022, "Private
+adaptive optimization with side information", per tensor). The scales are a function of public data and the
+weights only (P2), so one record still changes the noisy sum by at most C: the accountant's input is unchanged.
+Measured, it does not lift proj under SGD (docs/results/index.md, per-tensor steps under DP): spread evenly over
+the tensors, the gradient no longer fits V's few directions.
+
+A training step, the server and a site compute V (and the scales) with ``public_basis_at``,
+``public_scaled_basis_at`` and ``public_scales_at``: the trained weights and the first m public samples on
+the device, then ``compute_basis`` (``compute_scaled_basis``, ``public_scales``) on them; P2: public data only.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from fedpose.shared.errors import NonFinitePublicGradients
-from fedpose.shared.privacy.step.batch_checks import batch_size_of, check_params
-from fedpose.shared.privacy.step.persample import LossFn
-from fedpose.shared.privacy.step.tensor_scales import per_sample_chunks, scales_of
+from fedpose.shared.privacy.step.bookkeeping import per_sample_chunks
+from fedpose.shared.privacy.step.persample import LossFn, batch_size_of, check_params
+from fedpose.shared.training.allocator import keep_freed_memory
+from fedpose.shared.training.batches import to_device
+
+if TYPE_CHECKING:
+    from fedpose.shared.configuration.schema import PrivacyConfig
+    from fedpose.shared.data.dataset import PoseDataset
+    from fedpose.shared.model.posenet import PoseNet
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +77,28 @@ _COLUMN_BLOCK = 1 << 14
 DEFAULT_RTOL = 1e-6
 
 
-def flatten(tensors: Mapping[str, Tensor]) -> Tensor:
+def flat_vector(tensors: Mapping[str, Tensor]) -> Tensor:
     """Concatenate a parameter dict into one vector (p,), names in sorted order."""
     if not isinstance(tensors, Mapping) or len(tensors) == 0:
-        raise ValueError("flatten needs a non-empty dict of tensors")
+        raise ValueError("flat_vector needs a non-empty dict of tensors")
     return torch.cat([tensors[name].reshape(-1) for name in sorted(tensors)])
 
 
-def flatten_per_sample(tensors: Mapping[str, Tensor]) -> Tensor:
-    """{name: (B, *shape)} -> (B, p), same sorted-name order as ``flatten``."""
+def flat_vector_per_sample(tensors: Mapping[str, Tensor]) -> Tensor:
+    """{name: (B, *shape)} -> (B, p), same sorted-name order as ``flat_vector``."""
     if not isinstance(tensors, Mapping) or len(tensors) == 0:
-        raise ValueError("flatten_per_sample needs a non-empty dict of tensors")
+        raise ValueError("flat_vector_per_sample needs a non-empty dict of tensors")
     names = sorted(tensors)
     size = tensors[names[0]].shape[0]
     return torch.cat([tensors[name].reshape(size, -1) for name in names], dim=1)
 
 
-def unflatten(vector: Tensor, *, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Inverse of ``flatten``: split a (p,) vector into tensors shaped like ``like``."""
+def from_flat_vector(vector: Tensor, *, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of ``flat_vector``: split a (p,) vector into tensors shaped like ``like``."""
     if not isinstance(like, Mapping) or len(like) == 0:
-        raise ValueError("unflatten needs a non-empty template dict `like`")
+        raise ValueError("from_flat_vector needs a non-empty template dict `like`")
     if vector.dim() != 1:
-        raise ValueError(f"unflatten expects a 1-d vector, got shape {tuple(vector.shape)}")
+        raise ValueError(f"from_flat_vector expects a 1-d vector, got shape {tuple(vector.shape)}")
     names = sorted(like)
     total = sum(like[name].numel() for name in names)
     if vector.numel() != total:
@@ -228,6 +259,43 @@ def project(basis: Tensor, vector: Tensor) -> Tensor:
     return (basis @ coords).to(vector.dtype)  # (p,)
 
 
+def public_scales(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: Mapping[str, Tensor], *,
+                  chunk_size: int) -> dict[str, float]:
+    """a_t = c / rms_t for every tensor of ``params`` (module docstring); 1 where a tensor has no public gradient.
+
+    P2: the only data argument is a public batch. ``compute_scaled_basis`` gives the same scales with V.
+    """
+    return scales_of(per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size),
+                     {name: value.numel() for name, value in params.items()})
+
+
+def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int]) -> dict[str, float]:
+    """The scales of per-sample gradients given chunk by chunk ({name: (b, ...)}); non-finite rows are left out."""
+    squares = dict.fromkeys(sizes, 0.0)
+    rows = 0
+    for grads in chunks:
+        flat = {name: g.reshape(g.shape[0], -1).double() for name, g in grads.items()}
+        finite = torch.stack([torch.isfinite(f).all(1) for f in flat.values()]).all(0)  # (b,)
+        for name, f in flat.items():
+            squares[name] += float(f[finite].pow(2).sum())
+        rows += int(finite.sum())
+    if rows == 0:
+        raise NonFinitePublicGradients("no public sample gave a finite gradient; the tensor scales cannot be computed")
+    c = math.sqrt(sum(squares.values()) / (rows * sum(sizes.values())))
+    scales = {}
+    for name, total in squares.items():
+        rms = math.sqrt(total / (rows * sizes[name]))
+        scales[name] = c / rms if rms > 0 and c > 0 else 1.0
+    return scales
+
+
+def scale(grads: Mapping[str, Tensor], scales: Mapping[str, float] | None) -> dict[str, Tensor]:
+    """Each tensor times its scale (per-sample or not); ``scales`` None: as they are."""
+    if scales is None:
+        return dict(grads)
+    return {name: g * scales[name] for name, g in grads.items()}
+
+
 def compute_basis(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -262,7 +330,7 @@ def compute_scaled_basis(
     clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """``train.tensor_scales: public`` with a projection: the per-tensor scales of the public per-sample gradients
-    (``tensor_scales.scales_of``) and the V of those gradients each tensor times its scale, from one pass over the
+    (``scales_of``) and the V of those gradients each tensor times its scale, from one pass over the
     public batch (P2, as ``compute_basis``), so that V spans the gradients a step with the same scales clips."""
     rows = _public_rows(loss_fn, params, public_batch, k=k, chunk_size=chunk_size)
     scales = scales_of(rows, {name: value.numel() for name, value in params.items()})
@@ -285,8 +353,48 @@ def _public_rows(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: Ma
 
 def _basis_of(rows: list[dict[str, Tensor]], params: Mapping[str, Tensor], *, k: int, rtol: float,
               clip: float | None) -> Tensor:
-    names = sorted(params)  # flatten's order: one column group per tensor, one row chunk per chunk of samples
+    names = sorted(params)  # flat_vector's order: one column group per tensor, one row chunk per chunk of samples
     basis = basis_from_blocks([[grads[name] for name in names] for grads in rows], k, rtol=rtol, fewer=True, clip=clip)
     log.info("projection basis from %d public samples: p=%d, k=%d", sum(next(iter(g.values())).shape[0] for g in rows),
              sum(value.numel() for value in params.values()), basis.shape[1])
     return basis
+
+
+def public_basis_at(
+    model: PoseNet,
+    loss_fn: Callable,
+    trainable: list[str],
+    public: PoseDataset,
+    privacy: PrivacyConfig,
+    device: torch.device,
+) -> torch.Tensor:
+    """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)
+
+
+def public_scaled_basis_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
+                           privacy: PrivacyConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """``train.tensor_scales: public`` with a projection: V of the scaled public gradients and the scales (P2)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
+    return compute_scaled_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size,
+                                clip=privacy.basis_clip)
+
+
+def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
+                     privacy: PrivacyConfig, device: torch.device) -> dict[str, float]:
+    """``train.tensor_scales: public`` without a projection: each tensor's scale from the m public samples (P2)."""
+    current, batch = _public_inputs(model, trainable, public, privacy, device, basis=False)
+    return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size)
+
+
+def _public_inputs(model: PoseNet, trainable: list[str], public: PoseDataset, privacy: PrivacyConfig,
+                   device: torch.device, *, basis: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The trained weights (detached) and the first m public samples on the device; for a ``basis``, k <= m."""
+    m = min(privacy.m, len(public))
+    if basis and privacy.k > m:
+        raise ValueError(f"privacy.k = {privacy.k} exceeds the {m} public samples available; lower k")
+    batch = to_device(public.batch(list(range(m))), device)
+    keep_freed_memory()
+    named = dict(model.named_parameters())
+    return {name: named[name].detach() for name in trainable}, batch
