@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.models import perturbed_model, pose_batch
-from support.models import record_loop, recorded_train
+from support.models import perturbed_model, pose_batch, record_loop, recorded_train
 
 
 def _model():

@@ -27,8 +27,7 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from support.site import site_policy, train_request, spend_rows
-from support.site import die_after_reading
+from support.site import die_after_reading, site_policy, spend_rows, train_request
 
 
 def _count_training(monkeypatch) -> list[int]:

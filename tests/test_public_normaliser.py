@@ -13,8 +13,7 @@ import torch
 from fedpose.client.site import handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, record_tensors
-from support.site import subset_split
-from support.site import site_policy, train_request
+from support.site import site_policy, subset_split, train_request
 
 
 def _spread(cfg, state, policy, sigma: float) -> float:
