@@ -16,13 +16,18 @@ A charged round is one release (P16): its row keeps the digest of the whole
 request it was charged for (``request_digest``: weights, basis, every config
 field, the app bundle), and only that identical request replays it. A round
 that failed after its charge is ``failed`` for good (its noise seed erased,
-its answer kept in ``outcome``): every later request for it gets that answer.
+its answer kept in ``outcome``): every later request for it gets that answer. So does a round interrupted
+after its charge (a stopped run's SIGINT), whether or not its reply was stored: a reply that never left is
+withdrawn. Only a round whose process died stays charged, and it starts at most ``MAX_ATTEMPTS`` times in all,
+its replays included (``attempts``), so a crash that depends on the private batch is not an oracle the server
+may query at will.
 
 Schema 1 ledgers (no method/psi columns) are migrated in place; their old rows read method ``unknown``, so no
 record-level claim can be made over them. Schema 3 adds the privacy unit of each row (issue #11); rows of
 schema 1 and 2 ledgers read ``record``, which is what every round before the unit existed ran. Schema 4 adds
 the charge on attempt (a row's state, its noise seed and data version) and the site's events; schema 5 binds
-a charged row to its request (``request_digest``) and keeps the answer of a round that failed (``outcome``).
+a charged row to its request (``request_digest``) and keeps the answer of a round that failed (``outcome``);
+schema 6 counts the times a charged round started reading private data (``attempts``).
 A ledger belongs to one site (``meta.site``): a ledger written by another site is refused.
 
 The file reads top-down: the tables and their migrations, opening a ledger, one charge inside its transaction
@@ -47,7 +52,12 @@ from fedpose.shared.privacy.accounting.history import DEFAULT_BUSY_TIMEOUT, chec
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+
+# How many times a charged round may start reading private data: the first run and the replays of the identical
+# request after its process died. Each replay is the same release (same seed, data and request), but whether it
+# dies again can depend on the realised batch (its memory, its time), so the count is bounded.
+MAX_ATTEMPTS = 3
 
 # What the site refused or failed, with the reason, for its operator (``fedpose site status``, the console).
 # Local only: the server already got the same generic answer.
@@ -83,7 +93,8 @@ _SCHEMA = [
         noise_seed INTEGER,                   -- charged rows only: the round's secret seed, erased when done
         data_version TEXT,                    -- the data the round was charged on (a replay needs the same)
         request_digest TEXT,                  -- the whole request the round was charged for (P16)
-        outcome TEXT                          -- failed rows: the answer every later request for the round gets
+        outcome TEXT,                         -- failed rows: the answer every later request for the round gets
+        attempts INTEGER NOT NULL DEFAULT 0   -- charged rows: the times the round started reading private data
     )""",
     "CREATE INDEX IF NOT EXISTS spend_round ON spend (federation, round)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -110,8 +121,12 @@ _V4_TO_V5 = [
     "ALTER TABLE spend ADD COLUMN request_digest TEXT",
     "ALTER TABLE spend ADD COLUMN outcome TEXT",
 ]
-_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5, 2: _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5,
-               3: _V3_TO_V4 + _V4_TO_V5, 4: _V4_TO_V5}
+_V5_TO_V6 = [
+    "ALTER TABLE spend ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+]
+_MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5 + _V5_TO_V6,
+               2: _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5 + _V5_TO_V6, 3: _V3_TO_V4 + _V4_TO_V5 + _V5_TO_V6,
+               4: _V4_TO_V5 + _V5_TO_V6, 5: _V5_TO_V6}
 
 
 def open_schema(conn: sqlite3.Connection, path: Path, *, site: str | None, busy_timeout: float) -> None:
@@ -282,14 +297,35 @@ class SiteLedger:
         if updated != 1:
             raise ValueError(f"federation {federation} round {round} is not a charged round of {self.path}")
 
+    def start_attempt(self, federation: str, round: int) -> bool:
+        """A charged round is about to read private data: count the attempt. False, and the round made ``failed``
+        for good, when it already started ``MAX_ATTEMPTS`` times (its process kept dying)."""
+        with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
+            row = self.conn.execute(
+                "SELECT attempts FROM spend WHERE federation = ? AND round = ? AND state = 'charged'",
+                (federation, int(round))).fetchone()
+            if row is None:
+                raise ValueError(f"federation {federation} round {round} is not a charged round of {self.path}")
+            if row[0] >= MAX_ATTEMPTS:
+                self.conn.execute(
+                    "UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? WHERE federation = ? "
+                    "AND round = ? AND state = 'charged'",
+                    (f"its process died {row[0]} times", federation, int(round)))
+                return False
+            self.conn.execute("UPDATE spend SET attempts = attempts + 1 WHERE federation = ? AND round = ? "
+                              "AND state = 'charged'", (federation, int(round)))
+        return True
+
     def fail(self, federation: str, round: int, outcome: str) -> bool:
-        """A charged round failed after its charge: final (P16). Its noise seed is erased and ``outcome`` is the
-        answer every later request for the round gets; it stays spent. False when the round is not charged (it
-        was finished before the failure, or never charged)."""
+        """A round failed or was interrupted after its charge, before its answer left: final (P16). Its noise seed
+        is erased and ``outcome`` is the answer every later request for the round gets; it stays spent. A round
+        already ``done`` (its reply stored, not sent) becomes ``failed`` too: the caller drops the stored reply.
+        False when the round is neither charged nor done (it failed already, or was never charged)."""
         with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
             updated = self.conn.execute(
                 "UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? "
-                "WHERE federation = ? AND round = ? AND state = 'charged'", (outcome, federation, int(round))).rowcount
+                "WHERE federation = ? AND round = ? AND state IN ('charged', 'done')",
+                (outcome, federation, int(round))).rowcount
         return updated == 1
 
     def record_event(self, *, code: int, reason: str, federation: str | None = None, round: int | None = None) -> None:

@@ -43,6 +43,11 @@ def store_reply(policy: SitePolicy, federation: str, round: int, weights: dict[s
             old.unlink(missing_ok=True)
 
 
+def drop_reply(policy: SitePolicy, federation: str, round: int) -> None:
+    """Forget the stored reply of a round whose answer never left (it was interrupted before it did, P16)."""
+    _reply_path(policy, federation, round).unlink(missing_ok=True)
+
+
 def _reply_of(name: str) -> tuple[str, int] | None:
     """(federation, round) of a stored reply's file name ``<federation>-r<round>.pt``, else None."""
     match = _REPLY_NAME.fullmatch(name)

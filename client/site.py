@@ -24,12 +24,14 @@ before it leaves.
 A charged round is one release (P16): its row is bound to the digest of the whole request
 (``fedpose.client.request.request_digest``: weights, basis, every config field, the app bundle). A
 (federation, round) asked again gets its stored reply when it is done, and its stored failure when it
-failed after the charge (final: the noise seed is erased, nothing runs again). Only a round whose
-process died mid-way stays charged, and only the identical request replays it, on the same seed and
-the same data, so it is never spent twice and never evaluated on other inputs. With ``round_seconds``
-in the policy the answer of a charged round leaves at a multiple of that period after the request
-arrived (``hold_reply``), not when training happened to end; one site runs one round at a time, across
-processes (``site_lock``).
+failed after the charge (final: the noise seed is erased, nothing runs again). An interruption after the
+charge, a stopped run's SIGINT included, is final in the same way, during training or while the answer is
+held (a reply that never left is dropped). Only a round whose process died stays charged, and only the
+identical request replays it, on the same seed and the same data, at most ``MAX_ATTEMPTS`` times in all, so
+it is never spent twice and never evaluated on other inputs. With ``round_seconds`` in the policy every
+answer about a charged round (a fresh reply or failure, a stored one, the refusal of another request for
+it) leaves at a multiple of that period after its own request arrived (``on_the_clock``, ``hold_reply``),
+not when training happened to end; one site runs one round at a time, across processes (``site_lock``).
 
 This module is the round itself, its lock and its held answer; the steps it calls live beside it:
 ``fedpose.client.request`` (parse, check against the policy, load weights, the digest a charge is bound to),
@@ -47,12 +49,13 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedpose.client.ledger import Mechanism, SiteLedger
+from fedpose.client.ledger import MAX_ATTEMPTS, Mechanism, SiteLedger
 from fedpose.client.policy import SitePolicy
-from fedpose.client.replies import repeated_round, store_reply
+from fedpose.client.replies import drop_reply, repeated_round, store_reply
 from fedpose.client.request import (check_model_size, check_request, load_weights, parse_request, request_digest,
                                     running_bundle)
 from fedpose.shared.configuration.methods import PROJECTED, WITH_PUBLIC
@@ -112,61 +115,130 @@ def hold_reply(arrived: float, period: float | None) -> None:
         time.sleep(left)
 
 
+@contextmanager
+def on_the_clock(arrived: float, period: float | None) -> Iterator[None]:
+    """Every answer about a charged round, a reply or a failure or a refusal, leaves at the clock of its own
+    request (``hold_reply``): a stored reply is not answered at once. An interruption (``BaseException`` that is
+    not an ``Exception``: the run was stopped) is not held; nothing is sent then."""
+    try:
+        yield
+    except Exception:
+        hold_reply(arrived, period)
+        raise
+    hold_reply(arrived, period)
+
+
 def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) -> Any:
     """Run one requested round or raise ``Refusal`` (nothing spent) or ``SiteFailure`` (spent); returns the reply."""
-    from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy
-    from fedpose.shared.training.loop import select_device
-
     arrived = time.monotonic()
     request = parse_request(content)
-    cfg = request.config
     check_request(request, policy)
     ready = site_ready(policy)
     with site_lock(policy):
         with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
             row = ledger.row_of(request.federation, request.round)
-        if row is not None and row["state"] == "done":
-            return repeated_round(policy, request.federation, request.round)
-        if row is not None and row["state"] == "failed":  # final (P16): the stored answer, nothing runs again
-            raise SiteFailure(f"round {request.round} of federation {request.federation} failed after its charge "
-                              f"({row['outcome']}); that failure is its answer, it is never trained again")
-        if row is not None and row["data_version"] != ready.data_version:
-            raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
-                                                     "was already charged here; it is never trained twice")
-
-        device = select_device(cfg.train.device)
-        model = build_model(cfg.model, cfg.data.input_size)
-        check_model_size(model, policy)
-        load_weights(content, model)
-        model.to(device)
-        trainable = apply_strategy(model, cfg.train.strategy)
-        basis, seconds_basis = None, 0.0
-        if request.config.train.method in PROJECTED:  # from public data only (P2): before the charge
-            basis, seconds_basis = obtain_basis(content, request, model, trainable, policy)
-            basis = basis.to(device)
-        digest = request_digest(content, basis, bundle=running_bundle())
         if row is None:
-            row = _charge(request, policy, ready, digest)
-        elif row["request_digest"] != digest:  # the same noise on other inputs: a second release (P16)
-            raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
-                                                     "was charged here for another request; only that identical "
-                                                     "request replays it, and it is never trained twice")
-        else:
-            log.warning("site %s: round %d of federation %s was charged but never finished: replaying the identical "
-                        "request on its own seed (not spent again)", policy.site, request.round, request.federation)
-        try:
-            return _train_charged(request, policy, ready, row, model, trainable, basis=basis,
-                                  seconds_basis=seconds_basis, progress=progress)
-        except Exception as err:
-            # A failure after the charge is final (P16): stored as the round's answer, its noise seed erased. A
-            # crash (the process dies) leaves the row charged, replayable by the identical request only.
-            outcome = str(err) if isinstance(err, SiteFailure) else "the site failed; the detail is in its own log"
-            with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
-                ledger.fail(request.federation, request.round, outcome)
-            raise
-        finally:
-            hold_reply(arrived, policy.round_seconds)
+            prepared = _prepare(content, request, policy)
+            row = _charge(request, policy, ready, prepared.digest)
+            return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
+        with on_the_clock(arrived, policy.round_seconds):  # an answer about a round charged already (P16)
+            if row["state"] == "done":
+                return repeated_round(policy, request.federation, request.round)
+            if row["state"] == "failed":  # final (P16): the stored answer, nothing runs again
+                raise SiteFailure(f"round {request.round} of federation {request.federation} failed after its "
+                                  f"charge ({row['outcome']}); that failure is its answer, it is never trained again")
+            if row["data_version"] != ready.data_version:
+                raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
+                                                         "was already charged here; it is never trained twice")
+            prepared = _prepare(content, request, policy)
+            if row["request_digest"] != prepared.digest:  # the same noise on other inputs: a second release (P16)
+                raise Refusal(RefusalCode.ALREADY_SPENT, f"round {request.round} of federation {request.federation} "
+                                                         "was charged here for another request; only that identical "
+                                                         "request replays it, and it is never trained twice")
+        log.warning("site %s: round %d of federation %s was charged but its process died: replaying the identical "
+                    "request on its own seed (not spent again)", policy.site, request.round, request.federation)
+        return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a round trains, made from the request and public data only, before the charge: the model with the
+    received weights on the round's device, the names it trains, V (None for methods that do not project) and
+    the seconds V took, and the digest of the whole request that a charge is bound to (P16)."""
+
+    model: Any
+    trainable: list[str]
+    basis: torch.Tensor | None
+    seconds_basis: float
+    digest: str
+
+
+def _prepare(content: Any, request: Any, policy: SitePolicy) -> Prepared:
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.training.loop import select_device
+
+    cfg = request.config
+    device = select_device(cfg.train.device)
+    model = build_model(cfg.model, cfg.data.input_size)
+    check_model_size(model, policy)
+    load_weights(content, model)
+    model.to(device)
+    trainable = apply_strategy(model, cfg.train.strategy)
+    basis, seconds_basis = None, 0.0
+    if cfg.train.method in PROJECTED:  # from public data only (P2): before the charge
+        basis, seconds_basis = obtain_basis(content, request, model, trainable, policy)
+        basis = basis.to(device)
+    digest = request_digest(content, basis, bundle=running_bundle())
+    return Prepared(model, trainable, basis, seconds_basis, digest)
+
+
+# The stored answer of a round interrupted after its charge (a stopped run): said to every later request for it.
+INTERRUPTED = "interrupted before its answer left: its run was stopped"
+
+
+def _release(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], prepared: Prepared, *,
+             arrived: float, progress: bool) -> Any:
+    """A charged round from its first private read until its answer leaves, on the clock (P13, P16).
+
+    Every outcome but the process dying is final: a failure is stored as the round's answer, and so is an
+    interruption (Flower turns a stopped run into SIGINT and ``SystemExit`` in the ClientApp), during training or
+    while the answer is held, with the noise seed erased and a stored reply that never left dropped. Otherwise a
+    server could stop a round at times of its choosing and replay it on the same sample, reading the round's
+    duration, which tracks the realised batch. A process that dies leaves the round charged, replayed by the
+    identical request at most ``MAX_ATTEMPTS`` times in all.
+    """
+    federation, rnd = request.federation, request.round
+    try:
+        with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+            if not ledger.start_attempt(federation, rnd):
+                raise SiteFailure(f"round {rnd} of federation {federation} failed after its charge (its process died "
+                                  f"{MAX_ATTEMPTS} times); that failure is its answer, it is never trained again")
+        reply = _train_charged(request, policy, ready, row, prepared.model, prepared.trainable, basis=prepared.basis,
+                               seconds_basis=prepared.seconds_basis, progress=progress)
+    except Exception as err:
+        _final(policy, federation, rnd, str(err) if isinstance(err, SiteFailure)
+               else "the site failed; the detail is in its own log")
+        hold_reply(arrived, policy.round_seconds)
+        raise
+    except BaseException:
+        _final(policy, federation, rnd, INTERRUPTED)
+        raise
+    try:
+        hold_reply(arrived, policy.round_seconds)
+    except BaseException:  # stopped while the answer was held: it never left
+        _final(policy, federation, rnd, INTERRUPTED)
+        raise
+    return reply
+
+
+def _final(policy: SitePolicy, federation: str, rnd: int, outcome: str) -> None:
+    """The round's answer is ``outcome``, for good: its row failed, its seed erased, a stored reply dropped."""
+    with SiteLedger(policy.ledger_path, site=policy.site) as ledger:
+        ledger.fail(federation, rnd, outcome)
+    drop_reply(policy, federation, rnd)
+    log.warning("site %s: round %d of federation %s is final: %s (spent, never trained again)", policy.site, rnd,
+                federation, outcome)
 
 
 def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> dict[str, Any]:

@@ -12,8 +12,8 @@ bundle). A failure after the charge is final: it is stored as the round's answer
 round gets it back, with nothing trained. Only a crash (the site process died mid-round) leaves the round open,
 and only the identical request replays it.
 
-A crash is simulated with ``KeyboardInterrupt`` raised from inside training (``die_after_reading``): like SIGKILL or
-a power cut, it is not an ``Exception``, so no failure handler of the site runs, as none would in a dead process.
+A crash is a real one (``crash_mid_round``): the site's process is killed with SIGKILL once training has read its
+first private batch, so no handler of the site runs, as none would after a power cut.
 
 Real files throughout: the tiny synthetic world, real SQLite ledgers, ``fedpose.client.site.handle_train``.
 """
@@ -27,7 +27,7 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from support.site import die_after_reading, site_policy, spend_rows, train_request
+from support.site import crash_mid_round, site_policy, spend_rows, train_request
 
 
 def _count_training(monkeypatch) -> list[int]:
@@ -76,10 +76,7 @@ def test_an_unfinished_round_replays_only_the_identical_request(world_weights, t
     crashed = site_policy(cfg, tmp_path / "crashed", seed=11)
     clean = site_policy(cfg, tmp_path / "clean", seed=11)
     sigma = min_sigma_for(crashed)
-    die_after_reading(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        handle_train(train_request(cfg, state, sigma=sigma, steps=2), crashed)
-    monkeypatch.undo()
+    crash_mid_round(train_request(cfg, state, sigma=sigma, steps=2), crashed)
     trained = _count_training(monkeypatch)
     other_lr = train_request(replace(cfg, **{"train.lr": cfg.train.lr * 2}), state, sigma=sigma, steps=2)
     other_weights = train_request(cfg, {k: (v + 1e-3 if v.is_floating_point() else v) for k, v in state.items()},
@@ -104,10 +101,7 @@ def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world_weig
     policy = site_policy(cfg, tmp_path, seed=3)
     sigma = min_sigma_for(policy)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "a" * 64)
-    die_after_reading(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        handle_train(train_request(cfg, state, sigma=sigma), policy)
-    monkeypatch.undo()
+    crash_mid_round(train_request(cfg, state, sigma=sigma), policy)
     trained = _count_training(monkeypatch)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "b" * 64)  # the same request, run by other code
     with pytest.raises(Refusal) as refused:

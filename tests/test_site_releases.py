@@ -27,7 +27,7 @@ from fedpose.client.site import SiteFailure, handle_train
 from fedpose.client.data import prepare_site, site_info
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from support.site import cut_split, die_after_reading, site_policy, spend_rows, subset_split, train_request
+from support.site import crash_mid_round, cut_split, site_policy, spend_rows, subset_split, train_request
 
 
 def _fail_after_reading(monkeypatch) -> list[int]:
@@ -64,10 +64,7 @@ def test_an_unfinished_round_replays_on_its_own_seed_and_is_never_spent_twice(wo
     crashed = site_policy(cfg, tmp_path / "crashed", seed=11)
     clean = site_policy(cfg, tmp_path / "clean", seed=11)
     sigma = min_sigma_for(crashed)
-    real = die_after_reading(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        handle_train(train_request(cfg, state, sigma=sigma, steps=2), crashed)
-    monkeypatch.setattr("fedpose.shared.training.loop.local_train", real)
+    crash_mid_round(train_request(cfg, state, sigma=sigma, steps=2), crashed)
     replayed = handle_train(train_request(cfg, state, sigma=sigma, steps=2), crashed)
     uninterrupted = handle_train(train_request(cfg, state, sigma=sigma, steps=2), clean)
     a, b = record_tensors(replayed[ARRAYS]), record_tensors(uninterrupted[ARRAYS])
@@ -85,10 +82,7 @@ def test_a_charged_round_is_not_replayed_on_changed_data(world_weights, tmp_path
     data = subset_split(cfg, tmp_path / "site-0", 40)
     policy = site_policy(cfg, tmp_path, data_path=str(data))
     sigma = min_sigma_for(policy)
-    real = die_after_reading(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        handle_train(train_request(cfg, state, sigma=sigma), policy)
-    monkeypatch.setattr("fedpose.shared.training.loop.local_train", real)
+    crash_mid_round(train_request(cfg, state, sigma=sigma), policy)
     cut_split(data, 39)  # one record fewer
     # until its operator checks the changed data the site refuses everything, generically
     with pytest.raises(Refusal) as refused:

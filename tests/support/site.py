@@ -74,19 +74,29 @@ def refusal_of(content, policy) -> Refusal:
     return info.value
 
 
-def die_after_reading(monkeypatch):
-    """Make local training read its first private batch, then the process dies (not an ``Exception``: no handler
-    of the site runs, as none would in a killed process)."""
-    import fedpose.shared.training.loop as train_module
+def crash_mid_round(content, policy) -> None:
+    """Run ``handle_train(content, policy)`` in a child process that is killed (SIGKILL, as a power cut or the
+    kernel's out-of-memory killer would) once local training has read its first private batch: no handler of
+    the site runs, the round's row stays as the crash left it."""
+    import os
+    import signal
 
-    real = train_module.local_train
+    pid = os.fork()
+    if pid == 0:  # the site process that dies
+        try:
+            import fedpose.shared.training.loop as train_module
 
-    def dying(model, data, run, **kwargs):
-        data.private.batch([0])
-        raise KeyboardInterrupt("the site process died mid-round")
+            def killed(model, data, run, **kwargs):
+                data.private.batch([0])
+                os.kill(os.getpid(), signal.SIGKILL)
 
-    monkeypatch.setattr(train_module, "local_train", dying)
-    return real
+            train_module.local_train = killed
+            handle_train(content, policy)
+        finally:
+            os._exit(70)  # only reached when the round never got to training (a refusal, say)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
+        f"the site process was not killed mid-round (wait status {status})"
 
 
 def cut_split(split: Path, keep: int) -> None:
