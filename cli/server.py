@@ -39,17 +39,19 @@ def cmd_front(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from fedpose.server.front import serve
+    from fedpose.server.front import Limits, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     superlink = list(args.superlink_command or [])
     if superlink[:1] == ["--"]:
         superlink = superlink[1:]
+    limits = Limits(max_body_mib=args.max_body_mib, header_timeout=args.header_timeout,
+                    max_connections=args.max_connections)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop ends the front cleanly
     try:
         return serve(args.listen, args.superlink, ca=Path(args.ca), cert=Path(args.cert), key=Path(args.key),
-                     superlink=superlink or None)
+                     superlink=superlink or None, limits=limits)
     except KeyboardInterrupt:
         return 0
 
@@ -123,6 +125,19 @@ def register(sub: Any) -> None:
     front.add_argument("--ca", required=True, help="the CA certificate (ca.crt): checks the SuperLink's certificate")
     front.add_argument("--cert", required=True, help="the server certificate the sites check (server.pem)")
     front.add_argument("--key", required=True, help="its private key (server.key)")
+    from fedpose.server.front import Limits
+
+    defaults = Limits()
+    front.add_argument("--max-body-mib", type=int, default=defaults.max_body_mib,
+                       help="the largest request body passed on, in MiB; a larger one is answered 413 unread "
+                            f"(default {defaults.max_body_mib}; the server kit passes its federation's: the model's "
+                            "weights with room to spare)")
+    front.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+                       help="seconds a connection has to send a complete request's headers, after it opens and "
+                            f"after each answer; then it is closed (default {defaults.header_timeout:g})")
+    front.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                       help="connections held at once; more are closed as they open (default "
+                            f"{defaults.max_connections}; a site's SuperNode holds a few)")
     front.add_argument("superlink_command", nargs=argparse.REMAINDER,
                        help="-- then the flower-superlink command: started, and stopped, with the front (left "
                             "out: the front serves a SuperLink started otherwise)")

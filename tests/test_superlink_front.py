@@ -22,7 +22,9 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -248,3 +250,308 @@ def test_the_front_refuses_to_start_a_superlink_that_would_listen_beyond_its_ups
     assert ("POST", "/v1/fleet/pull-messages") in routes and ("POST", "/v1/fleet/push-messages") in routes
     assert ("GET", "/health") in routes
     assert all(path.startswith("/v1/fleet/") or path == "/health" for _, path in routes), sorted(routes)
+
+
+# -- what the front holds for a peer that has not authenticated: a bounded body, bounded time, bounded connections
+# The front runs as `fedpose server front` serves a SuperLink started otherwise; in the SuperLink's place stands a
+# TLS HTTP server of the test's own that records every request it is given, so that what the front forwards (and
+# what it does not) is counted byte for byte.
+
+MIB = 1 << 20
+
+
+class _Upstream:
+    """A TLS HTTP/1.1 server on 127.0.0.1 in the SuperLink's place: answers every request 200 and records
+    (method, path, body bytes received, their SHA-256)."""
+
+    def __init__(self, certs: Path) -> None:
+        import hashlib
+        import ssl
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        received: list[tuple[str, str, int, str]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def answer(self) -> None:
+                length, got, digest = int(self.headers.get("content-length") or 0), 0, hashlib.sha256()
+                while got < length:
+                    chunk = self.rfile.read(min(MIB, length - got))
+                    if not chunk:
+                        break
+                    got += len(chunk)
+                    digest.update(chunk)
+                received.append((self.command, self.path, got, digest.hexdigest()))
+                self.send_response(200)
+                self.send_header("content-length", "3")
+                self.end_headers()
+                self.wfile.write(b"ok\n")
+
+            do_GET = do_POST = answer
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(certs / "server.pem", certs / "server.key")
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.received = received
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _front(tmp_path: Path, *limits: str) -> tuple[subprocess.Popen, str, _Upstream]:
+    """`fedpose server front` on 127.0.0.1 with ``limits`` (its options), in front of a recording upstream."""
+    from fedpose.server.kits.certs import make_certs
+
+    certs = tmp_path / "certs"
+    make_certs(certs, nodes=0, hosts=["127.0.0.1"], days=1)
+    upstream = _Upstream(certs)
+    listen = f"127.0.0.1:{free_port()}"
+    proc = start([bin_path("fedpose"), "server", "front", "--listen", listen, "--superlink", upstream.address,
+                  "--ca", str(certs / "ca.crt"), "--cert", str(certs / "server.pem"), "--key",
+                  str(certs / "server.key"), *limits], tmp_path / "front.log", flower_env(tmp_path / "flwr"))
+    try:
+        wait_for(lambda: healthy(listen, certs / "ca.crt") or proc.poll() is not None, 60, "the front", poll=0.3)
+        assert proc.poll() is None, (tmp_path / "front.log").read_text()[-3000:]
+    except BaseException:
+        stop(proc)
+        upstream.close()
+        raise
+    return proc, listen, upstream
+
+
+def _tls(address: str, ca: Path, timeout: float = 10.0) -> Any:
+    """A TLS connection to ``address`` checked against ``ca``, handshake done."""
+    import socket
+    import ssl
+
+    host, port = address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=timeout)
+    try:
+        return ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname=host)
+    except BaseException:
+        raw.close()
+        raise
+
+
+def _closed(conn: Any, wait: float = 0.0) -> bool:
+    """Whether the front closed ``conn``: end of stream or a reset within ``wait`` s (an answer counts too)."""
+    import socket
+
+    conn.settimeout(max(wait, 0.001))
+    try:
+        conn.recv(1)
+        return True  # an answer or the end of the stream: either way nothing is left waiting
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:
+        return True
+
+
+def _status(conn: Any, wait: float) -> int | None:
+    """The status code of the response on ``conn`` within ``wait`` s, its body read (so that the connection can
+    carry the next request); None if none came, or the connection broke first."""
+    import socket
+
+    conn.settimeout(wait)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        found = re.search(rb"^content-length: *(\d+)", head, re.I | re.M)
+        chunked = re.search(rb"^transfer-encoding: *chunked", head, re.I | re.M)
+        while (found and len(body) < int(found.group(1))) or (chunked and not body.endswith(b"0\r\n\r\n")):
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            body += chunk
+    except (socket.timeout, OSError):
+        return None
+    parts = head.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[0].startswith(b"HTTP/1.") and parts[1].isdigit() else None
+
+
+def _rss(pid: int) -> int:
+    """Resident memory of process ``pid`` in bytes (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _post(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: front\r\nContent-Type: application/protobuf\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode("ascii")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads a process's memory from /proc")
+def test_the_front_answers_an_oversized_body_413_without_reading_or_forwarding_it(tmp_path: Path) -> None:
+    import hashlib
+    import threading
+
+    proc, listen, upstream = _front(tmp_path, "--max-body-mib", "1")
+    ca = tmp_path / "certs" / "ca.crt"
+    try:
+        # A body within the cap reaches the SuperLink whole, byte for byte.
+        body = os.urandom(MIB - 4096)
+        conn = _tls(listen, ca)
+        conn.sendall(_post("/v1/fleet/push-object", len(body)) + body)
+        assert _status(conn, 30) == 200
+        conn.close()
+        assert upstream.received[-1] == ("POST", "/v1/fleet/push-object", len(body), hashlib.sha256(body).hexdigest())
+        forwarded = len(upstream.received)
+
+        # 200 MB, declared and then sent, with no node credential: refused before it is read, never forwarded.
+        size, chunk = 200 * 1000 * 1000, b"\0" * MIB
+        before, peak, done = _rss(proc.pid), [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss(proc.pid))
+                done.wait(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        conn = _tls(listen, ca, timeout=120)
+        conn.sendall(_post("/v1/fleet/pull-messages", size))
+        status = _status(conn, 5)  # the cap is read off the header: the answer comes before any of the body
+        sent = 0
+        try:
+            conn.settimeout(120)
+            while sent < size:  # a peer that sends it anyway
+                conn.sendall(chunk[:size - sent])
+                sent += min(len(chunk), size - sent)
+        except OSError:
+            pass
+        if status is None:
+            status = _status(conn, 120)
+        conn.close()
+        time.sleep(1.0)  # what the front does with what it got (forwarding it, here) shows in its memory
+        done.set()
+        sampler.join(timeout=10)
+        grown = (peak[0] - before) / MIB
+        late = upstream.received[forwarded:]
+        assert (status, late) == (413, []) and grown < 50, (
+            f"HTTP {status}; {sent / MIB:.0f} MiB sent; the front's memory grew by {grown:.0f} MiB; forwarded: "
+            f"{[(m, p, n) for m, p, n, _ in late]}")
+        # ... and the front serves on: the next site's request goes through.
+        conn = _tls(listen, ca)
+        conn.sendall(_post("/v1/fleet/pull-messages", 3) + b"abc")
+        assert _status(conn, 30) == 200 and upstream.received[-1][:3] == ("POST", "/v1/fleet/pull-messages", 3)
+        conn.close()
+        assert "1 MiB" in (tmp_path / "front.log").read_text()  # the refusal is logged, with the cap
+    finally:
+        stop(proc)
+        upstream.close()
+
+
+def test_the_front_closes_connections_that_do_not_send_their_headers_in_time(tmp_path: Path) -> None:
+    proc, listen, upstream = _front(tmp_path, "--header-timeout", "1", "--max-connections", "64")
+    ca = tmp_path / "certs" / "ca.crt"
+    conns = []
+    try:
+        # 15 that dribble a request's headers a byte at a time, 4 that send nothing, and one that sends a whole
+        # request, reads the answer and then dribbles the next request's headers (keep-alive).
+        for i in range(15):
+            conn = _tls(listen, ca)
+            conn.sendall(f"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: front\r\nX-Slow-{i}: ".encode())
+            conns.append(conn)
+        conns.extend(_tls(listen, ca) for _ in range(4))
+        kept = _tls(listen, ca)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: front\r\n\r\n")
+        assert _status(kept, 30) == 200
+        kept.sendall(b"GET /health HTTP/1.1\r\nHo")
+        conns.append(kept)
+        # A client that keeps its requests coming is served on one connection across several.
+        prompt = _tls(listen, ca)
+        for _ in range(3):
+            prompt.sendall(b"GET /health HTTP/1.1\r\nHost: front\r\n\r\n")
+            assert _status(prompt, 30) == 200
+            time.sleep(0.3)
+        prompt.close()
+
+        silent = conns[15:19]
+        deadline, open_ = time.monotonic() + 8, list(conns)
+        while open_ and time.monotonic() < deadline:
+            still = []
+            for conn in open_:
+                try:
+                    if conn not in silent:
+                        conn.sendall(b"a")
+                except OSError:
+                    continue
+                if not _closed(conn):
+                    still.append(conn)
+            open_ = still
+            time.sleep(0.25)
+        assert not open_, f"{len(open_)} of {len(conns)} connections still open 8 s into a 1 s header timeout"
+        assert proc.poll() is None and healthy(listen, ca)
+    finally:
+        for conn in conns:
+            conn.close()
+        stop(proc)
+        upstream.close()
+
+
+def test_the_front_refuses_connections_beyond_its_bound(tmp_path: Path) -> None:
+    proc, listen, upstream = _front(tmp_path, "--max-connections", "4", "--header-timeout", "30")
+    ca = tmp_path / "certs" / "ca.crt"
+    held, extra = [], []
+    try:
+        held = [_tls(listen, ca) for _ in range(4)]  # silent: each holds one of the four places
+        time.sleep(0.5)
+        refused = 0
+        for _ in range(6):
+            try:
+                conn = _tls(listen, ca)
+            except OSError:
+                refused += 1
+                continue
+            extra.append(conn)
+            refused += _closed(conn, wait=3.0)
+        assert refused == 6, f"{6 - refused} of 6 connections beyond the bound of 4 were kept open"
+        assert not any(_closed(conn) for conn in held)  # those within the bound are untouched, and served
+        held[0].sendall(b"GET /health HTTP/1.1\r\nHost: front\r\n\r\n")
+        assert _status(held[0], 30) == 200
+        for conn in held:
+            conn.close()
+        wait_for(lambda: healthy(listen, ca), 30, "a place for a new connection once the others closed")
+    finally:
+        for conn in held + extra:
+            conn.close()
+        stop(proc)
+        upstream.close()
+
+
+def test_the_body_cap_holds_a_sites_largest_reply_with_little_to_spare() -> None:
+    """The cap the server kit passes (``body_limit_mib``) is above the largest request a site sends, its reply
+    with the model's weights, for the CPU and the paper-sized configs, whether V travels or not (the basis goes
+    from the server to the sites only), and within twice that: a cap, not a hole."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedpose.server.front import MIB, MIN_BODY_MIB, body_limit_mib
+    from fedpose.shared.configuration.schema import load_config, replace
+    from fedpose.shared.flower.messages import ARRAYS, METRICS, payload_bytes, weights_record
+    from fedpose.shared.model.posenet import build_model
+
+    for name in ("default", "paper"):
+        cfg = load_config(name)
+        model = build_model(cfg.model, cfg.data.input_size)
+        reply = RecordDict({ARRAYS: weights_record(model.state_dict()),
+                            METRICS: MetricRecord({"epsilon": 1.0, "sigma": 1.0, "steps": 10})})
+        size, cap = payload_bytes(reply), body_limit_mib(cfg) * MIB
+        assert size < cap <= max(MIN_BODY_MIB * MIB, 2 * size), (name, size, cap)
+        assert body_limit_mib(replace(cfg, **{"federation.basis_mode": "broadcast"})) == body_limit_mib(cfg)
