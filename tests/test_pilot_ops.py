@@ -177,6 +177,10 @@ def test_provision_writes_kits_without_any_site_private_key_and_refuses_a_git_tr
     assert "127.0.0.1" in [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
     register = (server / "register-sites.sh").read_text()
     assert "--sites hospital-a hospital-b" in register and "site-nodes.tsv" in register
+    # the sites' address caps request bodies at the federation's largest reply (tests/test_superlink_front.py)
+    from fedpose.server.front import body_limit_mib
+
+    assert f" --max-body-mib {body_limit_mib(cfg)} " in (server / "start-superlink.sh").read_text()
 
     with pytest.raises(ValueError, match="git work tree"):
         provision(REPO / "runs" / "kits-test", Federation(sites=("a",), hosts=("x",), port=8000), cfg)

@@ -166,6 +166,7 @@ EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 
 
 def kit_blocks() -> dict[str, str]:
     """The kit's files for the example site, as fedpose provision writes them (defaults of the CPU config)."""
+    from fedpose.server.front import body_limit_mib
     from fedpose.server.kits import templates as kit
     from fedpose.shared.configuration.schema import load_config, replace
 
@@ -176,7 +177,8 @@ def kit_blocks() -> dict[str, str]:
               "batch_size": cfg.train.batch_size, "local_steps": cfg.federation.local_steps,
               "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
               "augment": str(cfg.data.augment).lower(), "public_batch_size": cfg.train.public_batch_size,
-              "accountant": cfg.privacy.accountant, "method_note": kit.method_note(cfg.train.method)}
+              "accountant": cfg.privacy.accountant, "method_note": kit.method_note(cfg.train.method),
+              "max_body_mib": body_limit_mib(cfg)}
     names = ("POLICY", "START_SCRIPT", "SYSTEMD_UNIT", "SITE_STEPS", "SERVER_STEPS", "SUPERLINK_SCRIPT",
              "REGISTER_SCRIPT")
     return {name: getattr(kit, name).format(**values) for name in names}

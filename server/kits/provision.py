@@ -68,6 +68,7 @@ def provision(out: Path, federation: Federation, cfg, *, install: Install = Inst
     """Write the kits under ``out`` (server/ and one folder per site); returns {kit name: folder}. Each kit holds
     the fedpose wheel and constraints.txt it installs from (``install.wheel``/``install.constraints``, else the
     checkout's); the server's certificate is valid for ``days``."""
+    from fedpose.server.front import body_limit_mib
     from fedpose.server.kits.certs import make_certs
     from fedpose.server.kits.wheel import kit_install_files
     from fedpose.shared.configuration.methods import WITH_PUBLIC
@@ -128,8 +129,8 @@ def provision(out: Path, federation: Federation, cfg, *, install: Install = Inst
                f"fedpose site kit for {site}\n\n" + kit.SITE_STEPS.format(site=site, wheel=whl.name, **paths))
         kits[site] = folder
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
-    _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port),
-           mode=0o755)
+    _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port,
+                                                                      max_body_mib=body_limit_mib(cfg)), mode=0o755)
     dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
         address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"],
