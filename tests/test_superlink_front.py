@@ -539,10 +539,11 @@ def test_the_front_refuses_connections_beyond_its_bound(tmp_path: Path) -> None:
 def test_the_body_cap_holds_a_sites_largest_reply_with_little_to_spare() -> None:
     """The cap the server kit passes (``body_limit_mib``) is above the largest request a site sends, its reply
     with the model's weights, for the CPU and the paper-sized configs, whether V travels or not (the basis goes
-    from the server to the sites only), and within twice that: a cap, not a hole."""
+    from the server to the sites only), and within twice that: a cap, not a hole. Limits out of range are
+    refused, naming the value."""
     from flwr.app import MetricRecord, RecordDict
 
-    from fedpose.server.front import MIB, MIN_BODY_MIB, body_limit_mib
+    from fedpose.server.front import MIB, MIN_BODY_MIB, Limits, body_limit_mib
     from fedpose.shared.configuration.schema import load_config, replace
     from fedpose.shared.flower.messages import ARRAYS, METRICS, payload_bytes, weights_record
     from fedpose.shared.model.posenet import build_model
@@ -555,3 +556,7 @@ def test_the_body_cap_holds_a_sites_largest_reply_with_little_to_spare() -> None
         size, cap = payload_bytes(reply), body_limit_mib(cfg) * MIB
         assert size < cap <= max(MIN_BODY_MIB * MIB, 2 * size), (name, size, cap)
         assert body_limit_mib(replace(cfg, **{"federation.basis_mode": "broadcast"})) == body_limit_mib(cfg)
+    for bad in ({"max_body_mib": 0}, {"header_timeout": 0.0}, {"header_timeout": float("inf")},
+                {"max_connections": 0}, {"max_connections": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            Limits(**bad)
