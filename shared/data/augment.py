@@ -59,21 +59,23 @@ class Jitter(NamedTuple):
     gain: np.ndarray  # (3,) float32, per channel
     contrast: np.float32
     brightness: np.float32
-    noise: np.ndarray | None  # (H, W, 3) float32 sensor noise (already scaled), None when its std drew 0
+    noise: np.ndarray | None  # (H, W, 3) float32 sensor noise (already scaled), None when its std drew 0 or not drawn
+    std: np.float32  # the noise's standard deviation (of 255)
 
 
-def draw_jitter(rng: np.random.Generator, strength: float, shape: tuple[int, ...]) -> Jitter:
+def draw_jitter(rng: np.random.Generator, strength: float, shape: tuple[int, ...], *, noise: bool = True) -> Jitter:
     """The draws of ``Augment.photometric`` at ``strength`` for a crop of ``shape`` (H, W, 3), from ``rng``.
 
     Drawn apart from the crop so that a batch can take every draw from one generator in order and render its
-    crops in parallel (``PoseDataset.batch``)."""
+    crops in parallel (``PoseDataset.batch``). ``noise=False`` leaves the noise image undrawn (its ``std`` is
+    drawn): a batch assembled on the device draws every crop's noise at once, as one tensor."""
     p = float(strength)
     gain = rng.uniform(1.0 - p, 1.0 + p, size=3).astype(np.float32)
     contrast = np.float32(rng.uniform(1.0 - p, 1.0 + p))
     brightness = np.float32(rng.uniform(-48.0 * p, 48.0 * p))
     std = float(rng.uniform(0.0, 12.0 * p))
-    noise = rng.standard_normal(shape).astype(np.float32) * np.float32(std) if std > 0 else None
-    return Jitter(gain, contrast, brightness, noise)
+    image = rng.standard_normal(shape).astype(np.float32) * np.float32(std) if noise and std > 0 else None
+    return Jitter(gain, contrast, brightness, image, np.float32(std))
 
 
 def apply_jitter(crop: np.ndarray, jitter: Jitter) -> np.ndarray:

@@ -104,16 +104,22 @@ def flip_horizontal(
     """
     if image.shape[1] != width:
         raise ValueError(f"flip_horizontal: image width {image.shape[1]} != width argument {width}")
+    pts, vis = flip_joints(joints, visible, width)
+    return np.ascontiguousarray(image[:, ::-1]), pts, vis
+
+
+def flip_joints(joints: np.ndarray, visible: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The joints half of ``flip_horizontal``: (joints (16, 2) float32, visible (16,) bool) of the mirrored crop, for
+    a batch whose pixels are mirrored elsewhere (on the training device)."""
     pts = np.array(joints, dtype=np.float32)
     vis = np.array(visible).astype(bool)
     if pts.shape != (NUM_JOINTS, 2) or vis.shape != (NUM_JOINTS,):
         raise ValueError(f"flip_horizontal expects joints (16, 2) and visible (16,), got {pts.shape}, {vis.shape}")
     perm = flip_permutation()
-    flipped = np.ascontiguousarray(image[:, ::-1])
     pts[:, 0] = (width - 1) - pts[:, 0]
     pts, vis = pts[perm], vis[perm]
     pts[~vis] = 0.0
-    return flipped, pts, vis
+    return pts, vis
 
 
 def box_corners(box: np.ndarray) -> np.ndarray:
