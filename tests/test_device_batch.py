@@ -19,6 +19,7 @@ from fedpose.shared.data.image_files import read_image
 from fedpose.shared.data.joints import FLIP_PAIRS
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.data.synth.ward import WardSpec, generate_ward
+from fedpose.shared.training.batches import assembly_device
 
 SIZE = (48, 40)
 CPU = torch.device("cpu")
@@ -168,3 +169,10 @@ def test_a_device_batch_and_its_views_stay_on_the_device(ward: Path) -> None:
     expected = base.canonical().batch([1, 0])
     _close(canonical.batch([1, 0])["image"], expected["image"])
     assert torch.equal(canonical.batch([1, 0])["joints"], expected["joints"])
+
+
+def test_a_training_step_assembles_its_batches_on_a_gpu_and_per_image_on_the_cpu() -> None:
+    """Where a training process assembles: on the GPU it trains on (the per-image path cannot feed it); on the
+    CPU per image in threads, which is faster there (benchmarks/batch_assembly.py)."""
+    assert assembly_device(torch.device("cpu")) is None
+    assert assembly_device(torch.device("cuda", 0)) == torch.device("cuda", 0)

@@ -24,6 +24,13 @@ def make_dataset(records: list[PoseRecord], cfg: Config, *, train: bool, seed: i
                        face_tasks=bool(cfg.model.face_tasks))
 
 
+def assembly_device(device: torch.device) -> torch.device | None:
+    """Where a training process on ``device`` assembles its batches (``PoseDataset.assembled_on``): on a GPU, there
+    (one grid and one sampling a batch; per image on the CPU the step would wait for it); on the CPU, None: per
+    image in threads, which is faster there (benchmarks/batch_assembly.py, docs/results/benchmarks.md)."""
+    return device if device.type == "cuda" else None
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "index"}
 

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedpose.shared.training.allocator import keep_freed_memory
-from fedpose.shared.training.batches import make_psi_from, psi_on, to_device
+from fedpose.shared.training.batches import assembly_device, make_psi_from, psi_on, to_device
 from fedpose.shared.privacy.step.subspace import column_major, public_basis_at, public_scaled_basis_at, public_scales_at
 from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
 from fedpose.shared.configuration.methods import Method, raw_psi_conflict
@@ -205,17 +205,18 @@ class StepPhases:
         self.device = next(model.parameters()).device
         self.basis = column_major(basis) if basis is not None else None  # the layout project() reads fastest
         self.n = data.units(spec.unit)
-        self.private = data.private
+        # on a GPU the batches are assembled there; the view draws from the private set's own generator (one stream)
+        self.private = data.private.assembled_on(assembly_device(self.device))
         self.psi_images = make_psi_from(privacy, generator) if train.images != "raw" else None
         # psi of each record's canonical crop, as fdp / fpdp's public term: all the rows (psi) or beside each (raw+psi)
-        self.crops = data.private.canonical() if train.images != "raw" else None
+        self.crops = self.private.canonical() if train.images != "raw" else None
         if train.images == "psi":
             self.private = self.crops
         self.psi = make_psi_from(privacy, generator) if spec.uses_public else None
         self.canonical = None
         if self.psi is not None:
             source = audit.psi_source if audit is not None else None
-            self.canonical = source if source is not None else data.private.canonical()
+            self.canonical = source if source is not None else self.private.canonical()
             if len(self.canonical) < train.public_batch_size:  # a site's own check refuses this policy earlier
                 raise ValueError(f"train.public_batch_size={train.public_batch_size} is larger than the "
                                  f"{len(self.canonical)} records its psi images are drawn from (without replacement)")

@@ -47,7 +47,7 @@ from fedpose.shared.privacy.accounting.group import group_privacy
 from fedpose.shared.privacy.step.psi import psi_label_of
 from fedpose.shared.privacy.step.noise import make_generator
 from fedpose.shared.training.provenance import configure_numerics, provenance
-from fedpose.shared.training.batches import make_dataset, to_device
+from fedpose.shared.training.batches import assembly_device, make_dataset, to_device
 from fedpose.shared.configuration.flat import config_fingerprint
 from fedpose.shared.metrics.evaluation import evaluate
 from fedpose.shared.training.schedule import steps_per_epoch
@@ -222,7 +222,7 @@ def _pretrain(cfg: Config, out: Path, t0: float, *, progress: bool) -> dict[str,
     model = model.to(device)
     augment = Augment(photometric=cfg.pretrain.photometric) if cfg.data.augment else None
     dataset = PoseDataset(public, input_size=cfg.data.input_size, augment=augment, seed=cfg.pretrain.seed,
-                          face_tasks=bool(cfg.model.face_tasks))
+                          face_tasks=bool(cfg.model.face_tasks), device=assembly_device(device))
     steps = cfg.pretrain.epochs * steps_per_epoch(len(public), cfg.pretrain.batch_size)
     final_loss = pretrain_loop(
         model, dataset, steps=steps, batch_size=cfg.pretrain.batch_size, lr=cfg.pretrain.lr,
