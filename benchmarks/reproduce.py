@@ -136,10 +136,15 @@ ENTRIES: tuple[Entry, ...] = (
         ("{py}", "benchmarks/dp_step.py", "--device", "cuda", "--variants", "tinyvit-5m", "--repeats", "5",
          "--input", "256x192", "--batch", "256", "--chunk", "32", "--out", "{out}/dp_step_cuda.json"),
     ), results=("dp_step_cuda.json",)),
-    Entry("batch-assembly-gpu", "how fast the training process assembles batches, by thread count (run on the GPU "
-                                "machine: its CPU feeds the GPU)", (
-        ("{py}", "benchmarks/batch_assembly.py", "--threads", "1,16", "--batch", "256", "--rounds", "2", "--out",
-         "{out}/batch_assembly_gpu.json"),
+    Entry("batch-assembly", "how fast the training process assembles batches on this CPU, per image and on the "
+                            "device path, by thread count (machine idle)", (
+        ("{py}", "benchmarks/batch_assembly.py", "--threads", "1,2", "--batch", "256", "--rounds", "5", "--out",
+         "{out}/batch_assembly.json"),
+    ), results=("batch_assembly.json",)),
+    Entry("batch-assembly-gpu", "how fast the training process assembles batches, per image on the GPU machine's "
+                                "CPU and on its GPU, by thread count", (
+        ("{py}", "benchmarks/batch_assembly.py", "--threads", "1,16", "--batch", "256", "--rounds", "2", "--device",
+         "cuda", "--out", "{out}/batch_assembly_gpu.json"),
     ), results=("batch_assembly_gpu.json",)),
     Entry("study-paper-gpu", "the paper's model and input: the record-level recipe, fpdp, non-private, psi-only and "
                              "the start (CUDA torch; benchmarks/gpu_session.sh runs it with the above)", (

@@ -374,25 +374,35 @@ def render_paper_gpu(records: list[dict[str, Any]]) -> str:
 
 
 def render_batch_assembly(data: dict[str, Any]) -> str:
-    """benchmarks/results/batch_assembly*.json (benchmarks/batch_assembly.py): a training process's batches a second."""
+    """benchmarks/results/batch_assembly*.json (benchmarks/batch_assembly.py): a training process's batches a second,
+    per image on the CPU and, where measured, assembled on a device beside it."""
     h, w = data["input"]
     rates = data["images_per_second"]
-    threads = sorted({int(n) for by in rates.values() for n in by})
-    labels = {"train": "a private step's batch (scale, rotation, flip)",
-              "pretrain": "public pretraining's batch (and the photometric jitter)",
-              "canonical": "the unaugmented crops psi is applied to"}
+    private, psi = "a private step's batch (scale, rotation, flip)", "the unaugmented crops psi is applied to"
+    labels = {"train": private, "private": private, "canonical": psi, "psi": psi,
+              "pretrain": "public pretraining's batch (and the photometric jitter)"}
+    # one path per kind (per image) in the older records; the per-image and the device path side by side since
+    paths = {kind: by if "per-image" in by else {"per-image": by} for kind, by in rates.items()}
+    threads = sorted({int(n) for by in paths.values() for path in by.values() for n in path})
+    two = any("device" in by for by in paths.values())
+    where = f", the device path on {data.get('device', 'the CPU')}" if two else ""
     rows = [f"Batch {data['batch']} at {h}x{w} from 320 px images, images per second, median (min-max) of "
-            f"{data['rounds']} interleaved rounds.", "",
-            "| batch | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in threads) + " |",
-            "|---|" + "---|" * len(threads)]
-    for kind, by in rates.items():
-        one = by[str(threads[0])]["median"]
-        cells = []
-        for n in threads:
-            v = by[str(n)]
-            speedup = f", x{v['median'] / one:.2f}" if n != threads[0] else ""
-            cells.append(f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f}){speedup}")
-        rows.append(f"| {labels.get(kind, kind)} | " + " | ".join(cells) + " |")
+            f"{data['rounds']} interleaved rounds{where}; "
+            + ("x: over the per-image path at the same thread count." if two else "x: over one thread."), "",
+            "| batch | " + ("path | " if two else "") + " | ".join(f"{n} thread{'s' if n > 1 else ''}"
+                                                                  for n in threads) + " |",
+            "|---|" + ("---|" if two else "") + "---|" * len(threads)]
+    for kind, by_path in paths.items():
+        per_image = by_path["per-image"]
+        for path, by in by_path.items():
+            cells = []
+            for n in threads:
+                v = by[str(n)]
+                base = per_image[str(n)]["median"] if two else per_image[str(threads[0])]["median"]
+                ratio = f", x{v['median'] / base:.2f}" if (two and path != "per-image") or (
+                    not two and n != threads[0]) else ""
+                cells.append(f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f}){ratio}")
+            rows.append(f"| {labels.get(kind, kind)} | " + (f"{path} | " if two else "") + " | ".join(cells) + " |")
     return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 
@@ -933,6 +943,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
+    "batch-assembly": ("batch_assembly.json", render_batch_assembly),
     "batch-assembly-gpu": ("batch_assembly_gpu.json", render_batch_assembly),
     "paper-gpu": ("study-paper-gpu", render_paper_gpu),
     "edge-latency": ("edge_latency.json", render_edge_latency),
