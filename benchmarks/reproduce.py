@@ -151,6 +151,12 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-paper-gpu.yaml", "--out", "{out}/study-paper-gpu", "--record",
          "benchmarks/results/study-paper-gpu", "--jobs", "2"),
     ), records=("study-paper-gpu",)),
+    Entry("study-paper-gpu-500", "the paper's setting end to end: the public start, then the record-level recipe, "
+                                 "fpdp and non-private, 516 steps of 256 each (CUDA torch; benchmarks/gpu_session.sh)",
+          (
+        (*FEDPOSE, "study", "--config", "configs/study-paper-gpu-500.yaml", "--out", "{out}/study-paper-gpu-500",
+         "--record", "benchmarks/results/study-paper-gpu-500", "--jobs", "2"),
+    ), records=("study-paper-gpu-500",)),
     Entry("deploy-round", "a round on Flower's deployment engine, warm start and cold (machine idle)", (
         ("{py}", "benchmarks/deploy_round.py", "--rounds", "4", "--out", "{out}/deploy_round.json"),
     ), results=("deploy_round.json",)),

@@ -276,3 +276,34 @@ def test_the_data_scale_share_is_the_best_record_level_row_at_each_size_and_name
     assert "It reaches 90 % of non-private from 6,400 records per site." in table
     tied = render.render_scale([*records[:2], sized("dpsgd", 36.0, 400, "train.lr=0.0001")])
     assert "400: 0.72 (proj, SGD momentum 0.9, 3e-3)." in tied  # on a tie, the recipe
+
+
+def test_the_gpu_session_script_parses_and_runs_the_papers_setting_for_500_steps_each():
+    """benchmarks/gpu_session.sh cannot run without a GPU here: its shell parses, it says how long each part
+    takes, and the study it runs is the paper's setting (TinyViT-5M finetune at 256x192, C 0.1, batch 256, eps 0.8)
+    with the record-level recipe, fpdp and non-private each at least 500 steps from the public start; its dry run
+    (``--quick``) has the same runs at toy sizes."""
+    from fedpose.shared.experiments.study import expand, load_study
+    from fedpose.shared.training.schedule import steps_per_epoch
+
+    script = REPO / "benchmarks" / "gpu_session.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    header = script.read_text().split("\nset -u", 1)[0]
+    for part in ("batch assembly", "the public start", "record-level recipe", "fpdp", "non-private", "DP step"):
+        assert part in header, part
+    study_file = re.search(r"STUDY_CONFIG:-\$REPO/(configs/\S+\.yaml)", script.read_text()).group(1)
+    runs = {}
+    for quick in (False, True):
+        cells = expand(load_study(REPO / study_file, quick=quick))
+        runs[quick] = sorted((c.method, c.config.train.images) for c in cells)
+        for cell in cells:
+            cfg = cell.config
+            if quick or cell.kind != "train":
+                continue
+            assert cfg.model.variant == "tinyvit-5m" and cfg.data.input_size == (256, 192)
+            assert cfg.train.strategy == "finetune" and cfg.train.batch_size == 256
+            assert cfg.privacy.clip_norm == 0.1 and cell.epsilon in (None, 0.8)
+            n = len(cfg.data.train_splits) * cfg.data.synth.per_site
+            assert cfg.train.epochs * steps_per_epoch(n, cfg.train.batch_size) >= 500
+    assert runs[False] == runs[True] == sorted([("pretrained", "raw"), ("nonprivate", "raw"), ("fpdp", "raw"),
+                                                ("proj", "raw+psi")])
