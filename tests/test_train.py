@@ -156,3 +156,36 @@ def test_a_training_process_reuses_its_freed_memory_instead_of_taking_it_from_th
                                 "keep_freed_memory()")
     assert default > 5 * 1000, default  # the default takes memory from the OS again on every step
     assert kept < default / 10, (kept, default)  # kept: the steps reuse what the first ones took
+
+
+@pytest.mark.parametrize("method, images", [("dpsgd", "raw+psi"), ("fpdp", "raw")])
+def test_a_step_on_a_gpu_reads_batches_assembled_there(tiny, monkeypatch, method, images):
+    """Where a training process assembles (``assembly_device``) is a device, as on a GPU: the private batch, the
+    psi crops beside it and fdp/fpdp's public psi batch are all assembled there (each image's region cut into the
+    dataset's cache, shared with the view), from the private set's own generator, and the steps run. Here the
+    device is the CPU: the same code as CUDA."""
+    import fedpose.shared.training.loop as step_module
+
+    cfg, _ = tiny
+    cfg = replace(cfg, **{"train.method": method, "train.images": images})
+    dataset = make_dataset(load_records(cfg.data.root, "site-0"), cfg, train=True, seed=3)
+    public = make_dataset(load_records(cfg.data.root, cfg.data.public_split), cfg, train=False)
+    monkeypatch.setattr(step_module, "assembly_device", lambda device: device)
+    seen = []
+    real = step_module.dp_gradient
+
+    def spy(loss_fn, params, *, private_batch, psi_batch, **kwargs):
+        seen.append((private_batch["image"].shape, None if psi_batch is None else psi_batch.tensors["image"].shape))
+        return real(loss_fn, params, private_batch=private_batch, psi_batch=psi_batch, **kwargs)
+
+    monkeypatch.setattr(step_module, "dp_gradient", spy)
+    model = initial_model(cfg, progress=False)
+    local_data = LocalData(dataset, public=public)
+    local_run = LocalRun(step_spec(method, cfg.train, cfg.privacy, sigma=1.0, data=local_data), 2, cfg.train,
+                         cfg.privacy)
+    before = dataset.rng.bit_generator.state
+    local_train(model, local_data, local_run, generator=torch.Generator().manual_seed(0), bar=None)
+    assert len(seen) == 2 and dataset._regions, "the batches were not assembled on the device"
+    assert dataset.rng.bit_generator.state != before  # the view drew from the dataset's own generator
+    if method == "fpdp":
+        assert all(psi is not None and psi[0] == cfg.train.public_batch_size for _, psi in seen)
