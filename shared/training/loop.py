@@ -97,7 +97,8 @@ def step_spec(method: Method, train: TrainConfig, privacy: PrivacyConfig, *, sig
     B / n. ``expected_batch``: the public normaliser B of the noisy sum (a site: its policy's declared expected
     batch; P15); default ``train.batch_size``, the B a centralized config states. Give both or neither.
     ``chunk_size``: per-sample gradients held at a time (a site: its policy's, so memory never depends on the
-    request or the realised batch); default ``privacy.chunk_size``.
+    request or the realised batch: every chunk is then padded to it, ``DPSpec.pad_chunks``); default
+    ``privacy.chunk_size``, unpadded.
     """
     private = method != "nonprivate"
     unit = privacy.unit if private else "record"
@@ -113,6 +114,7 @@ def step_spec(method: Method, train: TrainConfig, privacy: PrivacyConfig, *, sig
         sample_rate=q,
         expected_batch=float(train.batch_size) if expected_batch is None else float(expected_batch),
         chunk_size=privacy.chunk_size if chunk_size is None else chunk_size,
+        pad_chunks=chunk_size is not None,
         unit=unit,
         # raw+psi: a record's image and psi of its crop are two rows of one group, clipped as one mean
         multiplicity=(2 if train.images == "raw+psi" else privacy.augment_multiplicity) if private else 1,

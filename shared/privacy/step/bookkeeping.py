@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from fedpose.shared.privacy.step.layer_rules import (Instantiated, LayerRule, LinearLike, Stacked, holder_for, rule_of,
                                                      stack_instantiated)
 from fedpose.shared.privacy.step.persample import (SMALLEST_FLOAT32_FACTOR, LossFn, are_the_models_own, batch_size_of,
-                                                   check_chunk_size, iter_per_sample_grads)
+                                                   check_chunk_size, chunks_of, iter_per_sample_grads)
 
 
 def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str] | None:
@@ -104,15 +104,19 @@ def _plan(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, Laye
 class Tape:
     """The per-sample gradient holders of one chunk of samples, ready to give norms and to add their clipped sum."""
 
-    def __init__(self, holders: list[Instantiated | LinearLike | Stacked], size: int) -> None:
+    def __init__(self, holders: list[Instantiated | LinearLike | Stacked], size: int, *, real: int | None = None
+                 ) -> None:
         self.holders = holders
         self.size = size
+        # rows [real:] are padding (``iter_tapes(pad=True)``): norm 0, never added, always masked out
+        self.real = size if real is None else real
 
     def norms(self) -> Tensor:
         """(b,) float64 per-sample L2 norms over all trainable tensors; rows that overflow float32 redone in float64."""
         parts = [holder.sq_norms() for holder in self.holders]  # each in its layer's dtype
         dtype = parts[0].dtype if all(part.dtype == parts[0].dtype for part in parts) else torch.float64
         norms = torch.stack([part.to(dtype) for part in parts]).sum(0).sqrt_().to(torch.float64)
+        norms[self.real:] = 0.0  # padding rows are no records: nothing of theirs is recomputed or added
         odd = ~torch.isfinite(norms)
         if bool(odd.any()):
             rows = odd.nonzero().flatten()
@@ -136,11 +140,18 @@ class Tape:
         return out
 
     def add_clipped(self, summed: dict[str, Tensor], factors: Tensor, finite: Tensor) -> None:
-        """summed += sum_i factors_i g_i; rows not finite add nothing; tiny factors are applied in float64."""
+        """summed += sum_i factors_i g_i; rows not finite add nothing; tiny factors are applied in float64.
+
+        A padded tape adds nothing of its padding rows, and masks its rows on every chunk (not only when some row
+        is special), so that the chunk's temporaries do not depend on how many of its rows are real.
+        """
+        padding = torch.arange(self.size, device=finite.device) >= self.real
+        finite = finite & ~padding
+        factors = torch.where(padding, torch.zeros_like(factors), factors)
         tiny = factors < SMALLEST_FLOAT32_FACTOR
         special = tiny | ~finite
         regular = torch.where(special, torch.zeros_like(factors), factors)
-        keep = None if not bool(special.any()) else ~special
+        keep = None if not bool(special.any()) and self.real == self.size else ~special
         for holder in self.holders:
             holder.add_clipped(summed, regular, keep)
         rows = (tiny & finite & (factors > 0)).nonzero().flatten()
@@ -151,11 +162,13 @@ class Tape:
 
 
 def iter_tapes(
-    loss_fn: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *, chunk_size: int
+    loss_fn: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *, chunk_size: int, pad: bool = False
 ) -> Iterator[Tape]:
     """Per chunk of ``chunk_size`` samples: a forward with taps and one backward, as a ``Tape``.
 
-    Only ``chunk_size`` samples' activations are alive at a time, whatever the batch.
+    Only ``chunk_size`` samples' activations are alive at a time, whatever the batch. ``pad`` (a site's private
+    step): every chunk has ``chunk_size`` rows, its padding rows after its ``Tape.real`` ones
+    (``persample.chunks_of``).
     """
     check_chunk_size(chunk_size)
     size = batch_size_of(batch)
@@ -170,8 +183,7 @@ def iter_tapes(
                                 for name, value in params.items()}
     detached = {n: params[n].detach() for n in combine_names}
     by_row = bool(combine_names) and getattr(loss_fn, "combine_takes_rows", False)
-    for start in range(0, size, chunk_size):
-        chunk = {name: value[start:start + chunk_size] for name, value in batch.items()}
+    for chunk, real in chunks_of(batch, size, chunk_size, pad=pad):
         seen: dict[str, tuple[Tensor | None, Tensor]] = {}
 
         def hook_for(key: str):
@@ -217,7 +229,7 @@ def iter_tapes(
 
             per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(detached, parts_d)
             holders.append(Instantiated(dict(per_sample)))
-        tape = Tape(stack_instantiated(holders), b)
+        tape = Tape(stack_instantiated(holders), b, real=real)
         seen.clear()  # the chunk's activations go with the tape, not with this frame
         del outputs, grads, holders, parts, losses, got, wanted, row_grads, rows
         yield tape
@@ -225,9 +237,12 @@ def iter_tapes(
 
 
 def per_sample_chunks(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Mapping[str, Tensor], *,
-                      chunk_size: int, randomness: str = "different") -> Iterator[dict[str, Tensor]]:
+                      chunk_size: int, randomness: str = "different", pad: bool = False
+                      ) -> Iterator[dict[str, Tensor]]:
     """{name: (b, *shape)} per chunk of samples: from the book-keeping tape where it covers ``params``, else vmap
-    (with ``randomness``, as ``persample.iter_per_sample_grads``)."""
+    (with ``randomness``, as ``persample.iter_per_sample_grads``). ``pad``: each chunk computed on ``chunk_size``
+    rows, its real rows handed on."""
     if supports(loss_fn, params):  # one forward and one backward per chunk
-        return (tape.per_sample() for tape in iter_tapes(loss_fn, params, batch, chunk_size=chunk_size))
-    return iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness)
+        return ({name: g[:tape.real] for name, g in tape.per_sample().items()}
+                for tape in iter_tapes(loss_fn, params, batch, chunk_size=chunk_size, pad=pad) if tape.real)
+    return iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness, pad=pad)

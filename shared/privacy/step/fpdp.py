@@ -114,6 +114,9 @@ class DPSpec:
     chunk_size: int = 16
     unit: Unit = "record"
     multiplicity: int = 1  # augmented copies per record (record level): clip(mean of the K copies' gradients, C)
+    # a site's step (its policy pins chunk_size): every chunk padded to chunk_size rows, so that its memory never
+    # follows the realised batch (P13); a centralized run has no server to hide it from
+    pad_chunks: bool = False
 
     def __post_init__(self) -> None:
         k = self.multiplicity
@@ -284,6 +287,7 @@ def clipped_grad_sum(
     chunk_size: int,
     randomness: str = "different",
     scales: Mapping[str, float] | None = None,
+    pad: bool = False,
 ) -> ClippedSum:
     """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
 
@@ -302,6 +306,10 @@ def clipped_grad_sum(
     contributes zero (it is not an error: an error would tell whoever chose the
     weights that the record was sampled), and a huge finite one is clipped to
     norm C like any other; the sum is always finite.
+
+    ``pad`` (a site's step, ``DPSpec.pad_chunks``): every chunk runs on ``chunk_size`` rows, zero rows after
+    the real ones, and an empty batch runs one chunk: the chunk's memory does not depend on the realised
+    batch (P13). Padding rows add exactly nothing and have no norm.
     """
     clip = check_clip_norm(clip_norm)
     check_params(params)
@@ -309,16 +317,17 @@ def clipped_grad_sum(
     norms_parts: list[Tensor] = []
     zeroed = 0
     if scales is None and bookkeeping.supports(loss_fn, params):  # one forward and backward per chunk
-        for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size):
-            norms = tape.norms()  # (b,) float64
+        for tape in bookkeeping.iter_tapes(loss_fn, params, batch, chunk_size=chunk_size, pad=pad):
+            norms = tape.norms()  # (b,) float64; padding rows 0
             bound = bound_contributions(norms, clip)
-            tape.add_clipped(summed, bound.factors, bound.finite)
+            tape.add_clipped(summed, bound.factors, bound.finite)  # never a padding row
             zeroed += bound.zeroed
-            norms_parts.append(norms)
+            norms_parts.append(norms[:tape.real])
             del tape  # let the next chunk reuse this one's memory
     else:
         # here either the tape does not cover the weights, or the scales need the per-sample gradients in full
-        for grads in per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
+        for grads in per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness,
+                                       pad=pad):
             flats = {name: grad.reshape(grad.shape[0], -1) * (1.0 if scales is None else scales[name])
                      for name, grad in grads.items()}
             norms = robust_norms(list(flats.values()))  # (b,) float64
@@ -370,6 +379,7 @@ def clipped_group_sum(
     clip_norm: float,
     chunk_size: int,
     randomness: str = "different",
+    pad: bool = False,
 ) -> ClippedSum:
     """Sum over groups (patients) of clip(mean of the group's per-record gradients, C).
 
@@ -388,7 +398,8 @@ def clipped_group_sum(
     plus one carried group. P14: a patient with any non-finite record gradient
     contributes zero. Returns ``ClippedSum``: ``norms`` (G,) are the per-patient
     mean gradients' norms before clipping (private diagnostics), ``zeroed`` the
-    patients left out.
+    patients left out. ``pad``: as ``clipped_grad_sum``'s (the per-sample gradients of every chunk are
+    computed on ``chunk_size`` rows; the group means of its real rows are formed from them).
     """
     clip = check_clip_norm(clip_norm)
     check_params(params)
@@ -402,7 +413,8 @@ def clipped_group_sum(
     carry: dict[str, Tensor] | None = None  # partial mean of the group continuing from the last chunk
     carry_bad = False
     start = 0
-    for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness):
+    for grads in iter_per_sample_grads(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness,
+                                       pad=pad):
         b = next(iter(grads.values())).shape[0]
         ids = groups[start:start + b]
         means, bad = _group_means(grads, ids, sizes)
@@ -482,12 +494,13 @@ def _noisy_private_sum(
         assert groups is not None  # check_unit_groups refused None here (this narrows the type)
         summed, norms, zeroed = clipped_group_sum(
             loss_fn, params, private_batch, groups=groups, clip_norm=spec.clip_norm,
-            chunk_size=spec.chunk_size,
+            chunk_size=spec.chunk_size, pad=spec.pad_chunks,
         )
     else:
         # sum_i clip(g_i, C): sensitivity C under add/remove of one record.
         summed, norms, zeroed = clipped_grad_sum(
-            loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size, scales=scales
+            loss_fn, params, private_batch, clip_norm=spec.clip_norm, chunk_size=spec.chunk_size, scales=scales,
+            pad=spec.pad_chunks,
         )
     if canaries is not None:
         flat = flat_vector(summed)  # (p,)

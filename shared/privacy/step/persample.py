@@ -163,10 +163,23 @@ def _per_sample_grad_fn(loss_fn: LossFn, randomness: str) -> Callable:
     )
 
 
-def _chunks(batch: Mapping[str, Tensor], size: int, chunk_size: int):
-    for start in range(0, size, chunk_size):
+def chunks_of(batch: Mapping[str, Tensor], size: int, chunk_size: int, *,
+              pad: bool = False) -> Iterator[tuple[dict[str, Tensor], int]]:
+    """The batch in chunks of ``chunk_size`` rows, each with its count of real rows.
+
+    ``pad`` (a site's private step): every chunk is filled up to ``chunk_size`` rows with zero rows, and an empty
+    batch still gives one chunk, so what a chunk allocates (activations, per-sample gradients) has one shape
+    whatever the realised batch: its peak memory, and a failure for want of memory, cannot depend on the private
+    data (P13). The caller makes the padding rows contribute nothing (they are not records).
+    """
+    for start in range(0, max(size, 1) if pad else size, chunk_size):
         stop = min(start + chunk_size, size)
-        yield {name: value[start:stop] for name, value in batch.items()}
+        chunk = {name: value[start:stop] for name, value in batch.items()}
+        real = max(stop - start, 0)
+        if pad and real < chunk_size:
+            chunk = {name: torch.cat([value, value.new_zeros((chunk_size - real, *value.shape[1:]))])
+                     for name, value in chunk.items()}
+        yield chunk, real
 
 
 def iter_per_sample_grads(
@@ -176,21 +189,27 @@ def iter_per_sample_grads(
     *,
     chunk_size: int,
     randomness: str = "different",
+    pad: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Yield per-sample gradients chunk by chunk, {name: (b, *param.shape)}, b <= chunk_size.
 
     Lets callers consume the gradients (clip and sum, or copy into a
-    preallocated matrix) without ever holding all B of them.
+    preallocated matrix) without ever holding all B of them. ``pad``: every
+    chunk is computed on ``chunk_size`` rows (``chunks_of``) and its real rows
+    are yielded, a view of that allocation (a chunk of no real row is not yielded).
     """
     check_params(params)
     check_chunk_size(chunk_size)
     size = batch_size_of(batch)
-    if size == 0:
+    if size == 0 and not pad:
         return
     detached = _detached(params)
     fn = _per_sample_grad_fn(loss_fn, randomness)
-    for chunk in _chunks(batch, size, chunk_size):
-        yield fn(detached, chunk)
+    for chunk, real in chunks_of(batch, size, chunk_size, pad=pad):
+        grads = fn(detached, chunk)
+        if real:
+            yield grads if not pad else {name: value[:real] for name, value in grads.items()}
+        del grads
 
 
 def per_sample_grads(
