@@ -299,11 +299,15 @@ def spend_so_far(policy: SitePolicy, federation: str | None) -> dict[str, float]
         return {"site_epsilon": life, "run_epsilon": run, "site_rounds": ledger.rounds_done()}
 
 
-def report_check(policy: SitePolicy, policy_path: Path, *, echo: Callable[[str], None] = print) -> None:
+def report_check(policy: SitePolicy, policy_path: Path, *, echo: Callable[[str], None] = print,
+                 measure: bool = True) -> None:
     """Run the site's own checks (``prepare_site``: recorded for its SuperNode, which never re-reads the data) and
     say through ``echo`` how they went (``fedpose site check``, ``site start --policy``, ``site-policy``).
 
     The ledger's id is kept in ``ledger.id`` beside the policy: a ledger lost later is refused, not re-created.
+    ``measure`` (``site check``, ``site-policy --check``; not ``site start``, which checks again what changed):
+    time and measure one private chunk at the policy's limits, refusing a policy whose worst case does not fit
+    (``fedpose.client.capacity.worst_case_report``).
     """
     check = prepare_site(policy, id_file=policy_path.parent / "ledger.id")
     spend = spend_so_far(policy, None)
@@ -326,6 +330,15 @@ def report_check(policy: SitePolicy, policy_path: Path, *, echo: Callable[[str],
     echo(f"public constants the server sees: sample_rate q={policy.sample_rate:g} and expected batch "
          f"B={policy.expected_batch:g} (together they tell the size of the data when the policy was written, "
          f"about B / q = {policy.expected_batch / policy.sample_rate:.0f} {unit})")
+    from fedpose.client.capacity import worst_case_report
+
+    try:
+        worst = worst_case_report(policy, check.units) if measure else []
+    except ValueError:  # the worst case does not fit: no record of a passed check, so the site serves nothing
+        _check_path(policy).unlink(missing_ok=True)
+        raise
+    for line in worst:
+        echo(line)
     echo(f"minimum sigma this site accepts: {min_sigma_for(policy):.4f} ({policy.lifetime_rounds} lifetime rounds x "
          f"{policy.steps_per_round} steps at q={policy.sample_rate:g}, eps={policy.epsilon:g}, "
          f"delta={policy.delta:g}, {policy.accountant})")

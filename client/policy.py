@@ -22,6 +22,7 @@ server can only ask for it, never choose it (docs/explanation/design.md: threat 
     psi: blur                     # fdp/fpdp: the feature map treated as public
     psi_min: 0.03                 # its minimum strength, a fraction of min(H, W): blur sigma or pixelate block
     augment: true                 # whether private batches are augmented (psi always sees the canonical crop)
+    augment_multiplicity: 1       # augmented copies of each sampled record (a request for another is refused)
     unit: record                  # the privacy unit: record (one image) or patient (all images of one person)
     max_records_per_patient: 8    # patient: records of a patient used (a fixed subset); record: the stated cap
                                   # of the group-privacy bound in the claim (checked against the data's patient ids)
@@ -36,7 +37,8 @@ server can only ask for it, never choose it (docs/explanation/design.md: threat 
     chunk_size: 16                # per-sample gradients held in memory at a time
     max_parameters: 20000000      # the largest model (all its tensors) a request may send
     max_input_size: [256, 256]    # the largest model input (H, W) a request may ask for
-    round_seconds: null           # a reply leaves this many seconds after its request arrived (null: when done)
+    round_seconds: null           # a reply leaves this many seconds after its request arrived (null: when done);
+                                  # a request whose worst case does not fit it is refused (fedpose.client.capacity)
     face_tasks: []                # face tasks trained on the site's face labels (public under fdp/fpdp)
 
 Relative paths are relative to the policy file's directory. A request that
@@ -142,6 +144,8 @@ class SitePolicy:
     max_parameters: int = 20_000_000
     max_input_size: tuple[int, int] = (256, 256)
     round_seconds: float | None = None
+    # K augmented copies per sampled record: a round's cost grows with it, so the site pins it (P13)
+    augment_multiplicity: int = 1
     # Face tasks (model.face_tasks) this site trains on its face labels. Under fdp / fpdp those labels are used
     # without noise like the pose labels, so they are public by the claim; none unless the operator lists them.
     face_tasks: tuple[str, ...] = ()
@@ -164,7 +168,8 @@ class SitePolicy:
         _positive("expected_batch", self.expected_batch)
         _positive("clip_norm", self.clip_norm)
         _positive("psi_min", self.psi_min)
-        for name in ("lifetime_rounds", "rounds_per_federation", "steps_per_round", "chunk_size", "max_parameters"):
+        for name in ("lifetime_rounds", "rounds_per_federation", "steps_per_round", "chunk_size", "max_parameters",
+                     "augment_multiplicity"):
             _count(name, getattr(self, name))
         if self.rounds_per_federation > self.lifetime_rounds:
             raise ValueError(f"site policy: rounds_per_federation={self.rounds_per_federation} exceeds "
@@ -210,6 +215,13 @@ class SitePolicy:
             raise ValueError(f"site policy: unit={self.unit!r} must be one of {list(UNITS)}")
         if self.max_records_per_patient is not None:
             _count("max_records_per_patient", self.max_records_per_patient)
+        from fedpose.shared.configuration.schema import MAX_MULTIPLICITY
+        if self.augment_multiplicity > MAX_MULTIPLICITY:
+            raise ValueError(f"site policy: augment_multiplicity={self.augment_multiplicity} must be <= "
+                             f"{MAX_MULTIPLICITY}")
+        if self.augment_multiplicity > 1 and self.unit != "record":
+            raise ValueError("site policy: augment_multiplicity > 1 is for unit: record (a patient's records are "
+                             "averaged before clipping already)")
         sizes = self.max_input_size
         if len(sizes) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 32 for v in sizes):
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
@@ -257,6 +269,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_parameters": (int,),
     "max_input_size": (list, tuple),
     "round_seconds": (int, float, type(None)),
+    "augment_multiplicity": (int,),
     "face_tasks": (list, tuple),
 }
 _FLOATS = ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm", "psi_min", "min_sigma", "round_seconds")

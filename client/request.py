@@ -70,6 +70,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if h > policy.max_input_size[0] or w > policy.max_input_size[1]:
         raise Refusal(RefusalCode.POLICY, f"input size {h}x{w} exceeds this site's max_input_size "
                                           f"{policy.max_input_size[0]}x{policy.max_input_size[1]}")
+    if cfg.privacy.augment_multiplicity != policy.augment_multiplicity:  # a round's cost is the site's (P13)
+        raise Refusal(RefusalCode.POLICY, f"augment_multiplicity={cfg.privacy.augment_multiplicity} is not this "
+                                          f"site's augment_multiplicity={policy.augment_multiplicity}")
     if cfg.data.augment != policy.augment:
         raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
                                           f"augment={policy.augment}")

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedpose.client.capacity import check_round_cost
 from fedpose.client.ledger import MAX_ATTEMPTS, Mechanism, SiteLedger
 from fedpose.client.policy import SitePolicy
 from fedpose.client.replies import drop_reply, repeated_round, store_reply
@@ -139,6 +140,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             row = ledger.row_of(request.federation, request.round)
         if row is None:
             prepared = _prepare(content, request, policy)
+            # its worst case fits the clock (P13), measured on blank rows: before the charge, nothing read
+            check_round_cost(request, policy, prepared.model, prepared.trainable, arrived=arrived)
             row = _charge(request, policy, ready, prepared.digest)
             return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
         with on_the_clock(arrived, policy.round_seconds):  # an answer about a round charged already (P16)

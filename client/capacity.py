@@ -1,0 +1,280 @@
+"""What a round can cost at this site in the worst case, bounded before it is charged (P13).
+
+With ``round_seconds`` a charged round's answer leaves at the next multiple of that period after its request
+arrived (``fedpose.client.site.hold_reply``). Which multiple it leaves at would track the realised batch if a
+server could choose a round whose cost straddles a multiple, so the worst case of every round must fit one period:
+
+- the policy pins what multiplies the cost besides the model (the steps, the multiplicity, the chunk size, the
+  public batch), and bounds the model and its input (``max_parameters``, ``max_input_size``);
+- the worst-case batch is the upper tail of the Poisson batch (``worst_units``: the smallest b with
+  P[batch > b] <= ``TAIL`` for a Poisson of mean ``expected_batch``), computed from the policy's public
+  constants only, so that a refusal says nothing about how many records the site holds. The site's own check
+  refuses data whose Binomial(n, q) tail is above it (more records than the policy declares);
+- every chunk of a site's step is padded to ``chunk_size`` rows (``persample.chunks_of``), so each costs the
+  same time and memory whatever its real rows; a round is at most ``steps x (chunks + public chunks)`` of them;
+- before the charge (``check_round_cost``) one blank chunk of the request's own model at its input size is timed
+  (zero rows: no private record is read) and the request is refused, nothing spent, when the elapsed time plus
+  ``SAFETY`` times that worst case does not fit ``round_seconds``. ``SAFETY`` covers what is not timed (loading
+  the data, the optimizer, the evaluation of the received model); a round that still overruns leaves at the next
+  multiple and the site's log says so.
+
+``fedpose site check`` (``worst_case_report``) measures the same at the policy's limits, with the kit's model at
+``max_input_size``: the time of a round against ``round_seconds`` and the peak memory of one chunk against what
+the machine has free, and refuses a policy whose worst case does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fedpose.client.policy import SitePolicy
+from fedpose.shared.configuration.methods import WITH_PUBLIC
+from fedpose.shared.flower.messages import Refusal, RefusalCode
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
+
+# P[a step's batch > worst_units] at most this (a round of 10 steps: 1e-5; beyond it the round may overrun).
+TAIL = 1e-6
+# What the timed chunks leave out (data loading, the optimizer, evaluating the received model), as a factor.
+SAFETY = 1.5
+
+
+def worst_units(policy: SitePolicy) -> int:
+    """The smallest b with P[Poisson(expected_batch) > b] <= TAIL: the worst-case batch, from public constants."""
+    from scipy.stats import poisson
+
+    return int(poisson.isf(TAIL, policy.expected_batch)) + 1
+
+
+def data_worst_units(policy: SitePolicy, units: int) -> int:
+    """The same tail for the site's own data: Binomial(units, sample_rate) (the operator's check only)."""
+    from scipy.stats import binom
+
+    return int(binom.isf(TAIL, units, policy.sample_rate)) + 1
+
+
+def rows_per_unit(policy: SitePolicy, images: str = "raw") -> int | None:
+    """Rows one sampled unit puts into the step: K copies of a record (2 with ``raw+psi``), or at patient level
+    at most ``max_records_per_patient`` (None: no cap, so no worst case)."""
+    if policy.unit == "patient":
+        return policy.max_records_per_patient
+    return policy.augment_multiplicity * (2 if images == "raw+psi" else 1)
+
+
+def chunks_per_round(policy: SitePolicy, *, steps: int, method: str, images: str = "raw") -> int:
+    """Padded chunks of ``chunk_size`` rows a round of ``steps`` runs at most: the private batch at its worst
+    case, and the public term (``public_batch_size`` rows, one mean gradient: no dearer than as many private
+    rows)."""
+    rows = rows_per_unit(policy, images)
+    if rows is None:
+        raise ValueError("at patient level a round's worst case needs max_records_per_patient (its rows per "
+                         "patient) in the policy")
+    private = max(1, math.ceil(worst_units(policy) * rows / policy.chunk_size))
+    public = math.ceil(policy.public_batch_size / policy.chunk_size) if method in WITH_PUBLIC else 0
+    return steps * (private + public)
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One padded chunk of a private step: its seconds, and its peak memory above what was held before (bytes;
+    on CPU the resident set sampled every millisecond, on CUDA the allocator's peak)."""
+
+    seconds: float
+    peak_bytes: int
+
+
+class _PeakRss:
+    """The largest resident set seen while it runs (a thread reading /proc/self/statm every millisecond)."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * self.page
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def blank_chunk_cost(model: Any, trainable: list[str], *, input_size: tuple[int, int], face_tasks: tuple[str, ...],
+                     chunk_size: int, grouped: bool) -> ChunkCost:
+    """Time one padded private chunk of ``model`` on blank rows (zeros: no record is read); on CUDA after one
+    warm-up (kernel choices), on CPU the first run (slower than the next: an overestimate, which is on the safe side).
+
+    ``grouped``: the step clips groups (patients, augmented copies), as ``fpdp.clipped_group_sum`` does.
+    """
+    import torch
+
+    from fedpose.shared.data.dataset import PoseDataset
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, clipped_group_sum
+
+    device = next(model.parameters()).device
+    empty = PoseDataset([], input_size=input_size, augment=None, face_tasks=face_tasks).batch([])
+    batch = {k: v.new_zeros((chunk_size, *v.shape[1:])).to(device) for k, v in empty.items() if k != "index"}
+    named = dict(model.named_parameters())
+    params = {n: named[n].detach() for n in trainable}
+    loss_fn = make_loss_fn(model, trainable)
+    groups = torch.arange(chunk_size)
+
+    def run() -> None:
+        if grouped:
+            clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=1.0, chunk_size=chunk_size, pad=True)
+        else:
+            clipped_grad_sum(loss_fn, params, batch, clip_norm=1.0, chunk_size=chunk_size, pad=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    was_training = model.training
+    buffers = {name: value.clone() for name, value in model.named_buffers()}  # a blank forward leaves no trace
+    model.train()
+    try:
+        if device.type == "cuda":
+            run()  # warm-up: first-call allocations and kernel choices
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            started = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - started
+            peak = torch.cuda.max_memory_allocated(device) - before
+        else:
+            with _PeakRss() as rss:
+                started = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - started
+            peak = rss.peak - rss.start
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(buffers[name])
+    return ChunkCost(seconds=seconds, peak_bytes=max(int(peak), 0))
+
+
+def _grouped(policy: SitePolicy, images: str = "raw") -> bool:
+    return policy.unit == "patient" or policy.augment_multiplicity > 1 or images == "raw+psi"
+
+
+def check_round_cost(request: Any, policy: SitePolicy, model: torch.nn.Module, trainable: list[str], *,
+                     arrived: float) -> None:
+    """Refuse (POLICY, before the charge: nothing spent) a request whose worst case does not fit ``round_seconds``.
+
+    Reads no private record: one blank chunk of the request's own model is timed; the worst case counts the
+    policy's public constants only (``chunks_per_round``). Without ``round_seconds`` there is no clock to fit.
+    """
+    if policy.round_seconds is None:
+        return
+    import torch
+
+    cfg = request.config
+    images = cfg.train.images
+    try:
+        chunks = chunks_per_round(policy, steps=request.steps, method=cfg.train.method, images=images)
+    except ValueError as err:
+        raise Refusal(RefusalCode.POLICY, f"with round_seconds {err}") from err
+    try:
+        cost = blank_chunk_cost(model, trainable, input_size=cfg.data.input_size, face_tasks=cfg.model.face_tasks,
+                                chunk_size=policy.chunk_size, grouped=_grouped(policy, images))
+    except (MemoryError, torch.OutOfMemoryError) as err:  # the blank chunk allocates what every chunk does
+        raise Refusal(RefusalCode.POLICY, "one chunk of the requested model does not fit this site's memory at "
+                                          f"chunk_size={policy.chunk_size}: ask for a smaller model or input") from err
+    elapsed = time.monotonic() - arrived
+    worst = elapsed + SAFETY * chunks * cost.seconds
+    if worst > policy.round_seconds:
+        raise Refusal(RefusalCode.POLICY, f"this request's worst case does not fit this site's round_seconds="
+                                          f"{policy.round_seconds:g}: {chunks} chunks of {policy.chunk_size} rows "
+                                          f"({request.steps} steps at the batch's upper tail) at {cost.seconds:.3g} s "
+                                          f"each, x{SAFETY:g}, after {elapsed:.1f} s, is {worst:.1f} s; ask for "
+                                          "fewer steps or a smaller model or input")
+
+
+def reference_chunk_cost(policy: SitePolicy) -> ChunkCost:
+    """One padded chunk of the kit's model at the policy's largest input, on the device a round would use."""
+    from fedpose.shared.configuration.schema import ModelConfig
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.training.loop import select_device
+
+    model = build_model(ModelConfig(face_tasks=policy.face_tasks), policy.max_input_size)
+    model.to(select_device("auto"))
+    trainable = apply_strategy(model, "full")
+    return blank_chunk_cost(model, trainable, input_size=policy.max_input_size, face_tasks=policy.face_tasks,
+                            chunk_size=policy.chunk_size, grouped=_grouped(policy))
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the machine can still give a round: free GPU memory, or MemAvailable of /proc/meminfo."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def worst_case_report(policy: SitePolicy, units: int) -> list[str]:
+    """The worst case of a round at the policy's limits, in lines for the operator; ValueError when it does not fit
+    (``fedpose site check``). ``units``: the site's records (patients) as its check kept them."""
+    from fedpose.shared.training.loop import select_device
+
+    lines = []
+    public, own = worst_units(policy), data_worst_units(policy, units)
+    if own > public and policy.round_seconds is None:
+        lines.append(f"alert: this site's worst-case batch ({own}) is above the {public} its policy's "
+                     f"expected_batch={policy.expected_batch:g} declares: more records than the policy was written "
+                     "for (with round_seconds this check refuses it)")
+    elif own > public:
+        raise ValueError(f"this site's data has a worst-case batch of {own} (Binomial({units}, {policy.sample_rate:g})"
+                         f" upper tail {TAIL:g}) above the {public} its policy's expected_batch="
+                         f"{policy.expected_batch:g} declares: more records than the policy was written for; write "
+                         "it again (`fedpose site-policy --expected-batch B`)")
+    method = "fpdp" if set(policy.allowed_methods) & set(WITH_PUBLIC) else "dpsgd"
+    cost = reference_chunk_cost(policy)
+    free = free_memory(select_device("auto"))
+    h, w = policy.max_input_size
+    lines.append(f"peak memory of one private chunk ({policy.chunk_size} rows of the kit's model at {h}x{w}): "
+                 f"{cost.peak_bytes / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free; every chunk is padded to that")
+    if cost.peak_bytes > free:
+        raise ValueError(f"one private chunk of {policy.chunk_size} rows at {h}x{w} needs "
+                         f"{cost.peak_bytes / 2**20:.0f} MiB, more than the {free / 2**20:.0f} MiB this machine has "
+                         "free: lower chunk_size or max_input_size")
+    try:
+        chunks = chunks_per_round(policy, steps=policy.steps_per_round, method=method)
+    except ValueError as err:
+        if policy.round_seconds is not None:
+            raise ValueError(f"site policy: with round_seconds {err}") from err
+        return lines
+    seconds = SAFETY * chunks * cost.seconds
+    lines.append(f"worst case of a round: {policy.steps_per_round} steps, batch up to {public} "
+                 f"(P[more] <= {TAIL:g} a step), {chunks} chunks at {cost.seconds:.3g} s, x{SAFETY:g}: {seconds:.1f} s"
+                 + ("" if policy.round_seconds is None else f" of round_seconds={policy.round_seconds:g}"))
+    if policy.round_seconds is not None and seconds > policy.round_seconds:
+        raise ValueError(f"the worst case of a round ({seconds:.1f} s with the kit's model at {h}x{w}) does not fit "
+                         f"round_seconds={policy.round_seconds:g}: raise round_seconds, or lower steps_per_round, "
+                         "max_input_size or augment_multiplicity")
+    return lines
