@@ -134,9 +134,13 @@ def register(sub: Any) -> None:
                           "--release-blurred-images-and-labels)")
     pol.add_argument("--release-blurred-images-and-labels", action="store_true",
                      help="opt in to Feature-DP (fdp, fpdp): the server can then read, exactly, a blurred copy of "
-                          "each image drawn and its pose labels")
+                          "each image drawn and its pose labels; over a federation it sees the blurred copy and "
+                          "labels of every record the public term draws, and from the draws it can count them")
     pol.add_argument("--public-batch-size", type=int, default=32,
                      help="fdp/fpdp: records drawn (each once) for the public term every step")
+    pol.add_argument("--public-records", type=int, default=None,
+                     help="fdp/fpdp: draw the public term from a fixed set of this many records, chosen by the "
+                          "site's check (default: from all records, whose count the draws then show)")
     pol.add_argument("--unit", choices=("record", "patient"), default="record",
                      help="privacy unit (default record); patient needs patient ids (patients.json) and makes "
                           "--sample-rate the rate over patients")

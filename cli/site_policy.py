@@ -35,7 +35,7 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
             "eval_path": args.eval_path, "accountant": args.accountant,
             "methods": args.methods.split(",") if args.methods else None,
             "release_blurred_images_and_labels": args.release_blurred_images_and_labels,
-            "public_batch_size": args.public_batch_size,
+            "public_batch_size": args.public_batch_size, "public_records": args.public_records,
             "unit": args.unit, "max_records_per_patient": args.max_records_per_patient,
         })
         digest = policy.public_digest

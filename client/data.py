@@ -69,6 +69,7 @@ class CheckedSite:
     patients: PatientGroups | None = None
     dropped: tuple[int, ...] = ()
     alerts: tuple[str, ...] = ()
+    public_pool: tuple[int, ...] | None = None  # ``public_records``: indices of ``private`` the public term draws from
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ def _check_path(policy: SitePolicy) -> Path:
     return Path(policy.ledger_path).with_suffix(".check.json")
 
 
-def _duplicates(records: list[PoseRecord], public_hashes: set[str]) -> tuple[set[int], int, int]:
-    """Indices of records whose image repeats an earlier private image or is in the public set."""
+def _duplicates(records: list[PoseRecord], public_hashes: set[str]) -> tuple[set[int], int, int, dict[Path, str]]:
+    """Indices of records whose image repeats an earlier private image or is in the public set; and each image's
+    content hash."""
     seen: dict[str, Path] = {}
     drop: set[int] = set()
     repeated = in_public = 0
@@ -109,7 +111,21 @@ def _duplicates(records: list[PoseRecord], public_hashes: set[str]) -> tuple[set
         digest = by_image[record.image]
         if digest in public_hashes or seen.get(digest) != record.image:
             drop.add(index)
-    return drop, repeated, in_public
+    return drop, repeated, in_public, by_image
+
+
+def public_pool(policy: SitePolicy, records: list[PoseRecord], hashes: dict[Path, str]) -> tuple[int, ...] | None:
+    """The fixed set the public term draws from (``public_records``; P17): indices into ``records`` of the first
+    ``public_records`` in the order of their images' content hashes (then load order), so every check of the same
+    data chooses the same set, and a server cannot steer which. None: the draws reach every record."""
+    m = policy.public_records
+    if m is None or not set(policy.allowed_methods) & set(WITH_PUBLIC):
+        return None
+    if m > len(records):
+        raise ValueError(f"site policy: public_records={m} is more than the {len(records)} records kept at this "
+                         "site; lower it")
+    order = sorted(range(len(records)), key=lambda i: (hashes[records[i].image], i))
+    return tuple(sorted(order[:m]))
 
 
 def check_site(policy: SitePolicy) -> CheckedSite:
@@ -133,7 +149,7 @@ def check_site(policy: SitePolicy) -> CheckedSite:
                              f"{policy.public_digest}: approve the new set (`fedpose site approve-public`) or "
                              "restore the approved one")
         public_hashes = {content_hash(path) for path in dict.fromkeys(r.image for r in public)}
-    drop, repeated, in_public = _duplicates(private, public_hashes)
+    drop, repeated, in_public, hashes = _duplicates(private, public_hashes)
     alerts = []
     if repeated:
         alerts.append(f"{repeated} private image(s) repeat another private image (same pixels): their records are "
@@ -155,6 +171,8 @@ def check_site(policy: SitePolicy) -> CheckedSite:
             alerts.append(f"{len(beyond)} record(s) of patients with more than max_records_per_patient={cap} are "
                           "left out (a fixed subset of each such patient is kept)")
             records = grouped
+        elif policy.unit == "patient":  # in the order load_checked trains on them
+            records = grouped
         if policy.unit != "patient":
             patients = None
     units = patients.count if patients is not None else len(records)
@@ -165,10 +183,11 @@ def check_site(policy: SitePolicy) -> CheckedSite:
         raise ValueError(f"site policy: public_batch_size={policy.public_batch_size} is larger than the "
                          f"{len(records)} records kept at this site: fdp/fpdp draw that many distinct records each "
                          "step; lower it")
+    pool = public_pool(policy, records, hashes)
     for alert in alerts:
         log.warning("site %s: %s", policy.site, alert)
     return CheckedSite(private=records, public=public, patients=patients, dropped=tuple(sorted(drop)),
-                       alerts=tuple(alerts))
+                       alerts=tuple(alerts), public_pool=pool)
 
 
 def check_ledger_continuity(policy: SitePolicy, id_file: Path) -> str:
@@ -208,7 +227,8 @@ def prepare_site(policy: SitePolicy, *, id_file: Path | None = None) -> SiteChec
     record = SiteCheck(policy=policy_fingerprint(policy), data_version=version, records=len(checked.private),
                        units=checked.patients.count if checked.patients is not None else len(checked.private),
                        dropped=checked.dropped, alerts=checked.alerts,
-                       checked_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                       checked_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       extra={} if checked.public_pool is None else {"public_pool": list(checked.public_pool)})
     if data_version(policy) != version:
         raise ValueError(f"site data {policy.data_path} changed while it was being checked: run the check again")
     path = _check_path(policy)
@@ -272,7 +292,9 @@ def load_checked(policy: SitePolicy, ready: SiteCheck) -> CheckedSite:
     if len(records) != ready.records:
         raise ValueError(f"site data {policy.data_path} holds other records than when it was checked "
                          f"({len(records)} kept now, {ready.records} then): run `fedpose site check` again")
-    return CheckedSite(private=records, public=None, patients=patients, dropped=ready.dropped, alerts=ready.alerts)
+    pool = ready.extra.get("public_pool")
+    return CheckedSite(private=records, public=None, patients=patients, dropped=ready.dropped, alerts=ready.alerts,
+                       public_pool=None if pool is None else tuple(int(i) for i in pool))
 
 
 def site_info(policy: SitePolicy) -> SiteInfo:

@@ -15,6 +15,7 @@ server can only ask for it, never choose it (docs/explanation/design.md: threat 
     methods: [dpsgd, proj]        # the record-level methods (the default); nonprivate is never accepted
     release_blurred_images_and_labels: false   # true: opt in to Feature-DP (fdp, fpdp), see below
     public_batch_size: 32         # fdp/fpdp: records whose psi(x) and labels each step uses without noise
+    public_records: null          # fdp/fpdp: draw them from a fixed set of this many records (null: from all)
     sample_rate: 0.16             # Poisson rate q of the private batch (public: the server's accountant uses it)
     expected_batch: 64            # B, the public constant the noisy sum is divided by (P15): about q x n
     steps_per_round: 10           # at most this many local steps per round
@@ -56,6 +57,10 @@ data when the policy is written, once, not per round.
 Feature-DP is an explicit opt-in (P17): under fdp/fpdp the server reads, exactly, psi(x) and the labels of
 the ``public_batch_size`` records a step draws (without replacement, never more than the site holds), so
 they are allowed only with ``release_blurred_images_and_labels: true``; ``methods`` then defaults to all four.
+Each step draws afresh, so over a federation the server sees every record the draws reach and can count them:
+from all the site's records by default, or, with ``public_records: m``, from a fixed set of m records that the
+site's check chooses (by content hash: the same set on every check of the same data), so that the draws show
+those m records at most and not how many the site holds (``what_the_draws_show`` says which, in words).
 
 Privacy unit. ``unit`` and ``max_records_per_patient`` are optional version-2 fields: a policy without them
 means exactly what it meant before (record level, no cap stated), so the version is not bumped. At patient
@@ -88,6 +93,9 @@ POLICY_VERSION = 3
 FILL_ME = "FILL-ME"  # what a kit's template leaves for the site to fill (each has a command that fills it)
 # The opt-in line, as the refusal of a policy without it names it.
 OPT_IN = "release_blurred_images_and_labels: true"
+# What the public draws of a Feature-DP site without a fixed public set give a server over a whole federation.
+DRAWS_SHOW_ALL = ("over a federation the server sees the blurred copy and labels of every record the public term "
+                  "draws, and from the draws it can count them")
 
 # What a version-1 policy must add (named in the refusal of an old file).
 _V3_FIELDS = ("policy_version: 3", "expected_batch (the public normaliser B of the noisy sum: about sample_rate x "
@@ -137,6 +145,8 @@ class SitePolicy:
     # Feature-DP's opt-in (P17): under fdp/fpdp the server can read psi(x) and the labels of every record drawn.
     release_blurred_images_and_labels: bool = False
     public_batch_size: int = 32
+    # fdp/fpdp: the public term draws from a fixed set of this many records (the site's check chooses it); None: all
+    public_records: int | None = None
     seed: int | None = None  # reproducible noise for tests only (P7: not for production)
     unit: str = "record"
     max_records_per_patient: int | None = None
@@ -196,10 +206,15 @@ class SitePolicy:
         feature = [m for m in methods if m in WITH_PUBLIC]
         if feature and not self.release_blurred_images_and_labels:
             raise ValueError(f"site policy: methods {feature} are Feature-DP: with them the server can read, exactly, "
-                             "a blurred copy of each image drawn for the public term and its pose labels, and "
-                             "estimate how many records this site holds. To opt in, add the line "
+                             "a blurred copy of each image drawn for the public term and its pose labels; "
+                             f"{what_the_draws_show(self)}. To opt in, add the line "
                              f"`{OPT_IN}`; otherwise list only {list(RECORD_LEVEL)}")
         _count("public_batch_size", self.public_batch_size)
+        if self.public_records is not None:
+            _count("public_records", self.public_records)
+            if self.public_records < self.public_batch_size:
+                raise ValueError(f"site policy: public_records={self.public_records} is smaller than public_batch_size="
+                                 f"{self.public_batch_size}: each step draws that many distinct records of the set")
         for name in ("data_path", "ledger_path"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"site policy: {name} must be a path")
@@ -261,6 +276,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "methods": (list, tuple, type(None)),
     "release_blurred_images_and_labels": (bool,),
     "public_batch_size": (int,),
+    "public_records": (int, type(None)),
     "seed": (int, type(None)),
     "unit": (str,),
     "max_records_per_patient": (int, type(None)),
@@ -366,6 +382,15 @@ def _derived_min_sigma(epsilon: float, delta: float, sample_rate: float, steps: 
     return calibrate_sigma(
         target_epsilon=epsilon, delta=delta, sample_rate=sample_rate, steps=steps, accountant=accountant
     )
+
+
+def what_the_draws_show(policy: SitePolicy) -> str:
+    """What a Feature-DP site's public draws give a server over a whole federation, in plain words (P17)."""
+    if policy.public_records is None:
+        return DRAWS_SHOW_ALL
+    return (f"over a federation the server sees the blurred copy and labels of at most the {policy.public_records} "
+            "records of a fixed set the public term draws from (public_records), and from the draws only that this "
+            f"site holds at least {policy.public_records} records, not how many this site holds")
 
 
 def min_sigma_for(policy: SitePolicy) -> float:

@@ -308,7 +308,7 @@ def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict
         generator, seeded = make_generator(secret, "cpu")
     optimizer = site_optimizer(cfg, model, trainable, policy.ledger_path, request.federation)
     data = LocalData(make_dataset(checked.private, cfg, train=True, seed=_augment_seed(secret)),
-                     patients=checked.patients)
+                     patients=checked.patients, public_pool=checked.public_pool)
     step = step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=request.sigma, data=data,
                      sample_rate=policy.sample_rate, expected_batch=policy.expected_batch, chunk_size=policy.chunk_size)
     run = LocalRun(step, request.steps, cfg.train, cfg.privacy,

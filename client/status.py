@@ -28,14 +28,16 @@ def guarantee_in_force(policy: Any) -> str:
     feature = [m for m in policy.methods if m in WITH_PUBLIC]
     if not feature:
         return f"record-level DP ({unit} level; methods {', '.join(policy.methods)}); Feature-DP not allowed"
+    from fedpose.client.policy import what_the_draws_show
+
     return (f"Feature-DP opted in (methods {', '.join(policy.methods)}): under {' and '.join(feature)} the server can "
-            "read, exactly, a blurred copy of each image drawn and its labels; record-level DP only when a "
-            "federation runs dpsgd or proj")
+            f"read, exactly, a blurred copy of each image drawn and its labels; {what_the_draws_show(policy)}; "
+            "record-level DP only when a federation runs dpsgd or proj")
 
 
 def plain_policy(policy: Any) -> list[str]:
     """What the policy means, in sentences a data-protection officer can check."""
-    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.policy import min_sigma_for, what_the_draws_show
     from fedpose.shared.configuration.methods import WITH_PUBLIC
 
     unit = "patient-level (every image of one person)" if policy.unit == "patient" else "record-level (one image)"
@@ -63,8 +65,8 @@ def plain_policy(policy: Any) -> list[str]:
                      f"least {policy.psi_min:g} of its shorter side) and {public_labels(policy.face_tasks)} are "
                      "treated as public; only what the blur removes is protected. The server can read, exactly, a "
                      "blurred copy of each image drawn for the public term and its pose labels "
-                     f"({policy.public_batch_size} records a step, each at most once a step) from a single reply, "
-                     "and estimate how many records this site holds: this policy opts in to that "
+                     f"({policy.public_batch_size} records a step, each at most once a step) from a single reply; "
+                     f"{what_the_draws_show(policy)}. This policy opts in to that "
                      "(release_blurred_images_and_labels: true).")
     lines.append(f"The server sees what this policy declares: the sample rate q = {policy.sample_rate:g} and the "
                  f"expected batch B = {policy.expected_batch:g} (together about B / q = "

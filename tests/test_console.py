@@ -145,6 +145,9 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             assert mine["policy"]["guarantee"].startswith("Feature-DP opted in")
             shown_policy = site_page.inner_text("main")
             assert "can read, exactly, a blurred copy of each image" in shown_policy
+            # and what that gives over a whole federation, in plain words
+            assert ("over a federation the server sees the blurred copy and labels of every record the public "
+                    "term draws, and from the draws it can count them") in shown_policy
             assert "never images, labels or records" not in shown_policy
             site_page.screenshot(path=str(shots / "console-site.png"), full_page=True)
 

@@ -26,6 +26,10 @@ from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import Refusal, RefusalCode
 from support.site import site_policy, train_request, spend_rows
 
+# What a Feature-DP site without a fixed public set gives a server over a whole federation, in plain words.
+DRAWS_SHOW = ("over a federation the server sees the blurred copy and labels of every record the public term draws, "
+              "and from the draws it can count them")
+
 
 @pytest.mark.invariant("P17")
 def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world_weights, tmp_path):
@@ -33,6 +37,7 @@ def test_a_policy_that_lists_feature_dp_without_the_opt_in_line_is_refused(world
     with pytest.raises(ValueError, match="release_blurred_images_and_labels: true") as refused:
         site_policy(cfg, tmp_path, methods=["dpsgd", "fpdp"], release_blurred_images_and_labels=False, prepare=False)
     assert "blurred copy of each image" in str(refused.value) and "pose labels" in str(refused.value)
+    assert DRAWS_SHOW in str(refused.value)
     opted = site_policy(cfg, tmp_path, release_blurred_images_and_labels=True, prepare=False)
     assert opted.methods == ("dpsgd", "proj", "fdp", "fpdp")  # the one line opts in to all four
 
@@ -126,9 +131,45 @@ def test_the_console_status_and_claim_say_which_guarantee_is_in_force(world_weig
     assert guarantee_in_force(feature).startswith("Feature-DP opted in")
     said = " ".join(plain_policy(feature))
     assert "never images, labels" not in said
+    assert DRAWS_SHOW in said and DRAWS_SHOW in guarantee_in_force(feature)
+    pooled = site_policy(cfg, tmp_path / "p", release_blurred_images_and_labels=True, public_records=8, prepare=False)
+    pooled_said = " ".join(plain_policy(pooled)) + guarantee_in_force(pooled)
+    assert DRAWS_SHOW not in pooled_said and "at most the 8 records of a fixed set" in pooled_said
+    assert "not how many this site holds" in pooled_said
     assert "can read, exactly, a blurred copy of each image" in said and "pose labels" in said
     assert "never images, labels or records" in " ".join(plain_policy(record))
     claim = privacy_claim(method="fpdp", epsilon=0.8, delta=1e-5, psi="blur(0.03)", seeded=False, accountant="rdp")
     assert "the server can read, exactly, psi(x) of each image drawn for the public term and its pose labels" in claim
     assert "read, exactly" not in privacy_claim(method="dpsgd", epsilon=0.8, delta=1e-5, psi=None, seeded=False,
                                                 accountant="rdp")
+
+
+@pytest.mark.invariant("P17")
+def test_a_pinned_public_set_bounds_the_records_the_draws_ever_show(world_weights, tmp_path, monkeypatch):
+    """With ``public_records: m`` the public term draws from a fixed set of m records the site's check chose (the
+    same set on every check of the same data), so over any number of rounds the draws show at most those m records
+    and never how many the site holds."""
+    import fedpose.shared.training.loop as step_module
+    from fedpose.client.data import prepare_site, read_site_check
+    from fedpose.shared.training import batches
+
+    cfg, state = world_weights
+    with pytest.raises(ValueError, match="public_records=3 is smaller than public_batch_size=4"):
+        site_policy(cfg, tmp_path / "small", public_records=3, public_batch_size=4, prepare=False)
+    with pytest.raises(ValueError, match="public_records=41 is more than the 40 records"):
+        site_policy(cfg, tmp_path / "big", public_records=41)
+    policy = site_policy(cfg, tmp_path, public_records=6, public_batch_size=4, max_rounds=3)
+    chosen = read_site_check(policy).extra["public_pool"]
+    assert len(chosen) == 6 and len(set(chosen)) == 6
+    assert read_site_check(policy).extra["public_pool"] == prepare_site(policy).extra["public_pool"] == chosen
+    drawn: set[int] = set()
+    real = batches.psi_on
+
+    def spy(psi, batch, device):  # under fdp only the public draw maps a batch by psi
+        drawn.update(int(i) for i in batch["index"])
+        return real(psi, batch, device)
+
+    monkeypatch.setattr(step_module, "psi_on", spy)
+    for rnd in (1, 2, 3):
+        handle_train(train_request(cfg, state, sigma=min_sigma_for(policy), method="fdp", steps=2, round=rnd), policy)
+    assert drawn and drawn <= set(chosen)  # 24 draws of 4, from 6 records only

@@ -36,9 +36,13 @@ psi_min: {psi_min}                # its minimum strength (a fraction of the imag
 augment: {augment}
 # Methods: dpsgd and proj, record-level DP (what leaves covers each image within epsilon, delta). Feature-DP
 # (fdp, fpdp) is opt-in: under it the server can read, exactly, a blurred copy of each image drawn for the public
-# term and its pose labels from one reply, and estimate how many records this site holds. To opt in, set:
+# term and its pose labels from one reply; over a federation the server sees the blurred copy and labels of every
+# record the public term draws, and from the draws it can count them (unless public_records pins a fixed set of
+# records the draws come from: then it sees those only, and not how many this site holds). To opt in, set:
 release_blurred_images_and_labels: false   # true: the server may read blurred images and their labels (Feature-DP)
 public_batch_size: {public_batch_size}          # fdp/fpdp: records drawn (each once) for the public term every step
+public_records: null          # fdp/fpdp: draw them from a fixed set of this many records (null: from all records)
+augment_multiplicity: 1       # augmented copies of each sampled record (the site's: a round's cost grows with it)
 unit: record                  # record (one image) or patient (all images of one person; needs patient ids)
 data_path: FILL-ME            # the site's split directory, written by `fedpose site set-data`
 ledger_path: {state}/{site}/ledger.sqlite

@@ -64,11 +64,14 @@ class LocalData:
     of ``private`` grouped by patient (``fedpose.shared.data.patients.group_by_patient``, which has already left
     out records beyond the cap); each step then samples patients and clips each one's mean gradient. public:
     the public set V is recomputed from every ``privacy.basis_every`` steps (proj / fpdp without a given V).
+    public_pool: the fixed set of records (indices of ``private``) fdp / fpdp's public term draws from; None: all.
     """
 
     private: PoseDataset
     patients: PatientGroups | None = None
     public: PoseDataset | None = None
+    # fdp / fpdp at a site with ``public_records``: the indices of ``private`` its public term draws from (P17)
+    public_pool: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.private) == 0:
@@ -78,6 +81,10 @@ class LocalData:
             raise ValueError(f"the patient groups cover {sum(self.patients.sizes)} records, not the "
                              f"{len(self.private)} records of the dataset (build both from group_by_patient's kept "
                              "records)")
+        pool = self.public_pool
+        if pool is not None and (not pool or len(set(pool)) != len(pool)
+                                 or not all(0 <= i < len(self.private) for i in pool)):
+            raise ValueError(f"public_pool must be distinct indices of the {len(self.private)} private records")
 
     def units(self, unit: str) -> int:
         """n, the privacy units held: records, or patients at patient level."""
@@ -219,9 +226,13 @@ class StepPhases:
         if self.psi is not None:
             source = audit.psi_source if audit is not None else None
             self.canonical = source if source is not None else self.private.canonical()
-            if len(self.canonical) < train.public_batch_size:  # a site's own check refuses this policy earlier
+        # the records the public draw may reach: a site's fixed set (public_records), else all of them
+        self.pool = None if data.public_pool is None or self.canonical is None else np.asarray(data.public_pool)
+        if self.canonical is not None:
+            reach = len(self.pool) if self.pool is not None else len(self.canonical)
+            if reach < train.public_batch_size:  # a site's own check refuses this policy earlier
                 raise ValueError(f"train.public_batch_size={train.public_batch_size} is larger than the "
-                                 f"{len(self.canonical)} records its psi images are drawn from (without replacement)")
+                                 f"{reach} records its psi images are drawn from (without replacement)")
         # Public-batch sampling needs no privacy-grade randomness: psi(x) is public by assumption.
         self.pub_rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
         self.watched = audit is not None and audit.observe is not None
@@ -277,12 +288,16 @@ class StepPhases:
     def public_batch(self) -> PsiBatch | None:
         """Phase 2: psi of exactly public_batch_size distinct canonical crops (fdp / fpdp), else None.
 
-        The count never depends on how many records the site holds: the step's memory and time do not (P13), and
-        the draw shows the server psi(x) and the labels of that many records, nothing about how many there are (P17).
+        The count never depends on how many records the site holds: the step's memory and time do not (P13). Each
+        step draws afresh, so over many steps the draws reach every record they may draw from (P17): all of the
+        site's (the server can then count them), or the site's fixed set (``LocalData.public_pool``).
         """
         if self.psi is None or self.canonical is None:
             return None
-        pub_idx = self.pub_rng.choice(len(self.canonical), size=self.run.train.public_batch_size, replace=False)
+        reach = len(self.pool) if self.pool is not None else len(self.canonical)
+        pub_idx = self.pub_rng.choice(reach, size=self.run.train.public_batch_size, replace=False)
+        if self.pool is not None:
+            pub_idx = self.pool[pub_idx]
         return psi_on(self.psi, self.canonical.batch(pub_idx.tolist()), self.device)
 
     def gradient(self, step: int, batch: dict[str, torch.Tensor], groups: torch.Tensor | None,
