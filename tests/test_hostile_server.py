@@ -60,7 +60,7 @@ def attacks(tmp_path_factory):
     results = tmp / "attacks.json"
     run = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "hostile_server.py"), str(config_path),
                           str(tmp / "out"), str(results)], cwd=REPO, env=flower_env(tmp / "flwr-home"),
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=900)
     assert results.is_file(), run.stdout[-3000:] + run.stderr[-6000:]
     log = {entry["name"]: entry for entry in json.loads(results.read_text())}
     assert "read-out-record-level" in log, run.stderr[-6000:]
@@ -113,6 +113,26 @@ def test_the_feature_dp_read_out_is_refused_unless_the_site_opted_in_and_pinned_
     _, log = attacks
     assert "public_batch_size" in log["read-out-one-record"]["reason"]
     assert "not allowed by this site" in log["read-out-record-level"]["reason"]
+
+
+@pytest.mark.invariant("P17")
+def test_the_count_by_draws_read_out_counts_every_record_drawn_unless_the_site_pins_its_public_set(attacks):
+    """P17 through a real ClientApp, over a federation: each crafted fpdp reply of a site that opted in (and pinned
+    a public batch of one record) gives the server the labels of the record drawn. Drawing from all records, the
+    distinct records read grow with the rounds: the server sees every record the public term draws and can count
+    them. With ``public_records: m`` it never reads more than those m records, however many rounds it asks."""
+    from support.hostile_server import COUNT_ROUNDS, POOL
+
+    _, log = attacks
+    seen = {}
+    for phase in ("count-all", "count-pool"):
+        entries = [log[f"{phase}-{rnd}"] for rnd in range(1, COUNT_ROUNDS + 1)]
+        assert all(e["code"] is None for e in entries), [e.get("reason") for e in entries]
+        assert all(e["rows_after"][-1]["state"] == "done" for e in entries)  # ordinary, charged rounds
+        seen[phase] = {tuple(e["read"]) for e in entries}
+        assert all(any(v > 0 for v in e["read"][-16:]) for e in entries)  # a record's labels, read back
+    assert len(seen["count-pool"]) <= POOL
+    assert len(seen["count-all"]) > POOL  # 6 draws from the site's 40 records: distinct records, counted
 
 
 @pytest.mark.invariant("P10")

@@ -14,8 +14,11 @@ another augmentation, less noise, a larger q, more local steps, more rounds, met
 switches, another clip, malformed / non-orthonormal / NaN bases, NaN and oversized weights,
 an unknown request field, another site's name, a replayed round, an oversized input, a request for
 every per-sample gradient at once, finite weights that overflow the private gradients, a failed round
-asked again with other settings, and the Feature-DP read-out (crafted weights, a public batch of one record;
-then again once the site's operator has withdrawn its Feature-DP opt-in).
+asked again with other settings, the Feature-DP read-out (crafted weights, a public batch of one record;
+then again once the site's operator has withdrawn its Feature-DP opt-in), and the count-by-draws read-out: with
+the site's operator pinning a public batch of one record, the server reads the labels of the record each fpdp
+reply drew and counts the distinct records it has seen over several rounds, first with the draws reaching every
+record, then with the policy pinning a fixed public set (``public_records``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+COUNT_ROUNDS = 6  # rounds of the count-by-draws read-out in each phase
+POOL = 2  # public_records of its second phase
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -79,7 +84,9 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         named = dict(model.named_parameters())
         p = sum(named[n].numel() for n in trainable)
 
-        def send(name: str, content: RecordDict, kind: str = MessageType.TRAIN) -> dict[str, Any]:
+        def send(name: str, content: RecordDict, kind: str = MessageType.TRAIN,
+                 read: Any = None) -> dict[str, Any]:
+            """``read``: what the server reads from a reply's content (stored as the entry's ``read``)."""
             before = _ledger_rows(ledger)
             (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type=kind)], timeout=240)
             entry: dict[str, Any] = {"name": name, "rows_before": before, "rows_after": _ledger_rows(ledger)}
@@ -98,6 +105,8 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
                              finite=finite,
                              metrics=dict(reply.content[METRICS]) if METRICS in reply.content.metric_records else {},
                              info=dict(reply.content["info"]) if "info" in reply.content.config_records else {})
+                if read is not None:
+                    entry["read"] = read(reply.content)
             log.append(entry)
             results.write_text(json.dumps(log, indent=1, default=str))
             return entry
@@ -111,9 +120,9 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         def train(*, round: int, config: Any = cfg, sigma: float | None = None, q: float | None = None,
                   steps: int | None = None, weights: dict[str, torch.Tensor] | None = None,
                   basis_mode: str = "site", basis: Any = None, site: str | None = None,
-                  extra: dict[str, Any] | None = None) -> RecordDict:
+                  extra: dict[str, Any] | None = None, fed: str | None = None) -> RecordDict:
             request = TrainRequest(
-                federation=federation, round=round, site=site or info.site,
+                federation=fed or federation, round=round, site=site or info.site,
                 sigma=info.min_sigma if sigma is None else sigma, sample_rate=info.sample_rate if q is None else q,
                 steps=info.steps_per_round if steps is None else steps, basis_version=1 if basis_mode else 0,
                 basis_mode=basis_mode, config=config)
@@ -198,9 +207,38 @@ def hostile_app(cfg: Any, ledger: Path, private_hash: str, results: Path, policy
         one_record = attack_config(cfg)
         send("read-out-one-record", train(round=5, config=one_record, weights=read_out.state, steps=1,
                                           basis_mode="broadcast", basis=read_basis))
-        # The site's operator withdraws the opt-in: its policy pins the record-level methods again.
+        # The count-by-draws read-out (P17): the site's operator pins a public batch of one record (its choice),
+        # and each crafted fpdp reply gives the labels of the record its one step drew. Counting the distinct
+        # records read over rounds tells the server how many the site holds, unless its policy pins a fixed set
+        # of records the draws come from (public_records): then it sees at most those.
         from fedpose.client.policy import load_policy, policy_from_dict, policy_to_dict, write_policy
         from fedpose.client.data import prepare_site
+        from fedpose.shared.experiments.reconstruction_read import public_gradient_of, read_reply
+        from fedpose.shared.flower.messages import record_tensors
+
+        def labels_read(content: RecordDict) -> list[float]:
+            grads = public_gradient_of(read_out.state, record_tensors(content[ARRAYS]), read_out.read,
+                                       lr=one_record.train.lr)
+            readout = read_reply(read_out, grads, cfg.model, public_batch_size=1)
+            joints = np.where(readout.visible[:, None] > 0.5, readout.joints, -1.0)
+            return [round(float(v), 3) for v in np.concatenate([joints.ravel(), readout.visible.ravel()])]
+
+        done = len(_ledger_rows(ledger))
+        for phase, pool in (("count-all", None), ("count-pool", POOL)):
+            old = load_policy(policy_path)  # a budget of its own for the read-out's rounds: the operator's choice
+            repinned = policy_from_dict({**policy_to_dict(old), "public_batch_size": 1, "public_records": pool,
+                                         "lifetime_rounds": done + COUNT_ROUNDS, "epsilon": old.epsilon + 100.0,
+                                         "rounds_per_federation": COUNT_ROUNDS})
+            write_policy(policy_path, repinned)
+            prepare_site(repinned)  # the site's operator checks the changed policy
+            now = SiteInfo.from_record(ConfigRecord(send(f"{phase}-query", query({}), MessageType.QUERY)["info"]))
+            fed = uuid.uuid4().hex[:12]
+            for rnd in range(1, COUNT_ROUNDS + 1):
+                send(f"{phase}-{rnd}", train(round=rnd, config=one_record, weights=read_out.state, steps=1,
+                                             sigma=2 * now.min_sigma, basis_mode="broadcast", basis=read_basis,
+                                             fed=fed), read=labels_read)
+            done += COUNT_ROUNDS
+        # The site's operator withdraws the opt-in: its policy pins the record-level methods again.
 
         withdrawn = policy_from_dict({**policy_to_dict(load_policy(policy_path)), "methods": ["dpsgd", "proj"],
                                       "release_blurred_images_and_labels": False})
