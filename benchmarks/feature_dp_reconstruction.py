@@ -2,16 +2,23 @@
 measured on a real site.
 
     python benchmarks/feature_dp_reconstruction.py [--config configs/default.yaml] [--site site-0]
-        [--png docs/img/feature-dp-reconstruction.png] [--out benchmarks/results]
+        [--public-batch-size B] [--png docs/img/feature-dp-reconstruction.png] [--out benchmarks/results]
 
-A site that opted in to Feature-DP (``release_blurred_images_and_labels: true``, a public batch of one
-record) answers one fpdp request whose weights are crafted (``fedpose.shared.experiments.reconstruction``) and
-whose basis V leaves the read tensors out. The script reads the reply as the server would
-(``fedpose.shared.experiments.reconstruction_read``), finds which of the site's records the labels belong to,
-and prints the PSNR of the rebuilt psi(x) (at the crafted trunk's block resolution) and the label error.
-It writes a picture (the record, psi(x), psi(x) at the trunk's resolution, what the server rebuilt; joints
-drawn) and a JSON with the numbers and provenance. The site's data is the config's (the embedded synthetic
-ward is generated on first use); its ledger lives in a temporary directory. About a minute on 2 CPU cores
+A site that opted in to Feature-DP (``release_blurred_images_and_labels: true``) answers one fpdp request whose
+weights are crafted (``fedpose.shared.experiments.reconstruction``) and whose basis V leaves the read tensors out,
+twice: with the public batch the kit ships (the config's ``train.public_batch_size``, which the kit's policy pins;
+``--public-batch-size`` for another), and with a public batch of one record. The script reads each reply as the
+server would (``fedpose.shared.experiments.reconstruction_read``):
+
+- the pinned batch (``read_batch``): the fraction of the drawn records with each joint visible and each joint's
+  distribution of positions over them, scored against the drawn records (the scoring alone learns which were
+  drawn), and the blended picture, scored against their mean and against the closest single record;
+- one record: it finds which of the site's records the labels belong to and prints the PSNR of the rebuilt
+  psi(x) (at the crafted trunk's block resolution) and the label error; the picture shows the record, psi(x),
+  psi(x) at the trunk's resolution and what the server rebuilt.
+
+It writes the picture and a JSON with the numbers and provenance. The site's data is the config's (the embedded
+synthetic ward is generated on first use); its ledger lives in a temporary directory. About a minute on 2 CPU cores
 once the ward exists. Run it as a file (Opacus installs a top-level ``benchmarks`` package).
 """
 
@@ -32,7 +39,7 @@ SCALE = 4  # the picture's pixels per model-input pixel
 
 
 def site_policy(cfg, data: Path, ledger: Path):
-    """The site's own policy: Feature-DP opted in, a public batch of one record, its q and normaliser."""
+    """The site's own policy: Feature-DP opted in, the config's public batch, its q and normaliser."""
     from fedpose.client.policy import policy_from_dict
     from fedpose.client.data import load_split_dir
 
@@ -42,7 +49,8 @@ def site_policy(cfg, data: Path, ledger: Path):
         "lifetime_rounds": 1, "rounds_per_federation": 1, "steps_per_round": 1,
         "sample_rate": min(1.0, cfg.train.batch_size / n), "expected_batch": float(cfg.train.batch_size),
         "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
-        "augment": cfg.data.augment, "release_blurred_images_and_labels": True, "public_batch_size": 1,
+        "augment": cfg.data.augment, "release_blurred_images_and_labels": True,
+        "public_batch_size": cfg.train.public_batch_size,
         "data_path": str(data), "ledger_path": str(ledger),
     })
 
@@ -97,17 +105,11 @@ def picture(path: Path, size: tuple[int, int], raw: torch.Tensor, psi: torch.Ten
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from fedpose.client.policy import min_sigma_for
-    from fedpose.client.site import handle_train
-    from fedpose.client.data import prepare_site
-    from fedpose.shared.configuration.schema import load_config
-    from fedpose.shared.experiments.reconstruction import attack_config, attack_content, craft_weights, outside_basis
+    from fedpose.shared.configuration.schema import load_config, replace
+    from fedpose.shared.experiments.reconstruction import attack_config
     from fedpose.shared.experiments.reconstruction_read import (
-        find_record, planes_of, psnr, public_gradient_of, read_reply, render, score,
+        find_record, planes_of, psnr, read_reply, render, score,
     )
-    from fedpose.shared.flower.messages import ARRAYS, record_tensors
-    from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.provenance import provenance
     from fedpose.shared.training.runs import ensure_data
     from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
@@ -115,22 +117,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--site", default="site-0", help="the split the site trains on")
+    ap.add_argument("--public-batch-size", type=int, default=None,
+                    help="records the public term draws a step (default: the config's, which the kit's policy pins)")
     ap.add_argument("--png", default="docs/img/feature-dp-reconstruction.png")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     started = time.time()
-    cfg = attack_config(load_config(args.config))
+    loaded = load_config(args.config)
+    pinned = args.public_batch_size or loaded.train.public_batch_size
+    cfg = attack_config(loaded)  # a public batch of one record
     data = ensure_data(cfg, progress=False) / args.site
-    with tempfile.TemporaryDirectory() as tmp:
-        policy = site_policy(cfg, data, Path(tmp) / "ledger.sqlite")
-        prepare_site(policy)
-        model = build_model(cfg.model, cfg.data.input_size)
-        crafted = craft_weights(model)
-        basis = outside_basis(model, apply_strategy(model, cfg.train.strategy), crafted, cfg.privacy.k)
-        content = attack_content(cfg, crafted, basis, federation="reconstruction", round=1, site=policy.site,
-                                 sigma=min_sigma_for(policy), sample_rate=policy.sample_rate)
-        reply = handle_train(content, policy)
-    grads = public_gradient_of(crafted.state, record_tensors(reply[ARRAYS]), crafted.read, lr=cfg.train.lr)
+    crafted, grads, _ = _reply(cfg, data)
     readout = read_reply(crafted, grads, cfg.model, public_batch_size=cfg.train.public_batch_size)
 
     # scoring only: the site's records, psi of each canonical crop as the public term sees it
@@ -154,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         "visible_joints": measured.visible_joints, "visibility_match": measured.visibility_match,
         "best_other_record_psnr_db": max(others), "picture": args.png,
     }
+    if pinned > 1:  # the batch the kit ships
+        many = replace(cfg, **{"train.public_batch_size": pinned})
+        result["pinned"] = _batch_scores(many, data, *_reply(many, data))
     command = "python benchmarks/feature_dp_reconstruction.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result["provenance"] = provenance(command=command.strip(), seconds=time.time() - started)
     out = Path(args.out) / "feature_dp_reconstruction.json"
@@ -165,8 +165,88 @@ def main(argv: list[str] | None = None) -> dict:
           f"best other record {max(others):.1f} dB)")
     print(f"  labels: {measured.visible_joints} visible joints within {measured.label_error_px:.2g} px, visibility "
           f"{'exact' if measured.visibility_match else 'WRONG'}")
+    if "pinned" in result:
+        b = result["pinned"]
+        print(f"  with the public batch the kit pins ({pinned}): the labels of the {b['distinct_drawn']} records drawn "
+              f"as each joint's visible fraction (error {b['visible_fraction_error']:.2g}) and its distribution of "
+              f"positions over them (largest error {b['position_distribution_error']:.2g}); the picture is a blend, "
+              f"{b['psnr_vs_mean_of_drawn_db']:.1f} dB against their mean, closest single record "
+              f"{b['best_single_record_psnr_db']:.1f} dB")
     print(f"  picture: {args.png}; numbers: {out}")
     return result
+
+
+def _reply(cfg, data: Path):
+    """One crafted fpdp request to a fresh site over ``data`` at ``cfg``'s public batch: (crafted, g_pub read from
+    the reply, the records its public term drew: scoring only)."""
+    import fedpose.shared.training.loop as loop
+    from fedpose.client.data import prepare_site
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.site import handle_train
+    from fedpose.shared.experiments.reconstruction import attack_content, craft_weights, outside_basis
+    from fedpose.shared.experiments.reconstruction_read import public_gradient_of
+    from fedpose.shared.flower.messages import ARRAYS, record_tensors
+    from fedpose.shared.model.posenet import build_model
+    from fedpose.shared.model.strategy import apply_strategy
+
+    drawn: list[int] = []
+    real = loop.psi_on
+
+    def watched(psi, batch, device):  # under fpdp only the public draw maps a batch by psi
+        drawn.extend(int(i) for i in batch["index"])
+        return real(psi, batch, device)
+
+    loop.psi_on = watched
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            policy = site_policy(cfg, data, Path(tmp) / "ledger.sqlite")
+            prepare_site(policy)
+            model = build_model(cfg.model, cfg.data.input_size)
+            crafted = craft_weights(model)
+            basis = outside_basis(model, apply_strategy(model, cfg.train.strategy), crafted, cfg.privacy.k)
+            content = attack_content(cfg, crafted, basis, federation="reconstruction", round=1, site=policy.site,
+                                     sigma=min_sigma_for(policy), sample_rate=policy.sample_rate)
+            reply = handle_train(content, policy)
+    finally:
+        loop.psi_on = real
+    return crafted, public_gradient_of(crafted.state, record_tensors(reply[ARRAYS]), crafted.read,
+                                       lr=cfg.train.lr), drawn
+
+
+def _site_psi(cfg, data: Path):
+    """Scoring only: the site's records as the public term sees them (psi of each canonical crop), and raw."""
+    from fedpose.client.data import load_split_dir
+    from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
+
+    canonical = make_dataset(load_split_dir(data, "site data"), cfg, train=False)
+    batch = canonical.batch(list(range(len(canonical))))
+    return batch, psi_on(make_psi_from(cfg.privacy, torch.Generator().manual_seed(0)), batch,
+                         torch.device("cpu")).tensors
+
+
+def _batch_scores(cfg, data: Path, crafted, grads, drawn: list[int]) -> dict:
+    """A public batch of several records: what the mean of their gradients gives, scored against them."""
+    from fedpose.shared.experiments.reconstruction_read import planes_of, psnr, read_batch, render
+    from fedpose.shared.model.simcc import gaussian_targets
+
+    readout = read_batch(crafted, grads, cfg.model)
+    batch, site = _site_psi(cfg, data)
+    idx = torch.tensor(drawn, dtype=torch.long)
+    vis = site["visible"][idx].double()  # (B, K)
+    errors = [float(np.abs(readout.visible - vis.mean(0).numpy()).max())]
+    seen = vis.sum(0)
+    for axis, bins in ((0, readout.targets[0].shape[1]), (1, readout.targets[1].shape[1])):
+        t = gaussian_targets(site["joints"][idx][..., axis].double(), bins, split_ratio=cfg.model.split_ratio,
+                             sigma=cfg.model.sigma[axis])  # (B, K, bins)
+        truth = ((vis[..., None] * t).sum(0) / seen[:, None].clamp(min=1)).numpy()
+        rows = seen.numpy() > 0
+        errors.append(float(np.abs(readout.targets[axis][rows] - truth[rows]).max()))
+    rebuilt = render(readout.planes)
+    mean_truth = np.mean([render(planes_of(site["image"][i])) for i in drawn], axis=0)
+    singles = [psnr(rebuilt, render(planes_of(site["image"][i]))) for i in range(len(batch["image"]))]
+    return {"public_batch_size": cfg.train.public_batch_size, "distinct_drawn": len(set(drawn)),
+            "visible_fraction_error": errors[0], "position_distribution_error": max(errors[1:]),
+            "psnr_vs_mean_of_drawn_db": psnr(rebuilt, mean_truth), "best_single_record_psnr_db": max(singles)}
 
 
 if __name__ == "__main__":

@@ -124,8 +124,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("attacks", "what the guarantee means: audits, membership inference, re-identification", (
         ("{py}", "benchmarks/privacy_attacks.py", "--out", "{out}"),
     ), results=("privacy_attacks.json",)),
-    Entry("reconstruction", "what one Feature-DP reply gives a server that crafts its weights: the blurred image and "
-                            "the labels of the record drawn, read back and scored", (
+    Entry("reconstruction", "what one Feature-DP reply gives a server that crafts its weights: at the public batch "
+                            "the kit pins, the drawn records' label statistics; with one record, its blurred image "
+                            "and labels, read back and scored", (
         ("{py}", "benchmarks/feature_dp_reconstruction.py", "--out", "{out}", "--png",
          "{out}/feature-dp-reconstruction.png"),
     ), results=("feature_dp_reconstruction.json",)),

@@ -81,6 +81,43 @@ def test_one_fpdp_reply_gives_the_server_psi_of_the_drawn_record_and_its_exact_l
     assert max(others) < 30.0, max(others)
 
 
+def test_a_larger_public_batch_gives_the_drawn_records_label_statistics_exactly(world, tmp_path, monkeypatch):
+    """A public batch of several records is no protection of their labels: the mean of their gradients gives each
+    joint's visible fraction over them and its distribution of positions over them, exactly."""
+    import fedpose.shared.training.loop as loop
+    from fedpose.shared.experiments.reconstruction_read import read_batch
+    from fedpose.shared.model.simcc import gaussian_targets
+    from fedpose.shared.configuration.schema import replace
+
+    cfg = replace(attack_config(world), **{"train.public_batch_size": 4})
+    policy = site_policy(cfg, tmp_path, release_blurred_images_and_labels=True, public_batch_size=4)
+    crafted, basis = _crafted(cfg)
+    drawn: list[int] = []
+    real = loop.psi_on
+
+    def watched(psi, batch, device):  # scoring only: which records the public term drew
+        drawn.extend(int(i) for i in batch["index"])
+        return real(psi, batch, device)
+
+    monkeypatch.setattr(loop, "psi_on", watched)
+    content = attack_content(cfg, crafted, basis, federation="fed-test", round=1, site="site-0",
+                             sigma=min_sigma_for(policy), sample_rate=q_of(cfg))
+    reply = handle_train(content, policy)
+    grads = public_gradient_of(crafted.state, record_tensors(reply[ARRAYS]), crafted.read, lr=cfg.train.lr)
+    readout = read_batch(crafted, grads, cfg.model)
+    site = _site_psi(cfg, policy)
+    assert len(set(drawn)) == 4
+    vis = site["visible"][drawn].double()
+    assert abs(readout.visible - vis.mean(0).numpy()).max() < 1e-6
+    for axis in (0, 1):
+        bins = readout.targets[axis].shape[1]
+        t = gaussian_targets(site["joints"][drawn][..., axis].double(), bins, split_ratio=cfg.model.split_ratio,
+                             sigma=cfg.model.sigma[axis])
+        truth = ((vis[..., None] * t).sum(0) / vis.sum(0)[:, None].clamp(min=1)).numpy()
+        rows = vis.sum(0).numpy() > 0
+        assert abs(readout.targets[axis][rows] - truth[rows]).max() < 1e-5
+
+
 def test_without_the_crafted_reply_there_is_nothing_to_read(world):
     """The read-out needs a trained reply: weights sent back unchanged give no gradient, and it says so."""
     cfg = attack_config(world)

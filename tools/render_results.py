@@ -174,6 +174,15 @@ def render_reconstruction(data: dict[str, Any]) -> str:
             "same, against any other record of the site | labels | visibility |", "|---|---|---|---|",
             f"| **{data['psnr_db']:.1f} dB** PSNR | at most {data['best_other_record_psnr_db']:.1f} dB | {labels} | "
             f"{'exact' if data['visibility_match'] else 'wrong'} |"]
+    pinned = data.get("pinned")
+    if pinned:  # the public batch the kit pins: the mean of that many records' gradients
+        rows += ["", f"With the public batch the kit pins ({pinned['public_batch_size']} records, "
+                     f"{pinned['distinct_drawn']} distinct), one reply:", "",
+                 "| labels of the records drawn | psi(x) read | closest single record |", "|---|---|---|",
+                 f"| each joint's visible fraction (error {pinned['visible_fraction_error']:.2g}) and distribution "
+                 f"of positions over them (error {pinned['position_distribution_error']:.2g}) | a blend: "
+                 f"{pinned['psnr_vs_mean_of_drawn_db']:.1f} dB against their mean | "
+                 f"{pinned['best_single_record_psnr_db']:.1f} dB |"]
     return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 

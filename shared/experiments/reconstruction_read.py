@@ -13,8 +13,10 @@ tensors are w - lr * g_pub exactly, and with a public batch of one record:
   two neighbouring bins of log t give the coordinate exactly;
 - ``head.vis_head``: column k is u (1/2 - vis_k) w_vis / K: the visibility label.
 
-A public batch of B records gives the mean of B such gradients; this read-out is for B = 1 (``read_reply``
-refuses other sizes rather than return a blend).
+A public batch of B records gives the mean of B such gradients: ``read_reply`` is for B = 1 (it refuses other
+sizes rather than return a blend as one record); ``read_batch`` reads what the mean gives exactly, for any B: the
+fraction of the drawn records with each joint visible, each joint's distribution of positions over them (the mean
+of their SimCC targets), and the head's ratio, a mean of their trunk features weighted by each one's delta.
 """
 
 from __future__ import annotations
@@ -137,6 +139,37 @@ def read_reply(crafted: Crafted, grads: dict[str, torch.Tensor], model: ModelCon
                          "public batch gives the mean of its records' gradients")
     joints, visible = _labels(crafted, grads, model)
     return Readout(planes=_features(crafted, grads), joints=joints, visible=visible)
+
+
+@dataclass(frozen=True)
+class BatchReadout:
+    """What the server reads from one reply whose public batch held several records: ``planes`` as ``Readout``'s
+    but a weighted mean over the records; ``visible`` (K,) the fraction of them with joint k visible; ``targets``
+    (2, K, bins) per axis and joint the mean SimCC target over the records where the joint is visible (NaN where
+    none is)."""
+
+    planes: dict[str | int, np.ndarray]
+    visible: np.ndarray
+    targets: np.ndarray
+
+
+def read_batch(crafted: Crafted, grads: dict[str, torch.Tensor], model: ModelConfig) -> BatchReadout:
+    """Read g_pub of a public batch of any size: its exact label statistics and a blended picture (see the module
+    docstring); for one record ``targets`` is its SimCC target and ``visible`` its labels."""
+    gate = float(F.gelu(torch.tensor(GATE, dtype=torch.float32)))
+    num = crafted.joints
+    task = 0.5 if model.task_uncertainty else 1.0
+    vis_weight = 0.5 if model.task_uncertainty else model.vis_weight
+    visible = 0.5 - grads["head.vis_head.weight"][0].double().numpy()[:num] * num / (gate * vis_weight)
+    axes = []
+    for name in ("head.x_head.weight", "head.y_head.weight"):
+        g = grads[name].double().numpy()[:, :num]  # (bins, K): u w_task / K x mean_i vis_ik (p - t_ik)
+        uniform = 1.0 / g.shape[0]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mixed = (visible[None, :] * uniform - g * num / (gate * task)) / visible[None, :]
+        mixed[:, visible < 0.5 / 1e6] = np.nan
+        axes.append(mixed.T)  # (K, bins)
+    return BatchReadout(planes=_features(crafted, grads), visible=visible, targets=(axes[0], axes[1]))
 
 
 def psnr(a: np.ndarray, b: np.ndarray, *, peak: float = 1.0) -> float:
