@@ -132,11 +132,11 @@ def blank_chunk_cost(model: Any, trainable: list[str], *, input_size: tuple[int,
     from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, clipped_group_sum
 
     device = next(model.parameters()).device
-    empty = PoseDataset([], input_size=input_size, augment=None, face_tasks=face_tasks).batch([])
+    empty = PoseDataset([], input_size=input_size, augment=None, face_tasks=bool(face_tasks)).batch([])
     batch = {k: v.new_zeros((chunk_size, *v.shape[1:])).to(device) for k, v in empty.items() if k != "index"}
     named = dict(model.named_parameters())
     params = {n: named[n].detach() for n in trainable}
-    loss_fn = make_loss_fn(model, trainable)
+    loss_fn: Any = make_loss_fn(model, trainable)  # a LossFn (PoseLoss is callable as one)
     groups = torch.arange(chunk_size)
 
     def run() -> None:
