@@ -129,6 +129,8 @@ def register(sub: Any) -> None:
     pol.add_argument("--psi-min", type=float, default=0.03,
                      help="minimum psi strength, a fraction of min(H, W): blur sigma or pixelate block (default 0.03)")
     pol.add_argument("--no-augment", action="store_true", help="pin augmentation off (default: on)")
+    pol.add_argument("--augment-multiplicity", type=int, default=1,
+                     help="augmented copies of each sampled record (default 1; a request for another is refused)")
     pol.add_argument("--methods", default=None,
                      help="comma-separated methods the site accepts (default: dpsgd,proj; all four with "
                           "--release-blurred-images-and-labels)")

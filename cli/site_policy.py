@@ -30,6 +30,7 @@ def cmd_site_policy(args: argparse.Namespace) -> int:
             "sample_rate": args.sample_rate, "expected_batch": args.expected_batch,
             "steps_per_round": args.steps_per_round, "clip_norm": args.clip_norm,
             "psi": args.psi, "psi_min": args.psi_min, "augment": not args.no_augment,
+            "augment_multiplicity": args.augment_multiplicity,
             "data_path": args.data_path, "ledger_path": args.ledger_path or "ledger.sqlite",
             "public_path": args.public_path, "min_sigma": args.min_sigma,
             "eval_path": args.eval_path, "accountant": args.accountant,

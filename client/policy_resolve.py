@@ -84,6 +84,7 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "psi": cfg.privacy.psi,
         "psi_min": psi_strength(cfg.privacy.psi, cfg.privacy.psi_param, cfg.data.input_size),
         "augment": cfg.data.augment,
+        "augment_multiplicity": cfg.privacy.augment_multiplicity,
         "data_path": str(root / name),
         "ledger_path": str(out / "sites" / name / "ledger.sqlite"),
         "public_path": str(root / cfg.data.public_split),

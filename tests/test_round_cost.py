@@ -83,3 +83,18 @@ def test_the_measured_peak_memory_grows_with_the_chunk():
 
     small, large = reference_chunk_cost(policy(1)), reference_chunk_cost(policy(16))
     assert small.seconds > 0 and large.peak_bytes > small.peak_bytes > 0
+
+
+@pytest.mark.invariant("P11")
+def test_the_kit_and_a_simulation_pin_the_federations_multiplicity(world, tmp_path):
+    """What the federation's config asks (privacy.augment_multiplicity) is what the sites' policies it writes pin:
+    its own requests are not refused, another multiplicity is."""
+    import yaml
+
+    from fedpose.client.policy_resolve import default_policy
+    from fedpose.server.kits.provision import Federation, provision
+
+    cfg = replace(world, **{"privacy.augment_multiplicity": 3})
+    assert default_policy(cfg, tmp_path / "sim", 0).augment_multiplicity == 3
+    kits = provision(tmp_path / "kits", Federation(sites=("a",), hosts=("127.0.0.1",), port=8000), cfg)
+    assert yaml.safe_load((kits["a"] / "policy.yaml").read_text())["augment_multiplicity"] == 3

@@ -177,8 +177,8 @@ def kit_blocks() -> dict[str, str]:
               "batch_size": cfg.train.batch_size, "local_steps": cfg.federation.local_steps,
               "clip_norm": cfg.privacy.clip_norm, "psi": cfg.privacy.psi, "psi_min": cfg.privacy.psi_param,
               "augment": str(cfg.data.augment).lower(), "public_batch_size": cfg.train.public_batch_size,
-              "accountant": cfg.privacy.accountant, "method_note": kit.method_note(cfg.train.method),
-              "max_body_mib": body_limit_mib(cfg)}
+              "augment_multiplicity": cfg.privacy.augment_multiplicity, "accountant": cfg.privacy.accountant,
+              "method_note": kit.method_note(cfg.train.method), "max_body_mib": body_limit_mib(cfg)}
     names = ("POLICY", "START_SCRIPT", "SYSTEMD_UNIT", "SITE_STEPS", "SERVER_STEPS", "SUPERLINK_SCRIPT",
              "REGISTER_SCRIPT")
     return {name: getattr(kit, name).format(**values) for name in names}

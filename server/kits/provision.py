@@ -117,7 +117,7 @@ def provision(out: Path, federation: Federation, cfg, *, install: Install = Inst
             rounds=cfg.federation.rounds, batch_size=cfg.train.batch_size, local_steps=cfg.federation.local_steps,
             clip_norm=cfg.privacy.clip_norm, psi=cfg.privacy.psi, psi_min=cfg.privacy.psi_param,
             augment=str(cfg.data.augment).lower(), public_batch_size=cfg.train.public_batch_size,
-            accountant=cfg.privacy.accountant,
+            augment_multiplicity=cfg.privacy.augment_multiplicity, accountant=cfg.privacy.accountant,
             **paths))
         _write(folder / "kit.json", json.dumps({"site": site, "superlink": address, "ca": "ca.crt",
                                                 "approved": "approved.txt", "key": "node.key"}, indent=1) + "\n")

@@ -42,7 +42,7 @@ augment: {augment}
 release_blurred_images_and_labels: false   # true: the server may read blurred images and their labels (Feature-DP)
 public_batch_size: {public_batch_size}          # fdp/fpdp: records drawn (each once) for the public term every step
 public_records: null          # fdp/fpdp: draw them from a fixed set of this many records (null: from all records)
-augment_multiplicity: 1       # augmented copies of each sampled record (the site's: a round's cost grows with it)
+augment_multiplicity: {augment_multiplicity}       # augmented copies of each sampled record (a round's cost grows with it)
 unit: record                  # record (one image) or patient (all images of one person; needs patient ids)
 data_path: FILL-ME            # the site's split directory, written by `fedpose site set-data`
 ledger_path: {state}/{site}/ledger.sqlite
