@@ -257,12 +257,17 @@ def worst_case_report(policy: SitePolicy, units: int) -> list[str]:
     cost = reference_chunk_cost(policy)
     free = free_memory(select_device("auto"))
     h, w = policy.max_input_size
-    lines.append(f"peak memory of one private chunk ({policy.chunk_size} rows of the kit's model at {h}x{w}): "
-                 f"{cost.peak_bytes / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free; every chunk is padded to that")
-    if cost.peak_bytes > free:
-        raise ValueError(f"one private chunk of {policy.chunk_size} rows at {h}x{w} needs "
-                         f"{cost.peak_bytes / 2**20:.0f} MiB, more than the {free / 2**20:.0f} MiB this machine has "
-                         "free: lower chunk_size or max_input_size")
+    # the step's input images are held whole (float32, 3 channels): at the batch's upper tail
+    rows = rows_per_unit(policy, "raw+psi" if policy.augment_multiplicity == 1 else "raw")
+    inputs = public * (rows or 1) * 3 * h * w * 4
+    need = cost.peak_bytes + inputs
+    lines.append(f"peak memory of a private step: one chunk ({policy.chunk_size} rows of the kit's model at {h}x{w}, "
+                 f"every chunk is padded to it) {cost.peak_bytes / 2**20:.0f} MiB + the batch's images at its upper "
+                 f"tail {inputs / 2**20:.0f} MiB, of {free / 2**20:.0f} MiB free")
+    if need > free:
+        raise ValueError(f"a private step at {h}x{w} needs {need / 2**20:.0f} MiB (one chunk of {policy.chunk_size} "
+                         f"rows and the batch's images), more than the {free / 2**20:.0f} MiB this machine has free: "
+                         "lower chunk_size or max_input_size")
     try:
         chunks = chunks_per_round(policy, steps=policy.steps_per_round, method=method)
     except ValueError as err:
