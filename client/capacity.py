@@ -178,11 +178,13 @@ def _grouped(policy: SitePolicy, images: str = "raw") -> bool:
 
 
 def check_round_cost(request: Any, policy: SitePolicy, model: torch.nn.Module, trainable: list[str], *,
-                     arrived: float) -> None:
+                     elapsed: float) -> None:
     """Refuse (POLICY, before the charge: nothing spent) a request whose worst case does not fit ``round_seconds``.
 
     Reads no private record: one blank chunk of the request's own model is timed; the worst case counts the
-    policy's public constants only (``chunks_per_round``). Without ``round_seconds`` there is no clock to fit.
+    policy's public constants only (``chunks_per_round``). ``elapsed``: the seconds since the request arrived, by
+    the clock the site's answer is held to; the time this check takes is added. Without ``round_seconds`` there is
+    no clock to fit.
     """
     if policy.round_seconds is None:
         return
@@ -194,13 +196,14 @@ def check_round_cost(request: Any, policy: SitePolicy, model: torch.nn.Module, t
         chunks = chunks_per_round(policy, steps=request.steps, method=cfg.train.method, images=images)
     except ValueError as err:
         raise Refusal(RefusalCode.POLICY, f"with round_seconds {err}") from err
+    started = time.perf_counter()
     try:
         cost = blank_chunk_cost(model, trainable, input_size=cfg.data.input_size, face_tasks=cfg.model.face_tasks,
                                 chunk_size=policy.chunk_size, grouped=_grouped(policy, images))
     except (MemoryError, torch.OutOfMemoryError) as err:  # the blank chunk allocates what every chunk does
         raise Refusal(RefusalCode.POLICY, "one chunk of the requested model does not fit this site's memory at "
                                           f"chunk_size={policy.chunk_size}: ask for a smaller model or input") from err
-    elapsed = time.monotonic() - arrived
+    elapsed += time.perf_counter() - started
     worst = elapsed + SAFETY * chunks * cost.seconds
     if worst > policy.round_seconds:
         raise Refusal(RefusalCode.POLICY, f"this request's worst case does not fit this site's round_seconds="

@@ -141,7 +141,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
         if row is None:
             prepared = _prepare(content, request, policy)
             # its worst case fits the clock (P13), measured on blank rows: before the charge, nothing read
-            check_round_cost(request, policy, prepared.model, prepared.trainable, arrived=arrived)
+            check_round_cost(request, policy, prepared.model, prepared.trainable,
+                             elapsed=time.monotonic() - arrived)
             row = _charge(request, policy, ready, prepared.digest)
             return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
         with on_the_clock(arrived, policy.round_seconds):  # an answer about a round charged already (P16)
