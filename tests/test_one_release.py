@@ -27,22 +27,7 @@ from fedpose.client.policy import min_sigma_for
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import ARRAYS, Refusal, RefusalCode, record_tensors
-from support.site import crash_mid_round, site_policy, spend_rows, train_request
-
-
-def _count_training(monkeypatch) -> list[int]:
-    """Count the rounds that reach local training (each one reads private data on the round's noise)."""
-    import fedpose.shared.training.loop as train_module
-
-    real = train_module.local_train
-    calls: list[int] = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "local_train", counted)
-    return calls
+from support.site import count_training, crash_mid_round, site_policy, spend_rows, train_request
 
 
 def _overflowing(cfg):
@@ -60,7 +45,7 @@ def test_a_failed_round_is_final_whatever_is_asked_next(world_weights, tmp_path,
         handle_train(train_request(_overflowing(cfg), state, sigma=sigma, steps=2), policy)
     (row,) = spend_rows(policy)
     assert row["state"] == "failed" and row["noise_seed"] is None and row["epsilon"] > 0
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     sane = replace(cfg, **{"train.lr": 1e-4})  # the replay attack: new settings, same round
     for asked in (sane, _overflowing(cfg)):
         request = train_request(asked, state, sigma=sigma, steps=2)
@@ -77,7 +62,7 @@ def test_an_unfinished_round_replays_only_the_identical_request(world_weights, t
     clean = site_policy(cfg, tmp_path / "clean", seed=11)
     sigma = min_sigma_for(crashed)
     crash_mid_round(train_request(cfg, state, sigma=sigma, steps=2), crashed)
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     other_lr = train_request(replace(cfg, **{"train.lr": cfg.train.lr * 2}), state, sigma=sigma, steps=2)
     other_weights = train_request(cfg, {k: (v + 1e-3 if v.is_floating_point() else v) for k, v in state.items()},
                              sigma=sigma, steps=2)
@@ -102,7 +87,7 @@ def test_an_unfinished_round_does_not_replay_under_another_app_bundle(world_weig
     sigma = min_sigma_for(policy)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "a" * 64)
     crash_mid_round(train_request(cfg, state, sigma=sigma), policy)
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     monkeypatch.setenv("FEDPOSE_APP_DIGEST", "b" * 64)  # the same request, run by other code
     with pytest.raises(Refusal) as refused:
         handle_train(train_request(cfg, state, sigma=sigma), policy)
@@ -118,6 +103,6 @@ def test_a_done_round_answers_any_request_with_its_stored_reply(world_weights, t
     policy = site_policy(cfg, tmp_path)
     sigma = min_sigma_for(policy)
     first = record_tensors(handle_train(train_request(cfg, state, sigma=sigma), policy)[ARRAYS])
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     again = handle_train(train_request(replace(cfg, **{"train.lr": 0.5}), state, sigma=sigma), policy)
     assert trained == [] and all(torch.equal(record_tensors(again[ARRAYS])[k], first[k]) for k in first)

@@ -25,21 +25,7 @@ from fedpose.client.replies import stored_reply
 from fedpose.client.site import SiteFailure, handle_train
 from fedpose.shared.configuration.schema import replace
 from fedpose.shared.flower.messages import Refusal, RefusalCode
-from support.site import crash_mid_round, site_policy, spend_rows, train_request
-
-
-def _count_training(monkeypatch) -> list[int]:
-    import fedpose.shared.training.loop as train_module
-
-    real = train_module.local_train
-    calls: list[int] = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "local_train", counted)
-    return calls
+from support.site import count_training, crash_mid_round, site_policy, spend_rows, train_request
 
 
 class _Clock:
@@ -88,7 +74,7 @@ def test_an_interrupted_round_is_final_and_is_never_trained_again(world_weights,
     (row,) = spend_rows(policy)
     assert (row["state"], row["noise_seed"]) == ("failed", None) and row["epsilon"] > 0
     assert "interrupted" in row["outcome"]
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     for asked in (cfg, replace(cfg, **{"train.lr": cfg.train.lr * 2})):  # the identical request, then another
         with pytest.raises(SiteFailure, match="failed after its charge"):
             handle_train(train_request(asked, state, sigma=sigma, steps=2), policy)
@@ -108,7 +94,7 @@ def test_a_stop_while_the_answer_is_held_drops_it_and_the_round_is_final(world_w
     (row,) = spend_rows(policy)
     assert (row["state"], row["noise_seed"]) == ("failed", None) and "interrupted" in row["outcome"]
     assert stored_reply(policy, "fed-test", 1) is None  # the reply that never left is not kept to be sent later
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     monkeypatch.setattr("fedpose.client.site.time", _Clock())
     with pytest.raises(SiteFailure, match="failed after its charge"):
         handle_train(train_request(cfg, state, sigma=sigma), policy)
@@ -161,7 +147,7 @@ def test_a_round_whose_process_keeps_dying_replays_a_bounded_number_of_times(wor
         crash_mid_round(train_request(cfg, state, sigma=sigma, steps=2), policy)
     (row,) = spend_rows(policy)
     assert (row["state"], row["attempts"]) == ("charged", MAX_ATTEMPTS)
-    trained = _count_training(monkeypatch)
+    trained = count_training(monkeypatch)
     with pytest.raises(SiteFailure, match="failed after its charge"):
         handle_train(train_request(cfg, state, sigma=sigma, steps=2), policy)
     assert trained == []

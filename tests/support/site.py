@@ -74,6 +74,21 @@ def refusal_of(content, policy) -> Refusal:
     return info.value
 
 
+def count_training(monkeypatch) -> list[int]:
+    """Count the rounds that reach local training (each one reads private data on the round's noise)."""
+    import fedpose.shared.training.loop as train_module
+
+    real = train_module.local_train
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "local_train", counted)
+    return calls
+
+
 def crash_mid_round(content, policy) -> None:
     """Run ``handle_train(content, policy)`` in a child process that is killed (SIGKILL, as a power cut or the
     kernel's out-of-memory killer would) once local training has read its first private batch: no handler of
