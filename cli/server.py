@@ -70,8 +70,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"PCKh@0.5: start {status['initial_pckh'] or float('nan'):.2f}, latest {status['latest_pckh']:.2f}, "
               f"best {status['best_pckh']:.2f}")
     for site, s in sorted(status["sites"].items()):
-        print(f"  {site}: eps {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), {s['rounds']} rounds, "
-              f"{s['status']}" + (f" ({s['reason']})" if s["reason"] else ""))
+        print(f"  {site}: eps {s['epsilon']:.4f} of {s['budget']:g} (delta {s['delta']:g}), {s['rounds']} rounds"
+              + (f" + {s['unanswered']} asked with no answer (counted as spent)" if s["unanswered"] else "")
+              + f", {s['status']}" + (f" ({s['reason']})" if s["reason"] else ""))
     for e in status["events"][-10:]:
         print(f"  round {e['round']}: {e['site']} {e['kind']}: {e['reason'][:160]}")
     if status["claim"]:

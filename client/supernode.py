@@ -333,22 +333,65 @@ def start_site(approved: str | Path, supernode_args: Sequence[str], *, policy: s
                cold: bool, poll: float) -> int:
     """``fedpose site start``: the SuperNode with ``supernode_args``, gated by the ``approved`` file, supervised
     until it stops for good; returns its exit code. With a ``policy``, ``check(policy, path)`` runs the site's own
-    checks of it first (once, not per message) and the SuperNode is started with it."""
-    from fedpose.client.app_trust import gated_env, load_approved, write_shim
-
+    checks of it first (once, not per message) and the SuperNode is started with it. A second start of a site
+    whose ``site start`` runs from the same folder says so and returns 3 before anything else."""
     args = _supernode_args(list(supernode_args))
     supernode = supernode_command(poll=poll)  # a bad --poll or no Flower: refused before any check runs
+    approved = Path(approved).expanduser().resolve()
+    gates = Path(gate_dir).expanduser() if gate_dir else approved.parent / "gate-bin"
+    if retry_for < 0:
+        raise ValueError(f"--retry-for: must be >= 0 seconds, got {retry_for}")
+    lock = _hold_site(gates)
+    if isinstance(lock, int):
+        print(f"fedpose site start: this site is already running from this folder (fedpose site start, pid {lock}; "
+              f"{gates / START_LOCK}): nothing started. Each site runs one SuperNode; stop that one first "
+              "(or see it with fedpose site status).", flush=True)
+        return KEY_IN_USE
+    try:
+        return _start_held(approved, gates, args, supernode, policy=policy, check=check, retry_for=retry_for,
+                           retry_pause=retry_pause, cold=cold, poll=poll)
+    finally:
+        lock.close()  # releases the lock
+
+
+START_LOCK = "site-start.lock"
+
+
+def _hold_site(gates: Path) -> Any:
+    """Take this site folder's start lock (an open file, held until closed), or return the pid of the ``site start``
+    that holds it: a site runs one SuperNode, and a second one would rerun its checks, then find its ports taken."""
+    import fcntl
+
+    gates.mkdir(parents=True, exist_ok=True)
+    fh = open(gates / START_LOCK, "a+")  # noqa: SIM115 - held for the whole run, closed by the caller
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        text = fh.read().strip()
+        fh.close()
+        return int(text) if text.isdigit() else 0
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def _start_held(approved: Path, gates: Path, args: list[str], supernode: list[str], *, policy: str | Path | None,
+                check: Callable[[Any, Path], None], retry_for: float, retry_pause: float, cold: bool,
+                poll: float) -> int:
+    """``start_site`` once it holds the site's start lock: the checks, the gate, the warm-start server, the
+    supervised SuperNode."""
+    from fedpose.client.app_trust import gated_env, load_approved, write_shim
+
     if policy:
         from fedpose.client.policy import load_policy
 
         policy_path = Path(policy).expanduser().resolve()
         check(load_policy(policy_path), policy_path)  # the checks that read private data run here, once
         args = _with_policy(args, policy_path)
-    approved = Path(approved).expanduser().resolve()
     digests = load_approved(approved)
-    gates = Path(gate_dir).expanduser() if gate_dir else approved.parent / "gate-bin"
-    if retry_for < 0:
-        raise ValueError(f"--retry-for: must be >= 0 seconds, got {retry_for}")
     warm = None if cold else start_warm(approved)
     try:
         shim = write_shim(gates, approved=approved, warm_socket=warm[1] if warm else None)

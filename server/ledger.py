@@ -368,6 +368,14 @@ class ServerLedger:
         }
 
 
+def unrecorded_requests(conn: Any, *, after_round: int = 0) -> list[tuple[int, str]]:
+    """(round, site) of every train request written down as sent (after ``after_round``) whose round has no spend
+    row of that site: the server stopped before it recorded the answer, so the site may have charged it (P13)."""
+    return [(int(r[0]), str(r[1])) for r in conn.execute(
+        "SELECT DISTINCT round, site FROM sent WHERE round > ? AND NOT EXISTS (SELECT 1 FROM spend WHERE"
+        " spend.site = sent.site AND spend.round = sent.round) ORDER BY round, site", (after_round,)).fetchall()]
+
+
 def _put(ledger: ServerLedger, insert: str, row: dict[str, Any]) -> None:
     """``insert`` ("INSERT [OR REPLACE] INTO table") one checkpointed row, its columns named by its keys."""
     ledger.conn.execute(f"{insert} ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
@@ -409,10 +417,7 @@ def reconcile(ledger: ServerLedger, snapshot: dict[str, Any], *, through_round: 
         log.warning("ledger %s: %d spend rows of an interrupted round (> %d) kept as spent",
                     ledger.path, interrupted, through_round)
     plans = ledger.plans()
-    unanswered = ledger.conn.execute(  # sent, then the server died: it may have been spent
-        "SELECT DISTINCT round, site FROM sent WHERE round > ? AND NOT EXISTS (SELECT 1 FROM spend WHERE"
-        " spend.site = sent.site AND spend.round = sent.round) ORDER BY round, site", (through_round,)).fetchall()
-    for rnd, site in unanswered:
+    for rnd, site in unrecorded_requests(ledger.conn, after_round=through_round):
         if site in plans:
             log.warning("ledger %s: %s was asked to train round %d before the server stopped: counted at the "
                         "plan until its own report covers it", ledger.path, site, rnd)

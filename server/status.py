@@ -32,7 +32,11 @@ def _rounds(out: Path) -> list[dict[str, Any]]:
 
 
 def server_status(out: str | Path) -> dict[str, Any]:
-    """The run in ``out``: rounds with PCKh, per-site epsilon against budget, events, resumes, and its state."""
+    """The run in ``out``: rounds with PCKh, per-site epsilon against budget, events, resumes, and its state.
+
+    A site's epsilon is never below what the server asked of it: a round it was asked and whose answer is not
+    recorded (a killed server, a round under way) counts at the plan, whatever state the run is in."""
+    from fedpose.server.ledger import unrecorded_requests
     from fedpose.shared.privacy.accounting.accountant import StepRecord, epsilon_spent
 
     out = Path(out)
@@ -54,18 +58,30 @@ def server_status(out: str | Path) -> dict[str, Any]:
         plans = {r["site"]: dict(r) for r in conn.execute("SELECT * FROM sites ORDER BY site")}
         spend = [dict(r) for r in conn.execute("SELECT * FROM spend ORDER BY id")]
         events = [dict(r) for r in conn.execute("SELECT round, site, kind, code, reason FROM events ORDER BY id")]
-        reports = [dict(r) for r in conn.execute("SELECT site, run_epsilon FROM reports")]
+        reports = [dict(r) for r in conn.execute("SELECT round, site, run_epsilon FROM reports")]
+        try:
+            unrecorded = unrecorded_requests(conn)
+        except sqlite3.OperationalError:  # a ledger written before requests were written down
+            unrecorded = []
     finally:
         conn.close()
     sites: dict[str, Any] = {}
     for site, plan in plans.items():
         rows = [r for r in spend if r["site"] == site and r["state"] != "resolved"]
         history = [StepRecord(sigma=r["sigma"], sample_rate=r["sample_rate"], steps=r["steps"]) for r in rows]
+        # Asked, and no answer recorded (the server stopped, or the round is under way): the site may have charged
+        # it, so it counts at the plan, as a resume would count it, unless the site's own later report covers it.
+        own = [r["round"] for r in reports if r["site"] == site]
+        own += [r["round"] for r in rows if r["site_run_epsilon"] is not None]
+        asked = [rnd for rnd, s in unrecorded if s == site and not any(o >= rnd for o in own)]
+        history += [StepRecord(sigma=plan["sigma"], sample_rate=plan["sample_rate"], steps=plan["steps_per_round"])
+                    for _ in asked]
         server_eps = epsilon_spent(history, delta=plan["delta"], accountant=plan["accountant"]) if history else 0.0
         reported = [r["site_run_epsilon"] for r in rows if r["site_run_epsilon"] is not None]
         reported += [r["run_epsilon"] for r in reports if r["site"] == site]
         sites[site] = {"epsilon": max([server_eps, *reported]), "budget": plan["budget"], "delta": plan["delta"],
                        "rounds": sum(1 for r in rows if r["state"] in ("completed", "interrupted")),
+                       "unanswered": len(asked) + sum(1 for r in rows if r["state"] == "attempted"),
                        "status": plan["status"], "reason": plan["reason"]}
     initial = meta.get("initial_pckh_mean")
     pckh = [r["pckh_mean"] for r in rounds]

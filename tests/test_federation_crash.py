@@ -13,6 +13,8 @@ SuperLink still holds the session of the one that crashed).
    is resumed with ``resume=true`` only; one site's SuperNode comes back only after the resumed
    server first asked it (it waits for it). Every site's ledger then equals what the server's claim
    accounts: the claim is never below any site's ledger, and no round was spent twice.
+3. The SuperLink (with its ServerApp) is killed once round 1's requests are sent: ``fedpose server status``
+   counts every asked round as spent before any resume.
 
 Every wait is bounded; everything is stopped by process group in ``finally``.
 """
@@ -20,7 +22,12 @@ Every wait is bounded; everything is stopped by process group in ``finally``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,3 +180,67 @@ def test_supernode_and_superlink_killed_then_recovered(tmp_path: Path, tmp_path_
         db.close()
     assert "resumed" in kinds
     assert "resumed" in (out2 / "report.md").read_text()
+
+
+def _server_status(out: Path) -> tuple[dict, str]:
+    """``fedpose server status`` on ``out``, as an operator runs it: (its --json object, its text)."""
+    def run(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "server", "status", "--out", str(out),
+                               *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    return json.loads(run("--json")), run()
+
+
+def test_a_killed_servers_status_counts_every_round_it_asked_the_sites(tmp_path: Path, tmp_path_factory) -> None:
+    """The server (SuperLink and ServerApp) is killed -9 once it has sent round 1's train requests: its status,
+    read from the run folder alone, counts each asked round as spent (at the plan) and is never below what a
+    site's own ledger charged, before any resume."""
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=2, federation={"local_steps": 1, "round_timeout": 240})
+    config_path = tmp_path / "federation.yaml"
+    dump_config(cfg, config_path)
+    pilot = Pilot(tmp_path, cfg)
+    out = tmp_path / "out"
+    try:
+        pilot.start_superlink()
+        pilot.register(1, 2)
+        for i in (0, 1):
+            pilot.start_site(i)
+        pilot.submit(pilot.app, f"config='{config_path}' out='{out}'")
+
+        def asked() -> bool:
+            try:
+                return len(ledger_rows(out / "ledger.sqlite", "SELECT site FROM sent WHERE round = 1")) == 2
+            except sqlite3.OperationalError:  # the server is creating it right now
+                return False
+
+        wait_for(asked, 300, "the server to ask both sites for round 1", poll=0.05)
+        # the whole server: the SuperLink's process group, and the ServerApp (its SuperExec's own session), by
+        # the pid it wrote into the run folder's lock
+        server_app = int((out / "server.lock").read_text().split()[0])
+        kill_group(pilot.superlink)
+        os.kill(server_app, signal.SIGKILL)
+        replied = ledger_rows(out / "ledger.sqlite", "SELECT site FROM spend")
+        time.sleep(5.0)  # a site that already took its request charges it (or not) before its ledger is read
+        federation = _federation(out)
+        status, text = _server_status(out)
+    finally:
+        pilot.close()
+
+    assert status["state"] == "stopped", status
+    for i in (0, 1):
+        site = f"site-{i}"
+        rows = ledger_rows(out / "ledger.sqlite", "SELECT sigma, sample_rate, steps_per_round, delta FROM sites"
+                           " WHERE site = ?", (site,))
+        sigma, q, steps, delta = rows[0]
+        asked_once = epsilon_spent([StepRecord(sigma=sigma, sample_rate=q, steps=steps)], delta=delta,
+                                   accountant="rdp")
+        charged = _site_run(pilot, i, federation)
+        own = epsilon_spent([StepRecord(sigma=r[1], sample_rate=r[2], steps=r[3]) for r in charged],
+                            delta=delta, accountant="rdp") if charged else 0.0
+        shown = status["sites"][site]["epsilon"]
+        assert shown >= asked_once - 1e-9, (site, shown, asked_once, replied)
+        assert shown >= own - 1e-9, (site, shown, own)
+        assert f"{site}: eps {shown:.4f}" in text, text
+        assert status["epsilon"] >= shown - 1e-9

@@ -108,3 +108,30 @@ def test_a_site_started_before_its_key_is_registered_waits_for_registration(tmp_
         assert site.poll() is None, (site.returncode, log.read_text()[-3000:])
     finally:
         pilot.close()
+
+
+def test_a_site_started_twice_from_its_folder_says_so_and_exits_3_at_once(tmp_path: Path, tmp_path_factory) -> None:
+    """A second ``fedpose site start`` of a running site, the same command from the same folder: it says that
+    the site already runs (with its pid) and exits with 3, before it checks the site's data again, starts a
+    warm-start server or a SuperNode (whose ports the running one holds), and the running site goes on."""
+    cfg = prepare_world(world_root(tmp_path_factory), rounds=1, federation={"local_steps": 1})
+    pilot = Pilot(tmp_path, cfg, sites=1, lifetime_rounds=1)
+    try:
+        pilot.start_superlink()
+        pilot.register(1)
+        first = pilot.start_site(0)
+        wait_for(lambda: "SuperNode ID:" in pilot.log("supernode-0").read_text() or first.poll() is not None, 120,
+                 "the site to connect")
+        assert first.poll() is None, pilot.log("supernode-0").read_text()[-3000:]
+        again = pilot.start_site(0, "supernode-0-again")
+        try:
+            wait_for(lambda: again.poll() is not None, 60, "the second start to exit")
+        except TimeoutError:
+            pytest.fail("a second start still runs after 60 s: " + pilot.log("supernode-0-again").read_text()[-3000:])
+        text = pilot.log("supernode-0-again").read_text()
+        assert again.returncode == 3, (again.returncode, text[-3000:])
+        assert "already running" in text and f"pid {first.pid}" in text, text[-3000:]
+        assert "Traceback" not in text and "checked:" not in text and "SuperNode runs only" not in text, text[-3000:]
+        assert first.poll() is None, pilot.log("supernode-0").read_text()[-3000:]
+    finally:
+        pilot.close()
