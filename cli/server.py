@@ -4,6 +4,7 @@
 ``run``: submit the federation to the SuperLink with ``flwr run``, follow it and exit non-zero unless it
 finished completed (``flwr run`` itself returns 0 as soon as the run is submitted; server/submit.py).
 ``status``: the run folder's rounds, per-site spend and events (server/status.py).
+``export-public``: the public split as one archive with its digest, for the sites (server/prepare.py).
 ``build-app``: the Flower app and the bundle the sites approve, from this install (cli/app_bundle.py).
 ``register-sites``: the sites' public keys, registered again safely (cli/register_sites.py).
 ``front``: the sites' address, which passes the SuperLink's Fleet API only (server/front.py).
@@ -24,6 +25,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from fedpose.server.prepare import prepare_server
 
     prepare_server(load_cli_config(args), Path(args.out), progress=not args.quiet)
+    return 0
+
+
+def cmd_export_public(args: argparse.Namespace) -> int:
+    from fedpose.cli.common import load_cli_config
+    from fedpose.server.prepare import export_public
+
+    export_public(load_cli_config(args), args.out)
     return 0
 
 
@@ -94,6 +103,14 @@ def register(sub: Any) -> None:
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     prep.add_argument("--verbose", action="store_true", help="debug logging")
     prep.set_defaults(func=cmd_prepare)
+
+    exp = ss.add_parser("export-public", help="write the public split as one archive and print its digest: what "
+                                              "each site unpacks and approves (fedpose site approve-public --digest)")
+    add_config(exp, help="the config fedpose server prepare wrote (server.yaml)")
+    exp.add_argument("--out", required=True, help="the archive to write (e.g. /srv/fedpose/public-split.tar.gz); it "
+                                                  "unpacks to public-split/")
+    exp.add_argument("--verbose", action="store_true", help="debug logging")
+    exp.set_defaults(func=cmd_export_public)
 
     run = ss.add_parser("run", help="submit the federation with flwr run, follow it, exit 0 only if it finished "
                                     f"completed ({int(RUN_FAILED)}: failed, stopped or not submitted)",

@@ -43,7 +43,7 @@ def cmd_approve_public(args: argparse.Namespace) -> int:
     """Show the public set, then write its path and digest into the policy: what the site trusts as public."""
     from fedpose.client.site_setup import approve_public
 
-    approve_public(args.policy, args.public)
+    approve_public(args.policy, args.public, expected=args.digest)
     return 0
 
 
@@ -141,7 +141,11 @@ def register(sub: Any) -> None:
 
     ap2 = ss.add_parser("approve-public", help="show a public set and approve it in the policy (path and digest)")
     ap2.add_argument("--policy", required=True, help="the site's policy YAML (edited in place)")
-    ap2.add_argument("public", help="the site's copy of the public split")
+    ap2.add_argument("public", help="the site's copy of the public split (the folder the operator's "
+                                    "public-split.tar.gz unpacks to)")
+    ap2.add_argument("--digest", default=None, help="the digest the operator sent with the public split (fedpose "
+                                                    "server export-public prints it): a copy that does not match "
+                                                    "is refused")
     ap2.add_argument("--verbose", action="store_true", help="debug logging")
     ap2.set_defaults(func=cmd_approve_public)
 

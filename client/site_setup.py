@@ -110,9 +110,11 @@ def set_data(policy: str | Path, data: str | Path, *, echo: Callable[[str], None
     return q
 
 
-def approve_public(policy: str | Path, public: str | Path, *, echo: Callable[[str], None] = print) -> str:
+def approve_public(policy: str | Path, public: str | Path, *, expected: str | None = None,
+                   echo: Callable[[str], None] = print) -> str:
     """Show the ``public`` set, then write its path and digest into the ``policy``: what the site trusts as public.
-    Returns the digest."""
+    With ``expected`` (the digest the operator sent with the set), a copy whose images do not match is refused and
+    the policy left as it was. Returns the digest."""
     from fedpose.client.data import load_split_dir
     from fedpose.shared.data.split import manifest_digest as public_digest
 
@@ -123,6 +125,10 @@ def approve_public(policy: str | Path, public: str | Path, *, echo: Callable[[st
     digest = public_digest(records)
     echo(f"public set {public}: {len(records)} annotated people in {images} images")
     echo(f"digest {digest}")
+    if expected is not None and digest != expected.strip().lower():
+        raise ValueError(f"the public set {public} has digest {digest}, which does not match the digest the operator "
+                         f"sent, {expected.strip()}: its images differ from the operator's (a damaged or altered "
+                         "copy, or another set); nothing approved, the policy is unchanged")
     echo("approving it means: this set is public (no patient of this hospital is in it); the site computes its "
          "projection basis from it, and `fedpose site check` refuses to run if it ever changes")
     _edit_policy(path, {"public_path": str(public), "public_digest": digest})

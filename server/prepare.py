@@ -7,6 +7,8 @@ starts from. ``prepare_server`` makes or checks each one, with progress output, 
 config with absolute paths; ``require_prepared`` is what the ServerApp runs first, so that a
 server that was not prepared stops at once with the command to run, instead of generating data
 in whatever directory its SuperLink was started from and pretraining for minutes in silence.
+``export_public`` writes the public split as one archive, with its digest, for the sites: each site unpacks
+its copy and approves it by that digest (``fedpose site approve-public --digest``).
 
 What the server can evaluate on: only data it may hold, i.e. public data (a held-out part of
 the public set, or a public benchmark's validation split). It never sees a site's images. The
@@ -108,7 +110,51 @@ def prepare_server(cfg: Config, out: str | Path, *, progress: bool = True,
     config_path = out / "server.yaml"
     dump_config(cfg, config_path)
     echo(f"[3/3] server config {config_path} (absolute paths)")
-    echo("      start the federation with:\n"
-         f"      flwr run . pilot --stream --run-config \"config='{config_path}' out='/srv/fedpose/run1'\"")
+    echo("      send the sites the public split: fedpose server export-public --config "
+         f"{config_path} --out {out / PUBLIC_ARCHIVE}")
+    echo("      once the sites run, start the federation with: fedpose server run --connection pilot --app "
+         f"{out / 'app'} --config {config_path} --out {out / 'run1'}")
     return config_path
+
+
+PUBLIC_ARCHIVE = "public-split.tar.gz"
+PUBLIC_FOLDER = "public-split"  # the folder the archive unpacks to
+
+
+def export_public(cfg: Config, out: str | Path, *, echo: Callable[[str], None] = print) -> str:
+    """Write the config's public split (its whole folder: annotations, images, sidecars) as the gzipped tar
+    ``out``, unpacking to ``public-split/``, and print its digest: the value each site approves its copy by.
+    Returns the digest. Only the server's prepared public split goes in; it is checked first as ``prepare``
+    checks it (no image twice), so a site is never sent a set the server itself would refuse."""
+    import os
+    import tarfile
+
+    from fedpose.shared.data.mpii import load_split
+    from fedpose.shared.data.split import check_no_duplicates, manifest_digest
+
+    root = Path(cfg.data.root).expanduser().resolve()
+    split = root / cfg.data.public_split
+    if not (split / "annotations.json").is_file():
+        raise ConfigError(f"the public split {split} is not there (no annotations.json): prepare the server first, "
+                          "fedpose server prepare --config CONFIG --out DIR, then export the config it wrote")
+    records = load_split(root, cfg.data.public_split)
+    if not records:
+        raise ConfigError(f"the public split {split} has no records")
+    check_no_duplicates(records, what=f"the public split {split}")
+    digest = manifest_digest(records)
+    out = Path(out).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(split, arcname=PUBLIC_FOLDER, filter=lambda info: info if info.isfile() or info.isdir() else None)
+    os.replace(partial, out)
+    images = len({r.image for r in records})
+    echo(f"public split {split}: {len(records)} annotated people in {images} images -> {out} "
+         f"({out.stat().st_size / 1e6:.1f} MB)")
+    echo(f"digest {digest}")
+    echo(f"send each site {out.name} and this digest (the digest by a second channel: the site approves only a copy "
+         "whose images match it). At the site:\n"
+         f"  tar -xzf {out.name} -C <the site's folder>\n"
+         f"  fedpose site approve-public --policy policy.yaml --digest {digest} <the site's folder>/{PUBLIC_FOLDER}")
+    return digest
 

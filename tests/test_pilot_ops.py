@@ -456,3 +456,66 @@ def test_site_start_starts_again_a_supernode_that_gave_up_on_its_superlink_and_e
     assert runs.read_text() == "xx", done.stdout + done.stderr
     assert done.returncode == 2
     assert "starting it again" in done.stdout
+
+
+def test_the_operator_exports_the_public_split_and_a_site_approves_it_by_its_digest(tmp_path, tmp_path_factory):
+    """How the public split reaches a site: ``fedpose server export-public`` writes it as one archive and prints its
+    digest; the site unpacks the archive and approves the copy with ``site approve-public --digest``, which refuses
+    a copy whose images differ from the digest the operator sent, leaving the policy as it was."""
+    import re
+    import shutil
+    import tarfile
+
+    import cv2
+    import yaml
+
+    from support.federation import prepare_world, world_root
+    from support.site import public_digest_of
+    from fedpose.shared.configuration.schema import dump_config
+
+    cfg = prepare_world(world_root(tmp_path_factory))
+    config = tmp_path / "server.yaml"
+    dump_config(cfg, config)
+    archive = tmp_path / "srv" / "public-split.tar.gz"
+
+    def fedpose(*args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fedpose.cli.main", *args], cwd=cwd, capture_output=True,
+                              text=True, timeout=300)
+
+    done = fedpose("server", "export-public", "--config", str(config), "--out", str(archive))
+    assert done.returncode == 0, done.stdout + done.stderr
+    (digest,) = set(re.findall(r"digest ([0-9a-f]{64})", done.stdout))
+    assert digest == public_digest_of(cfg)
+    site = tmp_path / "site"
+    site.mkdir()
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(site)], check=True, timeout=60)  # as the kit says
+    with tarfile.open(archive) as tar:
+        assert all(name == "public-split" or name.startswith("public-split/") for name in tar.getnames())
+    copy = site / "public-split"
+    policy = site / "policy.yaml"
+    data = Path(cfg.data.root)
+    assert fedpose("site-policy", "--out", str(policy), "--site", "site-0", "--epsilon", "2.0", "--delta", "1e-3",
+                   "--lifetime-rounds", "2", "--data-path", str(data / "site-0"), "--ledger-path",
+                   str(site / "ledger.sqlite"), "--sample-rate", "0.2", "--expected-batch", "8",
+                   "--steps-per-round", "2", "--psi-min", repr(cfg.privacy.psi_param),
+                   "--public-path", str(data / "public")).returncode == 0
+
+    # a copy whose images are not the operator's: refused, the policy untouched
+    tampered = site / "tampered"
+    shutil.copytree(copy, tampered)
+    image = sorted((tampered / "images").iterdir())[0]
+    pixels = cv2.imread(str(image))
+    pixels[0, 0] = 255 - pixels[0, 0]
+    cv2.imwrite(str(image), pixels)
+    before = policy.read_text()
+    done = fedpose("site", "approve-public", "--policy", str(policy), "--digest", digest, str(tampered))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "does not match" in done.stderr and digest in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert policy.read_text() == before
+
+    done = fedpose("site", "approve-public", "--policy", str(policy), "--digest", digest, str(copy))
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = yaml.safe_load(policy.read_text())
+    assert written["public_path"] == str(copy) and written["public_digest"] == digest
+    done = fedpose("site", "check", "--policy", str(policy))
+    assert done.returncode == 0, done.stdout + done.stderr

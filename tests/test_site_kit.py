@@ -88,7 +88,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
     env.pop("PYTHONPATH", None)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), os.environ["PATH"]])
     server = kits / "server"
-    bundle = None
+    bundle = digest = None
     procs = []
     try:
         # -- the operator, first half: prepare, SuperLink, connection (the README's steps 2-4), the app (6)
@@ -107,6 +107,8 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 _run(command, server, env)
             elif command.startswith("fedpose server prepare"):
                 _run(fill(command, subst), server, env)
+            elif command.startswith("fedpose server export-public"):
+                (digest,) = set(re.findall(r"digest ([0-9a-f]{64})", _run(fill(command, subst), server, env)))
             elif command == "./start-superlink.sh":
                 procs.append(start(["bash", "-c", f"cd {server} && {command}"], tmp_path / "superlink.log", env))
             elif command.startswith("fedpose server build-app"):
@@ -117,7 +119,7 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
                 assert where.startswith(str(venv)) and "site-packages" in where, where
                 _run(f"fedpose server build-app --out {tmp_path / 'site-check' / 'app'}", tmp_path, env)
                 assert (tmp_path / "site-check" / "app.fab").read_bytes() == bundle.read_bytes()
-        assert bundle is not None, server_cmds
+        assert bundle is not None and digest is not None, server_cmds
         wait_for(lambda: healthy(f"127.0.0.1:{port}", server / "ca.crt") or procs[0].poll() is not None, 120,
                  "the SuperLink", poll=1.0)
         assert procs[0].poll() is None, (tmp_path / "superlink.log").read_text()[-3000:]
@@ -133,8 +135,9 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
         starts = []
         for i, site in enumerate(sites):
             kit = kits / site
-            mapping = {"/path/to/your/split": str(data / site), "/path/to/the/public/split": str(data / "public"),
-                       "APP.fab": str(bundle)}
+            # what the operator sent: the public split's archive, its digest, the bundle
+            mapping = {"/path/to/your/split": str(data / site), "/path/to/public-split.tar.gz":
+                       str(srv / "public-split.tar.gz"), "DIGEST": digest, "APP.fab": str(bundle)}
             cwd = kit
             for command in _commands(kit / "README.txt"):
                 if command.startswith(SKIP) or any(skip in command for skip in SKIP):

@@ -19,7 +19,8 @@ POLICY = """\
 # fedpose site policy of {site}. Everything that decides this site's guarantee is pinned here, by the site.
 # Three values are left for the site (each line says FILL-ME); fill them with these commands, in this order:
 #   fedpose site set-data --policy {install}/{site}/policy.yaml /path/to/your/split     (data_path, sample_rate)
-#   fedpose site approve-public --policy {install}/{site}/policy.yaml /path/to/public   (public_path, digest)
+#   fedpose site approve-public --policy {install}/{site}/policy.yaml --digest DIGEST {install}/{site}/public-split
+#                                              (public_path, digest: the operator's public split, unpacked here)
 #   fedpose site check --policy {install}/{site}/policy.yaml                            (the site's own checks)
 policy_version: 3
 site: {site}
@@ -111,9 +112,11 @@ On the site's server, as root, in this order:
      {venv}/bin/fedpose site keygen --out .
      chown {user}: node.key
    Send node.key.pub to the federation operator; nothing else.
-3. Name the data, approve the public set, run the site's checks:
+3. Name the data; unpack the public split the operator sends (public-split.tar.gz) here and approve it by the
+   digest the operator sends with it (DIGEST; a copy whose images differ is refused); run the site's checks:
      {venv}/bin/fedpose site set-data --policy policy.yaml /path/to/your/split
-     {venv}/bin/fedpose site approve-public --policy policy.yaml /path/to/the/public/split
+     tar -xzf /path/to/public-split.tar.gz
+     {venv}/bin/fedpose site approve-public --policy policy.yaml --digest DIGEST public-split
      {venv}/bin/fedpose site check --policy policy.yaml
 4. Review the app bundle the operator sends (APP.fab), then approve it:
      {venv}/bin/fedpose site approve --bundle APP.fab --approved approved.txt
@@ -138,6 +141,9 @@ On the federation server:
 2. Prepare the public data and pretrained weights (absolute paths, progress output) from the federation's
    config as provisioned (federation.yaml, in this folder). {method_note}:
      fedpose server prepare --config federation.yaml --out /srv/fedpose
+   Then export the public split for the sites; it prints its digest. Send each site the archive, and the
+   digest by a second channel (a site approves only a copy whose images match it):
+     fedpose server export-public --config /srv/fedpose/server.yaml --out /srv/fedpose/public-split.tar.gz
 3. Start the SuperLink (in this folder; a service manager can run the same script):
      ./start-superlink.sh
    The sites dial {address}, where only the SuperNodes' API answers; the SuperLink
