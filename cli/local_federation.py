@@ -12,6 +12,7 @@ server through it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +45,33 @@ def simulation_apps(run_config: dict[str, Any]) -> tuple[Any, Any]:
     return server, client
 
 
-def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
+def prepare_simulation(cfg: Any, out: Path, *, progress: bool, echo: Callable[[str], None] = print) -> Path:
     """Data, pretrained weights, site policies and each site's own checks (P2 disjointness, duplicates), and
-    the run's config file; returns its path."""
+    the run's config file; returns its path. Each phase is said before it starts (``echo``): a fresh clone
+    generates its data and pretrains for minutes before the federation's first round."""
     from fedpose.client.policy import load_policy, write_policy
     from fedpose.client.policy_resolve import default_policy
     from fedpose.client.data import prepare_site
     from fedpose.shared.configuration.schema import dump_config
-    from fedpose.shared.training.runs import ensure_data, ensure_pretrained
+    from fedpose.shared.training.runs import ensure_data, ensure_pretrained, pretrained_problem
 
+    root = Path(cfg.data.root)
+    synthetic = cfg.data.source == "synthetic"
+    echo(f"[1/3] data: {root}" + (" (generating the synthetic ward: first run only, seconds)"
+                                  if synthetic and not (root / "manifest.json").is_file() else ""))
     ensure_data(cfg, progress=progress)
-    if cfg.train.strategy != "scratch":
+    if cfg.train.strategy == "scratch":
+        echo("[2/3] public pretraining: none (train.strategy = scratch)")
+    else:
+        problem = pretrained_problem(cfg)
+        echo(f"[2/3] public pretraining: {cfg.pretrain.out}: present, made with this config" if problem is None else
+             f"[2/3] public pretraining: {problem}: pretraining on the public split first ({cfg.pretrain.epochs} "
+             "epochs, no private data; once, then cached for every later run; its progress bar says the time left)")
         ensure_pretrained(cfg, progress=progress)
+    fed = cfg.federation
+    echo(f"[3/3] federation: {fed.rounds} rounds of {fed.local_steps} local steps at each of "
+         f"{len(cfg.data.train_splits)} sites, in Flower's simulation (each site's checks first; each round's line "
+         "says the time left)")
     for i, split in enumerate(cfg.data.train_splits):
         path = out / "sites" / split / "policy.yaml"
         if not path.exists():
@@ -66,6 +82,10 @@ def prepare_simulation(cfg: Any, out: Path, *, progress: bool) -> Path:
     return config_path
 
 
+def _silent(_line: str) -> None:
+    pass
+
+
 def simulate(config: str | Path, out: str | Path, *, sets: dict[str, Any] | None = None, rounds: int | None = None,
              seed: int | None = None, resume: bool = False, progress: bool = True,
              quiet: bool = False) -> dict[str, Any]:
@@ -73,7 +93,7 @@ def simulate(config: str | Path, out: str | Path, *, sets: dict[str, Any] | None
     checkpoint) with one simulated site per ``data.train_splits`` entry; returns its metrics.json.
 
     ``sets`` are dotted overrides (``--set``), then ``rounds`` and ``seed`` when given; ``progress`` shows the
-    preparation's progress bars, ``quiet`` leaves Flower's log out.
+    preparation's progress bars, ``quiet`` leaves Flower's log and the phases' lines out.
     """
     from fedpose.server.prepare import absolute_paths
     from fedpose.shared.configuration.schema import load_config
@@ -98,7 +118,7 @@ def simulate(config: str | Path, out: str | Path, *, sets: dict[str, Any] | None
     check_simulation_sites(cfg)
     out.mkdir(parents=True, exist_ok=True)
     flower_env(out / "flwr-home")
-    config_path = prepare_simulation(cfg, out, progress=progress)
+    config_path = prepare_simulation(cfg, out, progress=progress, echo=_silent if quiet else print)
     run_config = {"config": str(config_path), "overrides": "", "out": str(out), "resume": bool(resume)}
     status = run_local_simulation(out, run_config, sites=len(cfg.data.train_splits), quiet=quiet)
     metrics_path = out / "metrics.json"

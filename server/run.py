@@ -143,6 +143,8 @@ class Federation:
     server_opt: ServerOptimizer  # server/aggregate.py; its moments are in the checkpoint
     noticed: list[Event]
     recheck: set[str] = field(default_factory=set)  # sites to ask again what their policy declares
+    paces: list[float] = field(default_factory=list)  # wall seconds of each round this process ran: the estimate
+    mark: float = field(default_factory=time.monotonic)  # when the last of them ended (or the run began here)
 
 
 @dataclass(frozen=True)
@@ -486,9 +488,22 @@ def _checkpoint(run: Federation, rnd: int, record: dict[str, Any]) -> None:
                                                  ledger=run.ledger.snapshot(), history=run.history,
                                                  optimizer=run.server_opt.state_dict()))
     append_round(run.paths.rounds, record)
-    log.info("round %d: PCKh %.2f, eps %s, %s", rnd, record["pckh_mean"],
+    now = time.monotonic()
+    run.paces.append(now - run.mark)
+    run.mark = now
+    log.info("round %d/%d: PCKh %.2f, eps %s, %s; %s", rnd, run.cfg.federation.rounds, record["pckh_mean"],
              {s: round(e, 4) for s, e in record["epsilon"].items()},
-             f"accepted {record['accepted']}" if record["aggregated"] else "not aggregated")
+             f"accepted {record['accepted']}" if record["aggregated"] else "not aggregated",
+             time_left(run.paces, run.cfg.federation.rounds - rnd))
+
+
+def time_left(paces: list[float], rounds_left: int) -> str:
+    """This round's time and the rest's estimate at the mean pace of the rounds run so far, in words."""
+    this = f"{paces[-1]:.0f} s"
+    if rounds_left <= 0:
+        return f"{this}, the last round"
+    left = sum(paces) / len(paces) * rounds_left
+    return f"{this}; about {left:.0f} s left" if left < 90 else f"{this}; about {left / 60:.0f} min left"
 
 
 def finish(cfg: Config, paths: Paths, model: PoseNet, val: list, ledger: ServerLedger,

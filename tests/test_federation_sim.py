@@ -123,3 +123,28 @@ def test_simulation_two_rounds_with_server_kill_and_resume(tmp_path: Path, tmp_p
     assert len([r for r in rows if r["state"] != "resolved"]) == 4  # and the killed run's requests, resolved
     for key in ("site", "round", "sigma", "sample_rate", "steps", "delta", "epsilon", "budget"):
         assert all(key in r for r in rows)
+
+
+def test_a_first_simulation_says_its_phases_with_progress_and_the_time_left(tmp_path: Path) -> None:
+    """A fresh clone's first ``fedpose simulate``: no data, no pretrained weights. It says, before each, that it
+    generates the data, that it pretrains on the public split first (once, then cached), and what the federation
+    runs; and each round's line says how many rounds of the run are done and about how long the rest takes."""
+    from support.federation import tiny_config
+
+    cfg = tiny_config(tmp_path / "fresh", rounds=2)  # nothing generated or pretrained under it yet
+    config_path = tmp_path / "federation.yaml"
+    dump_config(cfg, config_path)
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "simulate", "--config", str(config_path),
+                           "--out", str(tmp_path / "out")], cwd=REPO, env=flower_env(tmp_path / "flwr-home"),
+                          capture_output=True, text=True, timeout=900)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-5000:]
+    phases = [re.search(rf"^\[{i}/3\] [^\n]*", done.stdout, re.M) for i in (1, 2, 3)]
+    assert all(phases), done.stdout[-3000:]
+    data, pretrain, federation = (m.group(0) for m in phases)
+    assert done.stdout.index(data) < done.stdout.index(pretrain) < done.stdout.index(federation)
+    assert "generating" in data and str(cfg.data.root) in data, data
+    assert "pretraining on the public split first" in pretrain and "once" in pretrain, pretrain
+    assert "2 rounds" in federation and "2 sites" in federation, federation
+    assert re.search(r"round 1/2: PCKh [\d.]+, .*about \d+ (s|min) left", text), text[-5000:]
+    assert re.search(r"round 2/2: PCKh [\d.]+, .*the last round", text), text[-5000:]
