@@ -47,6 +47,9 @@ CHECK_VERSION = 1
 
 def load_split_dir(path: str | Path, what: str) -> list[PoseRecord]:
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} {path} does not exist (no such directory): give the split's folder, which "
+                                "holds annotations.json and images/")
     if not (path / "annotations.json").is_file():
         raise ValueError(f"{what} {path} is not a split directory (needs annotations.json and images/)")
     records = load_split(path.parent, path.name)

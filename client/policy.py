@@ -305,8 +305,8 @@ def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SiteP
     if unfilled:
         steps = {"data_path": "fedpose site set-data --policy POLICY DATA_DIR",
                  "sample_rate": "fedpose site set-data --policy POLICY DATA_DIR",
-                 "public_path": "fedpose site approve-public --policy POLICY PUBLIC_DIR",
-                 "public_digest": "fedpose site approve-public --policy POLICY PUBLIC_DIR"}
+                 "public_path": "fedpose site approve-public --policy POLICY --digest DIGEST PUBLIC_DIR",
+                 "public_digest": "fedpose site approve-public --policy POLICY --digest DIGEST PUBLIC_DIR"}
         todo = list(dict.fromkeys(steps.get(k, f"write {k} into the policy") for k in unfilled))
         raise ValueError(f"site policy: {', '.join(unfilled)} still say {FILL_ME}; run: " + "; then ".join(todo))
     names = {f.name for f in dataclasses.fields(SitePolicy)}

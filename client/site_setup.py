@@ -35,8 +35,8 @@ def keygen(out: str | Path, *, name: str = "node.key", comment: str | None = Non
     write_key_file(key, private, private=True)
     write_key_file(pub, public, private=False)
     echo(f"wrote {key} (private, 0600: it stays here) and {pub}")
-    echo(f"send {pub.name} to the federation operator; they register it with "
-         f"`flwr supernode register {pub.name} <connection>`")
+    echo(f"send {pub.name} to the federation operator; they register it with their kit's register-sites.sh "
+         "(fedpose server register-sites)")
     return key, pub
 
 

@@ -108,6 +108,19 @@ def _kit(policy_path: Path) -> dict[str, Any]:
         return {}
 
 
+def _named_site(policy_path: Path) -> str | None:
+    """The site a policy file names, read from its YAML alone: a policy that does not load yet (a kit's, not
+    filled in) still says whose it is."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(policy_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    site = raw.get("site") if isinstance(raw, dict) else None
+    return str(site) if isinstance(site, str) and site.strip() else None
+
+
 def site_status(policy_path: str | Path, *, approved: str | Path | None = None, superlink: str | None = None,
                 ca: str | Path | None = None) -> dict[str, Any]:
     """Everything an operator checks before and during a pilot; ``healthy`` is False when any of it fails."""
@@ -126,7 +139,7 @@ def site_status(policy_path: str | Path, *, approved: str | Path | None = None, 
         policy = load_policy(policy_path)
     except (OSError, ValueError) as err:
         status.update(policy={"path": str(policy_path), "valid": False, "error": str(err), "plain": []},
-                      healthy=False)
+                      healthy=False, site=_named_site(policy_path))
         problems.append(f"policy: {err}")
         return status
     status["site"] = policy.site

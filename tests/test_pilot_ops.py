@@ -519,3 +519,26 @@ def test_the_operator_exports_the_public_split_and_a_site_approves_it_by_its_dig
     assert written["public_path"] == str(copy) and written["public_digest"] == digest
     done = fedpose("site", "check", "--policy", str(policy))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_kit_site_names_itself_and_a_missing_data_folder_is_called_missing(tmp_path, capsys):
+    """``site status`` of a kit whose policy is not filled in yet still names the site; ``site set-data`` with a
+    folder that does not exist says so (exit 3), not that it is "not a split directory"; ``site keygen`` names
+    the step the operator's kit uses to register the key."""
+    from fedpose.cli.main import main
+    from fedpose.server.kits.provision import Federation, provision
+    from fedpose.shared.configuration.schema import config_from_dict
+
+    kits = provision(tmp_path / "kits", Federation(sites=("hospital-a",), hosts=("127.0.0.1",), port=8000),
+                     config_from_dict({}))
+    policy = kits["hospital-a"] / "policy.yaml"
+    capsys.readouterr()
+    assert main(["site", "status", "--policy", str(policy)]) == 1
+    assert capsys.readouterr().out.startswith("site hospital-a: NEEDS ATTENTION")
+    missing = tmp_path / "no-such-split"
+    assert main(["site", "set-data", "--policy", str(policy), str(missing)]) == 3
+    err = capsys.readouterr().err
+    assert "does not exist" in err and str(missing) in err and "not a split directory" not in err, err
+    assert main(["site", "keygen", "--out", str(tmp_path / "key")]) == 0
+    out = capsys.readouterr().out
+    assert "register-sites" in out and "flwr supernode register" not in out, out
