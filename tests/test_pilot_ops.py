@@ -542,3 +542,22 @@ def test_a_kit_site_names_itself_and_a_missing_data_folder_is_called_missing(tmp
     assert main(["site", "keygen", "--out", str(tmp_path / "key")]) == 0
     out = capsys.readouterr().out
     assert "register-sites" in out and "flwr supernode register" not in out, out
+
+
+def test_a_loopback_federation_listens_on_loopback_and_no_kit_runs_its_site_as_root(tmp_path):
+    """``provision --host 127.0.0.1`` (a pilot on one machine) puts the sites' address on 127.0.0.1 too, not on
+    every interface; a public host name keeps 0.0.0.0. ``--user root`` is refused, naming the value, before any
+    kit is written (a kit would otherwise tell the site to `useradd ... root` and run its SuperNode as root)."""
+    from fedpose.server.kits.provision import Federation, Install, provision
+    from fedpose.shared.configuration.schema import config_from_dict
+
+    cfg = config_from_dict({})
+    local = provision(tmp_path / "local", Federation(sites=("a",), hosts=("127.0.0.1",), port=8000), cfg)
+    script = (local["server"] / "start-superlink.sh").read_text()
+    assert "--listen 127.0.0.1:8000" in script and "0.0.0.0" not in script, script
+    public = provision(tmp_path / "public", Federation(sites=("a",), hosts=("fed.example.org",), port=8000), cfg)
+    assert "--listen 0.0.0.0:8000" in (public["server"] / "start-superlink.sh").read_text()
+    with pytest.raises(ValueError, match="--user root"):
+        provision(tmp_path / "root", Federation(sites=("a",), hosts=("fed.example.org",), port=8000), cfg,
+                  install=Install(user="root"))
+    assert not (tmp_path / "root").exists()

@@ -162,10 +162,9 @@ def test_a_site_kit_reaches_the_fleet_api_but_never_the_control_api(tmp_path: Pa
     operator = flower_env(tmp_path / "operator-flwr")
     operator["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), operator["PATH"]])
     script = (server / "start-superlink.sh").read_text()
-    # The kit serves the sites on every interface; here on loopback only (nothing else of the script changes).
-    assert f"--listen 0.0.0.0:{port} " in script
-    (server / "start-superlink-loopback.sh").write_text(script.replace(f"0.0.0.0:{port}", f"127.0.0.1:{port}"))
-    link = start(["sh", str(server / "start-superlink-loopback.sh")], tmp_path / "superlink.log", operator)
+    # A federation whose sites dial 127.0.0.1 is served on loopback only: the script runs as the kit wrote it.
+    assert f"--listen 127.0.0.1:{port} " in script and "0.0.0.0" not in script
+    link = start(["sh", str(server / "start-superlink.sh")], tmp_path / "superlink.log", operator)
     procs = [link]
     try:
         wait_for(lambda: healthy(public, kits / "site-b" / "ca.crt") or link.poll() is not None, 120,

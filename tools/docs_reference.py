@@ -160,6 +160,7 @@ def config_page() -> str:
 # templates fedpose provision uses (server/kits/templates.py), for an example site, so the guide and a kit never differ.
 KIT_PAGES = (REPO / "docs" / "how-to" / "site-install.md", REPO / "docs" / "how-to" / "server.md")
 EXAMPLE = {"site": "hospital-a", "address": "fedpose.example.org:8000", "port": 8000, "control_port": 9093,
+           "listen": "0.0.0.0",
            "api_port": 9094, "health_port": 9095,
            "sites": "hospital-a hospital-b", "wheel": f"fedpose-{metadata.version('fedpose')}-py3-none-any.whl"}
 

@@ -56,6 +56,13 @@ class Install:
     constraints: str | None = None
 
 
+def listen_host(hosts: tuple[str, ...]) -> str:
+    """Where the sites' address listens: 127.0.0.1 when every name the sites may dial is this machine's loopback
+    (a pilot on one machine), else every interface."""
+    loopback = {"127.0.0.1", "localhost", "::1"}
+    return "127.0.0.1" if hosts and all(h in loopback for h in hosts) else "0.0.0.0"
+
+
 def _write(path: Path, text: str, *, mode: int = 0o644) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as fh:
@@ -91,6 +98,9 @@ def provision(out: Path, federation: Federation, cfg, *, install: Install = Inst
         raise ValueError(f"provision: --port {port} is not a TCP port")
     if not 0 < control_port < 65536 or control_port == port:
         raise ValueError(f"provision: --control-port {control_port} must be a TCP port other than --port {port}")
+    if install.user == "root":
+        raise ValueError("provision: --user root: each site's SuperNode runs as its own unprivileged service account "
+                         f"(it reads the site's data and writes its ledger, nothing else); name one, e.g. {kit.USER}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: provision into a new folder")
     whl, lock = kit_install_files(install.wheel, install.constraints)
@@ -130,7 +140,9 @@ def provision(out: Path, federation: Federation, cfg, *, install: Install = Inst
         kits[site] = folder
     _write(server / "register-sites.sh", kit.REGISTER_SCRIPT.format(sites=" ".join(sites)), mode=0o755)
     _write(server / "start-superlink.sh", kit.SUPERLINK_SCRIPT.format(port=port, control_port=control_port,
-                                                                      max_body_mib=body_limit_mib(cfg)), mode=0o755)
+                                                                      max_body_mib=body_limit_mib(cfg),
+                                                                      listen=listen_host(federation.hosts)),
+           mode=0o755)
     dump_config(cfg, server / "federation.yaml")  # the config the kits were made from, --set included
     _write(server / "README.txt", "fedpose server kit\n\n" + kit.SERVER_STEPS.format(
         address=address, control_port=control_port, wheel=whl.name, venv=paths["venv"],

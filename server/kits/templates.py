@@ -170,14 +170,14 @@ On the federation server:
 SUPERLINK_SCRIPT = """\
 #!/bin/sh
 # Start the central SuperLink (TLS, SuperNode authentication) on this machine only, 127.0.0.1:{control_port},
-# where the operator's flwr and fedpose server run reach it; and the sites' address, 0.0.0.0:{port}, which
+# where the operator's flwr and fedpose server run reach it; and the sites' address, {listen}:{port}, which
 # passes the SuperLink's Fleet API to it and refuses everything else (its Control API, which lists and stops
 # runs and registers and unregisters SuperNodes for whoever reaches it, never answers there). A request body
 # over {max_body_mib} MiB (the largest a site sends: this federation's model, with room to spare) is refused unread.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-exec "${{FEDPOSE:-fedpose}}" server front --listen 0.0.0.0:{port} --superlink 127.0.0.1:{control_port} \\
+exec "${{FEDPOSE:-fedpose}}" server front --listen {listen}:{port} --superlink 127.0.0.1:{control_port} \\
   --max-body-mib {max_body_mib} --ca "$here/ca.crt" --cert "$here/server.pem" --key "$here/server.key" -- \\
   flower-superlink --ssl-ca-certfile "$here/ca.crt" --ssl-certfile "$here/server.pem" \\
   --ssl-keyfile "$here/server.key" --enable-supernode-auth --host 127.0.0.1 --port {control_port} \\
