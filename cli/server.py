@@ -86,6 +86,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  round {e['round']}: {e['site']} {e['kind']}: {e['reason'][:160]}")
     if status["claim"]:
         print(f"claim: {status['claim']}")
+    elif status["guarantee"]:
+        print(f"guarantee: {status['guarantee']} (the claim is written when the run finishes)")
     return 0
 
 

@@ -46,12 +46,13 @@ def server_status(out: str | Path) -> dict[str, Any]:
     rounds = _rounds(out)
     metrics_path = out / "metrics.json"
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else None
-    planned = None
+    planned = guarantee = None
     config = out / "config.yaml"
     if config.is_file():
         from fedpose.shared.configuration.schema import load_config
 
-        planned = load_config(config).federation.rounds
+        cfg = load_config(config)
+        planned, guarantee = cfg.federation.rounds, planned_guarantee(cfg)
     conn = _ro(ledger)
     try:
         meta = {r["key"]: r["value"] for r in conn.execute("SELECT key, value FROM meta")}
@@ -103,9 +104,26 @@ def server_status(out: str | Path) -> dict[str, Any]:
         "sites": sites,
         "events": events,
         "resumes": sum(1 for e in events if e["kind"] == "resumed"),
+        "guarantee": guarantee,
         "claim": metrics["claim"] if metrics else None,
         "epsilon": metrics["epsilon"] if metrics else max((s["epsilon"] for s in sites.values()), default=0.0),
     }
+
+
+def planned_guarantee(cfg: Any) -> str:
+    """The kind of guarantee the run's config trains under, in one line: what the status says before the
+    accountant's claim is written at the end (each site's epsilon so far is beside it)."""
+    from fedpose.shared.configuration.methods import RECORD_LEVEL, WITH_PUBLIC
+
+    method = cfg.train.method
+    if method in RECORD_LEVEL:
+        kind = f"record-level DP ({method}, {cfg.privacy.unit} level)"
+    elif method in WITH_PUBLIC:
+        kind = (f"Feature-DP ({method}): a blurred copy of each image ({cfg.privacy.psi} {cfg.privacy.psi_param:g}) "
+                "and its pose labels are treated as public")
+    else:
+        return f"none: {method} is not private"
+    return f"{kind}, each site within its own budget (its epsilon and delta are on its line)"
 
 
 def run_state(out: Path, metrics: dict[str, Any] | None) -> tuple[str, str]:

@@ -45,6 +45,12 @@ def submit_run(app: str | Path, connection: str, out: str | Path, *, config: str
         raise FileNotFoundError(f"no Flower app at {app} (it needs pyproject.toml): give --app the folder "
                                 "`fedpose server build-app --out DIR` wrote, whose bundle the sites approved")
     out = Path(out).expanduser().resolve()
+    if not resume and (out / "ledger.sqlite").exists():
+        raise ValueError(f"{out} already holds a federation: continue it with --resume, or choose another --out "
+                         "(nothing was submitted)")
+    rounds = out / "rounds.jsonl"
+    # rounds an earlier run of this folder wrote are not this run's: only later lines are printed
+    seen = len([line for line in rounds.read_text().splitlines() if line.strip()]) if rounds.is_file() else 0
     parts = [f"out='{out}'"]
     if resume:
         parts.append("resume=true")
@@ -59,10 +65,11 @@ def submit_run(app: str | Path, connection: str, out: str | Path, *, config: str
               file=sys.stderr)
         return NOT_SUBMITTED
     print(f"submitted run {run_id} to {connection}; results in {out}", flush=True)
-    seen, status, deadline = 0, "", time.monotonic() + timeout
+    if seen:
+        print(f"resuming after the {seen} round(s) {rounds} already holds", flush=True)
+    status, deadline = "", time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = _status_of(connection, run_id)
-        rounds = out / "rounds.jsonl"
         if rounds.is_file():
             lines = [line for line in rounds.read_text().splitlines() if line.strip()]
             for line in lines[seen:]:

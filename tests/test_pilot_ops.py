@@ -561,3 +561,54 @@ def test_a_loopback_federation_listens_on_loopback_and_no_kit_runs_its_site_as_r
         provision(tmp_path / "root", Federation(sites=("a",), hosts=("fed.example.org",), port=8000), cfg,
                   install=Install(user="root"))
     assert not (tmp_path / "root").exists()
+
+
+def test_a_running_federations_status_says_its_guarantee_and_the_console_rounds_as_the_cli(tmp_path):
+    """Before a run finishes (no metrics.json, so no claim yet) ``fedpose server status`` says which guarantee the
+    federation runs under, from the config the server wrote; and the console's number format (its own
+    JavaScript, run by node) rounds a tie as the command line does (30.625 -> 30.62, never 30.63)."""
+    import re
+    import shutil
+
+    from fedpose.shared.configuration.schema import config_from_dict, dump_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    _server_ledger(out / "ledger.sqlite", ["site-0", "site-1"], 1)
+    dump_config(config_from_dict({"train": {"method": "proj"}}), out / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "server", "status", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^guarantee: record-level DP \(proj, record level\), each site within its own budget",
+                     done.stdout, re.M), done.stdout
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node runs the console's formatter; not installed")
+    page = (REPO / "shared" / "console.html").read_text()
+    (fmt,) = re.findall(r"^const fmt = .*$", page, re.M)
+    script = fmt + "\nconsole.log([30.625, 30.635, 0.125, 2.675, 1.5, -0.125].map((v) => fmt(v, 2)).join(' '));\n"
+    js = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert js.returncode == 0, js.stderr
+    want = " ".join(f"{v:.2f}" for v in (30.625, 30.635, 0.125, 2.675, 1.5, -0.125))
+    assert js.stdout.strip() == want
+
+
+def test_server_run_into_a_folder_that_holds_a_federation_says_so_before_submitting(tmp_path):
+    """``fedpose server run`` with an --out whose federation ran before (and no --resume) stops at once, exit 3,
+    naming --resume and another --out; it submits nothing and prints none of the old rounds as if they were new."""
+    out = tmp_path / "run1"
+    out.mkdir()
+    _server_ledger(out / "ledger.sqlite", ["site-0", "site-1"], 1)
+    (out / "rounds.jsonl").write_text(json.dumps({"round": 1, "pckh_mean": 30.0, "accepted": ["site-0"]}) + "\n")
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text("[project]\nname = 'app'\n")
+    from support.federation import flower_env
+
+    done = subprocess.run([sys.executable, "-m", "fedpose.cli.main", "server", "run", "--connection", "pilot",
+                           "--out", str(out), "--app", str(app), "--config", str(tmp_path / "server.yaml")],
+                          capture_output=True, text=True, timeout=300, env=flower_env(tmp_path / "flwr-home"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "already holds a federation" in done.stderr and "--resume" in done.stderr, done.stderr
+    assert "round 1" not in done.stdout and "submitted" not in done.stdout, done.stdout
