@@ -211,18 +211,6 @@ def _mark_alive(alive: Path, key: str) -> None:
     alive.write_text(f"{os.getpid()} {key}\n" if key else f"{os.getpid()}\n")
 
 
-def _other_holder(alive: Path | None, key: str) -> int | None:
-    """The pid of another ``site start`` of this very folder whose SuperNode is connected now with ``key``."""
-    try:
-        pid, held = _recorded(alive) if _last_alive(alive) < 30.0 else (0, "")
-        if pid and pid != os.getpid() and key and held == key:
-            os.kill(pid, 0)
-            return pid
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _follow(child: Any, alive: Path | None, key: str, seen: dict[str, bool], stop: threading.Event) -> None:
     """Pass the SuperNode's output on, line by line; note a refused activation; touch ``alive`` while connected."""
     for line in child.stdout:
@@ -288,12 +276,11 @@ def supervise(cmd: list[str], env: dict[str, str], *, retry_for: float, pause: f
         done.set()
         if stopping or code not in _RETRYABLE_EXITS:
             return code
-        other = _other_holder(alive, key)
         refused = bool(seen.get("refused") and not seen.get("connected"))
         used_here = bool(key) and _recorded(alive)[1] == key  # only a registered key ever connects
-        if refused and (other or (used_here and _last_alive(alive) > lapse)):
-            where = (f"started from this same folder (fedpose site start, pid {other})" if other else
-                     f"elsewhere (no SuperNode of this site was connected here in the last {lapse:.0f} s, so it is "
+        # (a second start from this folder never gets here: the folder's start lock stops it first)
+        if refused and used_here and _last_alive(alive) > lapse:
+            where = (f"elsewhere (no SuperNode of this site was connected here in the last {lapse:.0f} s, so it is "
                      "not an old session of this one)")
             print(f"fedpose site start: the SuperLink refuses this site's key because it is already in use by another "
                   f"SuperNode, connected now, {where}. A copied kit? Each site runs one SuperNode with its own key "

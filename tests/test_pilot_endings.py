@@ -58,7 +58,8 @@ def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_pat
         status = _fedpose(pilot, "server", "status", "--out", str(run2))
         assert ": failed (no site can take part" in status.stdout, status.stdout
 
-        # a copied kit: site-0's key on a second SuperNode while the first is connected
+        # a copied kit: site-0's key on a second SuperNode while the first is connected, started from the same
+        # folder (the kit's files and its state): told at once by the folder's start lock
         t0 = time.monotonic()
         copy = start([sys.executable, "-m", "fedpose.cli.main", "site", "start", "--approved", str(pilot.approved(0)),
                       "--policy", str(pilot.policy(0)), "--retry-pause", "3", "--",
@@ -72,7 +73,7 @@ def test_a_spent_pilot_ends_in_one_line_and_a_copied_kit_is_told_at_once(tmp_pat
             pytest.fail("still retrying after 90 s: " + pilot.log("copied-kit").read_text()[-3000:])
         log = pilot.log("copied-kit").read_text()
         assert copy.returncode == 3 and time.monotonic() - t0 < 60, (copy.returncode, log[-3000:])
-        assert "already in use by another SuperNode" in log, log[-3000:]
+        assert "already running from this folder" in log, log[-3000:]
         assert pilot.supernodes[0].poll() is None  # the site's own SuperNode runs on
     finally:
         pilot.close()
