@@ -72,8 +72,10 @@ def render_main_brief(data: dict[str, Any]) -> str:
     """One sentence of main.json for the README and the quickstart."""
     s, n = data["summary"], len(data["seeds"])
     minutes = [r["seconds"] / 60 for r in data["seeds"] if r.get("seconds")]
-    took = (f" The fastest of these runs took {min(minutes):.0f} minutes on {data['provenance'].get('cpus')} "
-            "CPU cores.") if minutes else ""
+    cached = " (the data and the public pretraining already made, as on every run after a clone's first)" \
+        if data.get("pretrain_seed") is not None else ""  # one pretraining, made by the first seed's run
+    took = (f" The fastest of these runs{cached} took {min(minutes):.0f} minutes on "
+            f"{data['provenance'].get('cpus')} CPU cores.") if minutes else ""
     p = data.get("provenance") or {}
     machine = f" on {p['cpu']} ({p.get('cpu_capability')})" if p.get("cpu") else ""
     end = (f"**{s['final']['mean']:.1f} ± {s['final']['std']:.1f}** (a gain of {s['gain']['mean']:+.1f} ± "
