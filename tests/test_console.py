@@ -5,30 +5,22 @@ ledgers; ``support.federation.InProcessGrid``) and is held after round 1. ``fedp
 server's run folder and one site's policy from their own processes; Debian's Chromium, driven by
 Playwright, opens both pages. What the pages show is compared with the SQLite ledgers; then the
 federation is let go, and the server page must follow it to the end by itself. The ``/metrics`` text is
-read too. Screenshots: ``FEDPOSE_DOCS_SCREENSHOTS=1`` writes them to docs/img/ (the docs show them).
+read too. ``FEDPOSE_DOCS_SCREENSHOTS=1`` writes the server page's picture to docs/img/ (the docs show it; the
+site page's picture is a kit's, ``tests/test_site_kit.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from support.federation import REPO, InProcessGrid, free_port, prepare_world, start, stop, wait_for, world_root
+from support.browser import BROWSER_ARGS, CHROMIUM, console, docs_screenshots, get, playwright
+from support.federation import InProcessGrid, prepare_world, stop, wait_for, world_root
 
 pytestmark = pytest.mark.slow
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"]
-
 
 class HeldGrid(InProcessGrid):
     """The in-process grid, holding every train message of round >= 2 until ``release`` is set."""
@@ -45,36 +37,6 @@ class HeldGrid(InProcessGrid):
             if config is not None and int(config.get("round", 0)) >= 2:
                 assert self.release.wait(timeout=600), "the test never released round 2"
         return super().push_messages(messages)
-
-
-def _browser():
-    if CHROMIUM is None:
-        message = ("the console's browser test needs Debian's Chromium: apt-get install chromium (Playwright comes "
-                   "with the test extra)")
-        if os.environ.get("FEDPOSE_REQUIRE_BROWSER"):  # CI (.ci/run) installs it: there, a missing browser fails
-            pytest.fail(message)
-        pytest.skip(message)
-    from playwright.sync_api import sync_playwright
-
-    return sync_playwright()
-
-
-def _console(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = start([sys.executable, "-m", "fedpose.cli.main", "console", *args, "--port", str(port)], log,
-                 dict(os.environ))
-    url = f"http://127.0.0.1:{port}/"
-    wait_for(lambda: _get(url + "api/status") is not None or proc.poll() is not None, 60, f"the console at {url}")
-    assert proc.poll() is None, log.read_text()[-3000:]
-    return proc, url
-
-
-def _get(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.read().decode()
-    except OSError:
-        return None
 
 
 def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path, tmp_path_factory):
@@ -104,13 +66,12 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
     assert not errors, errors
     policy = out / "sites" / "site-0" / "policy.yaml"
     procs = []
-    shots = Path(os.environ.get("FEDPOSE_DOCS_SCREENSHOTS_DIR", REPO / "docs" / "img")) \
-        if os.environ.get("FEDPOSE_DOCS_SCREENSHOTS") else tmp_path
+    shots = docs_screenshots() or tmp_path  # the docs show this live server page; their site page is a kit's
     try:
-        server_proc, server_url = _console(["--out", str(out)], tmp_path / "console-server.log")
-        site_proc, site_url = _console(["--policy", str(policy)], tmp_path / "console-site.log")
+        server_proc, server_url = console(["--out", str(out)], tmp_path / "console-server.log")
+        site_proc, site_url = console(["--policy", str(policy)], tmp_path / "console-site.log")
         procs += [server_proc, site_proc]
-        with _browser() as pw:
+        with playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
 
@@ -149,7 +110,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             assert ("over a federation the server sees the blurred copy and labels of every record the public "
                     "term draws, and from the draws it can count them") in shown_policy
             assert "never images, labels or records" not in shown_policy
-            site_page.screenshot(path=str(shots / "console-site.png"), full_page=True)
+            site_page.screenshot(path=str(tmp_path / "console-site.png"), full_page=True)
 
             # -- let the federation finish: the server page follows by itself (it refreshes every 5 s)
             grid.release.set()
@@ -165,8 +126,8 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             assert final["claim"] in page.inner_text("main")
             browser.close()
 
-        metrics = _get(server_url + "metrics")
-        metrics_json = json.loads(_get(server_url + "api/status"))
+        metrics = get(server_url + "metrics")
+        metrics_json = json.loads(get(server_url + "api/status"))
         line = next(line for line in metrics.splitlines()
                     if line.startswith("fedpose_server_site_epsilon{") and 'site="site-0"' in line)
         assert float(line.rsplit(" ", 1)[1]) == pytest.approx(metrics_json["sites"]["site-0"]["epsilon"], rel=1e-9)
@@ -184,8 +145,8 @@ def test_a_console_off_loopback_needs_its_token(tmp_path):
                                   port=0)
     try:
         port = server.server_address[1]
-        assert token and _get(f"http://127.0.0.1:{port}/api/status") is None  # 401
-        assert json.loads(_get(f"http://127.0.0.1:{port}/api/status?token={token}")) == {"kind": "server"}
+        assert token and get(f"http://127.0.0.1:{port}/api/status") is None  # 401
+        assert json.loads(get(f"http://127.0.0.1:{port}/api/status?token={token}")) == {"kind": "server"}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                          headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(request, timeout=5) as resp:
