@@ -46,11 +46,11 @@ def _model(cfg: Any) -> tuple[Any, list[str], int]:
     import torch
 
     from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
 
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data.input_size)
-    trainable = apply_strategy(model, cfg.train.strategy)
+    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
     named = dict(model.named_parameters())
     return model, trainable, sum(named[n].numel() for n in trainable)
 

@@ -18,6 +18,12 @@ def refuse_centralized_only(cfg: Config) -> None:
     if cfg.privacy.noise_factor != 1.0:  # each site plans its own sigma from its policy
         raise ConfigError("privacy.noise_factor: for centralized reference runs only; a federation's sites plan "
                           "their noise from their own budgets")
+    if cfg.privacy.noise_multiplier is not None:  # a site's sigma comes from its own budget, never from the server
+        raise ConfigError("privacy.noise_multiplier: a diagnostic for centralized runs only; a federation's sites "
+                          "plan their noise from their own budgets")
+    if cfg.data.basis_split is not None:  # a site computes V from the public set it holds
+        raise ConfigError("data.basis_split: for centralized runs only; in a federation each site computes V from "
+                          "the public set it holds")
     if cfg.privacy.psi == "dp-pixelize":  # a site's psi is pinned by its policy, which has no eps_pix / m fields
         raise ConfigError("privacy.psi: dp-pixelize is for centralized runs only: in a federation each site would "
                           "have to keep its one release per record across rounds and pin eps_pix and m in its "

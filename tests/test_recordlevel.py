@@ -350,7 +350,8 @@ def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
 
     import inspect
 
-    assert list(inspect.signature(public_scales).parameters) == ["loss_fn", "params", "public_batch", "chunk_size"]
+    assert list(inspect.signature(public_scales).parameters) == ["loss_fn", "params", "public_batch", "chunk_size",
+                                                                 "per_coordinate"]
     model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=6)
     scales = public_scales(loss_fn, params, batch, chunk_size=4)
     grads = per_sample_grads(loss_fn, params, batch, chunk_size=6)
@@ -364,7 +365,7 @@ def test_public_tensor_scales_give_every_tensor_the_same_rms_on_public_data():
     from fedpose.shared.privacy.step.subspace import compute_scaled_basis, flat_vector, project
 
     assert list(inspect.signature(compute_scaled_basis).parameters) == ["loss_fn", "params", "public_batch", "k",
-                                                                        "chunk_size", "rtol", "clip"]
+                                                                        "chunk_size", "rtol", "clip", "per_coordinate"]
     basis, same = compute_scaled_basis(loss_fn, params, batch, k=6, chunk_size=4)
     assert same.keys() == scales.keys() and all(same[n] == pytest.approx(scales[n], rel=1e-6) for n in scales)
     for row in range(6):
@@ -379,7 +380,7 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.pose_loss import make_loss_fn
-    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
     from fedpose.shared.privacy.step.subspace import public_scales
     from fedpose.shared.training.batches import make_dataset, to_device
     from fedpose.shared.training.runs import initial_model
@@ -393,7 +394,7 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     assert (scaled.sigma, scaled.sample_rate, scaled.steps) == (plain.sigma, plain.sample_rate, plain.steps)
     assert all(seen[3] is None for seen in plain_seen)
     model = initial_model(scaled_cfg, progress=False)
-    names = apply_strategy(model, scaled_cfg.train.strategy)
+    names = apply_strategy(model, scaled_cfg.train.strategy, fixed_tasks=fixed_task_weights(scaled_cfg.train))
     public = make_dataset(load_split(base.data.root, base.data.public_split), base, train=False)
     batch = to_device(public.batch(list(range(8))), torch.device("cpu"))
     named = dict(model.named_parameters())
@@ -424,3 +425,118 @@ def test_a_run_whose_weights_diverge_stops_saying_so_when_its_public_statistics_
         recorded_train(cfg, 4, [], monkeypatch, public=True)
     with pytest.raises(RuntimeError, match=r"diverged.*step 2.*train.lr"):
         recorded_train(replace(cfg, **{"train.method": "proj", "privacy.k": 4}), 4, [], monkeypatch, public=True)
+
+
+@pytest.mark.invariant("P2")
+def test_public_coordinate_scales_precondition_each_coordinate_from_public_gradients_before_clipping():
+    """train.tensor_scales: coordinate (AdaDPS): a_j = c / max(rms_j, floor c), rms_j the RMS of coordinate j's
+    per-sample public gradients and c their RMS over every coordinate: scaled, every coordinate whose public RMS is
+    above the floor has RMS c. The step clips each record's scaled gradient, sum_i clip(a * g_i, C), exactly as a
+    per-example loop does, so one record still moves the sum by at most C."""
+    from support.models import model_setup
+
+    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
+    from fedpose.shared.privacy.step.persample import per_sample_grads
+    from fedpose.shared.privacy.step.subspace import COORDINATE_FLOOR, flat_vector, public_scales
+
+    model, loss_fn, params, batch = model_setup("tinyvit-5m", "finetune", size=6)
+    scales = public_scales(loss_fn, params, batch, chunk_size=4, per_coordinate=True)
+    grads = per_sample_grads(loss_fn, params, batch, chunk_size=6)
+    overall = float(torch.cat([g.reshape(-1) for g in grads.values()]).double().pow(2).mean().sqrt())
+    above = 0
+    for name, g in grads.items():
+        assert scales[name].shape == params[name].shape
+        rms = g.double().pow(2).mean(0).sqrt()
+        scaled = (scales[name] * g).double().pow(2).mean(0).sqrt()
+        live = rms > COORDINATE_FLOOR * overall
+        torch.testing.assert_close(scaled[live], torch.full_like(scaled[live], overall), rtol=1e-3, atol=0.0)
+        torch.testing.assert_close(scales[name][~live].double(),
+                                   torch.full_like(rms[~live], 1 / COORDINATE_FLOOR), rtol=1e-4, atol=0.0)
+        above += int(live.sum())
+    assert above > 0
+    want = None
+    for row in range(6):
+        flat = flat_vector({n: scales[n] * g[row] for n, g in grads.items()})
+        clipped = flat * min(1.0, 0.05 / (float(flat.norm()) + 1e-6))
+        want = clipped if want is None else want + clipped
+    got = clipped_grad_sum(loss_fn, params, batch, clip_norm=0.05, chunk_size=4, scales=scales)
+    assert float(got.norms.max()) > 0.05  # some records are clipped
+    torch.testing.assert_close(flat_vector(got.summed), want, rtol=2e-4, atol=2e-7)
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "proj"])
+def test_a_long_dp_run_keeps_the_task_weights_inside_their_non_private_range(world, monkeypatch, method):
+    """The task-uncertainty weights under record-level DP: their per-sample gradient (three numbers of one sign
+    for every record) takes a large share of each record's clip, and over thousands of DP steps the visibility
+    log-scale ran to -11 (e^22 on one loss term) against -1.7 to -5.1 without DP. Under dpsgd and proj they stay,
+    by default, at their public values, which lie inside the non-private range (the start is where non-private
+    training begins); a run that asks for them (train.task_weights: train) still trains them."""
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.model.posenet import TASK_SCALE
+    from fedpose.shared.training.runs import initial_model
+
+    start = dict(initial_model(world, progress=False).named_parameters())[TASK_SCALE].detach().clone()
+    base = replace(world, **{"train.method": method, "train.batch_size": 4, "privacy.m": 8, "privacy.k": 4,
+                             "train.optimizer": "sgd", "train.momentum": 0.9, "train.lr": 0.3,
+                             "train.schedule": "constant"})
+    steps = 30
+    nonprivate, _ = recorded_train(replace(base, **{"train.method": "nonprivate"}), steps, [], monkeypatch,
+                                   public=True)
+    moved = dict(nonprivate.named_parameters())[TASK_SCALE].detach()
+    low, high = torch.minimum(start, moved), torch.maximum(start, moved)
+    private, _ = recorded_train(base, steps, [], monkeypatch, public=True)
+    kept = dict(private.named_parameters())[TASK_SCALE].detach()
+    assert bool(((kept >= low) & (kept <= high)).all()), (kept, low, high)
+    torch.testing.assert_close(kept, start)  # the public values, exactly
+    trained, _ = recorded_train(replace(base, **{"train.task_weights": "train"}), steps, [], monkeypatch,
+                                public=True)
+    assert not torch.equal(dict(trained.named_parameters())[TASK_SCALE].detach(), start)
+
+
+def test_v_keeps_its_k_directions_when_a_few_public_rows_dwarf_the_rest(toy_pose):
+    """V's public rows as a long DP run left them: a few public samples whose gradients grew 1e5 to 1e11 times the
+    median (the runaway task weight). Unclipped, the eigenvalues of G G^T span 22 orders of magnitude and V kept one
+    direction of the 50 asked; by default (privacy.basis_rows: clipped) every row is clipped to C first, as the
+    private step clips a record's, and V keeps its k directions. V is public: the clip costs no privacy."""
+    from support.toy import make_batch
+
+    from fedpose.shared.configuration.schema import PrivacyConfig
+    from fedpose.shared.privacy.step.subspace import basis_clip_of, check_orthonormal, compute_basis
+
+    loss_fn, params = toy_pose
+    batch = make_batch(16, seed=3)
+    batch["joints"][0] *= 1e11  # the squared error, and so the row, of sample 0: about 1e11 times the median's
+    batch["joints"][1:3] *= 1e5
+    k = 8
+    default = PrivacyConfig(k=k, m=16)
+    assert basis_clip_of(default) == default.clip_norm
+    kept = compute_basis(loss_fn, params, batch, k=k, chunk_size=4, clip=basis_clip_of(default))
+    assert kept.shape[1] == k
+    check_orthonormal(kept)
+    raw = PrivacyConfig(k=k, m=16, basis_rows="raw")
+    assert basis_clip_of(raw) is None
+    collapsed = compute_basis(loss_fn, params, batch, k=k, chunk_size=4, clip=basis_clip_of(raw))
+    assert collapsed.shape[1] <= 3  # what a run's V was before the clip
+
+
+def test_the_ward_holds_out_a_basis_split_from_pretraining_with_people_of_its_own():
+    """V's public images held out from pretraining: the ward's "basis" split (data.synth.basis images, the public
+    camera, people who appear in no other split), named by data.basis_split, never a private, validation or
+    pretraining split. A ward without it is the ward it always was (its manifest unchanged)."""
+    import dataclasses
+
+    from fedpose.shared.configuration.schema import ConfigError, DataConfig
+    from fedpose.shared.data.synth.ward import WardSpec, manifest_for, render_sample
+
+    spec = WardSpec(sites=1, per_site=2, public=2, val=2, image_size=64, images_per_identity=1, basis=2)
+    assert spec.splits()["basis"] == 2
+    held = {render_sample(spec, "basis", i)[2] for i in range(2)}
+    public = {render_sample(spec, "public", i)[2] for i in range(2)}
+    assert held and not held & public
+    assert "basis" not in manifest_for(dataclasses.replace(spec, basis=0))["splits"]
+    assert manifest_for(dataclasses.replace(spec, basis=0)) == manifest_for(
+        WardSpec(sites=1, per_site=2, public=2, val=2, image_size=64, images_per_identity=1))
+    assert DataConfig(basis_split="basis").basis_split == "basis"
+    for taken in ("public", "val", "site-0"):
+        with pytest.raises(ConfigError, match="data.basis_split"):
+            DataConfig(basis_split=taken)

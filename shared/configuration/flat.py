@@ -61,7 +61,9 @@ LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.ps
                                  "privacy.noise_factor": 1.0, "model.face_tasks": [], "model.face_attributes": 4,
                                  "pretrain.threads": 2, "privacy.augment_multiplicity": 1, "train.ema": 0.0,
                                  "privacy.basis_clip": None, "train.tensor_scales": "none",
-                                 "train.lora_rank": 8}
+                                 "train.lora_rank": 8, "privacy.noise_multiplier": None,
+                                 "train.task_weights": "train", "privacy.basis_rows": "raw",
+                                 "data.synth.basis": 0, "data.basis_split": None}
 # Sections that say how a run uses the machine, not what it computes: never part of an identity view.
 RUNTIME_SECTIONS = ("runtime.",)
 

@@ -47,6 +47,11 @@ class DataConfig:
     train_splits: tuple[str, ...] = ("site-0", "site-1", "site-2")
     public_split: str = "public"
     val_split: str = "val"
+    # The public split V and the public scales are computed from, augmented as the private records are: images
+    # held out from pretraining (the synthetic ward's "basis" split, data.synth.basis images), so that V is not
+    # built from the very images the start was fitted to. null: the public split, unaugmented (centralized runs;
+    # a site computes V from the public set it holds).
+    basis_split: str | None = None
     input_size: tuple[int, int] = (64, 48)  # (H, W)
     augment: bool = True
 
@@ -63,6 +68,9 @@ class DataConfig:
         if self.val_split == self.public_split or self.val_split in self.train_splits:
             raise ConfigError(f"data.val_split {self.val_split!r} is also the public split or a private training "
                               "split: validate on held-out data")
+        if self.basis_split is not None and self.basis_split in (*self.train_splits, self.val_split, self.public_split):
+            raise ConfigError(f"data.basis_split {self.basis_split!r} is also a private, validation or pretraining "
+                              "split: V's public images are held out from all of them")
         if self.public_split in self.train_splits:
             raise ConfigError(f"data.public_split {self.public_split!r} is also a private training split: "
                               "public and private data must be disjoint (P2)")
@@ -155,6 +163,9 @@ class PrivacyConfig:
     # V from the public per-sample gradients each clipped to this norm, as the private step clips each record's
     # (null: as they are), so that a few samples whose gradients dwarf the rest cannot take V's directions.
     basis_clip: float | None = None
+    # When basis_clip is null: clipped, every public row clipped to privacy.clip_norm, as the private step clips a
+    # record's (a few runaway rows, 1e11 times the median, took V down to one direction); raw: as they are.
+    basis_rows: Literal["clipped", "raw"] = "clipped"
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
     # The privacy unit: record (neighbouring datasets differ in one image) or patient (in all images of one
     # person; needs patient ids: the ward's identities.json or a patients.json sidecar). At patient level
@@ -169,6 +180,11 @@ class PrivacyConfig:
     # accountant's for the sigma that ran, so it is below privacy.epsilon. The study's federated reference uses it:
     # a pooled run with the noise a federation's average carries (about sqrt(sites) times a pooled run's).
     noise_factor: float = 1.0
+    # Centralized diagnostics only: the noise multiplier that runs, instead of the one calibrated to the budget
+    # (null). 0: clipped without noise, the ceiling of a clipped recipe, whose epsilon the accountant reports as
+    # unbounded (infinity); a federation and every site refuse it. Any other value: a fixed sigma (e.g. a small
+    # batch's at the sigma / B of a large one), its epsilon computed from it as always.
+    noise_multiplier: float | None = None
     # Augmentation multiplicity (De et al. 2022): each sampled record is augmented this many times and its
     # contribution is clip(mean of the K augmented copies' gradients, C): still one clipped term per record, so
     # the accountant's epsilon does not depend on it; a step costs K times the per-sample gradients. 1: off.
@@ -209,6 +225,10 @@ class PrivacyConfig:
         if not (math.isfinite(self.noise_factor) and self.noise_factor >= 1):
             raise ConfigError(f"privacy.noise_factor: must be a finite number >= 1 (it only adds noise), got "
                               f"{self.noise_factor}")
+        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier)
+                                                      and self.noise_multiplier >= 0):
+            raise ConfigError(f"privacy.noise_multiplier: must be a finite number >= 0 or null, got "
+                              f"{self.noise_multiplier}")
         if self.max_records_per_patient is not None and self.max_records_per_patient < 1:
             raise ConfigError(f"privacy.max_records_per_patient: must be >= 1 or null, got "
                               f"{self.max_records_per_patient}")
@@ -223,6 +243,11 @@ class TrainConfig:
     # weight but the task-uncertainty weights, kept at their public values), lora (low-rank adapters on the trunk's
     # linear layers, and the heads; merged into the weights when the run ends; centralized runs only).
     strategy: Strategy = "full"
+    # The task-uncertainty weights (head.log_task_scale): train, public (kept at their public-pretrained values), or
+    # auto: public under dpsgd and proj, trained otherwise. Under a clip their per-sample gradient (three numbers of
+    # one sign for every record) takes much of each record's bound, and over a long DP run they ran away (the
+    # visibility log-scale to -11, e^22 on one loss term, against -1.7 to -5.1 without DP).
+    task_weights: Literal["auto", "train", "public"] = "auto"
     lora_rank: int = 8  # lora: the rank r of each adapter U D (U: out x r, D: r x in); ignored otherwise
     epochs: int = 30
     # Expected private batch size B = q * n (Poisson sampling with q = B / n).
@@ -232,8 +257,10 @@ class TrainConfig:
     # signal share under the DP noise (shared/training/tensor_adam.py)
     optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam"] = "adam"
     # public: every tensor's gradient scaled, per sample before clipping, to the same RMS on public data
-    # (shared/privacy/step/subspace.py); needs the public split, so centralized runs only; none: as it is
-    tensor_scales: Literal["none", "public"] = "none"
+    # (shared/privacy/step/subspace.py); coordinate: every coordinate's, a diagonal preconditioner from the public
+    # per-sample gradients (AdaDPS); both refreshed with V, need the public split, so centralized runs only;
+    # none: as it is
+    tensor_scales: Literal["none", "public", "coordinate"] = "none"
     lr: float = 1e-3
     # cosine: lr decays from train.lr to 0 over the whole run (all rounds of a federation); constant: no decay.
     schedule: Literal["constant", "cosine"] = "cosine"

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedpose.shared.configuration.schema import Strategy
+from fedpose.shared.configuration.schema import Strategy, TrainConfig
 from fedpose.shared.model.posenet import TASK_SCALE
 
 
-def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
-    """Names of the parameters a strategy trains.
+def fixed_task_weights(train: TrainConfig) -> bool:
+    """Whether the run keeps the task-uncertainty weights at their public values (``train.task_weights``; auto:
+    under dpsgd and proj, whose clip would otherwise give them much of every record's bound)."""
+    if train.task_weights == "auto":
+        return train.method in ("dpsgd", "proj")
+    return train.task_weights == "public"
+
+
+def trainable_names(model: nn.Module, strategy: Strategy, *, fixed_tasks: bool = False) -> list[str]:
+    """Names of the parameters a strategy trains; ``fixed_tasks``: never the task-uncertainty weights.
 
     finetune: stages 1-3 (``stages.0-2``) and the patch embedding frozen except
     every LayerNorm; stage 4 (``stages.3``), all LayerNorms and the heads (pose and face) train.
@@ -30,6 +38,8 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     bound and most of the signal the noise is calibrated to.
     """
     names = [n for n, _ in model.named_parameters()]
+    if fixed_tasks:
+        return [n for n in trainable_names(model, strategy) if n != TASK_SCALE]
     if strategy in ("full", "scratch"):
         return names
     if strategy == "full-fixed-tasks":
@@ -57,9 +67,9 @@ def trainable_names(model: nn.Module, strategy: Strategy) -> list[str]:
     return [n for n in names if n.startswith(("stages.3.", "head.", "face_head.")) or n in norm_params]
 
 
-def apply_strategy(model: nn.Module, strategy: Strategy) -> list[str]:
-    """Set ``requires_grad`` per strategy; returns the trainable names."""
-    keep = set(trainable_names(model, strategy))
+def apply_strategy(model: nn.Module, strategy: Strategy, *, fixed_tasks: bool = False) -> list[str]:
+    """Set ``requires_grad`` per strategy (``fixed_tasks``: ``fixed_task_weights``); returns the trainable names."""
+    keep = set(trainable_names(model, strategy, fixed_tasks=fixed_tasks))
     for name, p in model.named_parameters():
         p.requires_grad_(name in keep)
     return [n for n, _ in model.named_parameters() if n in keep]

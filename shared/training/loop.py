@@ -37,7 +37,7 @@ from fedpose.shared.errors import ConfigError, NonFinitePublicGradients
 from fedpose.shared.model.lora import add_adapters, merge_adapters
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy
+from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
 from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
 from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
 from fedpose.shared.privacy.step.psi import PsiBatch
@@ -198,14 +198,14 @@ class StepPhases:
             raise ValueError("the audit's canaries and observer watch a DP step; method='nonprivate' has none")
         if spec.projects and basis is None and data.public is None:
             raise ValueError(f"method {method!r} needs a projection basis or a public set to compute one")
-        if train.tensor_scales == "public" and (data.public is None or spec.unit != "record" or
+        if train.tensor_scales != "none" and (data.public is None or spec.unit != "record" or
                                                  spec.multiplicity > 1):
             raise ValueError("train.tensor_scales: public scales each record's gradient from the public split: it "
                              "needs the public split at hand (a centralized run; a site does not hold it) and "
                              "record-level DP without augmentation multiplicity")
         self.run, self.data, self.audit, self.generator = run, data, audit, generator
         self.model = model
-        self.trainable = apply_strategy(model, train.strategy)
+        self.trainable = apply_strategy(model, train.strategy, fixed_tasks=fixed_task_weights(train))
         self.named = dict(model.named_parameters())
         params = [self.named[name] for name in self.trainable]
         self.loss_fn = make_loss_fn(model, self.trainable)
@@ -240,7 +240,7 @@ class StepPhases:
         self.zeroed = self.public_zeroed = 0
         self.seconds_basis = 0.0
         self.narrowest = None if self.basis is None else self.basis.shape[1]  # V's fewest columns (compute_basis)
-        self.scales: dict[str, float] | None = None  # train.tensor_scales: public, refreshed with V
+        self.scales: dict[str, float | torch.Tensor] | None = None  # train.tensor_scales, refreshed with V
         self.tell_noise()
 
     def tell_noise(self) -> None:
@@ -304,17 +304,18 @@ class StepPhases:
                  psi_batch: PsiBatch | None) -> tuple[dict[str, torch.Tensor], dict]:
         """Phase 3: V from public data when due (P2), then the step's update direction (``dp_gradient``)."""
         spec, privacy = self.run.step, self.run.privacy
-        scaled = self.run.train.tensor_scales == "public"
+        scaled = self.run.train.tensor_scales != "none"
+        per_coordinate = self.run.train.tensor_scales == "coordinate"
         if (spec.projects or scaled) and self.data.public is not None and step % privacy.basis_every == 0:
             started = time.perf_counter()
             public = (self.model, self.loss_fn, self.trainable, self.data.public, privacy, self.device)
             try:
                 if spec.projects and scaled:  # one pass: the scales, and V of the scaled public gradients
-                    self.basis, self.scales = public_scaled_basis_at(*public)
+                    self.basis, self.scales = public_scaled_basis_at(*public, per_coordinate=per_coordinate)
                 elif spec.projects:
                     self.basis = public_basis_at(*public)
                 else:
-                    self.scales = public_scales_at(*public)
+                    self.scales = public_scales_at(*public, per_coordinate=per_coordinate)
             except NonFinitePublicGradients as error:
                 if step == 0:  # at the start: the public samples or the start themselves
                     raise

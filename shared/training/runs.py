@@ -71,7 +71,8 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
         if not root.is_dir():
             raise FileNotFoundError(
                 f"no such directory: {root} (data.source is files; check data.root or --data).{hint}")
-        splits = [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split]
+        splits = [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split,
+                  *([cfg.data.basis_split] if cfg.data.basis_split else [])]
         missing = [s for s in splits if not (root / s / "annotations.json").is_file()]
         if missing:
             raise FileNotFoundError(f"{root} has no split {', '.join(missing)} (each needs annotations.json and "
@@ -308,6 +309,8 @@ def plan_sigma(cfg: Config, *, n: int, steps: int) -> float:
     if cfg.train.method == "nonprivate":
         return 0.0
     check_delta(cfg.privacy.delta, n)
+    if cfg.privacy.noise_multiplier is not None:  # a diagnostic's fixed sigma (0: clipped without noise)
+        return cfg.privacy.noise_factor * cfg.privacy.noise_multiplier
     q = min(1.0, cfg.train.batch_size / n)
     return cfg.privacy.noise_factor * calibrate_sigma(
         target_epsilon=cfg.privacy.epsilon,
@@ -353,6 +356,10 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         torch.manual_seed(cfg.train.seed)
     dataset = make_dataset(private, cfg, train=True, seed=cfg.train.seed)
     public_eval = make_dataset(public, cfg, train=False)
+    if cfg.data.basis_split is not None:  # V's public images: held out from pretraining, augmented (P2: public)
+        held_out = load_records(root, cfg.data.basis_split)
+        check_disjoint(held_out, private)
+        public_eval = make_dataset(held_out, cfg, train=True, seed=cfg.train.seed)
     log.info("training %s/%s on %d private %ss (%d records): %d steps, q=%.4f, sigma=%.4f", method,
              cfg.train.strategy, n, unit, len(private), steps, min(1.0, cfg.train.batch_size / n), sigma)
     data = LocalData(dataset, patients=patients, public=public_eval)
@@ -389,7 +396,8 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
         "seconds_basis": round(result.seconds_basis, 2),
-        **run_identity(cfg, root, [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split], "train"),
+        **run_identity(cfg, root, [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split,
+                                   *([cfg.data.basis_split] if cfg.data.basis_split else [])], "train"),
     }
     save_checkpoint(out / "model.pt", model, {"kind": "train", "metrics": metrics})
     write_json(out / "metrics.json", metrics)
@@ -407,6 +415,11 @@ def _spent(cfg: Config, result: LocalResult, unit: str, seeded: bool,
     spent: dict[str, Any] = {"epsilon": None, "epsilon_replace_one": None, "group_epsilon": None,
                              "group_delta": None}
     released = None
+    if method in PRIVATE and result.sigma == 0:  # clipped without noise: no finite epsilon, never a guarantee
+        spent.update(epsilon=math.inf, epsilon_replace_one=math.inf, psi=None,
+                     claim="no privacy guarantee (epsilon unbounded): each record's gradient clipped to C without "
+                           "noise (privacy.noise_multiplier: 0), a diagnostic of what the clipped step can reach")
+        return spent
     if method in PRIVATE:
         ran = StepRecord(sigma=result.sigma, sample_rate=result.sample_rate, steps=result.steps)
         spent["epsilon"] = epsilon_spent([ran], delta=cfg.privacy.delta, accountant=cfg.privacy.accountant)

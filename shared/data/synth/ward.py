@@ -55,25 +55,30 @@ class WardSpec:
     # The public split's camera and room: "public" (the generic public style) or "shifted" (another domain:
     # the study's domain-shift ablation). The sites, val and every record's pose and person are unchanged.
     public_style: str = "public"
+    # Images of a second public split, "basis", held out from pretraining (other people, the public split's
+    # camera): what V and the public scales are computed from with data.basis_split: basis. 0: no such split.
+    basis: int = 0
 
     def __post_init__(self) -> None:
         if self.public_style not in PUBLIC_STYLES:
             raise ValueError(f"WardSpec.public_style must be one of {sorted(PUBLIC_STYLES)}, got {self.public_style!r}")
-        for name in ("sites", "per_site", "public", "val", "seed", "image_size", "images_per_identity"):
+        for name in ("sites", "per_site", "public", "val", "seed", "image_size", "images_per_identity", "basis"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"WardSpec.{name} must be an int, got {value!r}")
         for name in ("sites", "per_site", "public", "val", "images_per_identity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WardSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.seed < 0:
-            raise ValueError(f"WardSpec.seed must be >= 0, got {self.seed}")
+        if self.seed < 0 or self.basis < 0:
+            raise ValueError(f"WardSpec.seed and WardSpec.basis must be >= 0, got {self.seed} and {self.basis}")
         if not 32 <= self.image_size <= 1024:
             raise ValueError(f"WardSpec.image_size must be in [32, 1024] px, got {self.image_size}")
 
     def splits(self) -> dict[str, int]:
         """Split name -> image count."""
-        return {"public": self.public, "val": self.val, **{f"site-{i}": self.per_site for i in range(self.sites)}}
+        held_out = {"basis": self.basis} if self.basis > 0 else {}
+        return {"public": self.public, "val": self.val, **{f"site-{i}": self.per_site for i in range(self.sites)},
+                **held_out}
 
 
 
@@ -82,12 +87,14 @@ def _style_for(spec: WardSpec, split: str, index: int) -> tuple[SiteStyle, str]:
     person = index // spec.images_per_identity
     if split == "public":
         return PUBLIC_STYLES[spec.public_style], f"public/{person:05d}"
+    if split == "basis":  # the public camera, people of its own
+        return PUBLIC_STYLES[spec.public_style], f"basis/{person:05d}"
     if split == "val":
         site = index % spec.sites
         return site_style(site), f"val/s{site}/{(index // spec.sites) // spec.images_per_identity:05d}"
     if split.startswith("site-"):
         return site_style(int(split[5:])), f"{split}/{person:05d}"
-    raise ValueError(f"unknown split {split!r}; expected public, val or site-<i>")
+    raise ValueError(f"unknown split {split!r}; expected public, basis, val or site-<i>")
 
 
 def identity_of(spec: WardSpec, identity_id: str) -> Identity:

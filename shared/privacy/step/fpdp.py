@@ -73,7 +73,7 @@ from fedpose.shared.privacy.step.persample import (SMALLEST_FLOAT32_FACTOR, Loss
                                                    check_clip_norm, check_params, iter_per_sample_grads, mean_grad,
                                                    robust_norms, zero_rows)
 from fedpose.shared.privacy.step.psi import PsiBatch
-from fedpose.shared.privacy.step.subspace import flat_vector, from_flat_vector, project, scale
+from fedpose.shared.privacy.step.subspace import Scales, flat_factor, flat_vector, from_flat_vector, project, scale
 
 
 class StepCanaries(Protocol):
@@ -286,7 +286,7 @@ def clipped_grad_sum(
     clip_norm: float,
     chunk_size: int,
     randomness: str = "different",
-    scales: Mapping[str, float] | None = None,
+    scales: Scales | None = None,
     pad: bool = False,
 ) -> ClippedSum:
     """Sum of per-sample gradients each clipped to L2 norm ``clip_norm``.
@@ -328,7 +328,7 @@ def clipped_grad_sum(
         # here either the tape does not cover the weights, or the scales need the per-sample gradients in full
         for grads in per_sample_chunks(loss_fn, params, batch, chunk_size=chunk_size, randomness=randomness,
                                        pad=pad):
-            flats = {name: grad.reshape(grad.shape[0], -1) * (1.0 if scales is None else scales[name])
+            flats = {name: grad.reshape(grad.shape[0], -1) * (1.0 if scales is None else flat_factor(scales[name]))
                      for name, grad in grads.items()}
             norms = robust_norms(list(flats.values()))  # (b,) float64
             bound = bound_contributions(norms, clip)  # (b,) float64 factors, 0 where not finite
@@ -459,7 +459,7 @@ def _noisy_private_sum(
     basis: Tensor | None,
     groups: Tensor | None = None,
     canaries: StepCanaries | None = None,
-    scales: Mapping[str, float] | None = None,
+    scales: Scales | None = None,
 ) -> tuple[dict[str, Tensor], Tensor, int]:
     """FP-DP Algorithm 1, private branch; returns (g, pre-clipping norms per record or per patient,
     the number of non-finite contributions left out: P14).
@@ -600,7 +600,7 @@ def dp_gradient(
     basis: Tensor | None,
     groups: Tensor | None = None,
     audit: StepAudit | None = None,
-    scales: Mapping[str, float] | None = None,
+    scales: Scales | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float | int | str]]:
     """The update direction of one step for ``spec.method``, plus diagnostics.
 

@@ -260,37 +260,62 @@ def project(basis: Tensor, vector: Tensor) -> Tensor:
 
 
 def public_scales(loss_fn: LossFn, params: Mapping[str, Tensor], public_batch: Mapping[str, Tensor], *,
-                  chunk_size: int) -> dict[str, float]:
+                  chunk_size: int, per_coordinate: bool = False) -> Scales:
     """a_t = c / rms_t for every tensor of ``params`` (module docstring); 1 where a tensor has no public gradient.
+    ``per_coordinate``: a_j = c / max(rms_j, COORDINATE_FLOOR c) for every coordinate j instead (AdaDPS), each
+    tensor's scales a tensor of its shape.
 
     P2: the only data argument is a public batch. ``compute_scaled_basis`` gives the same scales with V.
     """
     return scales_of(per_sample_chunks(loss_fn, params, public_batch, chunk_size=chunk_size),
-                     {name: value.numel() for name, value in params.items()})
+                     {name: value.numel() for name, value in params.items()},
+                     shapes={name: value.shape for name, value in params.items()} if per_coordinate else None)
 
 
-def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int]) -> dict[str, float]:
-    """The scales of per-sample gradients given chunk by chunk ({name: (b, ...)}); non-finite rows are left out."""
-    squares = dict.fromkeys(sizes, 0.0)
+# Per-coordinate scales (train.tensor_scales: coordinate): a coordinate whose public gradients are (nearly) zero is
+# scaled as if their RMS were this fraction of the overall RMS c, so no coordinate is amplified more than 1 / floor
+# times c / its own RMS: public statistics of 100 samples do not tell a dead coordinate from a rare one.
+COORDINATE_FLOOR = 0.01
+
+Scales = Mapping[str, "float | Tensor"]
+
+
+def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int], *,
+              shapes: Mapping[str, torch.Size] | None = None) -> dict[str, float | Tensor]:
+    """The scales of per-sample gradients given chunk by chunk ({name: (b, ...)}); non-finite rows are left out.
+    ``shapes`` (each tensor's shape): one scale per coordinate (``public_scales``' per_coordinate), else per tensor."""
+    squares: dict[str, float | Tensor] = dict.fromkeys(sizes, 0.0)
     rows = 0
     for grads in chunks:
         flat = {name: g.reshape(g.shape[0], -1).double() for name, g in grads.items()}
         finite = torch.stack([torch.isfinite(f).all(1) for f in flat.values()]).all(0)  # (b,)
         for name, f in flat.items():
-            squares[name] += float(f[finite].pow(2).sum())
+            kept = f[finite].pow(2)
+            squares[name] = squares[name] + (kept.sum(0) if shapes is not None else float(kept.sum()))
         rows += int(finite.sum())
     if rows == 0:
         raise NonFinitePublicGradients("no public sample gave a finite gradient; the tensor scales cannot be computed")
-    c = math.sqrt(sum(squares.values()) / (rows * sum(sizes.values())))
-    scales = {}
+    c = math.sqrt(sum(float(total.sum()) if isinstance(total, Tensor) else total for total in squares.values())
+                  / (rows * sum(sizes.values())))
+    scales: dict[str, float | Tensor] = {}
     for name, total in squares.items():
+        if shapes is not None:
+            rms = (torch.as_tensor(total, dtype=torch.float64) / rows).sqrt()
+            per = (c / rms.clamp_min(COORDINATE_FLOOR * c)) if c > 0 else torch.ones_like(rms)
+            scales[name] = per.to(torch.float32).reshape(shapes[name])
+            continue
         rms = math.sqrt(total / (rows * sizes[name]))
         scales[name] = c / rms if rms > 0 and c > 0 else 1.0
     return scales
 
 
-def scale(grads: Mapping[str, Tensor], scales: Mapping[str, float] | None) -> dict[str, Tensor]:
-    """Each tensor times its scale (per-sample or not); ``scales`` None: as they are."""
+def flat_factor(factor: float | Tensor) -> float | Tensor:
+    """A tensor's scale as a factor of its per-sample gradients laid flat ((b, numel)): per coordinate, (numel,)."""
+    return factor.reshape(-1) if isinstance(factor, Tensor) else factor
+
+
+def scale(grads: Mapping[str, Tensor], scales: Scales | None) -> dict[str, Tensor]:
+    """Each tensor times its scale (per-sample or not; per tensor or per coordinate); ``scales`` None: as they are."""
     if scales is None:
         return dict(grads)
     return {name: g * scales[name] for name, g in grads.items()}
@@ -328,15 +353,17 @@ def compute_scaled_basis(
     chunk_size: int,
     rtol: float = DEFAULT_RTOL,
     clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """``train.tensor_scales: public`` with a projection: the per-tensor scales of the public per-sample gradients
-    (``scales_of``) and the V of those gradients each tensor times its scale, from one pass over the
+    per_coordinate: bool = False,
+) -> tuple[Tensor, dict[str, float | Tensor]]:
+    """``train.tensor_scales: public`` (or ``coordinate``) with a projection: the scales of the public per-sample
+    gradients (``scales_of``) and the V of those gradients times their scales, from one pass over the
     public batch (P2, as ``compute_basis``), so that V spans the gradients a step with the same scales clips."""
     rows = _public_rows(loss_fn, params, public_batch, k=k, chunk_size=chunk_size)
-    scales = scales_of(rows, {name: value.numel() for name, value in params.items()})
+    scales = scales_of(rows, {name: value.numel() for name, value in params.items()},
+                       shapes={name: value.shape for name, value in params.items()} if per_coordinate else None)
     for grads in rows:
         for name, block in grads.items():
-            block.mul_(scales[name])
+            block.mul_(flat_factor(scales[name]))
     return _basis_of(rows, params, k=k, rtol=rtol, clip=clip), scales
 
 
@@ -370,22 +397,32 @@ def public_basis_at(
 ) -> torch.Tensor:
     """V (p x k) from m public per-sample gradients at the current weights (P2: public data only)."""
     current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
-    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size, clip=privacy.basis_clip)
+    return compute_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size,
+                         clip=basis_clip_of(privacy))
 
 
 def public_scaled_basis_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
-                           privacy: PrivacyConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
-    """``train.tensor_scales: public`` with a projection: V of the scaled public gradients and the scales (P2)."""
+                           privacy: PrivacyConfig, device: torch.device, *, per_coordinate: bool = False
+                           ) -> tuple[torch.Tensor, dict[str, float | Tensor]]:
+    """``train.tensor_scales`` with a projection: V of the scaled public gradients and the scales (P2)."""
     current, batch = _public_inputs(model, trainable, public, privacy, device, basis=True)
     return compute_scaled_basis(loss_fn, current, batch, k=privacy.k, chunk_size=privacy.chunk_size,
-                                clip=privacy.basis_clip)
+                                clip=basis_clip_of(privacy), per_coordinate=per_coordinate)
+
+
+def basis_clip_of(privacy: PrivacyConfig) -> float | None:
+    """The norm V's public rows are clipped to: privacy.basis_clip, else C (privacy.basis_rows: clipped), else none."""
+    if privacy.basis_clip is not None:
+        return privacy.basis_clip
+    return privacy.clip_norm if privacy.basis_rows == "clipped" else None
 
 
 def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
-                     privacy: PrivacyConfig, device: torch.device) -> dict[str, float]:
-    """``train.tensor_scales: public`` without a projection: each tensor's scale from the m public samples (P2)."""
+                     privacy: PrivacyConfig, device: torch.device, *, per_coordinate: bool = False
+                     ) -> dict[str, float | Tensor]:
+    """``train.tensor_scales`` without a projection: the scales from the m public samples (P2)."""
     current, batch = _public_inputs(model, trainable, public, privacy, device, basis=False)
-    return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size)
+    return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size, per_coordinate=per_coordinate)
 
 
 def _public_inputs(model: PoseNet, trainable: list[str], public: PoseDataset, privacy: PrivacyConfig,
