@@ -367,3 +367,8 @@ def report_check(policy: SitePolicy, policy_path: Path, *, echo: Callable[[str],
     echo(f"minimum sigma this site accepts: {min_sigma_for(policy):.4f} ({policy.lifetime_rounds} lifetime rounds x "
          f"{policy.steps_per_round} steps at q={policy.sample_rate:g}, eps={policy.epsilon:g}, "
          f"delta={policy.delta:g}, {policy.accountant})")
+    if policy.unit == "record":  # the measured curve is record-level
+        from fedpose.client.outlook import outlook
+
+        echo(outlook(records=check.units, sigma=min_sigma_for(policy), expected_batch=policy.expected_batch,
+                     steps=policy.lifetime_rounds * policy.steps_per_round, epsilon=policy.epsilon))

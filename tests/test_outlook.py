@@ -1,0 +1,54 @@
+"""``fedpose site check``'s record-level outlook: the run's noise-to-signal figure from the site's own policy and
+where it falls on the data-scale curve measured on the reference ward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def test_the_figure_is_the_noise_a_run_averages_over_the_mean_clipped_gradient():
+    """sigma sqrt(p) / (B sqrt(T)) / 0.465: at 400 records per site pooled (sigma 6.44, B 64, 570 steps) the noise
+    a run averages is about 4.1 C, 8.8 times the signal; 16 times the records at the same q and steps divide it
+    by 16 (B grows with n, sigma and T stay)."""
+    from fedpose.client.outlook import noise_to_signal
+
+    small = noise_to_signal(sigma=6.44, expected_batch=64, steps=570)
+    assert small * 0.465 == pytest.approx(4.08, abs=0.01)
+    assert noise_to_signal(sigma=6.44, expected_batch=1024, steps=570) == pytest.approx(small / 16)
+    with pytest.raises(ValueError, match="sigma"):
+        noise_to_signal(sigma=0.0, expected_batch=64, steps=570)
+
+
+def test_the_curve_is_read_between_measured_points_and_never_beyond_them():
+    from fedpose.client.outlook import CurvePoint, records_for, share_kept
+
+    curve = (CurvePoint(1_000, 8.0, 0.2, "a"), CurvePoint(4_000, 2.0, 0.4, "b"), CurvePoint(16_000, 0.5, 0.7, "c"))
+    assert share_kept(8.0, curve) == pytest.approx(0.2)
+    assert share_kept(4.0, curve) == pytest.approx(0.3)  # halfway in log between 8 and 2
+    assert share_kept(100.0, curve) == pytest.approx(0.2) and share_kept(0.01, curve) == pytest.approx(0.7)
+    # half the gain: between 2.0 (0.4) and 0.5 (0.7), a third of the way in log: figure 2 / 4^(1/3)
+    target = 2.0 / 4 ** (1 / 3)
+    assert records_for(0.5, records=1_000, figure=8.0, curve=curve) == math.ceil(1_000 * 8.0 / target)
+    assert records_for(0.9, records=1_000, figure=8.0, curve=curve) is None
+
+
+def test_site_check_prints_the_outlook_with_the_page_it_comes_from(tmp_path, capsys):
+    from fedpose.cli.main import main
+    from fedpose.client.outlook import PAGE, noise_to_signal
+    from fedpose.client.policy import load_policy, min_sigma_for, write_policy
+    from support.federation import prepare_world
+    from support.site import site_policy
+
+    cfg = prepare_world(tmp_path / "world")
+    policy = site_policy(cfg, tmp_path / "site", prepare=False)
+    path = write_policy(tmp_path / "site" / "policy.yaml", policy)
+    assert main(["site", "check", "--policy", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith("record-level outlook"))
+    policy = load_policy(path)
+    figure = noise_to_signal(sigma=min_sigma_for(policy), expected_batch=policy.expected_batch,
+                             steps=policy.lifetime_rounds * policy.steps_per_round)
+    assert f"{figure:.2f} times the mean clipped gradient" in line
+    assert PAGE in line and f"eps {policy.epsilon:g}" in line
