@@ -96,6 +96,24 @@ def test_a_request_to_scale_tensors_from_the_public_split_is_refused_with_nothin
         run_federation(None, replace(cfg, **{"train.tensor_scales": "public"}), tmp_path / "never-written")
 
 
+@pytest.mark.parametrize("sigma", [0.0, 5.0])
+def test_a_request_naming_its_own_noise_multiplier_is_refused_with_nothing_spent(world_trainable, tmp_path, sigma):
+    """privacy.noise_multiplier is a centralized diagnostic (0: clipped without noise, no guarantee at all): a
+    site plans its noise from its own budget, so a request naming one is refused before anything is charged, and
+    a federation will not start with it."""
+    from fedpose.server.run import run_federation
+    from fedpose.shared.errors import ConfigError
+
+    cfg, state, _, _ = world_trainable
+    policy = site_policy(cfg, tmp_path)
+    asked = replace(cfg, **{"privacy.noise_multiplier": sigma})
+    refusal = refusal_of(train_request(asked, state, sigma=min_sigma_for(policy)), policy)
+    assert refusal.code == RefusalCode.BAD_REQUEST and "noise_multiplier" in refusal.reason
+    assert spend_rows(policy) == []
+    with pytest.raises(ConfigError, match="privacy.noise_multiplier"):
+        run_federation(None, asked, tmp_path / "never-written")
+
+
 def test_a_request_to_train_low_rank_adapters_is_refused_with_nothing_spent(world_trainable, tmp_path):
     """train.strategy: lora makes and merges its adapters inside one centralized run; a round's request names no
     adapters to train: refused before anything is charged, and a federation will not start with it."""

@@ -540,3 +540,18 @@ def test_the_ward_holds_out_a_basis_split_from_pretraining_with_people_of_its_ow
     for taken in ("public", "val", "site-0"):
         with pytest.raises(ConfigError, match="data.basis_split"):
             DataConfig(basis_split=taken)
+
+
+def test_the_clipped_step_without_noise_reports_an_unbounded_epsilon_and_no_guarantee(world, tmp_path):
+    """privacy.noise_multiplier: 0, the ceiling of a clipped recipe: each record's gradient clipped, no noise. The
+    run says what it is: epsilon infinite (no accountant bounds it), a claim of no privacy guarantee, sigma 0."""
+    from fedpose.shared.configuration.schema import replace
+    from fedpose.shared.training.runs import run_train
+
+    cfg = replace(world, **{"train.method": "dpsgd", "train.epochs": 1, "train.batch_size": 8,
+                            "privacy.noise_multiplier": 0.0, "train.seed": 0})
+    metrics = run_train(cfg, tmp_path / "clipped", progress=False)
+    assert metrics["sigma"] == 0.0 and metrics["epsilon"] == math.inf
+    assert metrics["claim"].startswith("no privacy guarantee (epsilon unbounded)")
+    fixed = run_train(replace(cfg, **{"privacy.noise_multiplier": 2.0}), tmp_path / "fixed", progress=False)
+    assert fixed["sigma"] == 2.0 and math.isfinite(fixed["epsilon"]) and fixed["epsilon"] > 0

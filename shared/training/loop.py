@@ -123,6 +123,7 @@ def step_spec(method: Method, train: TrainConfig, privacy: PrivacyConfig, *, sig
         chunk_size=privacy.chunk_size if chunk_size is None else chunk_size,
         pad_chunks=chunk_size is not None,
         unit=unit,
+        without_noise=private and sigma == 0 and privacy.noise_multiplier == 0,
         # raw+psi: a record's image and psi of its crop are two rows of one group, clipped as one mean
         multiplicity=(2 if train.images == "raw+psi" else privacy.augment_multiplicity) if private else 1,
     )

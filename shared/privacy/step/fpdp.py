@@ -117,6 +117,9 @@ class DPSpec:
     # a site's step (its policy pins chunk_size): every chunk padded to chunk_size rows, so that its memory never
     # follows the realised batch (P13); a centralized run has no server to hide it from
     pad_chunks: bool = False
+    # The clipped step without noise (privacy.noise_multiplier: 0, a centralized diagnostic with no guarantee):
+    # the only way a private method runs at sigma 0.
+    without_noise: bool = False
 
     def __post_init__(self) -> None:
         k = self.multiplicity
@@ -137,11 +140,13 @@ class DPSpec:
             )
         if not _is_number(self.sigma) or not (self.sigma >= 0 and math.isfinite(self.sigma)):
             raise ValueError(f"sigma={self.sigma!r} must be a non-negative finite number")
-        if self.method != "nonprivate" and self.sigma == 0:
+        if self.method != "nonprivate" and self.sigma == 0 and not self.without_noise:
             raise ValueError(
                 f"sigma=0 with method={self.method!r} adds no noise and gives no privacy; "
                 "calibrate sigma with accountant.calibrate_sigma or use method='nonprivate'"
             )
+        if self.without_noise and self.sigma != 0:
+            raise ValueError(f"without_noise is the clipped step at sigma 0, got sigma={self.sigma!r}")
         if not _is_number(self.sample_rate) or not 0 < self.sample_rate <= 1:
             raise ValueError(
                 f"sample_rate={self.sample_rate!r} must be in (0, 1] (expected batch size / n)"
