@@ -304,8 +304,8 @@ def scales_of(chunks: Iterable[Mapping[str, Tensor]], sizes: Mapping[str, int], 
             per = (c / rms.clamp_min(COORDINATE_FLOOR * c)) if c > 0 else torch.ones_like(rms)
             scales[name] = per.to(torch.float32).reshape(shapes[name])
             continue
-        rms = math.sqrt(total / (rows * sizes[name]))
-        scales[name] = c / rms if rms > 0 and c > 0 else 1.0
+        tensor_rms = math.sqrt(total / (rows * sizes[name]))
+        scales[name] = c / tensor_rms if tensor_rms > 0 and c > 0 else 1.0
     return scales
 
 
@@ -419,7 +419,7 @@ def basis_clip_of(privacy: PrivacyConfig) -> float | None:
 
 def public_scales_at(model: PoseNet, loss_fn: Callable, trainable: list[str], public: PoseDataset,
                      privacy: PrivacyConfig, device: torch.device, *, per_coordinate: bool = False
-                     ) -> dict[str, float | Tensor]:
+                     ) -> Scales:
     """``train.tensor_scales`` without a projection: the scales from the m public samples (P2)."""
     current, batch = _public_inputs(model, trainable, public, privacy, device, basis=False)
     return public_scales(loss_fn, current, batch, chunk_size=privacy.chunk_size, per_coordinate=per_coordinate)
