@@ -32,13 +32,14 @@ def world_weights(world):
 
 @pytest.fixture(scope="module")
 def world_trainable(world):
-    """(cfg, state, trainable, p): the tiny world, its initial weights, the names its strategy trains and how
-    many numbers they hold (the width of a basis)."""
+    """(cfg, state, trainable, p): the tiny world, its initial weights, the names its strategy trains in a
+    record-level round (dpsgd, proj: the task-uncertainty weights stay at their public values) and how many
+    numbers they hold (the width of a basis)."""
     from fedpose.shared.model.strategy import apply_strategy
     from fedpose.shared.training.runs import initial_model
 
     model = initial_model(world, progress=False)
-    trainable = apply_strategy(model, world.train.strategy)
+    trainable = apply_strategy(model, world.train.strategy, fixed_tasks=True)
     named = dict(model.named_parameters())
     p = sum(named[n].numel() for n in trainable)
     return world, {k: v.clone() for k, v in model.state_dict().items()}, trainable, p

@@ -484,7 +484,8 @@ def test_site_ledger_schema_3_records_the_unit_and_migrates_schema_2(tmp_path):
                           mechanism=Mechanism(method="dpsgd", psi=None, clip_norm=1.0, augment=True))
     # make it a schema-2 file: drop the unit column
     conn = sqlite3.connect(old)
-    for column in ("unit", "state", "noise_seed", "data_version", "request_digest", "outcome"):  # schemas 3 to 5
+    for column in ("unit", "state", "noise_seed", "data_version", "request_digest", "outcome",
+                   "attempts"):  # schemas 3 to 6
         conn.execute(f"ALTER TABLE spend DROP COLUMN {column}")
     conn.execute("PRAGMA user_version = 2")
     conn.commit()
