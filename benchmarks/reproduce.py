@@ -108,6 +108,15 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-recordlevel.yaml", "--out", "{out}/ward", "--record",
          "benchmarks/results/study-recordlevel", "--threads", "1"),
     ), results=("public_grad_norms.json",), records=("study-recordlevel-proxy", "study-recordlevel")),
+    Entry("recordlevel-dp", "full-dimension dpsgd where the records let it learn: its rates on the public proxy at the "
+                            "noise of 1,600 and 6,400 records per site, then the ward with its diagnostics (sigma "
+                            "fixed, sigma 0) and ceilings (minutes a cell at 400 records per site; cells kept in "
+                            "benchmarks/results/)", (
+        (*FEDPOSE, "study", "--config", "configs/study-recordlevel-dp-proxy.yaml", "--out", "{out}/dp-proxy",
+         "--record", "benchmarks/results/study-recordlevel-dp-proxy", "--threads", "1"),
+        (*FEDPOSE, "study", "--config", "configs/study-recordlevel-dp.yaml", "--out", "{out}/dp-ward", "--record",
+         "benchmarks/results/study-recordlevel-dp", "--threads", "1"),
+    ), records=("study-recordlevel-dp-proxy", "study-recordlevel-dp")),
     Entry("scale", "the data-scale curve: 400, 1,600 and 6,400 records per site (hours per cell at the largest; "
                    "cells kept in benchmarks/results/study-scale)", (
         (*FEDPOSE, "study", "--config", "configs/study-scale.yaml", "--out", "{out}/scale", "--record",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import statistics
 import sys
@@ -367,6 +368,49 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
              f"start ({statistics.mean(nonprivate):.2f} - {low:.2f} = {gain:.2f}); epsilon is the accountant's for the "
              f"(sigma, q, steps) that ran, the largest over seeds (delta 1e-5); minutes per run, {runs}."]
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, command)])
+
+
+RECORDLEVEL_DP = ("fedpose study --config configs/study-recordlevel-dp.yaml --out runs/study-recordlevel-dp "
+                  "--threads 1 --record benchmarks/results/study-recordlevel-dp")
+RECORDLEVEL_DP_PROXY = ("fedpose study --config configs/study-recordlevel-dp-proxy.yaml --out "
+                        "runs/study-recordlevel-dp-proxy --threads 1 "
+                        "--record benchmarks/results/study-recordlevel-dp-proxy")
+
+
+def render_cells(records: list[dict[str, Any]], command: str) -> str:
+    """A study's cells one row each (its variant: what the cell sets beside the study's base), sorted by method
+    and variant: the guarantee the accountant gives the run that ran (a diagnostic's fixed sigma has none worth
+    the name: its epsilon is said), sigma, PCKh@0.5 and the run's own start."""
+    if not records:
+        return "_No cell has finished yet._"
+    lines = ["| method | cell (beside the study's base) | guarantee | sigma | PCKh@0.5 | start | minutes |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r["cell"]["method"], _natural(r["cell"]["variant"]))):
+        cell, m = r["cell"], r["metrics"]
+        eps = m.get("epsilon")
+        if cell["method"] not in RECORD_LEVEL:
+            guarantee = "none (no DP)"
+        elif "privacy.noise_multiplier" in cell["variant"]:
+            guarantee = ("none (diagnostic; eps unbounded)" if eps is None or not math.isfinite(float(eps))
+                         else f"none (diagnostic; eps {float(eps):.3g})")
+        else:
+            guarantee = f"record-level, eps {float(eps):.2f}"
+        sigma = f"{float(m['sigma']):.4g}" if m.get("sigma") is not None else ""
+        start = f"{float(m['initial_pckh_mean']):.2f}" if m.get("initial_pckh_mean") is not None else ""
+        lines.append(f"| {cell['method']} | {cell['variant'] or '(the base)'} | {guarantee} | {sigma} | "
+                     f"{float(m['pckh']['mean']):.2f} | {start} | {float(m['seconds']) / 60:.1f} |")
+    note = "PCKh@0.5 on the validation split of the cell's ward, one seed each; minutes per run, one torch thread."
+    return "\n".join(lines + ["", note, "", _study_provenance(records, command)])
+
+
+def render_recordlevel_dp(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-recordlevel-dp/: full-dimension dpsgd on the ward, its diagnostics and ceilings."""
+    return render_cells(records, RECORDLEVEL_DP)
+
+
+def render_recordlevel_dp_proxy(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-recordlevel-dp-proxy/: the same step's rates on the public proxy."""
+    return render_cells(records, RECORDLEVEL_DP_PROXY)
 
 
 PAPER_GPU = ("fedpose study --config configs/study-paper-gpu.yaml --out runs/study-paper-gpu --jobs 2 "
@@ -950,6 +994,8 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "recordlevel-start": ("study-recordlevel", render_recordlevel_start),
     "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
     "scale": ("study-scale", render_scale),
+    "recordlevel-dp": ("study-recordlevel-dp", render_recordlevel_dp),
+    "recordlevel-dp-proxy": ("study-recordlevel-dp-proxy", render_recordlevel_dp_proxy),
     "proj": ("proj_diagnosis.json", render_proj),
     "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
