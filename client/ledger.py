@@ -129,6 +129,12 @@ _MIGRATIONS = {0: _SCHEMA, 1: _V1_TO_V2 + _V2_TO_V3 + _V3_TO_V4 + _V4_TO_V5 + _V
                4: _V4_TO_V5 + _V5_TO_V6, 5: _V5_TO_V6}
 
 
+# A round's answer made final (P16): failed, its seed erased, ``outcome`` kept; from charged, or from done while
+# its reply has not left (the caller drops the stored reply).
+_FAIL = ("UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? "
+         "WHERE federation = ? AND round = ? AND state IN ('charged', 'done')")
+
+
 def open_schema(conn: sqlite3.Connection, path: Path, *, site: str | None, busy_timeout: float) -> None:
     """Bring the ledger at ``path`` to ``SCHEMA_VERSION`` (an older one migrated in place) and, with ``site``, bind
     it to that site; refuse a file that is no fedpose site ledger, one of an unknown schema or one of another site.
@@ -307,10 +313,7 @@ class SiteLedger:
             if row is None:
                 raise ValueError(f"federation {federation} round {round} is not a charged round of {self.path}")
             if row[0] >= MAX_ATTEMPTS:
-                self.conn.execute(
-                    "UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? WHERE federation = ? "
-                    "AND round = ? AND state = 'charged'",
-                    (f"its process died {row[0]} times", federation, int(round)))
+                self.conn.execute(_FAIL, (f"its process died {row[0]} times", federation, int(round)))
                 return False
             self.conn.execute("UPDATE spend SET attempts = attempts + 1 WHERE federation = ? AND round = ? "
                               "AND state = 'charged'", (federation, int(round)))
@@ -322,10 +325,7 @@ class SiteLedger:
         already ``done`` (its reply stored, not sent) becomes ``failed`` too: the caller drops the stored reply.
         False when the round is neither charged nor done (it failed already, or was never charged)."""
         with transaction(self.conn, what=f"site ledger {self.path}", wait=self.busy_timeout):
-            updated = self.conn.execute(
-                "UPDATE spend SET state = 'failed', noise_seed = NULL, outcome = ? "
-                "WHERE federation = ? AND round = ? AND state IN ('charged', 'done')",
-                (outcome, federation, int(round))).rowcount
+            updated = self.conn.execute(_FAIL, (outcome, federation, int(round))).rowcount
         return updated == 1
 
     def record_event(self, *, code: int, reason: str, federation: str | None = None, round: int | None = None) -> None:
