@@ -42,6 +42,9 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.train.tensor_scales != "none":  # read from the public split at every refresh: a site does not hold it
         raise Refusal(RefusalCode.BAD_REQUEST, f"train.tensor_scales={cfg.train.tensor_scales!r} is for centralized "
                                                "runs only: a site trains without the public split")
+    if cfg.train.optimizer == "public-adam":  # its second moment is read from the public split at every step
+        raise Refusal(RefusalCode.BAD_REQUEST, "train.optimizer='public-adam' is for centralized runs only: a site "
+                                               "trains without the public split its second moment is read from")
     if cfg.privacy.noise_multiplier is not None:  # 0 would be no noise at all: this site plans its own sigma
         raise Refusal(RefusalCode.BAD_REQUEST, f"privacy.noise_multiplier={cfg.privacy.noise_multiplier!r} is a "
                                                "centralized diagnostic; a site's noise comes from its own budget")

@@ -31,6 +31,9 @@ def refuse_centralized_only(cfg: Config) -> None:
     if cfg.train.tensor_scales != "none":  # the sites would refuse every request (client/request.py)
         raise ConfigError("train.tensor_scales: public is for centralized runs only: its scales come from the public "
                           "split at every refresh, which a site does not hold; use train.tensor_scales: none")
+    if cfg.train.optimizer == "public-adam":  # the sites would refuse every request (client/request.py)
+        raise ConfigError("train.optimizer: public-adam is for centralized runs only: its second moment comes from "
+                          "the public split at every step, which a site does not hold; choose adam or sgd")
     if cfg.train.strategy == "lora":  # the sites would refuse every request (client/request.py)
         raise ConfigError("train.strategy: lora is for centralized runs only: its adapters are made and merged inside "
                           "one run, while a federation sends and averages whole weights; choose full or finetune")

@@ -254,8 +254,12 @@ class TrainConfig:
     batch_size: int = 64
     public_batch_size: int = 32
     # tensor-adam: Adam with one second moment per tensor; dp-tensor-adam: each tensor's step also scaled by its
-    # signal share under the DP noise (shared/training/tensor_adam.py)
-    optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam"] = "adam"
+    # signal share under the DP noise (shared/training/tensor_adam.py); public-adam: Adam whose second moment is
+    # the public split's gradient at the current weights (shared/training/public_adam.py; centralized runs only)
+    optimizer: Literal["sgd", "adam", "tensor-adam", "dp-tensor-adam", "public-adam"] = "adam"
+    # public-adam: no coordinate's step is divided by less than this fraction of the RMS over all coordinates of
+    # the public second moment's square root (bounds the noise of coordinates with little public gradient)
+    adam_floor: float = 0.0
     # public: every tensor's gradient scaled, per sample before clipping, to the same RMS on public data
     # (shared/privacy/step/subspace.py); coordinate: every coordinate's, a diagonal preconditioner from the public
     # per-sample gradients (AdaDPS); both refreshed with V, need the public split, so centralized runs only;
@@ -291,6 +295,8 @@ class TrainConfig:
             raise ConfigError(f"train.momentum: must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay: must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.adam_floor < 1:
+            raise ConfigError(f"train.adam_floor: must be in [0, 1), got {self.adam_floor}")
 
 
 @dataclass(frozen=True)

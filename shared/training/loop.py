@@ -40,8 +40,10 @@ from fedpose.shared.model.pose_loss import make_loss_fn
 from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
 from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
 from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
+from fedpose.shared.privacy.step.persample import mean_grad
 from fedpose.shared.privacy.step.psi import PsiBatch
 from fedpose.shared.privacy.step.sampling import augmented_copies, poisson_sample
+from fedpose.shared.training.public_adam import PublicAdam
 from fedpose.shared.training.schedule import lr_factor, make_optimizer
 from fedpose.shared.training.tensor_adam import noise_variances
 from fedpose.shared.training.weight_average import WeightAverage
@@ -204,6 +206,9 @@ class StepPhases:
             raise ValueError("train.tensor_scales: public scales each record's gradient from the public split: it "
                              "needs the public split at hand (a centralized run; a site does not hold it) and "
                              "record-level DP without augmentation multiplicity")
+        if train.optimizer == "public-adam" and data.public is None:
+            raise ValueError("train.optimizer: public-adam reads its second moment from the public split at every "
+                             "step: it needs the public split at hand (a centralized run; a site does not hold it)")
         self.run, self.data, self.audit, self.generator = run, data, audit, generator
         self.model = model
         self.trainable = apply_strategy(model, train.strategy, fixed_tasks=fixed_task_weights(train))
@@ -211,6 +216,7 @@ class StepPhases:
         params = [self.named[name] for name in self.trainable]
         self.loss_fn = make_loss_fn(model, self.trainable)
         self.opt = optimizer or make_optimizer(params, train)
+        self.public_moment = isinstance(self.opt, PublicAdam)  # its second moment: the public split's gradient
         self.ema = WeightAverage(params, decay=train.ema) if train.ema > 0 else None
         self.device = next(model.parameters()).device
         self.basis = column_major(basis) if basis is not None else None  # the layout project() reads fastest
@@ -346,10 +352,21 @@ class StepPhases:
             self.audit.observe(ReleasedStep(step=step, update=grads, private=released[0], basis=self.basis))
         return grads, info
 
+    def public_adam_gradient(self) -> list[torch.Tensor]:
+        """public-adam's second-moment input: the mean gradient of public_batch_size records of the public split at
+        the current weights (the weights the step's gradient was taken at), in the optimizer's order (P2)."""
+        public = self.data.public
+        idx = self.pub_rng.choice(len(public), size=min(self.run.train.public_batch_size, len(public)), replace=False)
+        current = {name: self.named[name].detach() for name in self.trainable}
+        grads = mean_grad(self.loss_fn, current, to_device(public.batch(idx.tolist()), self.device))
+        return [grads[name] for name in self.trainable]
+
     def update(self, step: int, grads: dict[str, torch.Tensor]) -> None:
         """Phase 4: one optimizer step at the schedule's learning rate, then the iterate average."""
         train = self.run.train
         offset, total = self.run.span
+        if self.public_moment:
+            self.opt.observe_public(self.public_adam_gradient())
         for name in self.trainable:
             self.named[name].grad = grads[name].to(self.named[name].dtype)
         for group in self.opt.param_groups:

@@ -12,6 +12,10 @@ from fedpose.shared.configuration.schema import TrainConfig
 def make_optimizer(params: list[torch.Tensor], train: TrainConfig) -> torch.optim.Optimizer:
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+    if train.optimizer == "public-adam":
+        from fedpose.shared.training.public_adam import PublicAdam
+
+        return PublicAdam(params, lr=train.lr, weight_decay=train.weight_decay, floor=train.adam_floor)
     if train.optimizer in ("tensor-adam", "dp-tensor-adam"):
         from fedpose.shared.training.tensor_adam import TensorAdam
 
