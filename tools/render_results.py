@@ -272,11 +272,11 @@ def render_study30_methods(records: list[dict[str, Any]]) -> str:
     nonprivate = _pckh(records, method="nonprivate", variant="")
     for setting in settings:
         dpsgd, fpdp = (_pckh(records, method=m, setting=setting, epsilon=0.8, variant="") for m in ("dpsgd", "fpdp"))
-        if nonprivate and dpsgd and fpdp:
-            low = statistics.mean(dpsgd)
-            gap = (statistics.mean(fpdp) - low) / (statistics.mean(nonprivate) - low)
-            notes.append(f"{setting.capitalize()}: fpdp recovers {gap:.2f} of the gap from dpsgd to the centralized "
-                         "non-private run ((fpdp - dpsgd) / (nonprivate - dpsgd)).")
+        if start and nonprivate and dpsgd and fpdp:
+            share = {m: _gain_share(statistics.mean(v), start[0], statistics.mean(nonprivate))
+                     for m, v in (("fpdp", fpdp), ("dpsgd", dpsgd))}
+            notes.append(f"{setting.capitalize()}: fpdp keeps {share['fpdp']:.2f} of the gain, dpsgd "
+                         f"{share['dpsgd']:.2f}.")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records)])
 
 
@@ -463,6 +463,7 @@ def render_batch_assembly(data: dict[str, Any]) -> str:
 
 RECIPE = "train.optimizer=sgd, train.momentum=0.9, train.lr=0.003"  # the record-level recipe's step (proj)
 BEST = "train.images=raw+psi, " + RECIPE  # the best record-level recipe: each record clipped with its blurred copy
+KITS = BEST + ", federation.site_optimizer=keep"  # the same, federated: what the site kits are provisioned with
 SETTING_ORDER = ("centralized", "reference", "federated")
 SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
@@ -477,8 +478,7 @@ def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
     start = _pckh(records, method="pretrained")
     nonprivate = _pckh(records, method="nonprivate", strategy="full", variant="")
     recipe = _pckh(records, method="proj", strategy="full", variant=BEST, setting="centralized")
-    federated = _pckh(records, method="proj", strategy="full", setting="federated",
-                      variant=BEST + ", federation.site_optimizer=keep")
+    federated = _pckh(records, method="proj", strategy="full", setting="federated", variant=KITS)
     fpdp = _pckh(records, method="fpdp", strategy="full", variant="", epsilon=0.8)
     psi = _pckh(records, method="psi-only", variant="")
     if not (start and nonprivate and recipe and fpdp and psi):
@@ -493,6 +493,86 @@ def render_recordlevel_brief(records: list[dict[str, Any]]) -> str:
                f"own records ({_gain_share(statistics.mean(federated), low, top):.2f})" if federated else "") + "; "
             f"Feature-DP (`fpdp`) reaches {statistics.mean(fpdp):.1f}, and training on the blurred copies alone, "
             f"with no noise and the blurred copies public, {statistics.mean(psi):.1f}.")
+
+
+def _kits_recipe(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The site kits' record-level recipe in a record-level study's own ward, at epsilon 0.8: pooled and federated
+    PCKh@0.5 (each list empty where no cell of it ran)."""
+    records = _own_ward(records)
+    return {"centralized": _pckh(records, method="proj", strategy="full", setting="centralized", epsilon=0.8,
+                                 variant=BEST),
+            "federated": _pckh(records, method="proj", strategy="full", setting="federated", epsilon=0.8,
+                               variant=KITS)}
+
+
+def _at_sizes(shares: dict[int, float], what: str = "", unit: str = "") -> str:
+    """0.89{what} at 400{unit}, 0.84 at 1,600 and 0.97 at 6,400."""
+    parts = [f"{share:.2f}{what if i == 0 else ''} at {n:,}{unit if i == 0 else ''}" for i, (n, share) in
+             enumerate(shares.items())]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]) -> str:
+    """The results page's first screen, from the record-level study (the site kits' recipe), the five-method study
+    (the start, non-private, fpdp pooled and federated) and the data-scale study (how many records): what each
+    guarantee reaches on the reference ward, as a share of the gain (defined here, the page's one ratio)."""
+    recordlevel, study30, scale = artefacts
+    recordlevel, study30 = _own_ward(recordlevel), _one_start(study30)
+    _one_start([*study30, *recordlevel])  # one start for every row, or the rows compare starts
+    start, top = _pckh(study30, method="pretrained"), _pckh(study30, method="nonprivate", strategy="full", variant="")
+    fpdp = {s: _pckh(study30, method="fpdp", strategy="full", setting=s, epsilon=0.8, variant="")
+            for s in ("centralized", "federated")}
+    kits = _kits_recipe(recordlevel)
+    if not (start and top and fpdp["centralized"] and kits["centralized"]):
+        return "_The studies behind the summary have not finished yet._"
+    low, high = start[0], statistics.mean(top)
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.mean(values):.2f} ({_gain_share(statistics.mean(values), low, high):.2f})" if values \
+            else "-"
+
+    seeds = sorted({len(v) for v in (top, *fpdp.values(), *kits.values()) if v})
+    federated = next((r["metrics"] for r in study30 if r["cell"]["setting"] == "federated"
+                      and r["metrics"].get("sites")), {})
+    delta = federated.get("delta") or next(iter(federated.get("sites", {}).values()), {}).get("delta")
+    points = _scale_points(scale)
+    sizes = sorted({n for _, n in points})
+    fpdp_shares = _size_shares(points, {n: "fpdp" for n in sizes if points.get(("fpdp", n))})
+    record_shares = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
+    lines = [f"On the reference ward ({len(federated.get('sites', {})) or 'three'} sites of {sizes[0]:,} synthetic "
+             f"images each; epsilon 0.8{f' and delta {delta:g}'.replace('e-0', 'e-') if delta else ''} per site; "
+             "30 epochs per record), "
+             "PCKh@0.5 on the "
+             f"240-image validation split, mean of {' to '.join(map(str, seeds))} seeds. Pooled: the sites' images "
+             "trained in one place; federated: each site keeps its images and accounts for them itself against an "
+             "untrusted server.", "",
+             "| training | guarantee | pooled: PCKh@0.5 (share of the gain) "
+             "| federated: PCKh@0.5 (share of the gain) |",
+             "|---|---|---|---|",
+             f"| the public-pretrained start | none needed (public data only) | {low:.2f} (0) | |",
+             f"| non-private | none | {high:.2f} (1) | |",
+             f"| fpdp | Feature-DP | {cell(fpdp['centralized'])} | {cell(fpdp['federated'])} |",
+             f"| proj, the site kits' record-level recipe | record-level DP | {cell(kits['centralized'])} | "
+             f"{cell(kits['federated'])} |", "",
+             "**Share of the gain** = (PCKh - start) / (non-private - start): the part of what non-private training "
+             "adds to the public start that a private run keeps (0: nothing, 1: all of it). It is the one ratio "
+             "this page uses."]
+    if fpdp_shares and record_shares:
+        def enough(shares: dict[int, float], name: str) -> str:
+            first = [n for n, share in shares.items() if share >= HALF]
+            return (f"with {name} {first[0]:,} records per site keep half of the gain or more" if first else
+                    f"with {name} none of the sizes measured does (up to {max(shares):,} per site)")
+
+        said = enough(fpdp_shares, "Feature-DP")
+        larger = {len(v) for (name, n), v in points.items() if n > sizes[0] and name != "start"}
+        seeds_above = f", one seed above {sizes[0]:,} records per site" if larger == {1} else ""
+        kits_ran = any(_recipe_part(r) == BEST for r in scale)
+        lines += ["", f"**How many records a site needs** (pooled{seeds_above}): Feature-DP keeps "
+                  f"{_at_sizes(fpdp_shares, ' of the gain', ' records per site')}; the best record-level run "
+                  + ("" if kits_ran else "of that study (which did not run the kits' recipe) ")
+                  + f"{_at_sizes(record_shares)}. {said[0].upper() + said[1:]}; "
+                  f"{enough(record_shares, 'record-level DP')}."]
+    return "\n".join(lines)
 
 
 SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 "
@@ -566,7 +646,8 @@ _WARD_KEYS = ("data.synth.per_site=", "data.synth.public=", "data.root=", "pretr
 
 
 def render_scale(records: list[dict[str, Any]]) -> str:
-    """benchmarks/results/study-scale/: PCKh against records per site, and the share of non-private reached."""
+    """benchmarks/results/study-scale/: PCKh against records per site, and the best record-level row's share of the
+    gain at each size."""
     points = _scale_points(records)
     sizes = sorted({size for _, size in points})
     lines = ["| method | guarantee | " + " | ".join(f"{n:,} per site" for n in sizes) + " |",
@@ -576,21 +657,30 @@ def render_scale(records: list[dict[str, Any]]) -> str:
     for _, _, label, guarantee in _scale_rows(records):
         lines.append(f"| {label} | {guarantee} | " + " | ".join(_stat(points.get((label, n), [])) for n in sizes)
                      + " |")
-    top_label = _SCALE_ROWS[0][2]
     best = _best_record_level(points, _scale_rows(records), sizes)
-    shares = {n: statistics.mean(points[(best[n], n)]) / statistics.mean(points[(top_label, n)])
-              for n in best if points.get((top_label, n))}
+    shares = _size_shares(points, best)
     notes = ["PCKh@0.5 on the 240-image validation split, mean ± std (seeds), centralized on the three sites' "
              "records at epsilon 0.8 (delta 1e-5), 30 epochs per record; the start is each run's own (the public "
              "split is the same at every size)."]
     if shares:
-        notes.append("The best record-level row as a share of non-private at the same size: "
+        notes.append("The best record-level row's share of the gain at each size: "
                      + "; ".join(f"{n:,}: {share:.2f} ({best[n]})" for n, share in shares.items()) + ".")
-        enough = [n for n, share in shares.items() if share >= 0.9]
-        notes.append(f"It reaches 90 % of non-private from {enough[0]:,} records per site." if enough else
-                     f"It reaches 90 % of non-private at none of the sizes where both ran (up to {max(shares):,} "
+        enough = [n for n, share in shares.items() if share >= HALF]
+        notes.append(f"It keeps half of the gain from {enough[0]:,} records per site." if enough else
+                     f"It keeps half of the gain at none of the sizes where both ran (up to {max(shares):,} "
                      "per site).")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
+
+
+HALF = 0.5  # the share of the gain the data-scale study asks for: from how many records a guarantee keeps half
+
+
+def _size_shares(points: dict[tuple[str, int], list[float]], label: dict[int, str]) -> dict[int, float]:
+    """Per size, the share of the gain of the row ``label[size]``: against that size's start and non-private run."""
+    top = _SCALE_ROWS[0][2]
+    return {n: _gain_share(statistics.mean(points[(name, n)]), statistics.mean(points[("start", n)]),
+                           statistics.mean(points[(top, n)]))
+            for n, name in sorted(label.items()) if points.get((top, n)) and points.get(("start", n))}
 
 
 def _best_record_level(points: dict[tuple[str, int], list[float]], rows: list[tuple[str, str, str, str]],
@@ -663,6 +753,22 @@ def render_study30_sweep(records: list[dict[str, Any]]) -> str:
     ordering = ["", "The paper's ordering fpdp > fdp, proj > dpsgd (means, at the shared learning rate): "
                 + "; ".join(found) + "."] if found else []
     return "\n".join(lines + ordering + ["", _study_provenance(records)])
+
+
+def render_study30_recipe(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-recordlevel/: the caption of the methods-against-epsilon figure for the site kits'
+    record-level recipe, which the figure draws from these cells where they exist (and says so where not)."""
+    kits = _kits_recipe(records)
+    what = ("The star is the record-level recipe the site kits ship (proj under SGD with momentum 0.9 at 3e-3, "
+            "each image clipped with its blurred copy, each site keeping its momentum between rounds), from the "
+            "record-level study below")
+    if not any(kits.values()):
+        return (f"{what}: no cell of it has run at these settings, so the figure does not show it; it has no "
+                "line against epsilon.")
+    ran = " and ".join(f"{_stat(v)} {label}" for label, v in (("pooled", kits["centralized"]),
+                                                              ("federated", kits["federated"])) if v)
+    return (f"{what}: it ran at epsilon 0.8 only: {ran}. No cell of it ran at another epsilon, so it is a point, "
+            "not a line.")
 
 
 def render_study30_reference(records: list[dict[str, Any]]) -> str:
@@ -965,6 +1071,11 @@ def render_deploy_round(data: dict[str, Any]) -> str:
                              "and basis.", "", _provenance(data.get("provenance"))])
 
 
+def load_sources(source: str | tuple[str, ...]) -> Any:
+    """A block's or a figure's artefact, or the tuple of its artefacts where it is drawn from several."""
+    return tuple(load_artefact(name) for name in source) if isinstance(source, tuple) else load_artefact(source)
+
+
 def load_artefact(name: str) -> Any:
     """A measurement's file under benchmarks/results/: JSON, CSV as a list of rows, a folder as its JSON files."""
     if (RESULTS / name).is_dir():
@@ -973,8 +1084,9 @@ def load_artefact(name: str) -> Any:
     return list(csv.DictReader(text.splitlines())) if name.endswith(".csv") else json.loads(text)
 
 
-# Block name -> (the artefact under benchmarks/results/ it is rendered from, the renderer).
-RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
+# Block name -> (the artefact under benchmarks/results/ it is rendered from, or a tuple of them, the renderer).
+RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
+    "summary": (("study-recordlevel", "study-30", "study-scale"), render_summary),
     "main": ("main.json", render_main),
     "main-brief": ("main.json", render_main_brief),
     "start-by-cpu": ("start_by_cpu.json", render_start_by_cpu),
@@ -987,6 +1099,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "study30-methods": ("study-30", render_study30_methods),
     "study30-sweep": ("study-30", render_study30_sweep),
     "study30-reference": ("study-30", render_study30_reference),
+    "study30-recipe": ("study-recordlevel", render_study30_recipe),
     "study-face": ("study-face", render_study_face),
     "recordlevel": ("study-recordlevel", render_recordlevel),
     "recordlevel-proxy": ("study-recordlevel-proxy", render_recordlevel_proxy),
@@ -1007,16 +1120,25 @@ RENDERERS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "deploy-round": ("deploy_round.json", render_deploy_round),
 }
 
-def figure_study30(records: list[dict[str, Any]], path: Path) -> None:
-    """PCKh@0.5 against epsilon, centralized and federated side by side (the paper's Fig. 2 on the ward)."""
+def figure_study30(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]]], path: Path) -> None:
+    """PCKh@0.5 against epsilon, centralized and federated side by side (the paper's Fig. 2 on the ward), with the
+    site kits' record-level recipe from the record-level study where its cells ran (a star per epsilon)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records, recordlevel = artefacts
+    _one_start([*records, *_own_ward(recordlevel)])  # the star and the lines from one start
     colours = {"dpsgd": "tab:red", "proj": "tab:orange", "fdp": "tab:purple", "fpdp": "tab:blue"}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    kits = _kits_recipe(recordlevel)
     for ax, setting in zip(axes, ("centralized", "federated")):
+        if kits[setting]:
+            values = kits[setting]
+            ax.errorbar([0.8], [statistics.mean(values)], yerr=[statistics.stdev(values) if len(values) > 1 else 0.0],
+                        marker="*", markersize=14, linestyle="none", capsize=3, color="tab:green",
+                        label="proj, the site kits' record-level recipe (ran at eps 0.8 only)")
         for method, colour in colours.items():
             eps = sorted({r["cell"]["epsilon"] for r in _records(records, method=method, setting=setting, variant="")})
             values = [_pckh(records, method=method, setting=setting, epsilon=e, variant="") for e in eps]
@@ -1034,15 +1156,16 @@ def figure_study30(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks([0.2, 0.4, 0.6, 0.8])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("PCKh@0.5 mean (seeds: mean ± std)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
 
 
 # Figure under docs/ -> (the artefact it is drawn from, the function drawing it); --check only checks they exist.
-FIGURES: dict[str, tuple[str, Callable[[Any, Path], None]]] = {
-    "docs/img/study-30-pckh-vs-eps.png": ("study-30", figure_study30),
+FIGURES: dict[str, tuple[str | tuple[str, ...], Callable[[Any, Path], None]]] = {
+    "docs/img/study-30-pckh-vs-eps.png": (("study-30", "study-recordlevel"), figure_study30),
     "docs/img/study-scale.png": ("study-scale", figure_scale),
 }
 
@@ -1055,7 +1178,7 @@ def render_text(text: str, where: str) -> str:
         if name not in RENDERERS:
             raise SystemExit(f"{where}: unknown rendered block {name!r} (known: {', '.join(RENDERERS)})")
         artefact, render = RENDERERS[name]
-        return match.group(1) + render(load_artefact(artefact)).rstrip() + "\n" + match.group(4)
+        return match.group(1) + render(load_sources(artefact)).rstrip() + "\n" + match.group(4)
 
     return BLOCK.sub(one, text)
 
@@ -1082,7 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rendered {page.relative_to(REPO)}")
     for name, (artefact, draw) in FIGURES.items():
         if not args.check:
-            draw(load_artefact(artefact), REPO / name)
+            draw(load_sources(artefact), REPO / name)
         elif not (REPO / name).is_file():
             stale.append(Path(name))
     if args.check and stale:
