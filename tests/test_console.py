@@ -6,7 +6,7 @@ server's run folder and one site's policy from their own processes; Debian's Chr
 Playwright, opens both pages. What the pages show is compared with the SQLite ledgers; then the
 federation is let go, and the server page must follow it to the end by itself. The ``/metrics`` text is
 read too. ``FEDPOSE_DOCS_SCREENSHOTS=1`` writes the server page's picture to docs/img/ (the docs show it; the
-site page's picture is a kit's, ``tests/test_site_kit.py``).
+site page's picture is a kit's pilot's, ``tools/site_console_picture.py``).
 """
 
 from __future__ import annotations

@@ -228,3 +228,27 @@ def test_the_readme_states_a_start_that_covers_every_cpu_measured():
     for m in machines:
         assert low <= m["start"] <= high, (m, low, high)
         assert f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']}" in readme, m
+
+
+def test_the_site_console_picture_comes_from_kits_provisioned_as_the_operators_guide_writes_them(tmp_path):
+    """tools/site_console_picture.py draws docs/img/console-site.png from a kit's pilot: the kits are provisioned
+    with the guide's own command (its config and every --set of its record-level recipe), only the pilot's host
+    and names changed, at the paths provision lays out by default (no --install-dir, --state-dir or --venv), and
+    each kit README's command lines are what it runs."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from site_console_picture import provision_command, readme_commands, trial_command
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    guide = (DOCS / "how-to" / "server.md").read_text()
+    command = provision_command(guide)
+    written = re.search(r"```sh\n(fedpose provision .*?)```", guide, re.S).group(1)
+    assert set(re.findall(r"--set (\S+)", command)) == set(re.findall(r"--set (\S+)", written)) != set()
+    assert "--config default" in command and "--host 127.0.0.1" in command and "--out /opt/fedpose" in command
+    assert not re.search(r"--(install-dir|state-dir|venv|user) ", command), command
+    steps = re.search(r"<!-- kit:SITE_STEPS -->\n```text\n(.*?)```", (DOCS / "how-to" / "site-install.md").read_text(),
+                      re.S).group(1)
+    (tmp_path / "README.txt").write_text(steps)
+    lines = readme_commands(tmp_path / "README.txt")
+    assert "/opt/fedpose/venv/bin/fedpose site set-data --policy policy.yaml /path/to/your/split" in lines, lines
+    assert trial_command(tmp_path / "README.txt") == "STATE_DIRECTORY=/var/lib/fedpose/hospital-a ./start-supernode.sh"

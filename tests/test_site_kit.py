@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from fedpose.server.front import healthy
-from support.browser import BROWSER_ARGS, CHROMIUM, console, docs_screenshots, playwright
 from support.federation import flower_env, free_port, prepare_world, start, stop, wait_for, world_root
 from fedpose.shared.configuration.schema import dump_config, replace
 
@@ -196,23 +195,5 @@ def test_a_hospital_follows_its_kit_to_a_finished_pilot(tmp_path: Path, tmp_path
             assert report["policy"]["guarantee"].startswith("record-level DP")
             assert report["policy"]["methods"] == ["dpsgd", "proj"]
             assert {r["method"] for r in report["rounds"]} == {"proj"}
-        if (shots := docs_screenshots()) is not None:  # the docs' site console: a kit's, after its pilot
-            _site_console_picture(kits / sites[0], env, shots / "console-site.png", tmp_path)
     finally:
         stop(*procs)
-
-
-def _site_console_picture(kit: Path, env: dict[str, str], picture: Path, tmp_path: Path) -> None:
-    """The site's console (the kit's README names ``fedpose console --policy policy.yaml``) as Chromium shows it."""
-    proc, url = console(["--policy", "policy.yaml"], tmp_path / "console-site.log", env, cwd=kit)
-    try:
-        with playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url)
-            page.wait_for_selector("[data-testid=lifetime-spent]", timeout=30_000)
-            assert page.inner_text("[data-testid=guarantee]").startswith("record-level DP")
-            page.screenshot(path=str(picture), full_page=True)
-            browser.close()
-    finally:
-        stop(proc)

@@ -1,9 +1,10 @@
 """The site and server consoles in a real browser: Debian's Chromium driven by Playwright, and ``fedpose console``
 started as its own process on 127.0.0.1.
 
-``FEDPOSE_DOCS_SCREENSHOTS=1`` makes the tests that open a console write the docs' pictures (docs/img/, or
-``FEDPOSE_DOCS_SCREENSHOTS_DIR``): the server's page from the live federation of ``tests/test_console.py``, the
-site's page from a kit's finished pilot (``tests/test_site_kit.py``), as a hospital sees it.
+``FEDPOSE_DOCS_SCREENSHOTS=1`` makes the test that opens the server's console write the docs' picture of it
+(docs/img/, or ``FEDPOSE_DOCS_SCREENSHOTS_DIR``), from the live federation of ``tests/test_console.py``. The site's
+picture is not a test's: ``tools/site_console_picture.py`` takes it from a kit's pilot, at the kit's own paths and
+with its default policy, as a hospital sees it.
 """
 
 from __future__ import annotations
