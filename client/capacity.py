@@ -10,8 +10,9 @@ server could choose a round whose cost straddles a multiple, so the worst case o
   P[batch > b] <= ``TAIL`` for a Poisson of mean ``expected_batch``), computed from the policy's public
   constants only, so that a refusal says nothing about how many records the site holds. The site's own check
   refuses data whose Binomial(n, q) tail is above it (more records than the policy declares);
-- every chunk of a site's step is padded to ``chunk_size`` rows (``persample.chunks_of``), so each costs the
-  same time and memory whatever its real rows; a round is at most ``steps x (chunks + public chunks)`` of them;
+- every chunk of a site's step is padded to ``chunk_size`` rows (``persample.chunks_of``), or to the rows
+  ``round_chunk`` sizes from the free memory under the policy's ``chunk_memory`` (at most ``chunk_size``), so each
+  costs the same time and memory whatever its real rows; a round is at most ``steps x (chunks + public chunks)``;
 - before the charge (``check_round_cost``) one blank chunk of the request's own model at its input size is timed
   (zero rows: no private record is read) and the request is refused, nothing spent, when the elapsed time plus
   ``SAFETY`` times that worst case does not fit ``round_seconds``. ``SAFETY`` covers what is not timed (loading
@@ -25,8 +26,8 @@ the machine has free, and refuses a policy whose worst case does not fit.
 
 from __future__ import annotations
 
+import logging
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from fedpose.shared.flower.messages import Refusal, RefusalCode
 
 if TYPE_CHECKING:  # torch is imported where it is used
     import torch
+
+log = logging.getLogger(__name__)
 
 # P[a step's batch > worst_units] at most this (a round of 10 steps: 1e-5; beyond it the round may overrun).
 TAIL = 1e-6
@@ -66,125 +69,91 @@ def rows_per_unit(policy: SitePolicy, images: str = "raw") -> int | None:
     return policy.augment_multiplicity * (2 if images == "raw+psi" else 1)
 
 
-def chunks_per_round(policy: SitePolicy, *, steps: int, method: str, images: str = "raw") -> int:
-    """Padded chunks of ``chunk_size`` rows a round of ``steps`` runs at most: the private batch at its worst
-    case, and the public term (``public_batch_size`` rows, one mean gradient: no dearer than as many private
-    rows)."""
+def chunks_per_round(policy: SitePolicy, *, steps: int, method: str, images: str = "raw",
+                     chunk_size: int | None = None) -> int:
+    """Padded chunks of ``chunk_size`` rows (default: the policy's) a round of ``steps`` runs at most: the private
+    batch at its worst case, and the public term (``public_batch_size`` rows, one mean gradient: no dearer than as
+    many private rows)."""
     rows = rows_per_unit(policy, images)
     if rows is None:
         raise ValueError("at patient level a round's worst case needs max_records_per_patient (its rows per "
                          "patient) in the policy")
-    private = max(1, math.ceil(worst_units(policy) * rows / policy.chunk_size))
-    public = math.ceil(policy.public_batch_size / policy.chunk_size) if method in WITH_PUBLIC else 0
+    chunk = policy.chunk_size if chunk_size is None else chunk_size
+    private = max(1, math.ceil(worst_units(policy) * rows / chunk))
+    public = math.ceil(policy.public_batch_size / chunk) if method in WITH_PUBLIC else 0
     return steps * (private + public)
 
 
 @dataclass(frozen=True)
 class ChunkCost:
     """One padded chunk of a private step: its seconds, and its peak memory above what was held before (bytes;
-    on CPU the resident set sampled every millisecond, on CUDA the allocator's peak)."""
+    ``fedpose.shared.training.chunk_memory.measured_peak``: on CUDA the allocator's peak, on a CPU the tensors')."""
 
     seconds: float
     peak_bytes: int
 
 
-class _PeakRss:
-    """The largest resident set seen while it runs (a thread reading /proc/self/statm every millisecond)."""
-
-    def __init__(self) -> None:
-        import os
-
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * self.page
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __enter__(self) -> _PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-
 def blank_chunk_cost(model: Any, trainable: list[str], *, input_size: tuple[int, int], face_tasks: tuple[str, ...],
-                     chunk_size: int, grouped: bool) -> ChunkCost:
-    """Time one padded private chunk of ``model`` on blank rows (zeros: no record is read); on CUDA after one
-    warm-up (kernel choices), on CPU the first run (slower than the next: an overestimate, which is on the safe side).
-
-    ``grouped``: the step clips groups (patients, augmented copies), as ``fpdp.clipped_group_sum`` does.
+                     chunk_size: int, grouped: bool, peak: bool = True) -> ChunkCost:
+    """Time one padded private chunk of ``model`` on blank rows (``chunk_memory.blank_chunk``: no record is read);
+    on CUDA after one warm-up (kernel choices), on CPU the first run (slower than the next: an overestimate, which is
+    on the safe side). ``peak``: measure its peak memory too, in a run of its own (0 otherwise).
     """
-    import torch
-
-    from fedpose.shared.data.dataset import PoseDataset
-    from fedpose.shared.model.pose_loss import make_loss_fn
-    from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, clipped_group_sum
+    from fedpose.shared.training.chunk_memory import blank_chunk, measured_peak
 
     device = next(model.parameters()).device
-    empty = PoseDataset([], input_size=input_size, augment=None, face_tasks=bool(face_tasks)).batch([])
-    batch = {k: v.new_zeros((chunk_size, *v.shape[1:])).to(device) for k, v in empty.items() if k != "index"}
-    named = dict(model.named_parameters())
-    params = {n: named[n].detach() for n in trainable}
-    loss_fn: Any = make_loss_fn(model, trainable)  # a LossFn (PoseLoss is callable as one)
-    groups = torch.arange(chunk_size)
-
-    def run() -> None:
-        if grouped:
-            clipped_group_sum(loss_fn, params, batch, groups=groups, clip_norm=1.0, chunk_size=chunk_size, pad=True)
-        else:
-            clipped_grad_sum(loss_fn, params, batch, clip_norm=1.0, chunk_size=chunk_size, pad=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    was_training = model.training
-    buffers = {name: value.clone() for name, value in model.named_buffers()}  # a blank forward leaves no trace
-    model.train()
-    try:
-        if device.type == "cuda":
-            run()  # warm-up: first-call allocations and kernel choices
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            started = time.perf_counter()
-            run()
-            seconds = time.perf_counter() - started
-            peak = torch.cuda.max_memory_allocated(device) - before
-        else:
-            with _PeakRss() as rss:
-                started = time.perf_counter()
-                run()
-                seconds = time.perf_counter() - started
-            peak = rss.peak - rss.start
-    finally:
-        model.train(was_training)
-        with torch.no_grad():
-            for name, value in model.named_buffers():
-                value.copy_(buffers[name])
-    return ChunkCost(seconds=seconds, peak_bytes=max(int(peak), 0))
+    run = blank_chunk(model, trainable, input_size=input_size, face_tasks=face_tasks, chunk_size=chunk_size,
+                      grouped=grouped)
+    if device.type == "cuda":
+        run()  # warm-up: first-call allocations and kernel choices
+    started = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - started
+    return ChunkCost(seconds=seconds, peak_bytes=measured_peak(run, device) if peak else 0)
 
 
 def _grouped(policy: SitePolicy, images: str = "raw") -> bool:
     return policy.unit == "patient" or policy.augment_multiplicity > 1 or images == "raw+psi"
 
 
+def round_chunk(request: Any, policy: SitePolicy, model: torch.nn.Module, trainable: list[str]) -> int:
+    """The rows of every chunk of this round: the policy's ``chunk_size``, or with its ``chunk_memory`` the most
+    rows, at most ``chunk_size``, whose blank chunk of the request's own model fits that share of the free memory
+    (``fedpose.shared.training.chunk_memory.chunk_for``; chosen once per site process for one shape of request).
+
+    Before the charge and on blank rows only: a chunk that cannot fit is a refusal (POLICY), nothing spent. The
+    choice goes to the site's log, never into the reply.
+    """
+    import torch
+
+    from fedpose.shared.training.chunk_memory import chunk_for
+
+    cfg = request.config
+    if policy.chunk_memory is None:
+        log.info("site %s round %d: chunk of %d rows (chunk_size=%d; no chunk_memory: not sized)", policy.site,
+                 request.round, policy.chunk_size, policy.chunk_size)
+        return policy.chunk_size
+    try:
+        choice = chunk_for(model, trainable, input_size=cfg.data.input_size, face_tasks=cfg.model.face_tasks,
+                           grouped=_grouped(policy, cfg.train.images), cap=policy.chunk_size,
+                           fraction=policy.chunk_memory)
+    except (ValueError, MemoryError, torch.OutOfMemoryError) as err:
+        raise Refusal(RefusalCode.POLICY, f"no chunk of the requested model fits this site's chunk_memory="
+                                          f"{policy.chunk_memory:g} of its free memory: ask for a smaller model or "
+                                          "input") from err
+    log.info("site %s round %d: %s, chunk_memory=%g of the free memory", policy.site, request.round,
+             choice.describe(), policy.chunk_memory)
+    return choice.size
+
+
 def check_round_cost(request: Any, policy: SitePolicy, model: torch.nn.Module, trainable: list[str], *,
-                     elapsed: float) -> None:
+                     elapsed: float, chunk_size: int | None = None) -> None:
     """Refuse (POLICY, before the charge: nothing spent) a request whose worst case does not fit ``round_seconds``.
 
-    Reads no private record: one blank chunk of the request's own model is timed; the worst case counts the
-    policy's public constants only (``chunks_per_round``). ``elapsed``: the seconds since the request arrived, by
-    the clock the site's answer is held to; the time this check takes is added. Without ``round_seconds`` there is
-    no clock to fit.
+    Reads no private record: one blank chunk of the request's own model is timed at the round's chunk
+    (``chunk_size``, default the policy's; ``round_chunk``); the worst case counts the policy's public constants
+    only (``chunks_per_round``). ``elapsed``: the seconds since the request arrived, by the clock the site's answer
+    is held to; the time this check takes is added. Without ``round_seconds`` there is no clock to fit.
     """
     if policy.round_seconds is None:
         return
@@ -192,22 +161,24 @@ def check_round_cost(request: Any, policy: SitePolicy, model: torch.nn.Module, t
 
     cfg = request.config
     images = cfg.train.images
+    chunk = policy.chunk_size if chunk_size is None else chunk_size
     try:
-        chunks = chunks_per_round(policy, steps=request.steps, method=cfg.train.method, images=images)
+        chunks = chunks_per_round(policy, steps=request.steps, method=cfg.train.method, images=images,
+                                  chunk_size=chunk)
     except ValueError as err:
         raise Refusal(RefusalCode.POLICY, f"with round_seconds {err}") from err
     started = time.perf_counter()
     try:
         cost = blank_chunk_cost(model, trainable, input_size=cfg.data.input_size, face_tasks=cfg.model.face_tasks,
-                                chunk_size=policy.chunk_size, grouped=_grouped(policy, images))
+                                chunk_size=chunk, grouped=_grouped(policy, images), peak=False)
     except (MemoryError, torch.OutOfMemoryError) as err:  # the blank chunk allocates what every chunk does
         raise Refusal(RefusalCode.POLICY, "one chunk of the requested model does not fit this site's memory at "
-                                          f"chunk_size={policy.chunk_size}: ask for a smaller model or input") from err
+                                          f"chunk_size={chunk}: ask for a smaller model or input") from err
     elapsed += time.perf_counter() - started
     worst = elapsed + SAFETY * chunks * cost.seconds
     if worst > policy.round_seconds:
         raise Refusal(RefusalCode.POLICY, f"this request's worst case does not fit this site's round_seconds="
-                                          f"{policy.round_seconds:g}: {chunks} chunks of {policy.chunk_size} rows "
+                                          f"{policy.round_seconds:g}: {chunks} chunks of {chunk} rows "
                                           f"({request.steps} steps at the batch's upper tail) at {cost.seconds:.3g} s "
                                           f"each, x{SAFETY:g}, after {elapsed:.1f} s, is {worst:.1f} s; ask for "
                                           "fewer steps or a smaller model or input")
@@ -227,22 +198,10 @@ def reference_chunk_cost(policy: SitePolicy) -> ChunkCost:
                             chunk_size=policy.chunk_size, grouped=_grouped(policy))
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes the machine can still give a round: free GPU memory, or MemAvailable of /proc/meminfo."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
-
-
 def worst_case_report(policy: SitePolicy, units: int) -> list[str]:
     """The worst case of a round at the policy's limits, in lines for the operator; ValueError when it does not fit
     (``fedpose site check``). ``units``: the site's records (patients) as its check kept them."""
+    from fedpose.shared.training.chunk_memory import free_memory
     from fedpose.shared.training.loop import select_device
 
     lines = []

@@ -35,7 +35,9 @@ server can only ask for it, never choose it (docs/explanation/design.md: threat 
     eval_path: data/site-0-eval   # optional held-out split: the site evaluates each global model on it, locally
     accountant: rdp
     # resources and timing (P13: nothing the server chooses makes them depend on the private data)
-    chunk_size: 16                # per-sample gradients held in memory at a time
+    chunk_size: 16                # per-sample gradients held in memory at a time (with chunk_memory: the most)
+    chunk_memory: null            # a share of the free (GPU) memory, in (0, 1), the chunks may hold: the site then
+                                  # runs the most rows at a time that fit it, at most chunk_size (null: chunk_size)
     max_parameters: 20000000      # the largest model (all its tensors) a request may send
     max_input_size: [256, 256]    # the largest model input (H, W) a request may ask for
     round_seconds: null           # a reply leaves this many seconds after its request arrived (null: when done);
@@ -151,6 +153,9 @@ class SitePolicy:
     unit: str = "record"
     max_records_per_patient: int | None = None
     chunk_size: int = 16
+    # the chunks sized from the free memory: this share of it, at most chunk_size rows (fedpose.shared.training.
+    # chunk_memory); None: chunk_size rows. Not the server's: a request asking for more is refused.
+    chunk_memory: float | None = None
     max_parameters: int = 20_000_000
     max_input_size: tuple[int, int] = (256, 256)
     round_seconds: float | None = None
@@ -242,6 +247,11 @@ class SitePolicy:
             raise ValueError(f"site policy: max_input_size={list(self.max_input_size)!r} must be [H, W], each >= 32")
         if self.round_seconds is not None:
             _positive("round_seconds", self.round_seconds)
+        if self.chunk_memory is not None:
+            _positive("chunk_memory", self.chunk_memory)
+            if not self.chunk_memory < 1:
+                raise ValueError(f"site policy: chunk_memory={self.chunk_memory!r} must be a share of the free memory "
+                                 "in (0, 1), e.g. 0.8")
         from fedpose.shared.data.face import FACE_TASKS, valid_face_tasks
         if not valid_face_tasks(self.face_tasks):
             raise ValueError(f"site policy: face_tasks={list(self.face_tasks)!r} must be distinct names from "
@@ -282,13 +292,15 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_records_per_patient": (int, type(None)),
     "expected_batch": (int, float),
     "chunk_size": (int,),
+    "chunk_memory": (int, float, type(None)),
     "max_parameters": (int,),
     "max_input_size": (list, tuple),
     "round_seconds": (int, float, type(None)),
     "augment_multiplicity": (int,),
     "face_tasks": (list, tuple),
 }
-_FLOATS = ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm", "psi_min", "min_sigma", "round_seconds")
+_FLOATS = ("epsilon", "delta", "sample_rate", "expected_batch", "clip_norm", "psi_min", "min_sigma", "round_seconds",
+           "chunk_memory")
 
 
 def policy_from_dict(data: dict[str, Any], *, base: Path | None = None) -> SitePolicy:
@@ -361,6 +373,8 @@ def load_policy(path: str | Path) -> SitePolicy:
 
 def policy_to_dict(policy: SitePolicy) -> dict[str, Any]:
     out = dataclasses.asdict(policy)
+    if out["chunk_memory"] is None:  # a policy without it means what it did before, fingerprint included
+        del out["chunk_memory"]
     out["methods"] = list(policy.allowed_methods)
     out["max_input_size"] = list(policy.max_input_size)
     order = ["policy_version"] + [k for k in out if k != "policy_version"]

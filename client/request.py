@@ -79,6 +79,12 @@ def check_request(request: TrainRequest, policy: SitePolicy) -> None:
     if cfg.privacy.augment_multiplicity != policy.augment_multiplicity:  # a round's cost is the site's (P13)
         raise Refusal(RefusalCode.POLICY, f"augment_multiplicity={cfg.privacy.augment_multiplicity} is not this "
                                           f"site's augment_multiplicity={policy.augment_multiplicity}")
+    asked = cfg.privacy.chunk_memory
+    if asked is not None and (policy.chunk_memory is None or asked > policy.chunk_memory):  # memory is the site's
+        allows = (f"allows chunk_memory={policy.chunk_memory:g}, at most its chunk_size rows" if policy.chunk_memory
+                  else "sizes no chunk from its free memory: every chunk is its chunk_size rows")
+        raise Refusal(RefusalCode.POLICY, f"privacy.chunk_memory={asked:g} asks for more of this site's memory than "
+                                          f"its policy allows (it {allows})")
     if cfg.data.augment != policy.augment:
         raise Refusal(RefusalCode.POLICY, f"augment={cfg.data.augment} but this site's policy says "
                                           f"augment={policy.augment}")

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedpose.client.capacity import check_round_cost
+from fedpose.client.capacity import check_round_cost, round_chunk
 from fedpose.client.ledger import MAX_ATTEMPTS, Mechanism, SiteLedger
 from fedpose.client.policy import SitePolicy
 from fedpose.client.replies import drop_reply, repeated_round, store_reply
@@ -140,11 +140,12 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
             row = ledger.row_of(request.federation, request.round)
         if row is None:
             prepared = _prepare(content, request, policy)
-            # its worst case fits the clock (P13), measured on blank rows: before the charge, nothing read
+            # its chunk and its worst case on the clock (P13), measured on blank rows: before the charge, nothing read
+            chunk = round_chunk(request, policy, prepared.model, prepared.trainable)
             check_round_cost(request, policy, prepared.model, prepared.trainable,
-                             elapsed=time.monotonic() - arrived)
+                             elapsed=time.monotonic() - arrived, chunk_size=chunk)
             row = _charge(request, policy, ready, prepared.digest)
-            return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
+            return _release(request, policy, ready, row, prepared, chunk, arrived=arrived, progress=progress)
         with on_the_clock(arrived, policy.round_seconds):  # an answer about a round charged already (P16)
             if row["state"] == "done":
                 return repeated_round(policy, request.federation, request.round)
@@ -161,7 +162,8 @@ def handle_train(content: Any, policy: SitePolicy, *, progress: bool = False) ->
                                                          "request replays it, and it is never trained twice")
         log.warning("site %s: round %d of federation %s was charged but its process died: replaying the identical "
                     "request on its own seed (not spent again)", policy.site, request.round, request.federation)
-        return _release(request, policy, ready, row, prepared, arrived=arrived, progress=progress)
+        # charged already: its chunk is sized inside the release, where a failure is its final answer
+        return _release(request, policy, ready, row, prepared, None, arrived=arrived, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,8 @@ def _prepare(content: Any, request: Any, policy: SitePolicy) -> Prepared:
 INTERRUPTED = "interrupted before its answer left: its run was stopped"
 
 
-def _release(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], prepared: Prepared, *,
-             arrived: float, progress: bool) -> Any:
+def _release(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], prepared: Prepared,
+             chunk: int | None, *, arrived: float, progress: bool) -> Any:
     """A charged round from its first private read until its answer leaves, on the clock (P13, P16).
 
     Every outcome but the process dying is final: a failure is stored as the round's answer, and so is an
@@ -219,7 +221,7 @@ def _release(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, 
                 raise SiteFailure(f"round {rnd} of federation {federation} failed after its charge (its process died "
                                   f"{MAX_ATTEMPTS} times); that failure is its answer, it is never trained again")
         reply = _train_charged(request, policy, ready, row, prepared.model, prepared.trainable, basis=prepared.basis,
-                               seconds_basis=prepared.seconds_basis, progress=progress)
+                               seconds_basis=prepared.seconds_basis, chunk=chunk, progress=progress)
     except Exception as err:
         _final(policy, federation, rnd, str(err) if isinstance(err, SiteFailure)
                else "the site failed; the detail is in its own log")
@@ -279,12 +281,13 @@ def _charge(request: Any, policy: SitePolicy, ready: SiteCheck, digest: str) -> 
 
 
 def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict[str, Any], model: Any,
-                   trainable: list[str], *, basis: torch.Tensor | None, seconds_basis: float,
+                   trainable: list[str], *, basis: torch.Tensor | None, seconds_basis: float, chunk: int | None,
                    progress: bool) -> Any:
     """The charged round: private data is read from here on; any failure is already paid for.
 
     ``basis``: the round's V (None for methods that do not project); ``seconds_basis``: the seconds it took
-    (``obtain_basis``).
+    (``obtain_basis``); ``chunk``: the rows every chunk is padded to (``capacity.round_chunk``, before the charge;
+    None for a replayed round, sized here).
     """
     import torch
     from flwr.app import MetricRecord, RecordDict
@@ -298,6 +301,8 @@ def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict
     from fedpose.shared.training.loop import LocalData, LocalRun, local_train, step_spec
 
     cfg = request.config
+    if chunk is None:
+        chunk = round_chunk(request, policy, model, trainable)
     configure_numerics(min(cfg.runtime.site_threads, os.cpu_count() or 1), deterministic=cfg.runtime.deterministic)
     checked = load_checked(policy, ready)
     # Only a charged round gets the received model scored at the site: a refused one costs no evaluation.
@@ -311,7 +316,7 @@ def _train_charged(request: Any, policy: SitePolicy, ready: SiteCheck, row: dict
     data = LocalData(make_dataset(checked.private, cfg, train=True, seed=_augment_seed(secret)),
                      patients=checked.patients, public_pool=checked.public_pool)
     step = step_spec(cfg.train.method, cfg.train, cfg.privacy, sigma=request.sigma, data=data,
-                     sample_rate=policy.sample_rate, expected_batch=policy.expected_batch, chunk_size=policy.chunk_size)
+                     sample_rate=policy.sample_rate, expected_batch=policy.expected_batch, chunk_size=chunk)
     run = LocalRun(step, request.steps, cfg.train, cfg.privacy,
                    schedule_span=round_span(request.round, request.steps, cfg.federation.rounds))
     result = local_train(model, data, run, generator=generator, basis=basis, optimizer=optimizer,

@@ -52,6 +52,7 @@ public_digest: FILL-ME        # its digest, written by `fedpose site approve-pub
 eval_path: null               # optional: a held-out split; each global model is scored on it here, never sent
 accountant: {accountant}
 chunk_size: 16                # per-record gradients held in memory at a time (the site's, whatever is asked)
+chunk_memory: null            # a GPU site: e.g. 0.8 runs the most rows at a time that fit 80 % of the free memory
 round_seconds: null           # a reply leaves this long after its request (null: when done; then the time shows)
 face_tasks: []                # face tasks this site trains on its face labels (none unless listed)
 """  # noqa: E501 (a policy file: its comments stay aligned)

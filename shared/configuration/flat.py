@@ -63,7 +63,8 @@ LATER_FIELDS: dict[str, Any] = {"data.synth.public_style": "public", "privacy.ps
                                  "privacy.basis_clip": None, "train.tensor_scales": "none",
                                  "train.lora_rank": 8, "privacy.noise_multiplier": None,
                                  "train.task_weights": "train", "privacy.basis_rows": "raw",
-                                 "data.synth.basis": 0, "data.basis_split": None, "train.adam_floor": 0.0}
+                                 "data.synth.basis": 0, "data.basis_split": None, "train.adam_floor": 0.0,
+                                 "privacy.chunk_memory": None}
 # Sections that say how a run uses the machine, not what it computes: never part of an identity view.
 RUNTIME_SECTIONS = ("runtime.",)
 

@@ -167,6 +167,11 @@ class PrivacyConfig:
     # record's (a few runaway rows, 1e11 times the median, took V down to one direction); raw: as they are.
     basis_rows: Literal["clipped", "raw"] = "clipped"
     chunk_size: int = 16  # per-sample gradients computed this many at a time (memory bound)
+    # A share of the device's free memory, in (0, 1), that the private step's chunks may hold: the step then runs
+    # the most rows at a time whose measured peak fits it, at most chunk_size (the cap), chosen once before the
+    # first step from a blank chunk of the model (a GPU fills better with larger chunks). null: chunk_size rows.
+    # A site sizes its chunks by its own policy's chunk_memory, and refuses a request that asks for more.
+    chunk_memory: float | None = None
     # The privacy unit: record (neighbouring datasets differ in one image) or patient (in all images of one
     # person; needs patient ids: the ward's identities.json or a patients.json sidecar). At patient level
     # train.batch_size is the expected number of PATIENTS per step (q_p = B / patients).
@@ -215,6 +220,9 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.basis_clip: must be a finite number > 0 or null, got {self.basis_clip}")
         if self.basis_every < 1 or self.chunk_size < 1:
             raise ConfigError("privacy.basis_every and privacy.chunk_size must be >= 1")
+        if self.chunk_memory is not None and not (math.isfinite(self.chunk_memory) and 0 < self.chunk_memory < 1):
+            raise ConfigError(f"privacy.chunk_memory: must be a share of the free memory in (0, 1) or null, got "
+                              f"{self.chunk_memory}")
         if self.psi == "dp-pixelize" and (self.psi_param != int(self.psi_param) or self.psi_param < 2):
             raise ConfigError(f"privacy.psi_param: dp-pixelize takes a cell side in whole pixels >= 2, got "
                               f"{self.psi_param:g}")

@@ -19,6 +19,7 @@ step, the four phases of one local training step:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedpose.shared.training.allocator import keep_freed_memory
+from fedpose.shared.training.chunk_memory import chunk_for
 from fedpose.shared.training.batches import assembly_device, make_psi_from, psi_on, to_device
 from fedpose.shared.privacy.step.subspace import column_major, public_basis_at, public_scaled_basis_at, public_scales_at
 from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
@@ -184,6 +186,8 @@ class LocalResult:
     public_zeroed: int = 0
     # proj / fpdp: the fewest directions V had (below privacy.k when the public gradients spanned fewer)
     narrowest_basis: int | None = None
+    # rows of every per-sample chunk (privacy.chunk_size, or the size chunk_memory chose; public: the machine's)
+    chunk_size: int = 16
 
 
 class StepPhases:
@@ -215,6 +219,13 @@ class StepPhases:
         self.named = dict(model.named_parameters())
         params = [self.named[name] for name in self.trainable]
         self.loss_fn = make_loss_fn(model, self.trainable)
+        if privacy.chunk_memory is not None and method != "nonprivate" and not spec.pad_chunks:
+            # once, before the first step, from a blank chunk at the public input size: every step runs this chunk.
+            # A site's spec is padded to the chunk it sized itself (its policy's chunk_memory), never resized here.
+            choice = chunk_for(model, self.trainable, input_size=data.private.input_size,
+                               face_tasks=model.cfg.face_tasks, grouped=spec.unit == "patient" or spec.multiplicity > 1,
+                               cap=spec.chunk_size, fraction=privacy.chunk_memory)
+            run = self.run = dataclasses.replace(run, step=dataclasses.replace(spec, chunk_size=choice.size))
         self.opt = optimizer or make_optimizer(params, train)
         self.public_moment = isinstance(self.opt, PublicAdam)  # its second moment: the public split's gradient
         self.ema = WeightAverage(params, decay=train.ema) if train.ema > 0 else None
@@ -418,6 +429,7 @@ def local_train(
         add_adapters(model, run.train.lora_rank, generator)
     try:
         phases = StepPhases(model, data, run, generator, basis=basis, optimizer=optimizer, audit=audit)
+        run = phases.run  # its step at the chunk chosen for it (privacy.chunk_memory)
         model.train()
         started = time.perf_counter()
         steps = tqdm(range(run.steps), desc=bar or "", disable=bar is None, leave=False, dynamic_ncols=True)
@@ -448,5 +460,6 @@ def local_train(
         zeroed=phases.zeroed,
         public_zeroed=phases.public_zeroed,
         narrowest_basis=phases.narrowest,
+        chunk_size=spec.chunk_size,
     )
 

@@ -390,6 +390,8 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         "images": cfg.train.images.replace("psi", psi_label_of(cfg.privacy)),  # raw, blur(0.03), raw+blur(0.03)
         "k": cfg.privacy.k if method in PROJECTED else None,
         "k_min": result.narrowest_basis,  # fewer than k when the public gradients spanned fewer directions
+        # per-sample gradients at a time: privacy.chunk_size, or what privacy.chunk_memory chose on this machine
+        "chunk_size": result.chunk_size if method in PRIVATE else None,
         "seeded": seeded,
         "claim": spent["claim"],
         "initial_pckh_mean": float(start["pckh"]["mean"]),
