@@ -28,6 +28,16 @@ own: its time moves more between processes than within one.
     python benchmarks/dp_step.py [--repeats 7] [--variants tinyvit-small,tinyvit-5m] [--out FILE]
 
 writes benchmarks/results/dp_step.json (rendered into docs/results/benchmarks.md).
+
+``--chunks`` runs the sized chunk beside the fixed one instead: DP-SGD and FP-DP as a site runs them (every chunk
+padded) with chunks of ``--fixed`` rows (16, a policy's default) and with the rows ``chunk_memory.chunk_for``
+chooses (``--chunk-memory`` of the free memory, at most ``--cap`` rows, default the batch), beside the non-private
+steps, interleaved in one process, each ratio with its min-max spread; the chosen chunk, its measured peak and
+the seconds the choice took are printed too. On the CPU at 128x96, batch 32 (writes dp_step_chunks.json); with
+``--device cuda`` at ``--input`` and ``--batch`` (dp_step_chunks_cuda.json):
+
+    python benchmarks/dp_step.py --chunks --variants tinyvit-5m --repeats 5
+    python benchmarks/dp_step.py --chunks --device cuda --variants tinyvit-5m --fixed 32 --cap 256 --repeats 5
 """
 
 from __future__ import annotations
@@ -89,8 +99,9 @@ def _setup(variant: str, *, opacus_compatible: bool = False, size_hw: tuple[int,
 
 
 def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_hw: tuple[int, int] = INPUT,
-           device: str = "cpu"):
-    """{kind: step()} for one model; every kind updates the same model with SGD."""
+           device: str = "cpu", padded: dict[str, int] | None = None):
+    """{kind: step()} for one model; every kind updates the same model with SGD. ``padded``: more kinds,
+    ``"<method>@<label>"`` -> rows, each that method's step as a site runs it (every chunk padded to its rows)."""
     import torch
 
     from fedpose.shared.privacy.step.fpdp import DPSpec, dp_gradient
@@ -103,7 +114,9 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
     gen = torch.Generator(device=device).manual_seed(0)
     batch = _batch(batch_size, 1, size_hw=size_hw, device=device)
     psi_batch = both = basis = None
-    if {"fpdp", "nonprivate-2x"} & set(kinds):  # only what the kinds use, so that memory runs hold nothing else
+    padded = padded or {}
+    if {"fpdp", "nonprivate-2x"} & set(kinds) or any(k.startswith("fpdp@") for k in padded):
+        # only what the kinds use, so that memory runs hold nothing else
         psi_batch = apply_psi(GaussianBlur(0.06), batch)
         both = {key: torch.cat([batch[key], psi_batch.tensors[key]]) for key in batch}
         p = sum(named[n].numel() for n in names)
@@ -135,8 +148,9 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def private(method: str, fn=loss_fn) -> None:
-        grads, _ = dp_gradient(fn, current(), spec=DPSpec(method=method, **spec), private_batch=batch,
+    def private(method: str, fn=loss_fn, rows: int | None = None) -> None:
+        sized = spec if rows is None else {**spec, "chunk_size": rows, "pad_chunks": True}
+        grads, _ = dp_gradient(fn, current(), spec=DPSpec(method=method, **sized), private_batch=batch,
                                psi_batch=psi_batch if method == "fpdp" else None, generator=gen,
                                basis=basis if method == "fpdp" else None)
         apply(grads)
@@ -151,7 +165,9 @@ def _steps(variant: str, batch_size: int, chunk: int, kinds: list[str], *, size_
     }
     if "opacus" in kinds:
         steps["opacus"] = _opacus_step(variant, batch, gen)
-    return {k: steps[k] for k in kinds}
+    for label, rows in padded.items():
+        steps[label] = lambda method=label.partition("@")[0], rows=rows: private(method, rows=rows)
+    return {k: steps[k] for k in [*kinds, *padded]}
 
 
 def _opacus_step(variant: str, batch, gen):
@@ -293,6 +309,84 @@ def _cuda(args) -> dict:
     return result
 
 
+def _chunk_comparison(variant: str, batch: int, fixed: int, cap: int, share: float, repeats: int,
+                      size_hw: tuple[int, int], device: str, queue=None) -> dict | None:
+    """DP-SGD and FP-DP as a site runs them (every chunk padded) at ``fixed`` rows a chunk and at the rows
+    ``chunk_memory.chunk_for`` chooses (``share`` of the free memory, at most ``cap``), beside a non-private step,
+    interleaved in one process."""
+    import torch
+
+    from fedpose.shared.training.allocator import keep_freed_memory
+    from fedpose.shared.training.chunk_memory import chunk_for
+
+    if device == "cpu":
+        keep_freed_memory()  # as local_train does in every training process
+    model, names, _ = _setup(variant, size_hw=size_hw, device=device)
+    started = time.perf_counter()
+    choice = chunk_for(model, names, input_size=size_hw, face_tasks=(), grouped=False, cap=cap, fraction=share)
+    seconds = time.perf_counter() - started
+    del model
+    padded = {f"dpsgd@{fixed}": fixed, "dpsgd@auto": choice.size, f"fpdp@{fixed}": fixed, "fpdp@auto": choice.size}
+    steps = _steps(variant, batch, fixed, ["nonprivate", "nonprivate-2x"], size_hw=size_hw, device=device,
+                   padded=padded)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for step in steps.values():  # warm-up: allocations, kernels
+        step()
+        sync()
+    times = _interleaved(steps, repeats, before=gc.collect if device == "cpu" else sync, after=sync)
+    ratios = {kind: [t / b for t, b in zip(times[kind], times["nonprivate"])] for kind in times}
+    for method in ("dpsgd", "fpdp"):  # the sized chunk against the fixed one, round by round
+        ratios[f"{method}@auto-vs-{fixed}"] = [a / f for a, f in zip(times[f"{method}@auto"],
+                                                                    times[f"{method}@{fixed}"])]
+    ratios["fpdp@auto-vs-2x"] = [t / b for t, b in zip(times["fpdp@auto"], times["nonprivate-2x"])]
+    result = {"chunk": {"size": choice.size, "cap": cap, "fixed": fixed, "share": share, "seconds": seconds,
+                        "peak_mb": choice.peak_bytes / 2**20, "budget_mb": choice.budget_bytes / 2**20},
+              "ms": {kind: _spread([1000 * t for t in ts]) for kind, ts in times.items()},
+              "ratio": {kind: _spread(rs) for kind, rs in ratios.items()}}
+    if queue is None:
+        return result
+    queue.put(result)
+    return None
+
+
+def _chunks(args, command: str) -> int:
+    """``--chunks``: the sized chunk beside the fixed one, per variant; writes dp_step_chunks[_cuda].json."""
+    from fedpose.shared.training.provenance import provenance
+
+    cuda = args.device == "cuda"
+    size_hw = tuple(int(v) for v in args.input.split("x")) if cuda else INPUT
+    batch = args.batch if cuda else BATCH
+    cap = args.cap or batch
+    started = time.time()
+    result: dict = {"input": list(size_hw), "batch": batch, "k": K, "repeats": args.repeats, "variants": {}}
+    if cuda:
+        import torch
+
+        result["device"] = torch.cuda.get_device_name(0)
+    for variant in args.variants.split(","):
+        settings = (variant, batch, args.fixed, cap, args.chunk_memory, args.repeats, size_hw, args.device)
+        run = _chunk_comparison(*settings) if cuda else _in_process(_chunk_comparison, *settings)
+        result["variants"][variant] = run
+        c = run["chunk"]
+        print(f"\n{variant} @ {size_hw[0]}x{size_hw[1]}, batch {batch}, {args.device}, {args.repeats} rounds: chunk "
+              f"chosen {c['size']} of cap {c['cap']} (peak {c['peak_mb']:.0f} MB of {c['budget_mb']:.0f} MB allowed, "
+              f"chosen in {c['seconds']:.2f} s); fixed {c['fixed']}")
+        print(f"{'step':<22}{'ms (median)':>12}{'x nonprivate':>14}{'  min-max':>14}")
+        for kind in run["ms"]:
+            r = run["ratio"][kind]
+            print(f"{kind:<22}{run['ms'][kind]['median']:>12.1f}{r['median']:>14.2f}{r['min']:>8.2f}-{r['max']:.2f}")
+        for kind in (f"dpsgd@auto-vs-{args.fixed}", f"fpdp@auto-vs-{args.fixed}", "fpdp@auto-vs-2x"):
+            r = run["ratio"][kind]
+            print(f"{kind:<34}{r['median']:>14.2f}{r['min']:>8.2f}-{r['max']:.2f}")
+    result["provenance"] = provenance(command=command, seconds=time.time() - started)
+    results = Path(__file__).resolve().parent / "results"
+    out = args.out or results / ("dp_step_chunks_cuda.json" if cuda else "dp_step_chunks.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def _in_process(target, *args, env: dict[str, str] | None = None):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -332,11 +426,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", default="256x192", help="HxW with --device cuda (default: the paper's 256x192)")
     parser.add_argument("--batch", type=int, default=256, help="batch with --device cuda (default: 256)")
     parser.add_argument("--chunk", type=int, default=32, help="per-sample chunk with --device cuda (default: 32)")
+    parser.add_argument("--chunks", action="store_true",
+                        help="instead: DP-SGD and FP-DP with padded chunks of --fixed rows beside chunks sized from "
+                             "the free memory (--chunk-memory, at most --cap rows); writes dp_step_chunks[_cuda].json")
+    parser.add_argument("--fixed", type=int, default=16, help="--chunks: the fixed chunk (default: 16, a policy's)")
+    parser.add_argument("--cap", type=int, default=None, help="--chunks: the sized chunk's cap (default: the batch)")
+    parser.add_argument("--chunk-memory", type=float, default=0.5,
+                        help="--chunks: the share of the free memory the sized chunk may hold (default: 0.5)")
     args = parser.parse_args(argv)
     from fedpose.shared.training.provenance import provenance
 
     results = Path(__file__).resolve().parent / "results"
     command = " ".join(["python", "benchmarks/dp_step.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.chunks:
+        return _chunks(args, command)
     if args.device == "cuda":
         started = time.time()
         result = _cuda(args)

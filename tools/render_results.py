@@ -1040,6 +1040,38 @@ def render_dp_step_cuda(data: dict[str, Any]) -> str:
     return "\n".join(rows + ["", _provenance(data.get("provenance"))])
 
 
+def render_dp_step_chunks(data: dict[str, Any]) -> str:
+    """benchmarks/results/dp_step_chunks[_cuda].json (benchmarks/dp_step.py --chunks): the private step with chunks
+    sized from the free memory beside chunks of a fixed size."""
+    h, w = data["input"]
+    where = f"GPU-measured on one {data['device']}" if "device" in data else "On this CPU"
+    rows = [f"{where}: one optimizer step, batch {data['batch']} at {h}x{w}, finetune parameters, every chunk padded "
+            f"as a site runs it; median of {data['repeats']} interleaved rounds, with the min-max of the per-round "
+            "ratio.", "", "| step | " + " | ".join(f"{v}: ms | × non-private" for v in data["variants"]) + " |",
+            "|---|" + "---|---|" * len(data["variants"])]
+    first = next(iter(data["variants"].values()))
+    fixed = first["chunk"]["fixed"]
+    labels = {"nonprivate": "non-private", "nonprivate-2x": "non-private over private + psi images",
+              f"dpsgd@{fixed}": f"DP-SGD, chunks of {fixed}", "dpsgd@auto": "DP-SGD, chunk sized from free memory",
+              f"fpdp@{fixed}": f"FP-DP, chunks of {fixed}", "fpdp@auto": "FP-DP, chunk sized from free memory"}
+    for kind, label in labels.items():
+        cells = []
+        for v in data["variants"].values():
+            ms, r = v["ms"][kind], v["ratio"][kind]
+            cells.append(f"{ms['median']:.1f} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    rows.append("")
+    for name, v in data["variants"].items():
+        c, r = v["chunk"], v["ratio"]
+        said = ", ".join(f"{label} {r[key]['median']:.2f} ({r[key]['min']:.2f}-{r[key]['max']:.2f})"
+                         for label, key in (("DP-SGD", f"dpsgd@auto-vs-{fixed}"), ("FP-DP", f"fpdp@auto-vs-{fixed}")))
+        rows.append(f"{name}: the chunk sized from {c['share']:.0%} of the free memory ran {c['size']} rows (cap "
+                    f"{c['cap']}; its measured peak {c['peak_mb']:.0f} MB of {c['budget_mb']:.0f} MB allowed; chosen "
+                    f"in {c['seconds']:.2f} s, once a run); the sized step's time over the fixed one's: {said}.")
+        rows.append("")
+    return "\n".join(rows + [_provenance(data.get("provenance"))])
+
+
 def render_deploy_round(data: dict[str, Any]) -> str:
     """benchmarks/results/deploy_round.json (benchmarks/deploy_round.py): a round beyond the sites' own work."""
     h, w = data["input"]
@@ -1113,6 +1145,7 @@ RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
+    "dp-step-chunks": ("dp_step_chunks.json", render_dp_step_chunks),
     "batch-assembly": ("batch_assembly.json", render_batch_assembly),
     "batch-assembly-gpu": ("batch_assembly_gpu.json", render_batch_assembly),
     "paper-gpu": ("study-paper-gpu", render_paper_gpu),
