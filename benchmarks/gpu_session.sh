@@ -13,6 +13,7 @@
 #      (low end: the GPU sets the pace, 2 x 193.0 ms a recipe step, 268.4 ms FP-DP, 91.6 ms non-private per 256
 #      images; high end: the step still waits for the CPU, as the 204-step run did: 4.0, 2.7 and 1.5 minutes)
 #   3. the DP step at batch 256, 256x192, chunk 32 (dp_step.py --device cuda), with the time left   1-2 min (est.)
+#      then chunks of 32 beside chunks sized from the free memory, at most 256 (dp_step.py --chunks) 1-2 min (est.)
 #   4. a TensorRT engine, if TensorRT is installed                                             2 min at most
 # The study keeps each finished cell in $OUT/study-paper-gpu-500-record and counts it as done: a rerun with the
 # same OUT and WORK resumes where a time limit cut it off.
@@ -88,6 +89,17 @@ if [ "$(left)" -gt 60 ]; then
     else  # its CUDA mode needs a GPU; the dry run checks that it starts and reads these arguments
         python3 "$REPO/benchmarks/dp_step.py" --help > /dev/null && echo "dry run: benchmarks/dp_step.py --device cuda" \
             "--variants tinyvit-5m --repeats 5 --input 256x192 --batch 256 --chunk 32 would run here"
+    fi
+fi
+if [ "$(left)" -gt 60 ]; then
+    echo "== 3b. the DP step's chunk sized from the free memory on $DEVICE (at most 256, beside 32), $(left) s left"
+    if [ "$DEVICE" = cuda ]; then
+        (cd "$REPO" && timeout "$(( $(left) - 15 ))" python3 benchmarks/dp_step.py --chunks --device cuda \
+            --variants tinyvit-5m --repeats 5 --input 256x192 --batch 256 --fixed 32 --cap 256 \
+            --out benchmarks/results/dp_step_chunks_cuda.json && cp benchmarks/results/dp_step_chunks_cuda.json "$OUT/")
+    else
+        echo "dry run: benchmarks/dp_step.py --chunks --device cuda --variants tinyvit-5m --repeats 5 --input 256x192" \
+            "--batch 256 --fixed 32 --cap 256 would run here"
     fi
 fi
 

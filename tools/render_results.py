@@ -1146,6 +1146,7 @@ RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
     "dp-step-chunks": ("dp_step_chunks.json", render_dp_step_chunks),
+    "dp-step-chunks-cuda": ("dp_step_chunks_cuda.json", render_dp_step_chunks),
     "batch-assembly": ("batch_assembly.json", render_batch_assembly),
     "batch-assembly-gpu": ("batch_assembly_gpu.json", render_batch_assembly),
     "paper-gpu": ("study-paper-gpu", render_paper_gpu),
