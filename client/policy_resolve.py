@@ -97,6 +97,9 @@ def default_policy(cfg: Config, out: Path, index: int) -> SitePolicy:
         "max_records_per_patient": cap,
         # A seeded run (train.seed) seeds every site's noise from it: reproducible, and marked not for production.
         "seed": None if cfg.train.seed is None else cfg.train.seed * 1000 + index,
+        # Chunks sized from the free memory as the config asks, at most its chunk_size (else 16 rows, as before)
+        **({"chunk_memory": cfg.privacy.chunk_memory, "chunk_size": cfg.privacy.chunk_size}
+           if cfg.privacy.chunk_memory is not None else {}),
     })
 
 

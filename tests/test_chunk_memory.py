@@ -173,3 +173,24 @@ def test_a_site_sizes_its_chunk_under_its_own_cap_whatever_the_request_says(worl
     assert [r["state"] for r in spend_rows(policy)] == ["done"]
     said = [r.getMessage() for r in caplog.records if "chunk of" in r.getMessage()]
     assert said and "chunk of 3 rows" in said[0] and "chunk_size=3" in said[0], said
+
+
+@pytest.mark.invariant("P11")
+def test_a_simulations_sites_size_their_chunks_as_its_config_asks(world_weights, tmp_path):
+    """The researcher's own simulation writes its sites' policies from the config: with privacy.chunk_memory they
+    allow that share, at most the config's chunk_size, so its own requests are not refused; without it the
+    policies are what they were (16 rows, no chunk_memory)."""
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.policy_resolve import default_policy
+    from fedpose.client.request import check_request, parse_request
+    from support.site import train_request
+
+    cfg, state = world_weights
+    asked = replace(cfg, **{"privacy.chunk_memory": 0.6, "privacy.chunk_size": 24})
+    policy = default_policy(asked, tmp_path / "sim", 0)
+    assert (policy.chunk_memory, policy.chunk_size) == (0.6, 24)
+    request = parse_request(train_request(asked, state, sigma=min_sigma_for(policy), site=policy.site,
+                                          sample_rate=policy.sample_rate))
+    check_request(request, policy)  # not refused
+    plain = default_policy(cfg, tmp_path / "plain", 0)
+    assert (plain.chunk_memory, plain.chunk_size) == (None, 16)
