@@ -52,3 +52,36 @@ def test_site_check_prints_the_outlook_with_the_page_it_comes_from(tmp_path, cap
                              steps=policy.lifetime_rounds * policy.steps_per_round)
     assert f"{figure:.2f} times the mean clipped gradient" in line
     assert PAGE in line and f"eps {policy.epsilon:g}" in line
+
+
+def test_the_curve_is_what_the_data_scale_studys_records_say():
+    """Each point of the outlook's curve is the data-scale study's best record-level row at that size, from its
+    committed records: the share of the gain it kept and the noise-to-signal figure of the run that ran (its sigma,
+    batch and steps), so the outlook cannot drift from the page it names."""
+    import importlib.util
+    import statistics
+    import sys
+    from pathlib import Path
+
+    from fedpose.client.outlook import CURVE, noise_to_signal
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "render_results.py"
+    spec = importlib.util.spec_from_file_location("render_results_outlook", path)
+    render = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = render
+    spec.loader.exec_module(render)
+    records = render.load_artefact("study-scale")
+    points, rows = render._scale_points(records), render._scale_rows(records)
+    sizes = sorted({n for (_, n) in points})
+    best = render._best_record_level(points, rows, sizes)
+    assert [p.records for p in CURVE] == [3 * n for n in sizes]
+    for point, n in zip(CURVE, sizes):
+        start = statistics.mean(points[("start", n)])
+        top = statistics.mean(points[("non-private", n)])
+        assert point.share == pytest.approx((statistics.mean(points[(best[n], n)]) - start) / (top - start), abs=0.005)
+        ran = [r["metrics"] for r in records if render._per_site(r) == n and r["cell"]["method"] == "proj"
+               and render._recipe_part(r) == render.RECIPE]
+        assert ran, f"no record of the recipe at {n} per site"
+        m = ran[0]
+        figure = noise_to_signal(sigma=m["sigma"], expected_batch=m["sample_rate"] * 3 * n, steps=m["steps"])
+        assert point.noise_to_signal == pytest.approx(figure, rel=0.01)
