@@ -230,16 +230,20 @@ def test_the_readme_states_a_start_that_covers_every_cpu_measured():
         assert f"{m['start']:.2f} on {m['cpu']} ({m['cpu_capability']}" in readme, m
 
 
-def test_the_site_console_picture_comes_from_kits_provisioned_as_the_operators_guide_writes_them(tmp_path):
-    """tools/site_console_picture.py draws docs/img/console-site.png from a kit's pilot: the kits are provisioned
-    with the guide's own command (its config and every --set of its record-level recipe), only the pilot's host
-    and names changed, at the paths provision lays out by default (no --install-dir, --state-dir or --venv), and
-    each kit README's command lines are what it runs."""
+def test_the_console_pictures_come_from_kits_provisioned_as_the_operators_guide_writes_them(tmp_path):
+    """tools/console_pictures.py draws both console pictures the docs show (docs/img/console-site.png and
+    console-server.png) from a kit's pilot: the kits are provisioned with the guide's own command (its config and
+    every --set of its record-level recipe), only the pilot's host and names changed, at the paths provision lays
+    out by default (no --install-dir, --state-dir or --venv), and each kit README's command lines are what it runs,
+    its console line included (the site's and the server's, as each kit writes it)."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
-        from site_console_picture import provision_command, readme_commands, trial_command
+        from console_pictures import PICTURES, console_line, provision_command, readme_commands, trial_command
     finally:
         sys.path.remove(str(REPO / "tools"))
+    shown = {m for doc in USER_DOCS for m in re.findall(r"\(\.\./img/(console-[\w-]+\.png)\)", doc.read_text())}
+    assert shown == {"console-site.png", "console-server.png"}, shown
+    assert set(PICTURES.values()) == shown  # every console picture the docs show is the pilot's, none a test's
     guide = (DOCS / "how-to" / "server.md").read_text()
     command = provision_command(guide)
     written = re.search(r"```sh\n(fedpose provision .*?)```", guide, re.S).group(1)
@@ -252,3 +256,7 @@ def test_the_site_console_picture_comes_from_kits_provisioned_as_the_operators_g
     lines = readme_commands(tmp_path / "README.txt")
     assert "/opt/fedpose/venv/bin/fedpose site set-data --policy policy.yaml /path/to/your/split" in lines, lines
     assert trial_command(tmp_path / "README.txt") == "STATE_DIRECTORY=/var/lib/fedpose/hospital-a ./start-supernode.sh"
+    assert console_line(tmp_path / "README.txt") == "/opt/fedpose/venv/bin/fedpose console --policy policy.yaml"
+    server_steps = re.search(r"<!-- kit:SERVER_STEPS -->\n```text\n(.*?)```", guide, re.S).group(1)
+    (tmp_path / "README.txt").write_text(server_steps)
+    assert console_line(tmp_path / "README.txt") == "fedpose console --out /srv/fedpose/run1"

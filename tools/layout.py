@@ -38,7 +38,7 @@ FOLDERS = {
     "cli": "The `fedpose` command: thin, parses arguments and calls the packages lazily",
     "docs": "The documentation site (mkdocs.yml): tutorials, how-to, explanation, reference, results",
     "benchmarks": "Scripts that print side-by-side ratios and write the results' JSON (not tests)",
-    "tools": "The lock, the generated reference pages and this layout, the rendered results, the site console picture",
+    "tools": "The lock, generated reference pages, this layout, the rendered results, the console pictures",
     "tests": "The pytest suite: fixtures in conftest.py, harnesses in support/, real samples in ../shared/",
 }
 # The top-level files a contributor needs to know (the others: LICENSE, CHANGELOG.md, CITATION.cff, SECURITY.md).

@@ -1,8 +1,9 @@
-"""Draw the site console's picture in the docs (docs/img/console-site.png) from a site kit's pilot.
+"""Draw the console pictures in the docs (docs/img/console-site.png, console-server.png) from the kits' pilot.
 
-    python tools/site_console_picture.py [--reuse RUNS] [--rounds-shown 3] [--out docs/img/console-site.png]
+    python tools/console_pictures.py [--reuse RUNS] [--rounds-shown 3] [--out docs/img]
 
-The picture is what a hospital's console shows while its kit takes part in a pilot, not a test's page. The kits
+The pictures are what the consoles show while the kits take part in a pilot, not a test's pages: hospital-a's
+console, as its kit's README starts it, and the federation's, as the server kit's README starts it. The kits
 are provisioned with the operator's guide's own command (docs/how-to/server.md: the default config and its
 record-level recipe; two hospitals on this machine, ``--host 127.0.0.1``), so each site's policy is the kit's
 default (epsilon 0.8, delta 1e-5, no Feature-DP opt-in). The server kit's and the sites' README lines then run as
@@ -15,9 +16,10 @@ end). The kits therefore lie where they are laid out for a hospital: ``/opt/fedp
 state in ``/var/lib/fedpose/hospital-a``, the server's files in ``/srv/fedpose``. Needs root or unprivileged user
 namespaces (``unshare``), Chromium and Playwright (the test extra).
 
-The picture is taken once hospital-a's ledger holds ``--rounds-shown`` finished rounds of the pilot, while it
-runs. ``--reuse RUNS`` copies ``RUNS/data/ward`` and ``RUNS/pretrained`` (a run of the default config) where
-``server prepare`` looks for them, which then checks them and skips the 20 minutes of public pretraining.
+Both pictures are taken while the pilot runs, at the same moment: once the server has aggregated
+``--rounds-shown`` rounds and hospital-a is charged for the next one. ``--reuse RUNS``
+copies ``RUNS/data/ward`` and ``RUNS/pretrained`` (a run of the default config) where ``server prepare`` looks
+for them, which then checks them and skips the 20 minutes of public pretraining.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +43,7 @@ INSIDE = "FEDPOSE_PICTURE_NAMESPACE"  # set in the re-executed process, inside t
 SITES = {"hospital-a": "site-0", "hospital-b": "site-1"}  # kit -> the default ward's split it stands in for
 SERVER = Path("/srv/fedpose")
 INSTALL = Path("/opt/fedpose")
+PICTURES = {"hospital-a": "console-site.png", "server": "console-server.png"}  # kit -> its console's picture
 SKIP = ("python3 -m venv", "/bin/pip install", "useradd", "chown", "cp fedpose-supernode.service", "systemctl",
         "journalctl", "fedpose console", "fedpose site status", "fedpose server status", "Stop it with")
 
@@ -69,6 +73,14 @@ def trial_command(readme: Path) -> str:
     if found is None:
         raise SystemExit(f"{readme} has no line starting the SuperNode in a terminal")
     return found.group(1)
+
+
+def console_line(readme: Path) -> str:
+    """The kit README's line that opens its console (the site's on its policy, the server's on its run folder)."""
+    lines = [line for line in readme_commands(readme) if re.match(r"(\S*/)?fedpose console ", line)]
+    if len(lines) != 1:
+        raise SystemExit(f"{readme} has {len(lines)} lines opening the console, not one")
+    return lines[0]
 
 
 def _run(command: str, cwd: Path, env: dict[str, str]) -> str:
@@ -169,18 +181,33 @@ def pilot(args: argparse.Namespace, scratch: Path) -> None:
             procs.append(_start(command, kit, env, logs / f"supernode-{kit_name}.log"))
         procs.append(_start(run_line, server, env, logs / "server-run.log"))
         site = INSTALL / "hospital-a"
+        (run_folder,) = re.findall(r"--out (\S+)", run_line)
 
-        def rounds_done() -> bool:
-            done = subprocess.run(["bash", "-c", "fedpose site status --policy policy.yaml --json"], cwd=site,
-                                  env=env, capture_output=True, text=True, timeout=300)
+        rounds = Path(run_folder) / "rounds.jsonl"  # the server's record of each round it aggregated
+        _wait("the server's first round", rounds.is_file, 3 * 3600, procs)  # its console opens a run folder
+        consoles = [_console(kit, env, logs, 8480 + i) for i, kit in enumerate((site, server))]
+        procs += [proc for proc, _ in consoles]
+        out = Path(args.out).resolve()
+        selectors = ("[data-testid=lifetime-spent]", f"[data-testid=round-pckh-{args.rounds_shown}]")
+        shots = [(url, selector, out / PICTURES[kit.name])
+                 for kit, (_, url), selector in zip((site, server), consoles, selectors)]
+
+        def moment() -> None:
+            """The server has aggregated --rounds-shown rounds and asked for the next, which hospital-a has charged:
+            the server counts a round it asked for as spent, so both pages then show the same epsilon."""
+            _wait(f"{args.rounds_shown} rounds", lambda: len(rounds.read_text().splitlines()) >= args.rounds_shown,
+                  3 * 3600, procs)
+
+            def charged() -> bool:
+                with urllib.request.urlopen(consoles[0][1] + "api/status", timeout=30) as answer:
+                    return json.load(answer)["budget"]["lifetime"]["rounds"] > args.rounds_shown
+
             try:
-                report = json.loads(done.stdout)
-            except ValueError:
-                return False
-            return sum(r.get("state") == "done" for r in report.get("rounds", [])) >= args.rounds_shown
+                _wait("hospital-a charged for the next round", charged, 120, procs)
+            except SystemExit:  # the last round of the run, or a site that does not take part: as it is
+                pass
 
-        _wait(f"{args.rounds_shown} rounds at hospital-a", rounds_done, 3 * 3600, procs)
-        picture(site, env, logs, Path(args.out).resolve())
+        pictures(shots, moment)
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:
@@ -194,12 +221,10 @@ def pilot(args: argparse.Namespace, scratch: Path) -> None:
             shutil.copytree(logs, Path(args.keep_logs), dirs_exist_ok=True)
 
 
-def picture(site: Path, env: dict[str, str], logs: Path, out: Path) -> None:
-    """The kit README's console line, as Chromium shows it on a hospital's screen."""
-    from playwright.sync_api import sync_playwright
-
-    port = 8480  # the console's own default, on this namespace's loopback
-    proc = _start(f"fedpose console --policy policy.yaml --port {port}", site, env, logs / "console.log")
+def _console(kit: Path, env: dict[str, str], logs: Path, port: int) -> tuple[subprocess.Popen, str]:
+    """The kit README's console line, in the kit's folder, on ``port`` of this namespace's loopback, once it
+    answers: (its process, its URL)."""
+    proc = _start(f"{console_line(kit / 'README.txt')} --port {port}", kit, env, logs / f"console-{kit.name}.log")
     url = f"http://127.0.0.1:{port}/"
 
     def answers() -> bool:
@@ -209,31 +234,42 @@ def picture(site: Path, env: dict[str, str], logs: Path, out: Path) -> None:
         except OSError:
             return False
 
-    try:
-        _wait("the site console", answers, 120, [proc])
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
-                                         headless=True, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+    _wait(f"the console of {kit.name}", answers, 120, [proc])
+    return proc, url
+
+
+def pictures(shots: list[tuple[str, str, Path]], moment: Callable[[], None]) -> None:
+    """Each console's page (URL, what shows it has its data, the picture), as Chromium shows it on the operator's
+    screen: the pages are open before ``moment`` returns and loaded again at once after it, so that the pictures
+    show the same moment of the pilot (a round lasts some 20 seconds here; a page refreshes itself every 5)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                                     headless=True, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        pages = [browser.new_page(viewport={"width": 1280, "height": 900}) for _ in shots]
+        for page, (url, _, _) in zip(pages, shots):
             page.goto(url)
-            page.wait_for_selector("[data-testid=lifetime-spent]", timeout=60_000)
-            time.sleep(6)  # one refresh of the page's own, so it shows what the ledger holds now
+        moment()
+        for page in pages:
+            page.reload()
+        for page, (_, selector, _) in zip(pages, shots):
+            page.wait_for_selector(selector, timeout=60_000)
+        for page, (_, _, out) in zip(pages, shots):
             page.screenshot(path=str(out), full_page=True)
-            browser.close()
-        print(f"wrote {out}", flush=True)
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+            print(f"wrote {out}", flush=True)
+        browser.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "img" / "console-site.png"), help="the picture")
-    parser.add_argument("--rounds-shown", type=int, default=3, help="rounds of the pilot done at hospital-a when "
-                        "the picture is taken (default 3)")
+    parser.add_argument("--out", default=str(REPO / "docs" / "img"), help="the folder the pictures go to, as "
+                        + " and ".join(PICTURES.values()) + " (default docs/img)")
+    parser.add_argument("--rounds-shown", type=int, default=3, help="rounds of the pilot the server has aggregated "
+                        "when the pictures are taken (default 3)")
     parser.add_argument("--reuse", help="a runs/ folder of the default config whose data/ward and pretrained the "
                         "server's prepare checks and reuses")
-    parser.add_argument("--keep-logs", help="copy the pilot's logs (SuperLink, SuperNodes, server run) here")
+    parser.add_argument("--keep-logs", help="copy the pilot's logs (SuperLink, SuperNodes, server run, consoles) here")
     args = parser.parse_args(argv)
     if os.environ.get(INSIDE):
         pilot(args, Path(os.environ[INSIDE]))
