@@ -5,8 +5,8 @@ ledgers; ``support.federation.InProcessGrid``) and is held after round 1. ``fedp
 server's run folder and one site's policy from their own processes; Debian's Chromium, driven by
 Playwright, opens both pages. What the pages show is compared with the SQLite ledgers; then the
 federation is let go, and the server page must follow it to the end by itself. The ``/metrics`` text is
-read too. ``FEDPOSE_DOCS_SCREENSHOTS=1`` writes the server page's picture to docs/img/ (the docs show it; the
-site page's picture is a kit's pilot's, ``tools/site_console_picture.py``).
+read too. Its screenshots stay in its temporary folder: the docs' pictures of both pages are a kit's pilot's
+(``tools/console_pictures.py``), at the kits' own paths and policies.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from support.browser import BROWSER_ARGS, CHROMIUM, console, docs_screenshots, get, playwright
+from support.browser import BROWSER_ARGS, CHROMIUM, console, get, playwright
 from support.federation import InProcessGrid, prepare_world, stop, wait_for, world_root
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,6 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
     assert not errors, errors
     policy = out / "sites" / "site-0" / "policy.yaml"
     procs = []
-    shots = docs_screenshots() or tmp_path  # the docs show this live server page; their site page is a kit's
     try:
         server_proc, server_url = console(["--out", str(out)], tmp_path / "console-server.log")
         site_proc, site_url = console(["--policy", str(policy)], tmp_path / "console-site.log")
@@ -85,7 +84,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
                 assert shown == pytest.approx(s["epsilon"], abs=5e-5), site
             pckh = float(page.inner_text("[data-testid=round-pckh-1]"))
             assert pckh == pytest.approx(live["rounds"][0]["pckh_mean"], abs=5e-3)
-            page.screenshot(path=str(shots / "console-server.png"), full_page=True)
+            page.screenshot(path=str(tmp_path / "console-server.png"), full_page=True)
 
             # -- the site's page: its own ledger
             site_page = browser.new_page(viewport={"width": 1280, "height": 900})

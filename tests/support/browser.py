@@ -1,10 +1,8 @@
 """The site and server consoles in a real browser: Debian's Chromium driven by Playwright, and ``fedpose console``
 started as its own process on 127.0.0.1.
 
-``FEDPOSE_DOCS_SCREENSHOTS=1`` makes the test that opens the server's console write the docs' picture of it
-(docs/img/, or ``FEDPOSE_DOCS_SCREENSHOTS_DIR``), from the live federation of ``tests/test_console.py``. The site's
-picture is not a test's: ``tools/site_console_picture.py`` takes it from a kit's pilot, at the kit's own paths and
-with its default policy, as a hospital sees it.
+The docs' pictures of the consoles are not a test's: ``tools/console_pictures.py`` takes both from the kits'
+pilot, at the kits' own paths and with their default policy, as a hospital and the operator see them.
 """
 
 from __future__ import annotations
@@ -18,18 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from support.federation import REPO, free_port, start, wait_for
+from support.federation import free_port, start, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync"]
-
-
-def docs_screenshots() -> Path | None:
-    """Where the docs' console pictures go when this run is asked to write them, else None."""
-    if not os.environ.get("FEDPOSE_DOCS_SCREENSHOTS"):
-        return None
-    return Path(os.environ.get("FEDPOSE_DOCS_SCREENSHOTS_DIR", REPO / "docs" / "img"))
 
 
 def playwright():
