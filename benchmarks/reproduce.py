@@ -117,6 +117,11 @@ ENTRIES: tuple[Entry, ...] = (
         (*FEDPOSE, "study", "--config", "configs/study-recordlevel-dp.yaml", "--out", "{out}/dp-ward", "--record",
          "benchmarks/results/study-recordlevel-dp", "--threads", "1"),
     ), records=("study-recordlevel-dp-proxy", "study-recordlevel-dp")),
+    Entry("recordlevel-eps", "the best record-level recipe at epsilon 0.8, 2, 4, 8 and 16, 400 records per site "
+                             "(about ten minutes a cell; cells kept in benchmarks/results/)", (
+        (*FEDPOSE, "study", "--config", "configs/study-recordlevel-eps.yaml", "--out", "{out}/eps", "--record",
+         "benchmarks/results/study-recordlevel-eps", "--threads", "1"),
+    ), records=("study-recordlevel-eps",)),
     Entry("scale", "the data-scale curve: 400, 1,600 and 6,400 records per site (hours per cell at the largest; "
                    "cells kept in benchmarks/results/study-scale)", (
         (*FEDPOSE, "study", "--config", "configs/study-scale.yaml", "--out", "{out}/scale", "--record",

@@ -396,3 +396,20 @@ def test_the_results_page_opens_with_a_one_screen_summary_and_one_ratio_defined_
     assert len(first.strip().splitlines()) <= 30, len(first.strip().splitlines())
     assert page.count("(PCKh - start) / (non-private - start)") == 1
     assert not re.search(r"of non-private\b(?! training| run)", page), re.findall(r".{60}of non-private.{20}", page)
+
+
+def test_the_epsilon_curve_gives_each_runs_share_of_the_gain_and_where_it_keeps_two_thirds():
+    """The recipe against epsilon: each cell's share of the gain against the data-scale study's non-private run at
+    400 records per site from the same start, and the first epsilon at which it keeps two thirds (else "above" the
+    largest one run)."""
+    render = _render()
+    start, top = render._nonprivate_400()
+    below = [_study_record("proj", start + 0.5 * (top - start), start=start, epsilon=e) for e in (0.8, 4.0)]
+    for r, sigma in zip(below, (6.44, 1.6)):
+        r["metrics"]["sigma"] = sigma
+    text = render.render_recordlevel_eps(below)
+    assert "| 0.8 (0.800) | 6.440 |" in text and "| 0.50 |" in text
+    assert "none of these: above epsilon 4" in text
+    above = _study_record("proj", start + 0.7 * (top - start), start=start, epsilon=16.0)
+    above["metrics"]["sigma"] = 0.5
+    assert "two thirds of the gain from epsilon 16" in render.render_recordlevel_eps([*below, above])

@@ -413,6 +413,98 @@ def render_recordlevel_dp_proxy(records: list[dict[str, Any]]) -> str:
     return render_cells(records, RECORDLEVEL_DP_PROXY)
 
 
+RECORDLEVEL_EPS = ("fedpose study --config configs/study-recordlevel-eps.yaml --out runs/study-recordlevel-eps "
+                   "--threads 1 --record benchmarks/results/study-recordlevel-eps")
+TWO_THIRDS = 2 / 3
+
+
+def _nonprivate_400() -> tuple[float, float] | None:
+    """(start, non-private mean) at 400 records per site on the ward, from the data-scale study's records."""
+    records = [r for r in load_artefact("study-scale") if _per_site(r) == 400 and not _scale_data(r)]
+    nonprivate = _pckh(records, method="nonprivate", variant="")
+    starts = {round(float(r["metrics"]["initial_pckh_mean"]), 6) for r in records
+              if r["metrics"].get("initial_pckh_mean") is not None}
+    if not nonprivate or len(starts) != 1:
+        return None
+    return starts.pop(), statistics.mean(nonprivate)
+
+
+def _diagnostic(record: dict[str, Any]) -> bool:
+    """A cell at a fixed sigma (privacy.noise_multiplier): no guarantee worth the name, a ceiling or a probe."""
+    return "privacy.noise_multiplier" in record["cell"]["variant"]
+
+
+def render_recordlevel_eps(records: list[dict[str, Any]]) -> str:
+    """benchmarks/results/study-recordlevel-eps/: the best record-level recipe at each epsilon, 400 records per
+    site, with its share of the gain from the start to non-private training on the same ward; the same clipped step
+    without noise (a diagnostic) last."""
+    if not records:
+        return "_No cell has finished yet._"
+    reference = _nonprivate_400()
+    lines = ["| epsilon: target (spent) | sigma | PCKh@0.5 | start | share of the gain |", "|---|---|---|---|---|"]
+    kept = None
+    for r in sorted(records, key=lambda r: (_diagnostic(r), float(r["cell"]["epsilon"]))):
+        m = r["metrics"]
+        value, start = float(m["pckh"]["mean"]), float(m["initial_pckh_mean"])
+        share = _gain_share(value, start, reference[1]) if reference else float("nan")
+        if _diagnostic(r):
+            eps = "unbounded: clipped, no noise (diagnostic)"
+        else:
+            eps = f"{float(r['cell']['epsilon']):g} ({float(m['epsilon']):.3f})"
+            if kept is None and share >= TWO_THIRDS:
+                kept = float(r["cell"]["epsilon"])
+        lines.append(f"| {eps} | {float(m['sigma']):.3f} | {value:.2f} | {start:.2f} | {share:.2f} |")
+    private = [float(r["cell"]["epsilon"]) for r in records if not _diagnostic(r)]
+    reach = (f"it keeps two thirds of the gain from epsilon {kept:g}" if kept is not None
+             else f"it keeps two thirds of the gain at none of these: above epsilon {max(private):g}" if private
+             else "no private cell has run")
+    note = ("PCKh@0.5 on the ward's validation split, one seed each, centralized on the pooled 1,200 images (400 per "
+            "site), delta 1e-5; sigma is what the accountant calibrated for the run's sampling rate and steps. Share "
+            "of the gain: (PCKh - start) / (non-private - start), non-private "
+            + (f"{reference[1]:.2f} from the same start ({reference[0]:.2f}; the data-scale study's records)"
+               if reference else "not recorded") + f"; {reach}.")
+    return "\n".join(lines + ["", note, "", _study_provenance(records, RECORDLEVEL_EPS)])
+
+
+def figure_recordlevel_eps(records: list[dict[str, Any]], path: Path) -> None:
+    """PCKh@0.5 of the best record-level recipe against epsilon (log scale), with the start, non-private and the
+    two-thirds-of-the-gain level."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    points = sorted((float(r["cell"]["epsilon"]), float(r["metrics"]["pckh"]["mean"])) for r in records
+                    if not _diagnostic(r))
+    if points:
+        ax.plot([e for e, _ in points], [v for _, v in points], marker="o", color="tab:orange",
+                label="proj, SGD momentum, clipped with psi (record-level)")
+    reference = _nonprivate_400()
+    if reference:
+        start, top = reference
+        ax.axhline(top, color="gray", linestyle="--", label="non-private (no guarantee)")
+        ax.axhline(start + TWO_THIRDS * (top - start), color="tab:green", linestyle=":", label="two thirds of the gain")
+        ax.axhline(start, color="gray", linestyle="-.", label="public start")
+    for r in records:
+        if _diagnostic(r):
+            ax.axhline(float(r["metrics"]["pckh"]["mean"]), color="tab:orange", linestyle=":",
+                       label="the same step clipped, without noise (no guarantee)")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([e for e, _ in points] or [1.0])
+    ax.set_xticklabels([f"{e:g}" for e, _ in points] or ["1"])
+    ax.set_xlabel("epsilon per record (delta 1e-5)")
+    ax.set_ylabel("PCKh@0.5")
+    ax.set_title("400 records per site, pooled (1,200)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 PAPER_GPU = ("fedpose study --config configs/study-paper-gpu.yaml --out runs/study-paper-gpu --jobs 2 "
              "--record benchmarks/results/study-paper-gpu")
 
@@ -1141,6 +1233,7 @@ RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "scale": ("study-scale", render_scale),
     "recordlevel-dp": ("study-recordlevel-dp", render_recordlevel_dp),
     "recordlevel-dp-proxy": ("study-recordlevel-dp-proxy", render_recordlevel_dp_proxy),
+    "recordlevel-eps": ("study-recordlevel-eps", render_recordlevel_eps),
     "proj": ("proj_diagnosis.json", render_proj),
     "fpdp-terms": ("fpdp_terms.json", render_fpdp_terms),
     "dp-step": ("dp_step.json", render_dp_step),
@@ -1201,6 +1294,7 @@ def figure_study30(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]]],
 FIGURES: dict[str, tuple[str | tuple[str, ...], Callable[[Any, Path], None]]] = {
     "docs/img/study-30-pckh-vs-eps.png": (("study-30", "study-recordlevel"), figure_study30),
     "docs/img/study-scale.png": ("study-scale", figure_scale),
+    "docs/img/recordlevel-eps.png": ("study-recordlevel-eps", figure_recordlevel_eps),
 }
 
 BLOCK = re.compile(r"(<!-- rendered:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /rendered:(?P=name) -->)", re.S)
