@@ -48,7 +48,8 @@ def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[d
 
     cfg = bench_config(root)
     longer = bench_config(root, epochs=12)  # 84 steps: what an in-span audit needs to catch the control
-    rows = [r for r in previous if r["method"] not in methods]
+    recipe = bench_config(root, images="raw+psi", optimizer="sgd", momentum=0.9, lr=3.0e-3)
+    rows = [r for r in previous if ("recipe" if "-recipe-" in r["name"] else r["method"]) not in methods]
     plan = []
     for m in PRIVATE:
         span = m in PROJECTED
@@ -56,11 +57,15 @@ def run_audits(root: Path, out: Path, methods: tuple[str, ...], previous: list[d
     plan += [(cfg, "dpsgd", 4.0, "input", 48, 1.0), (cfg, "dpsgd", 0.8, "gradient", 1000, 0.01)]
     plan += [(cfg, m, 0.8, "gradient", SPAN_CANARIES, 0.01) for m in ("proj", "fpdp")]
     plan += [(longer, "fpdp", 0.8, "gradient", SPAN_CANARIES, 0.01)]
+    # the site kits' record-level recipe (proj under SGD with momentum, each record clipped with its blurred copy),
+    # and its positive control: "--audit-methods recipe"
+    plan += [(recipe, "proj", 0.8, "gradient", SPAN_CANARIES, scale) for scale in (1.0, 0.01)]
     for c, method, eps, mode, m, scale in plan:
-        if method not in methods:
+        if (method if c is not recipe else "recipe") not in methods:
             continue
         spec = AuditSpec(method=method, epsilon=eps, canaries=m, mode=mode, noise_scale=scale, seed=0)
-        name = (f"audit-{method}-eps{eps:g}-{mode}" + (f"-{spec.placement}" if spec.placement == "span" else "")
+        name = (f"audit-{method}" + ("-recipe" if c is recipe else "") + f"-eps{eps:g}-{mode}"
+                + (f"-{spec.placement}" if spec.placement == "span" else "")
                 + ("-control" if scale != 1.0 else "") + (f"-{c.train.epochs}ep" if c is longer else ""))
         res = run_audit(c, spec, out / name, progress=False)
         print(f"{name}: claimed {res['epsilon_claimed']:.3f} eps_LB {res['epsilon_lb']:.3f} "

@@ -131,6 +131,8 @@ def render_audits(data: dict[str, Any]) -> str:
         noise = ("calibrated" if a["noise_scale"] == 1.0
                  else f"{a['noise_scale']:g} x (control: eps {a['epsilon_ran']:.0f} ran)")
         method = a["method"] + (f", psi {a['psi']}" if a.get("psi") else "")
+        if "-recipe-" in a["name"]:
+            method += ", the site kits' recipe (each record clipped with its blurred copy, SGD with momentum)"
         rows.append(f"| {method} | {a['canaries']} {kind} | {noise} | {a['epsilon_claimed']:.3f} | "
                     f"**{a['epsilon_lb']:.3f}** | {a['v']} / {a['r']} | {a['steps']} |")
     return "\n".join(rows)
