@@ -146,7 +146,9 @@ ENTRIES: tuple[Entry, ...] = (
     ), results=("feature_dp_reconstruction.json",)),
     Entry("dp-step", "a private step against a non-private one, its memory, and the public basis (machine idle)", (
         ("{py}", "benchmarks/dp_step.py", "--repeats", "9", "--out", "{out}/dp_step.json"),
-    ), results=("dp_step.json",)),
+        ("{py}", "benchmarks/dp_step.py", "--chunks", "--variants", "tinyvit-small,tinyvit-5m", "--repeats", "9",
+         "--out", "{out}/dp_step_chunks.json"),
+    ), results=("dp_step.json", "dp_step_chunks.json")),
     Entry("dp-step-cuda", "the same steps on a GPU at the paper's input and batch (a machine with CUDA torch)", (
         ("{py}", "benchmarks/dp_step.py", "--device", "cuda", "--variants", "tinyvit-5m", "--repeats", "5",
          "--input", "256x192", "--batch", "256", "--chunk", "32", "--out", "{out}/dp_step_cuda.json"),

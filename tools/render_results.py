@@ -461,8 +461,8 @@ def render_recordlevel_eps(records: list[dict[str, Any]]) -> str:
              else f"it keeps two thirds of the gain at none of these: above epsilon {max(private):g}" if private
              else "no private cell has run")
     note = ("PCKh@0.5 on the ward's validation split, one seed each, centralized on the pooled 1,200 images (400 per "
-            "site), delta 1e-5; sigma is what the accountant calibrated for the run's sampling rate and steps. Share "
-            "of the gain: (PCKh - start) / (non-private - start), non-private "
+            "site), delta 1e-5; sigma is what the accountant calibrated for the run's sampling rate and steps. The "
+            "share of the gain is against non-private training at "
             + (f"{reference[1]:.2f} from the same start ({reference[0]:.2f}; the data-scale study's records)"
                if reference else "not recorded") + f"; {reach}.")
     return "\n".join(lines + ["", note, "", _study_provenance(records, RECORDLEVEL_EPS)])
@@ -1241,7 +1241,6 @@ RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "dp-step": ("dp_step.json", render_dp_step),
     "dp-step-cuda": ("dp_step_cuda.json", render_dp_step_cuda),
     "dp-step-chunks": ("dp_step_chunks.json", render_dp_step_chunks),
-    "dp-step-chunks-cuda": ("dp_step_chunks_cuda.json", render_dp_step_chunks),
     "batch-assembly": ("batch_assembly.json", render_batch_assembly),
     "batch-assembly-gpu": ("batch_assembly_gpu.json", render_batch_assembly),
     "paper-gpu": ("study-paper-gpu", render_paper_gpu),
