@@ -413,3 +413,20 @@ def test_the_epsilon_curve_gives_each_runs_share_of_the_gain_and_where_it_keeps_
     above = _study_record("proj", start + 0.7 * (top - start), start=start, epsilon=16.0)
     above["metrics"]["sigma"] = 0.5
     assert "two thirds of the gain from epsilon 16" in render.render_recordlevel_eps([*below, above])
+
+
+def test_a_cells_table_gives_one_row_per_setting_with_its_seeds_mean_and_spread():
+    """A study's cells table (the full-dimension dpsgd blocks): the seeds of one setting are one row, mean ± std
+    (seeds), not rows that look like the same cell measured twice."""
+    render = _render()
+    rows = []
+    for seed, value in ((1, 40.0), (2, 42.0), (3, 44.0)):
+        r = _study_record("dpsgd", value, variant="train.lr=0.001")
+        r["cell"]["seed"] = seed
+        r["metrics"]["sigma"] = 0.1
+        rows.append(r)
+    single = _study_record("dpsgd", 37.0, variant="train.lr=0.03")
+    single["metrics"]["sigma"] = 0.4
+    text = render.render_cells([*rows, single], "fedpose study")
+    assert text.count("train.lr=0.001") == 1
+    assert "| 42.00 ± 2.00 (3) |" in text and "| 37.00 |" in text

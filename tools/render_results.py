@@ -380,28 +380,37 @@ RECORDLEVEL_DP_PROXY = ("fedpose study --config configs/study-recordlevel-dp-pro
 
 
 def render_cells(records: list[dict[str, Any]], command: str) -> str:
-    """A study's cells one row each (its variant: what the cell sets beside the study's base), sorted by method
-    and variant: the guarantee the accountant gives the run that ran (a diagnostic's fixed sigma has none worth
-    the name: its epsilon is said), sigma, PCKh@0.5 and the run's own start."""
+    """A study's cells one row per setting (its variant: what the cell sets beside the study's base), sorted by
+    method and variant: the guarantee the accountant gives the run that ran (a diagnostic's fixed sigma has none
+    worth the name: its epsilon is said), sigma, PCKh@0.5 (mean ± std over its seeds where more than one ran) and
+    the run's own start."""
     if not records:
         return "_No cell has finished yet._"
     lines = ["| method | cell (beside the study's base) | guarantee | sigma | PCKh@0.5 | start | minutes |",
              "|---|---|---|---|---|---|---|"]
-    for r in sorted(records, key=lambda r: (r["cell"]["method"], _natural(r["cell"]["variant"]))):
-        cell, m = r["cell"], r["metrics"]
+    settings: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        settings.setdefault((r["cell"]["method"], r["cell"]["variant"]), []).append(r)
+    for (method, variant), runs in sorted(settings.items(), key=lambda kv: (kv[0][0], _natural(kv[0][1]))):
+        m = runs[0]["metrics"]
         eps = m.get("epsilon")
-        if cell["method"] not in RECORD_LEVEL:
+        if method not in RECORD_LEVEL:
             guarantee = "none (no DP)"
-        elif "privacy.noise_multiplier" in cell["variant"]:
+        elif "privacy.noise_multiplier" in variant:
             guarantee = ("none (diagnostic; eps unbounded)" if eps is None or not math.isfinite(float(eps))
                          else f"none (diagnostic; eps {float(eps):.3g})")
         else:
             guarantee = f"record-level, eps {float(eps):.2f}"
         sigma = f"{float(m['sigma']):.4g}" if m.get("sigma") is not None else ""
-        start = f"{float(m['initial_pckh_mean']):.2f}" if m.get("initial_pckh_mean") is not None else ""
-        lines.append(f"| {cell['method']} | {cell['variant'] or '(the base)'} | {guarantee} | {sigma} | "
-                     f"{float(m['pckh']['mean']):.2f} | {start} | {float(m['seconds']) / 60:.1f} |")
-    note = "PCKh@0.5 on the validation split of the cell's ward, one seed each; minutes per run, one torch thread."
+        starts = sorted({f"{float(r['metrics']['initial_pckh_mean']):.2f}" for r in runs
+                         if r["metrics"].get("initial_pckh_mean") is not None})
+        values = [float(r["metrics"]["pckh"]["mean"]) for r in runs]
+        pckh = f"{values[0]:.2f}" if len(values) == 1 else _stat(values)
+        minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in runs) / 60
+        lines.append(f"| {method} | {variant or '(the base)'} | {guarantee} | {sigma} | {pckh} | "
+                     f"{', '.join(starts)} | {minutes:.1f} |")
+    note = ("PCKh@0.5 on the validation split of the cell's ward, one seed unless the row gives mean ± std (seeds); "
+            "minutes per run, one torch thread.")
     return "\n".join(lines + ["", note, "", _study_provenance(records, command)])
 
 
