@@ -43,25 +43,22 @@ class PublicAdam(torch.optim.Optimizer):
         self.floor = floor
         self.fresh = False
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+    def _weights(self) -> list[tuple[dict, torch.Tensor]]:
+        """(its param group, the weight) for every weight, in the order the weights were given."""
+        return [(group, p) for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def observe_public(self, grads: Sequence[torch.Tensor]) -> None:
         """The public batch's mean gradient at the current weights, one tensor per weight in the given order."""
-        params = self._params()
-        if len(grads) != len(params) or any(g.shape != p.shape for g, p in zip(grads, params)):
-            raise ValueError(f"observe_public needs one public gradient for each of the {len(params)} weights, "
+        weights = self._weights()
+        if len(grads) != len(weights) or any(g.shape != p.shape for g, (_, p) in zip(grads, weights)):
+            raise ValueError(f"observe_public needs one public gradient for each of the {len(weights)} weights, "
                              f"of its shape; got {len(grads)}")
-        offset = 0
-        for group in self.param_groups:
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                g = grads[offset].to(p.dtype)
-                offset += 1
-                state = self._state(p)
-                state["public_steps"] += 1
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        for (group, p), g in zip(weights, grads):
+            g = g.to(p.dtype)
+            state = self._state(p)
+            state["public_steps"] += 1
+            state["exp_avg_sq"].mul_(group["betas"][1]).addcmul_(g, g, value=1 - group["betas"][1])
         self.fresh = True
 
     def _state(self, p: torch.Tensor) -> dict:
@@ -82,29 +79,25 @@ class PublicAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        roots: dict[torch.Tensor, torch.Tensor] = {}
-        squares, count = 0.0, 0
-        for group in self.param_groups:
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                state = self._state(p)
-                root = (state["exp_avg_sq"] / (1 - beta2 ** state["public_steps"])).sqrt()
-                roots[p] = root
-                squares += float(root.double().pow(2).sum())
-                count += root.numel()
-        least = self.floor * (squares / max(count, 1)) ** 0.5
-        for group in self.param_groups:
-            beta1 = group["betas"][0]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if group["weight_decay"]:
-                    grad = grad.add(p, alpha=group["weight_decay"])
-                state = self._state(p)
-                state["step"] += 1
-                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-                denom = roots[p].clamp_min(least).add_(group["eps"]) if least > 0 else roots[p].add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** state["step"]))
+        weights = self._weights()
+        roots: dict[torch.Tensor, torch.Tensor] = {}  # sqrt(v_hat) of each weight
+        for group, p in weights:
+            state = self._state(p)
+            roots[p] = (state["exp_avg_sq"] / (1 - group["betas"][1] ** state["public_steps"])).sqrt()
+        least = 0.0
+        if self.floor > 0:  # the RMS of every divisor: only where a floor is asked for
+            count = sum(root.numel() for root in roots.values())
+            least = self.floor * (sum(float(root.double().pow(2).sum()) for root in roots.values()) / count) ** 0.5
+        for group, p in weights:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if group["weight_decay"]:
+                grad = grad.add(p, alpha=group["weight_decay"])
+            state = self._state(p)
+            state["step"] += 1
+            state["exp_avg"].mul_(group["betas"][0]).add_(grad, alpha=1 - group["betas"][0])
+            denom = roots[p].clamp_min_(least).add_(group["eps"])  # roots are >= 0: a floor of 0 changes nothing
+            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - group["betas"][0] ** state["step"]))
         self.fresh = False
         return loss
