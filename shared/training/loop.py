@@ -223,7 +223,7 @@ class StepPhases:
             # once, before the first step, from a blank chunk at the public input size: every step runs this chunk.
             # A site's spec is padded to the chunk it sized itself (its policy's chunk_memory), never resized here.
             choice = chunk_for(model, self.trainable, input_size=data.private.input_size,
-                               face_tasks=model.cfg.face_tasks, grouped=spec.unit == "patient" or spec.multiplicity > 1,
+                               face_tasks=model.cfg.face_tasks, grouped=spec.grouped,
                                cap=spec.chunk_size, fraction=privacy.chunk_memory)
             run = self.run = dataclasses.replace(run, step=dataclasses.replace(spec, chunk_size=choice.size))
         self.opt = optimizer or make_optimizer(params, train)

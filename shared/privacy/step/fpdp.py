@@ -171,6 +171,12 @@ class DPSpec:
         """True when the public gradient on psi(x) is added (Feature-DP)."""
         return self.method in WITH_PUBLIC
 
+    @property
+    def grouped(self) -> bool:
+        """True when the step clips groups of rows as one (a patient, or a record's augmented copies or raw+psi
+        pair): sum_g clip(mean_{i in g} g_i, C) (``clipped_group_sum``)."""
+        return self.unit == "patient" or self.multiplicity > 1
+
 
 @dataclass(frozen=True)
 class StepAudit:
@@ -493,7 +499,7 @@ def _noisy_private_sum(
     if scales is not None and groups is not None:
         raise ValueError("per-tensor scales clip one record's gradient; not with patient-level DP or augmentation "
                          "multiplicity (train.tensor_scales: none)")
-    if spec.unit == "patient" or spec.multiplicity > 1:
+    if spec.grouped:
         # sum_p clip(mean_{i in p} g_i, C): sensitivity C under add/remove of one patient, or of one record whose
         # K augmented copies form its group.
         assert groups is not None  # check_unit_groups refused None here (this narrows the type)
