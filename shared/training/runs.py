@@ -58,6 +58,13 @@ from fedpose.shared.configuration.yaml_io import write_json
 log = logging.getLogger(__name__)
 
 
+def run_splits(cfg: Config) -> list[str]:
+    """The splits a centralized run reads: the private ones, the public and validation splits, and V's held-out
+    public split where there is one (data.basis_split)."""
+    return [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split,
+            *([cfg.data.basis_split] if cfg.data.basis_split else [])]
+
+
 def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
     """The data root of ``cfg.data.source``: the synthetic ward (generated there when absent, checked when present)
     or the splits already on disk (files: a missing directory is an error, never filled with synthetic data)."""
@@ -71,9 +78,7 @@ def ensure_data(cfg: Config, *, progress: bool = True) -> Path:
         if not root.is_dir():
             raise FileNotFoundError(
                 f"no such directory: {root} (data.source is files; check data.root or --data).{hint}")
-        splits = [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split,
-                  *([cfg.data.basis_split] if cfg.data.basis_split else [])]
-        missing = [s for s in splits if not (root / s / "annotations.json").is_file()]
+        missing = [s for s in run_splits(cfg) if not (root / s / "annotations.json").is_file()]
         if missing:
             raise FileNotFoundError(f"{root} has no split {', '.join(missing)} (each needs annotations.json and "
                                     f"images/).{hint}")
@@ -398,8 +403,7 @@ def run_train(cfg: Config, out: str | Path | None = None, *, progress: bool = Tr
         **report,
         "seconds": round(time.perf_counter() - t0, 2),
         "seconds_basis": round(result.seconds_basis, 2),
-        **run_identity(cfg, root, [*cfg.data.train_splits, cfg.data.public_split, cfg.data.val_split,
-                                   *([cfg.data.basis_split] if cfg.data.basis_split else [])], "train"),
+        **run_identity(cfg, root, run_splits(cfg), "train"),
     }
     save_checkpoint(out / "model.pt", model, {"kind": "train", "metrics": metrics})
     write_json(out / "metrics.json", metrics)
