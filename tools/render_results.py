@@ -396,7 +396,7 @@ def render_cells(records: list[dict[str, Any]], command: str) -> str:
         eps = m.get("epsilon")
         if method not in RECORD_LEVEL:
             guarantee = "none (no DP)"
-        elif "privacy.noise_multiplier" in variant:
+        elif _diagnostic(runs[0]):
             guarantee = ("none (diagnostic; eps unbounded)" if eps is None or not math.isfinite(float(eps))
                          else f"none (diagnostic; eps {float(eps):.3g})")
         else:
@@ -431,13 +431,11 @@ TWO_THIRDS = 2 / 3
 
 def _nonprivate_400() -> tuple[float, float] | None:
     """(start, non-private mean) at 400 records per site on the ward, from the data-scale study's records."""
-    records = [r for r in load_artefact("study-scale") if _per_site(r) == 400 and not _scale_data(r)]
-    nonprivate = _pckh(records, method="nonprivate", variant="")
-    starts = {round(float(r["metrics"]["initial_pckh_mean"]), 6) for r in records
-              if r["metrics"].get("initial_pckh_mean") is not None}
-    if not nonprivate or len(starts) != 1:
+    points = _scale_points(load_artefact("study-scale"))
+    start, nonprivate = points.get(("start", 400)), points.get(("non-private", 400))
+    if not nonprivate or not start or len(start) != 1:
         return None
-    return starts.pop(), statistics.mean(nonprivate)
+    return start[0], statistics.mean(nonprivate)
 
 
 def _diagnostic(record: dict[str, Any]) -> bool:
