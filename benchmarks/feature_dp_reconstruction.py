@@ -187,7 +187,7 @@ def _reply(cfg, data: Path):
     from fedpose.shared.experiments.reconstruction_read import public_gradient_of
     from fedpose.shared.flower.messages import ARRAYS, record_tensors
     from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
 
     drawn: list[int] = []
     real = loop.psi_on
@@ -203,7 +203,7 @@ def _reply(cfg, data: Path):
             prepare_site(policy)
             model = build_model(cfg.model, cfg.data.input_size)
             crafted = craft_weights(model)
-            trained = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+            trained = apply_train_strategy(model, cfg.train)
             basis = outside_basis(model, trained, crafted, cfg.privacy.k)
             content = attack_content(cfg, crafted, basis, federation="reconstruction", round=1, site=policy.site,
                                      sigma=min_sigma_for(policy), sample_rate=policy.sample_rate)

@@ -46,11 +46,11 @@ def _model(cfg: Any) -> tuple[Any, list[str], int]:
     import torch
 
     from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
 
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data.input_size)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     named = dict(model.named_parameters())
     return model, trainable, sum(named[n].numel() for n in trainable)
 

@@ -36,7 +36,7 @@ from fedpose.server.plan import _calibrated
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.data.mpii import load_split
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+from fedpose.shared.model.strategy import apply_train_strategy
 from fedpose.client.optim_state import keep_site_optimizer, site_optimizer
 from fedpose.shared.training.runs import ensure_data, initial_model
 from fedpose.shared.training.batches import make_dataset
@@ -55,7 +55,7 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tupl
     public = make_dataset(load_split(root, cfg.data.public_split), cfg, train=False)
     val = load_split(root, cfg.data.val_split)
     model = initial_model(cfg, progress=False)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     named = dict(model.named_parameters())
     plans = {}
     for i, (name, records) in enumerate(sites.items()):
@@ -84,7 +84,7 @@ def run_one(cfg, seed: int, *, eval_every: int, progress: bool, ema_decays: tupl
         updates = []
         for i, (name, (n, q, sigma, data)) in enumerate(plans.items()):
             local = copy.deepcopy(model)
-            local_trainable = apply_strategy(local, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+            local_trainable = apply_train_strategy(local, cfg.train)
             ledger = ledger_dir / name / "ledger.sqlite"
             opt = site_optimizer(cfg, local, local_trainable, ledger, "levers")
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i * 10_007 + rnd)

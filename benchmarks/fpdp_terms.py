@@ -31,7 +31,7 @@ import torch
 from fedpose.cli.common import parse_sets
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+from fedpose.shared.model.strategy import apply_train_strategy
 from fedpose.shared.privacy.step.fpdp import clipped_grad_sum, public_gradient
 from fedpose.shared.privacy.step.subspace import flat_vector, project, public_basis_at
 from fedpose.shared.training.batches import make_dataset, make_psi_from, psi_on
@@ -51,7 +51,7 @@ def measure(cfg, *, batches: int, seed: int) -> dict:
     steps = cfg.train.epochs * steps_per_epoch(n, batch_size)
     sigma = plan_sigma(replace(cfg, **{"train.method": "fpdp"}), n=n, steps=steps)
     model = initial_model(cfg, progress=False)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     loss_fn = make_loss_fn(model, trainable)
     named = dict(model.named_parameters())
     params = {name: named[name].detach() for name in trainable}

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.posenet import load_checkpoint
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+from fedpose.shared.model.strategy import apply_train_strategy
 from fedpose.shared.privacy.step.fpdp import clipped_grad_sum
 from fedpose.shared.privacy.step.noise import gaussian_noise_like
 from fedpose.shared.privacy.step.sampling import poisson_sample
@@ -98,7 +98,7 @@ def diagnose(cfg, weights: Path, *, steps: int, signal_batch: int, seed: int) ->
     public = make_dataset(load_records(root, cfg.data.public_split), cfg, train=False)
     dataset = make_dataset(private, cfg, train=True, seed=seed)
     model, _ = load_checkpoint(weights)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     named = dict(model.named_parameters())
     params = {name: named[name].detach() for name in trainable}
     loss_fn = make_loss_fn(model, trainable)

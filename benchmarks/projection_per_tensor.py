@@ -31,7 +31,7 @@ import torch
 
 from fedpose.shared.configuration.schema import load_config, replace
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+from fedpose.shared.model.strategy import apply_train_strategy
 from fedpose.shared.privacy.step.subspace import compute_basis, compute_scaled_basis, from_flat_vector, project
 from fedpose.shared.privacy.step.bookkeeping import per_sample_chunks
 from fedpose.shared.training.batches import make_dataset, to_device
@@ -136,7 +136,7 @@ def main() -> None:
     cfg = replace(cfg, **{k: (int(v) if v.isdigit() else v) for k, v in overrides.items()})
     t0 = time.perf_counter()
     model = initial_model(cfg, progress=False)
-    names = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    names = apply_train_strategy(model, cfg.train)
     named = dict(model.named_parameters())
     params = {n: named[n].detach() for n in names}
     loss_fn = make_loss_fn(model, names)

@@ -181,7 +181,7 @@ class Prepared:
 
 def _prepare(content: Any, request: Any, policy: SitePolicy) -> Prepared:
     from fedpose.shared.model.posenet import build_model
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
     from fedpose.shared.training.loop import select_device
 
     cfg = request.config
@@ -190,7 +190,7 @@ def _prepare(content: Any, request: Any, policy: SitePolicy) -> Prepared:
     check_model_size(model, policy)
     load_weights(content, model)
     model.to(device)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     basis, seconds_basis = None, 0.0
     if cfg.train.method in PROJECTED:  # from public data only (P2): before the charge
         basis, seconds_basis = obtain_basis(content, request, model, trainable, policy)

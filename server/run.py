@@ -213,7 +213,7 @@ def _open(cfg: Config, out: Path) -> Opened:
     """The run folder, the public and validation splits, the initial model and the server ledger; a config only a
     centralized run can honour, or a server that is not prepared, is refused first."""
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
     from fedpose.shared.training.runs import initial_model
 
     configure_numerics(cfg.runtime.threads, deterministic=cfg.runtime.deterministic)
@@ -225,7 +225,7 @@ def _open(cfg: Config, out: Path) -> Opened:
     public = load_split(root, cfg.data.public_split)
     val = load_split(root, cfg.data.val_split)
     model = initial_model(cfg, progress=False)  # present: checked above
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     return Opened(paths=paths, ledger=ServerLedger(paths.ledger), model=model, trainable=trainable, public=public,
                   val=val)
 

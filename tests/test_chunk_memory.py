@@ -107,13 +107,13 @@ def test_the_step_gives_the_same_result_whatever_chunk_is_chosen(pose):
 
 
 def test_a_centralized_run_sizes_its_chunk_once_reports_it_and_trains_the_same_weights(world, tmp_path):
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
     from fedpose.shared.training.chunk_memory import free_memory
     from fedpose.shared.training.runs import initial_model, run_train
 
     cfg = replace(world, **{"train.method": "dpsgd", "train.epochs": 1, "train.seed": 3, "privacy.chunk_size": CAP})
     model = initial_model(cfg, progress=False)
-    trainable = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(model, cfg.train)
     rows = _measure(model, trainable, cfg.data.input_size)
     share = (rows(1) + rows(CAP)) / 2 / free_memory(torch.device("cpu"))  # room for some rows, not for the cap's
     sized = run_train(replace(cfg, **{"privacy.chunk_memory": share}), tmp_path / "sized", progress=False)

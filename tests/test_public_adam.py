@@ -59,7 +59,7 @@ def test_public_adams_second_moment_reads_public_data_only(world, tmp_path):
     """Two runs that differ only in their private records: after a step, their first moments differ (the private
     gradient) and their second moments are the same (the public split's gradient at the same weights)."""
     from fedpose.shared.data.mpii import load_split
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
     from fedpose.shared.privacy.step.noise import make_generator
     from fedpose.shared.training import loop
     from fedpose.shared.training.batches import make_dataset
@@ -74,7 +74,7 @@ def test_public_adams_second_moment_reads_public_data_only(world, tmp_path):
         public = make_dataset(load_split(cfg.data.root, cfg.data.public_split), cfg, train=False)
         data = loop.LocalData(private, public=public)
         model = initial_model(cfg, progress=False)
-        names = apply_strategy(model, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+        names = apply_train_strategy(model, cfg.train)
         named = dict(model.named_parameters())
         opt = make_optimizer([named[n] for n in names], cfg.train)
         run = loop.LocalRun(loop.step_spec("dpsgd", cfg.train, cfg.privacy, sigma=1.0, data=data), 1, cfg.train,

@@ -380,7 +380,7 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     from fedpose.shared.configuration.schema import replace
     from fedpose.shared.data.mpii import load_split
     from fedpose.shared.model.pose_loss import make_loss_fn
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
     from fedpose.shared.privacy.step.subspace import public_scales
     from fedpose.shared.training.batches import make_dataset, to_device
     from fedpose.shared.training.runs import initial_model
@@ -394,7 +394,7 @@ def test_local_train_scales_each_step_from_the_public_split_and_accounts_as_with
     assert (scaled.sigma, scaled.sample_rate, scaled.steps) == (plain.sigma, plain.sample_rate, plain.steps)
     assert all(seen[3] is None for seen in plain_seen)
     model = initial_model(scaled_cfg, progress=False)
-    names = apply_strategy(model, scaled_cfg.train.strategy, fixed_tasks=fixed_task_weights(scaled_cfg.train))
+    names = apply_train_strategy(model, scaled_cfg.train)
     public = make_dataset(load_split(base.data.root, base.data.public_split), base, train=False)
     batch = to_device(public.batch(list(range(8))), torch.device("cpu"))
     named = dict(model.named_parameters())

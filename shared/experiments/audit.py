@@ -293,7 +293,7 @@ def _start(cfg: Config, spec: AuditSpec, plan: AuditPlan, *, progress: bool) -> 
 def _trained_coordinates(model: PoseNet, cfg: Config) -> int:
     """p, the coordinates the run trains (what gradient canaries index; ``apply_strategy`` is applied to ``model``,
     or under lora to a copy with the adapters ``local_train`` will put on)."""
-    from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+    from fedpose.shared.model.strategy import apply_train_strategy
 
     probe = model
     if cfg.train.strategy == "lora":  # local_train puts the adapters on: count the coordinates it will train
@@ -301,7 +301,7 @@ def _trained_coordinates(model: PoseNet, cfg: Config) -> int:
 
         probe = copy.deepcopy(model)
         add_adapters(probe, cfg.train.lora_rank, torch.Generator())
-    trainable = apply_strategy(probe, cfg.train.strategy, fixed_tasks=fixed_task_weights(cfg.train))
+    trainable = apply_train_strategy(probe, cfg.train)
     named = dict(probe.named_parameters())
     return sum(named[name].numel() for name in trainable)
 

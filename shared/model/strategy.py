@@ -73,3 +73,9 @@ def apply_strategy(model: nn.Module, strategy: Strategy, *, fixed_tasks: bool = 
     for name, p in model.named_parameters():
         p.requires_grad_(name in keep)
     return [n for n, _ in model.named_parameters() if n in keep]
+
+
+def apply_train_strategy(model: nn.Module, train: TrainConfig) -> list[str]:
+    """``apply_strategy`` as a run's ``train`` section says: its strategy, and the task-uncertainty weights kept at
+    their public values where ``fixed_task_weights`` says so; returns the trainable names."""
+    return apply_strategy(model, train.strategy, fixed_tasks=fixed_task_weights(train))

@@ -39,7 +39,7 @@ from fedpose.shared.errors import ConfigError, NonFinitePublicGradients
 from fedpose.shared.model.lora import add_adapters, merge_adapters
 from fedpose.shared.model.posenet import PoseNet
 from fedpose.shared.model.pose_loss import make_loss_fn
-from fedpose.shared.model.strategy import apply_strategy, fixed_task_weights
+from fedpose.shared.model.strategy import apply_train_strategy
 from fedpose.shared.privacy.audit.hooks import AuditHooks, ReleasedStep
 from fedpose.shared.privacy.step.fpdp import DPSpec, StepAudit, dp_gradient
 from fedpose.shared.privacy.step.persample import mean_grad
@@ -215,7 +215,7 @@ class StepPhases:
                              "step: it needs the public split at hand (a centralized run; a site does not hold it)")
         self.run, self.data, self.audit, self.generator = run, data, audit, generator
         self.model = model
-        self.trainable = apply_strategy(model, train.strategy, fixed_tasks=fixed_task_weights(train))
+        self.trainable = apply_train_strategy(model, train)
         self.named = dict(model.named_parameters())
         params = [self.named[name] for name in self.trainable]
         self.loss_fn = make_loss_fn(model, self.trainable)
