@@ -220,8 +220,9 @@ def test_the_data_scale_table_shows_every_recorded_recipe_even_one_it_has_no_nam
     table = render.render_scale(records)
     rows = [line for line in table.splitlines() if line.startswith("| proj")]
     assert rows[0] == "| proj, 3e-3, V from clipped gradients | record-level DP | - | - |", rows
-    assert rows[1] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
-    assert rows[2] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
+    assert rows[1].startswith("| proj, the site kits' recipe") and rows[1].endswith(" | - | - |"), rows
+    assert rows[2] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
+    assert rows[3] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
     assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3); 1,600: 0.20 (proj, SGD momentum 0.9, 3e-3)." in table
 
 
@@ -430,3 +431,23 @@ def test_a_cells_table_gives_one_row_per_setting_with_its_seeds_mean_and_spread(
     text = render.render_cells([*rows, single], "fedpose study")
     assert text.count("train.lr=0.001") == 1
     assert "| 42.00 ± 2.00 (3) |" in text and "| 37.00 |" in text
+
+
+def test_the_scale_table_and_summary_give_the_kits_recipe_where_the_scale_study_ran_it():
+    """A hospital runs the site kits' recipe, so where the data-scale study ran it (today's defaults: the task
+    weights public and V from clipped public gradients, put back over that study's older base) the table has a row
+    of its own and the summary's "how many records" gives that recipe's share of the gain at each size it ran,
+    beside the best record-level run at each size."""
+    render = _render()
+    recordlevel, study30, scale = _summary_records(render)
+    kits = render.SCALE_KITS
+    assert kits.endswith(render.BEST) and "train.task_weights=auto" in kits and "privacy.basis_rows=clipped" in kits
+    scale += [_sized("proj", 38.0, 400, kits), _sized("proj", 39.0, 400, kits), _sized("proj", 40.0, 6400, kits)]
+    table = render.render_scale(scale)
+    row = next(line for line in table.splitlines() if line.startswith("| proj, the site kits' recipe"))
+    assert row.endswith("| record-level DP | 38.50 ± 0.71 (2) | 40.00 (1 seed) |"), row
+    assert "400: 0.42 (proj, the site kits' recipe" in table, table
+    summary = render.render_summary((recordlevel, study30, scale))
+    assert "the site kits' record-level recipe keeps 0.42 at 400 and 0.20 at 6,400" in summary, summary
+    assert "the best record-level run at each size 0.42 at 400 and 0.20 at 6,400" in summary, summary
+    assert "which did not run the kits' recipe" not in summary
