@@ -9,6 +9,7 @@ exactly the norms, the biases and the heads; the weight average is post-processi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -517,6 +518,49 @@ def test_v_keeps_its_k_directions_when_a_few_public_rows_dwarf_the_rest(toy_pose
     assert basis_clip_of(raw) is None
     collapsed = compute_basis(loss_fn, params, batch, k=k, chunk_size=4, clip=basis_clip_of(raw))
     assert collapsed.shape[1] <= 3  # what a run's V was before the clip
+
+
+LONG_RUN = Path(__file__).parent / "support" / "weights" / "ward6400-dpsgd.pt"
+
+
+def test_v_keeps_its_k_directions_at_the_weights_of_a_long_run_at_6400_records_per_site(tmp_path):
+    """V at the weights a long record-level run left at 6,400 records per site (19,200 pooled: full-dimension dpsgd,
+    570 steps at batch 1,024, eps 0.8; stored in float16, ``LONG_RUN``), from 100 public images of the ward's
+    style: by default (task weights at their public values, public rows clipped to C) V keeps all k = 50
+    directions. With the visibility task's log-scale where the old default (task weights trained) left it at that
+    size (-11.2) and raw public rows, as runs were before, V loses directions at these same weights; clipping the
+    rows alone brings them back."""
+    from dataclasses import replace
+
+    from fedpose.shared.configuration.schema import load_config
+    from fedpose.shared.model.pose_loss import make_loss_fn
+    from fedpose.shared.model.posenet import load_checkpoint
+    from fedpose.shared.model.strategy import apply_strategy
+    from fedpose.shared.privacy.step.subspace import public_basis_at
+    from fedpose.shared.training.batches import make_dataset
+    from fedpose.shared.training.runs import ensure_data, load_records
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "default.yaml",
+                      {"data.root": str(tmp_path / "ward"), "data.synth.per_site": 1, "data.synth.val": 1,
+                       "data.synth.public": 100})
+    public = make_dataset(load_records(ensure_data(cfg, progress=False), cfg.data.public_split), cfg, train=False)
+    assert len(public) == cfg.privacy.m == 100 and cfg.privacy.k == 50
+
+    def basis(runaway: bool, *, fixed_tasks: bool, rows: str) -> int:
+        model, meta = load_checkpoint(LONG_RUN)
+        assert meta["steps"] == 570 and round(1024 / meta["sample_rate"]) == 19_200  # a long run, 19,200 records
+        if runaway:
+            with torch.no_grad():
+                model.head.log_task_scale[2] = -11.2
+        trainable = apply_strategy(model, "full", fixed_tasks=fixed_tasks)
+        privacy = replace(cfg.privacy, basis_rows=rows)
+        return public_basis_at(model, make_loss_fn(model, trainable), trainable, public, privacy,
+                               torch.device("cpu")).shape[1]
+
+    assert cfg.train.task_weights == "auto" and cfg.privacy.basis_rows == "clipped"  # the defaults
+    assert basis(False, fixed_tasks=True, rows="clipped") == 50
+    assert basis(True, fixed_tasks=False, rows="raw") < 50  # the old default's weights and rows
+    assert basis(True, fixed_tasks=False, rows="clipped") == 50
 
 
 def test_the_ward_holds_out_a_basis_split_from_pretraining_with_people_of_its_own():
