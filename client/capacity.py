@@ -122,7 +122,8 @@ def round_chunk(request: Any, policy: SitePolicy, model: torch.nn.Module, traina
     (``fedpose.shared.training.chunk_memory.chunk_for``; chosen once per site process for one shape of request).
 
     Before the charge and on blank rows only: a chunk that cannot fit is a refusal (POLICY), nothing spent. The
-    choice goes to the site's log, never into the reply.
+    choice goes to the site's log (INFO; the fixed chunk of a site that sizes nothing at DEBUG), never into the
+    reply.
     """
     import torch
 
@@ -130,8 +131,8 @@ def round_chunk(request: Any, policy: SitePolicy, model: torch.nn.Module, traina
 
     cfg = request.config
     if policy.chunk_memory is None:
-        log.info("site %s round %d: chunk of %d rows (chunk_size=%d; no chunk_memory: not sized)", policy.site,
-                 request.round, policy.chunk_size, policy.chunk_size)
+        log.debug("site %s round %d: chunk of %d rows (chunk_size=%d; no chunk_memory: not sized)", policy.site,
+                  request.round, policy.chunk_size, policy.chunk_size)
         return policy.chunk_size
     try:
         choice = chunk_for(model, trainable, input_size=cfg.data.input_size, face_tasks=cfg.model.face_tasks,

@@ -175,6 +175,26 @@ def test_a_site_sizes_its_chunk_under_its_own_cap_whatever_the_request_says(worl
     assert said and "chunk of 3 rows" in said[0] and "chunk_size=3" in said[0], said
 
 
+def test_a_site_that_sizes_nothing_keeps_its_fixed_chunk_out_of_the_info_log(world_weights, tmp_path, caplog):
+    """Without chunk_memory a site's chunk is its policy's chunk_size every round: nothing was chosen, so nothing is
+    said at INFO (one line per site and round filled the main command's output); DEBUG still says it."""
+    from fedpose.client.policy import min_sigma_for
+    from fedpose.client.site import handle_train
+    from support.site import site_policy, train_request
+
+    cfg, state = world_weights
+    policy = site_policy(cfg, tmp_path)
+    assert policy.chunk_memory is None
+    with caplog.at_level(logging.INFO):
+        handle_train(train_request(cfg, state, sigma=min_sigma_for(policy), steps=2), policy)
+    assert not [r for r in caplog.records if "chunk of" in r.getMessage()], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="fedpose.client.capacity"):
+        handle_train(train_request(cfg, state, sigma=min_sigma_for(policy), steps=2, round=2), policy)
+    said = [r for r in caplog.records if "chunk of" in r.getMessage()]
+    assert said and said[0].levelno == logging.DEBUG and "not sized" in said[0].getMessage()
+
+
 @pytest.mark.invariant("P11")
 def test_a_simulations_sites_size_their_chunks_as_its_config_asks(world_weights, tmp_path):
     """The researcher's own simulation writes its sites' policies from the config: with privacy.chunk_memory they
