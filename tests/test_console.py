@@ -82,6 +82,12 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
             for site, s in live["sites"].items():
                 shown = float(page.inner_text(f"[data-testid=site-eps-{site}]"))
                 assert shown == pytest.approx(s["epsilon"], abs=5e-5), site
+                # an epsilon says nothing without its delta: each site's, as its plan holds it
+                assert float(page.inner_text(f"[data-testid=site-delta-{site}]")) == s["delta"], site
+                # a round asked of the site and not answered yet counts as spent: its line says so
+                assert s["unanswered"] == 1  # round 2, asked and held
+                assert page.inner_text(f"[data-testid=site-status-{site}]") == (
+                    f"{s['status']}; 1 round asked, not answered yet: counted as spent"), site
             pckh = float(page.inner_text("[data-testid=round-pckh-1]"))
             assert pckh == pytest.approx(live["rounds"][0]["pckh_mean"], abs=5e-3)
             page.screenshot(path=str(tmp_path / "console-server.png"), full_page=True)
