@@ -451,3 +451,15 @@ def test_the_scale_table_and_summary_give_the_kits_recipe_where_the_scale_study_
     assert "the site kits' record-level recipe keeps 0.42 at 400 and 0.20 at 6,400" in summary, summary
     assert "the best record-level run at each size 0.42 at 400 and 0.20 at 6,400" in summary, summary
     assert "which did not run the kits' recipe" not in summary
+
+
+def test_the_audits_time_is_every_audit_rows_own_after_a_partial_rerun():
+    """``--audit-methods recipe`` reruns two audit rows and keeps the others: the audits' time in
+    privacy_attacks.json is then the sum of every row's own run, not the time of the last partial rerun. The
+    other parts (mia, reid) run whole: their time is the run's."""
+    spec = importlib.util.spec_from_file_location("privacy_attacks", REPO / "benchmarks" / "privacy_attacks.py")
+    attacks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attacks)
+    results = {"audit": [{"name": "kept", "seconds": 120.0}, {"name": "rerun", "seconds": 30.5}]}
+    assert attacks.part_seconds("audit", results, elapsed=31.0) == 150.5
+    assert attacks.part_seconds("mia", results, elapsed=384.5) == 384.5
