@@ -463,3 +463,31 @@ def test_the_audits_time_is_every_audit_rows_own_after_a_partial_rerun():
     results = {"audit": [{"name": "kept", "seconds": 120.0}, {"name": "rerun", "seconds": 30.5}]}
     assert attacks.part_seconds("audit", results, elapsed=31.0) == 150.5
     assert attacks.part_seconds("mia", results, elapsed=384.5) == 384.5
+
+
+def test_the_readmes_records_paragraph_is_rendered_from_the_scale_dp_and_epsilon_records():
+    """The README's "how many records a site needs" is rendered, not typed: the site kits' recipe's share of the
+    gain at each size the data-scale study ran it (with its seeds), the best record-level run at each size,
+    full-dimension DP-SGD at the largest size, and the kits' recipe against epsilon with its clipped ceiling
+    (what says whether the noise or the step holds it). No size keeping half of the gain reads "more than"."""
+    render = _render()
+    kits = render.SCALE_KITS
+    scale = [_sized("nonprivate", 50.0, 400), _sized("nonprivate", 80.0, 1600), _sized("nonprivate", 90.0, 6400),
+             *(_sized("proj", v, 400, kits) for v in (37.0, 38.0, 39.0)),
+             *(_sized("proj", v, 1600, kits) for v in (44.0, 45.0, 46.0)),
+             _sized("proj", 36.0, 6400, render.RECIPE)]
+    dp = [_sized("dpsgd", 32.0, 6400, "train.batch_size=1024"),
+          _sized("dpsgd", 33.0, 6400, "train.batch_size=1024, privacy.noise_multiplier=0.0")]  # a diagnostic
+    eps = [_study_record("proj", 38.0, epsilon=0.8), _study_record("proj", 39.0, epsilon=16.0),
+           _study_record("proj", 39.5, variant="privacy.noise_multiplier=0.0")]
+    brief = render.render_records_brief((scale, dp, eps))
+    assert brief.startswith("How many records a site needs before record-level DP pays off, measured on this ward "
+                            "at epsilon 0.8: more than 6,400 per site."), brief
+    assert "The site kits' record-level recipe keeps 0.40 of the non-private gain at 400 records per site and " \
+           "0.30 at 1,600 (3 seeds each)" in brief, brief
+    assert "the best record-level run of the data-scale study 0.40 at 400, 0.30 at 1,600 and 0.10 at 6,400" in brief
+    assert "full-dimension DP-SGD on 6,400 records per site keeps 0.03" in brief, brief
+    assert "0.40 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (one seed each), and 0.47 clipped without " \
+           "noise" in brief, brief
+    half = render.render_records_brief(([*scale, _sized("proj", 70.0, 6400, kits)], dp, eps))
+    assert "measured on this ward at epsilon 0.8: from 6,400 per site." in half, half

@@ -683,6 +683,70 @@ def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], 
     return "\n".join(lines)
 
 
+def _seeds_said(counts: set[int], *, each: bool) -> str:
+    """"3 seeds each", "one seed", or "1 to 3 seeds": how many seeds stand behind a row's figures."""
+    if len(counts) > 1:
+        return f"{min(counts)} to {max(counts)} seeds"
+    n = next(iter(counts))
+    return ("one seed" if n == 1 else f"{n} seeds") + (" each" if each else "")
+
+
+def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]) -> str:
+    """The README's "how many records a site needs": from the data-scale study (the site kits' recipe and the best
+    record-level run at each size), full-dimension DP-SGD at its largest size (study-recordlevel-dp) and the kits'
+    recipe against epsilon with its clipped ceiling (study-recordlevel-eps), each as a share of the gain."""
+    scale, dp, eps = artefacts
+    points = _scale_points(scale)
+    sizes = sorted({n for _, n in points})
+    kits_label = _SCALE_ROWS[-2][2]
+    kits = _size_shares(points, {n: kits_label for n in sizes if points.get((kits_label, n))})
+    best = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
+    if not (kits and best):
+        return "_The data-scale study has not run the site kits' recipe yet._"
+    seeds = {len(points[(kits_label, n)]) for n in kits}
+    said = ("The site kits' record-level recipe keeps "
+            f"{_at_sizes(kits, ' of the non-private gain', ' records per site')} "
+            f"({_seeds_said(seeds, each=len(kits) > 1)}); "
+            f"the best record-level run of the data-scale study {_at_sizes(best)}")
+    by_digest = {r["metrics"]["data"]["digest"]: n for r in scale
+                 if (n := _per_site(r)) is not None and r["metrics"].get("data", {}).get("digest")}
+    full = {}
+    for r in dp:
+        n = _per_site(r, by_digest)
+        if r["cell"]["method"] == "dpsgd" and not _diagnostic(r) and n is not None and points.get(("start", n)):
+            full.setdefault(n, []).append(float(r["metrics"]["pckh"]["mean"]))
+    if full:
+        n = max(full)
+        points[("full-dimension", n)] = full[n]
+        kept = _size_shares(points, {n: "full-dimension"})[n]
+        said += f", and full-dimension DP-SGD on {n:,} records per site keeps {kept:.2f}"
+        best[n] = max(best.get(n, kept), kept)
+    half = [n for n, share in sorted(best.items()) if share >= HALF]
+    verdict = f"from {half[0]:,} per site" if half else f"more than {max(best):,} per site"
+    said = ("How many records a site needs before record-level DP pays off, measured on this ward at epsilon 0.8: "
+            f"{verdict}. {said}.")
+    private = {float(r["cell"]["epsilon"]): float(r["metrics"]["pckh"]["mean"]) for r in eps if not _diagnostic(r)}
+    ceiling = [float(r["metrics"]["pckh"]["mean"]) for r in eps if _diagnostic(r)]
+    if private and points.get(("start", sizes[0])) and points.get((_SCALE_ROWS[0][2], sizes[0])):
+        start, top = statistics.mean(points[("start", sizes[0])]), statistics.mean(points[(_SCALE_ROWS[0][2],
+                                                                                           sizes[0])])
+        low, high = min(private), max(private)
+        share = {e: _gain_share(v, start, top) for e, v in private.items()}
+        said += (f" A larger budget {'buys it' if share[high] >= HALF else 'does not buy it either'}: at "
+                 f"{sizes[0]:,} records per site the kits' recipe keeps {share[low]:.2f} of the gain at epsilon "
+                 f"{low:g} and {share[high]:.2f} at epsilon {high:g}")
+        per_eps = {e: sum(1 for r in eps if not _diagnostic(r) and float(r["cell"]["epsilon"]) == e) for e in private}
+        said += f" ({_seeds_said(set(per_eps.values()), each=True)})"
+        if ceiling:
+            clipped = _gain_share(statistics.mean(ceiling), start, top)
+            said += f", and {clipped:.2f} clipped without noise"
+            said += (": its step, not the noise, is what holds it." if clipped - share[low] < 0.1 else
+                     ": the noise takes the difference.")
+        else:
+            said += "."
+    return said
+
+
 SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 "
          "--record benchmarks/results/study-scale")
 _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
@@ -1250,6 +1314,7 @@ RENDERERS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "recordlevel-proxy-start": ("study-recordlevel-proxy", render_recordlevel_proxy_start),
     "recordlevel-start": ("study-recordlevel", render_recordlevel_start),
     "recordlevel-brief": ("study-recordlevel", render_recordlevel_brief),
+    "records-brief": (("study-scale", "study-recordlevel-dp", "study-recordlevel-eps"), render_records_brief),
     "scale": ("study-scale", render_scale),
     "recordlevel-dp": ("study-recordlevel-dp", render_recordlevel_dp),
     "recordlevel-dp-proxy": ("study-recordlevel-dp-proxy", render_recordlevel_dp_proxy),
