@@ -568,6 +568,7 @@ KITS = BEST + ", federation.site_optimizer=keep"  # the same, federated: what th
 # The kits' recipe in the data-scale study, whose base keeps the task weights trained and V's public rows raw (its
 # older cells ran so): today's defaults put back, as the kits run it
 SCALE_KITS = "train.task_weights=auto, privacy.basis_rows=clipped, " + BEST
+KITS_ROW = "proj, the site kits' recipe (each image clipped with its blurred copy)"  # its data-scale row
 SETTING_ORDER = ("centralized", "reference", "federated")
 SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
@@ -671,8 +672,7 @@ def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], 
         larger = {len(v) for (name, n), v in points.items() if n > sizes[0] and name != "start"}
         seeds_above = (f", one seed above {sizes[0]:,} records per site" if larger == {1} else
                        ", the seeds of the data-scale table")
-        kits_label = _SCALE_ROWS[-2][2]
-        kits_shares = _size_shares(points, {n: kits_label for n in sizes if points.get((kits_label, n))})
+        kits_shares = _size_shares(points, {n: KITS_ROW for n in sizes if points.get((KITS_ROW, n))})
         record_level = (f"the site kits' record-level recipe keeps {_at_sizes(kits_shares)}; the best record-level "
                         f"run at each size {_at_sizes(record_shares)}" if kits_shares else
                         "the best record-level run of that study (which did not run the kits' recipe) "
@@ -698,18 +698,16 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
     scale, dp, eps = artefacts
     points = _scale_points(scale)
     sizes = sorted({n for _, n in points})
-    kits_label = _SCALE_ROWS[-2][2]
-    kits = _size_shares(points, {n: kits_label for n in sizes if points.get((kits_label, n))})
+    kits = _size_shares(points, {n: KITS_ROW for n in sizes if points.get((KITS_ROW, n))})
     best = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
     if not (kits and best):
         return "_The data-scale study has not run the site kits' recipe yet._"
-    seeds = {len(points[(kits_label, n)]) for n in kits}
+    seeds = {len(points[(KITS_ROW, n)]) for n in kits}
     said = ("The site kits' record-level recipe keeps "
             f"{_at_sizes(kits, ' of the non-private gain', ' records per site')} "
             f"({_seeds_said(seeds, each=len(kits) > 1)}); "
             f"the best record-level run of the data-scale study {_at_sizes(best)}")
-    by_digest = {r["metrics"]["data"]["digest"]: n for r in scale
-                 if (n := _per_site(r)) is not None and r["metrics"].get("data", {}).get("digest")}
+    by_digest = _sizes_by_digest(scale)
     full = {}
     for r in dp:
         n = _per_site(r, by_digest)
@@ -755,8 +753,7 @@ _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                ("proj", RECIPE + ", privacy.basis_clip=1.0", "proj, 3e-3, V from clipped gradients",
                 "record-level DP"),
                ("dpsgd", "train.lr=0.0001", "dpsgd, Adam 1e-4", "record-level DP"),
-               ("proj", SCALE_KITS, "proj, the site kits' recipe (each image clipped with its blurred copy)",
-                "record-level DP"),
+               ("proj", SCALE_KITS, KITS_ROW, "record-level DP"),
                ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))  # the recipe: last
 
 
@@ -780,12 +777,17 @@ def _scale_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]
                              guarantees.get(method, "record-level DP")) for method, variant in others)]
 
 
+def _sizes_by_digest(records: list[dict[str, Any]]) -> dict[str, int]:
+    """A ward's data digest -> its records per site, from the records that counted them."""
+    return {r["metrics"]["data"]["digest"]: size for r in records
+            if (size := _per_site(r)) is not None and r["metrics"].get("data", {}).get("digest")}
+
+
 def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
     """(row label, records per site) -> PCKh values; 'start' from each run's own initial PCKh."""
     points: dict[tuple[str, int], list[float]] = {}
     rows = _scale_rows(records)
-    by_digest = {r["metrics"]["data"]["digest"]: size for r in records
-                 if (size := _per_site(r)) is not None and r["metrics"]["data"].get("digest")}
+    by_digest = _sizes_by_digest(records)
     for r in records:
         size = _per_site(r, by_digest)
         if size is None or r["cell"]["setting"] != "centralized":
@@ -860,9 +862,9 @@ def _size_shares(points: dict[tuple[str, int], list[float]], label: dict[int, st
 def _best_record_level(points: dict[tuple[str, int], list[float]], rows: list[tuple[str, str, str, str]],
                        sizes: list[int]) -> dict[int, str]:
     """Per size, the label of the record-level row with the highest mean (the recipe's on a tie)."""
-    recipe, kits = _SCALE_ROWS[-1][2], _SCALE_ROWS[-2][2]
-    labels = [recipe, kits, *(label for _, _, label, guarantee in rows
-                              if guarantee == "record-level DP" and label not in (recipe, kits))]
+    recipe = _SCALE_ROWS[-1][2]
+    labels = [recipe, KITS_ROW, *(label for _, _, label, guarantee in rows
+                                  if guarantee == "record-level DP" and label not in (recipe, KITS_ROW))]
     best = {}
     for n in sizes:
         ran = [label for label in labels if points.get((label, n))]
