@@ -87,7 +87,7 @@ def test_the_console_shows_the_ledgers_numbers_during_a_live_federation(tmp_path
                 # a round asked of the site and not answered yet counts as spent: its line says so
                 assert s["unanswered"] == 1  # round 2, asked and held
                 assert page.inner_text(f"[data-testid=site-status-{site}]") == (
-                    f"{s['status']}; 1 round asked, not answered yet: counted as spent"), site
+                    f"{s['status']}; 1 round unanswered, counted as spent"), site
             pckh = float(page.inner_text("[data-testid=round-pckh-1]"))
             assert pckh == pytest.approx(live["rounds"][0]["pckh_mean"], abs=5e-3)
             page.screenshot(path=str(tmp_path / "console-server.png"), full_page=True)
