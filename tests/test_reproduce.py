@@ -263,23 +263,15 @@ def test_the_data_scale_share_is_the_best_record_level_row_at_each_size_and_name
     named, so the curve answers how many records record-level DP needs, not one recipe. The share is the page's
     one ratio, (PCKh - start) / (non-private - start), never PCKh / non-private."""
     render = _render()
-
-    def sized(method, pckh, size, variant=""):
-        record = _study_record(method, pckh, variant=variant)
-        record["cell"]["variant"] = ", ".join(p for p in ("" if size == 400 else f"data.synth.per_site={size}",
-                                                          variant) if p)
-        record["metrics"]["data"] = {"records": {f"site-{i}": size for i in range(3)}}
-        return record
-
-    records = [sized("nonprivate", 50.0, 400), sized("proj", 36.0, 400, render.RECIPE),
-               sized("dpsgd", 33.0, 400, "train.lr=0.0001"), sized("nonprivate", 80.0, 6400),
-               sized("proj", 36.0, 6400, render.RECIPE), sized("dpsgd", 76.0, 6400, "train.lr=0.0001")]
+    records = [_sized("nonprivate", 50.0, 400), _sized("proj", 36.0, 400, render.RECIPE),
+               _sized("dpsgd", 33.0, 400, "train.lr=0.0001"), _sized("nonprivate", 80.0, 6400),
+               _sized("proj", 36.0, 6400, render.RECIPE), _sized("dpsgd", 76.0, 6400, "train.lr=0.0001")]
     table = render.render_scale(records)
     assert "share of the gain at each size: 400: 0.30 (proj, SGD momentum 0.9, 3e-3); 6,400: 0.92 (dpsgd, Adam " \
            "1e-4)." in table, table
     assert "It keeps half of the gain from 6,400 records per site." in table
     assert "of non-private" not in table
-    tied = render.render_scale([*records[:2], sized("dpsgd", 36.0, 400, "train.lr=0.0001")])
+    tied = render.render_scale([*records[:2], _sized("dpsgd", 36.0, 400, "train.lr=0.0001")])
     assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3)." in tied  # on a tie, the recipe
     assert "It keeps half of the gain at none of the sizes where both ran (up to 400 per site)." in tied
 
@@ -489,5 +481,7 @@ def test_the_readmes_records_paragraph_is_rendered_from_the_scale_dp_and_epsilon
     assert "full-dimension DP-SGD on 6,400 records per site keeps 0.03" in brief, brief
     assert "0.40 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (one seed each), and 0.47 clipped without " \
            "noise" in brief, brief
+    seeds = render.render_records_brief((scale, dp, [*eps, _study_record("proj", 40.0, epsilon=0.8)]))
+    assert "keeps 0.45 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (1 to 2 seeds)" in seeds, seeds  # a mean
     half = render.render_records_brief(([*scale, _sized("proj", 70.0, 6400, kits)], dp, eps))
     assert "measured on this ward at epsilon 0.8: from 6,400 per site." in half, half

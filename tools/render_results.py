@@ -432,10 +432,9 @@ TWO_THIRDS = 2 / 3
 def _nonprivate_400() -> tuple[float, float] | None:
     """(start, non-private mean) at 400 records per site on the ward, from the data-scale study's records."""
     points = _scale_points(load_artefact("study-scale"))
-    start, nonprivate = points.get(("start", 400)), points.get(("non-private", 400))
-    if not nonprivate or not start or len(start) != 1:
+    if len(points.get(("start", 400), [])) != 1:
         return None
-    return start[0], statistics.mean(nonprivate)
+    return _reference(points, 400)
 
 
 def _diagnostic(record: dict[str, Any]) -> bool:
@@ -642,7 +641,7 @@ def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], 
     delta = federated.get("delta") or next(iter(federated.get("sites", {}).values()), {}).get("delta")
     points = _scale_points(scale)
     sizes = sorted({n for _, n in points})
-    fpdp_shares = _size_shares(points, {n: "fpdp" for n in sizes if points.get(("fpdp", n))})
+    fpdp_shares = _row_shares(points, "fpdp")
     record_shares = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
     lines = [f"On the reference ward ({len(federated.get('sites', {})) or 'three'} sites of {sizes[0]:,} synthetic "
              f"images each; epsilon 0.8{f' and delta {delta:g}'.replace('e-0', 'e-') if delta else ''} per site; "
@@ -672,7 +671,7 @@ def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], 
         larger = {len(v) for (name, n), v in points.items() if n > sizes[0] and name != "start"}
         seeds_above = (f", one seed above {sizes[0]:,} records per site" if larger == {1} else
                        ", the seeds of the data-scale table")
-        kits_shares = _size_shares(points, {n: KITS_ROW for n in sizes if points.get((KITS_ROW, n))})
+        kits_shares = _row_shares(points, KITS_ROW)
         record_level = (f"the site kits' record-level recipe keeps {_at_sizes(kits_shares)}; the best record-level "
                         f"run at each size {_at_sizes(record_shares)}" if kits_shares else
                         "the best record-level run of that study (which did not run the kits' recipe) "
@@ -698,7 +697,7 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
     scale, dp, eps = artefacts
     points = _scale_points(scale)
     sizes = sorted({n for _, n in points})
-    kits = _size_shares(points, {n: KITS_ROW for n in sizes if points.get((KITS_ROW, n))})
+    kits = _row_shares(points, KITS_ROW)
     best = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
     if not (kits and best):
         return "_The data-scale study has not run the site kits' recipe yet._"
@@ -711,30 +710,31 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
     full = {}
     for r in dp:
         n = _per_site(r, by_digest)
-        if r["cell"]["method"] == "dpsgd" and not _diagnostic(r) and n is not None and points.get(("start", n)):
+        if r["cell"]["method"] == "dpsgd" and not _diagnostic(r) and n is not None and _reference(points, n):
             full.setdefault(n, []).append(float(r["metrics"]["pckh"]["mean"]))
     if full:
         n = max(full)
-        points[("full-dimension", n)] = full[n]
-        kept = _size_shares(points, {n: "full-dimension"})[n]
+        kept = _gain_share(statistics.mean(full[n]), *_reference(points, n))
         said += f", and full-dimension DP-SGD on {n:,} records per site keeps {kept:.2f}"
         best[n] = max(best.get(n, kept), kept)
     half = [n for n, share in sorted(best.items()) if share >= HALF]
     verdict = f"from {half[0]:,} per site" if half else f"more than {max(best):,} per site"
     said = ("How many records a site needs before record-level DP pays off, measured on this ward at epsilon 0.8: "
             f"{verdict}. {said}.")
-    private = {float(r["cell"]["epsilon"]): float(r["metrics"]["pckh"]["mean"]) for r in eps if not _diagnostic(r)}
+    private: dict[float, list[float]] = {}  # epsilon -> PCKh of each seed
+    for r in eps:
+        if not _diagnostic(r):
+            private.setdefault(float(r["cell"]["epsilon"]), []).append(float(r["metrics"]["pckh"]["mean"]))
     ceiling = [float(r["metrics"]["pckh"]["mean"]) for r in eps if _diagnostic(r)]
-    if private and points.get(("start", sizes[0])) and points.get((_SCALE_ROWS[0][2], sizes[0])):
-        start, top = statistics.mean(points[("start", sizes[0])]), statistics.mean(points[(_SCALE_ROWS[0][2],
-                                                                                           sizes[0])])
+    reference = _reference(points, sizes[0])
+    if private and reference:
+        start, top = reference
         low, high = min(private), max(private)
-        share = {e: _gain_share(v, start, top) for e, v in private.items()}
+        share = {e: _gain_share(statistics.mean(v), start, top) for e, v in private.items()}
         said += (f" A larger budget {'buys it' if share[high] >= HALF else 'does not buy it either'}: at "
                  f"{sizes[0]:,} records per site the kits' recipe keeps {share[low]:.2f} of the gain at epsilon "
                  f"{low:g} and {share[high]:.2f} at epsilon {high:g}")
-        per_eps = {e: sum(1 for r in eps if not _diagnostic(r) and float(r["cell"]["epsilon"]) == e) for e in private}
-        said += f" ({_seeds_said(set(per_eps.values()), each=True)})"
+        said += f" ({_seeds_said({len(v) for v in private.values()}, each=True)})"
         if ceiling:
             clipped = _gain_share(statistics.mean(ceiling), start, top)
             said += f", and {clipped:.2f} clipped without noise"
@@ -851,12 +851,21 @@ def render_scale(records: list[dict[str, Any]]) -> str:
 HALF = 0.5  # the share of the gain the data-scale study asks for: from how many records a guarantee keeps half
 
 
+def _reference(points: dict[tuple[str, int], list[float]], n: int) -> tuple[float, float] | None:
+    """(start, non-private) at ``n`` records per site, each a mean over its runs; None where either did not run."""
+    start, top = points.get(("start", n)), points.get((_SCALE_ROWS[0][2], n))
+    return (statistics.mean(start), statistics.mean(top)) if start and top else None
+
+
 def _size_shares(points: dict[tuple[str, int], list[float]], label: dict[int, str]) -> dict[int, float]:
     """Per size, the share of the gain of the row ``label[size]``: against that size's start and non-private run."""
-    top = _SCALE_ROWS[0][2]
-    return {n: _gain_share(statistics.mean(points[(name, n)]), statistics.mean(points[("start", n)]),
-                           statistics.mean(points[(top, n)]))
-            for n, name in sorted(label.items()) if points.get((top, n)) and points.get(("start", n))}
+    return {n: _gain_share(statistics.mean(points[(name, n)]), *reference)
+            for n, name in sorted(label.items()) if (reference := _reference(points, n))}
+
+
+def _row_shares(points: dict[tuple[str, int], list[float]], label: str) -> dict[int, float]:
+    """The share of the gain of the row ``label`` at every size it ran."""
+    return _size_shares(points, {n: name for name, n in points if name == label})
 
 
 def _best_record_level(points: dict[tuple[str, int], list[float]], rows: list[tuple[str, str, str, str]],
