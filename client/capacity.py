@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fedpose.client.policy import SitePolicy
-from fedpose.shared.configuration.methods import WITH_PUBLIC
+from fedpose.shared.configuration.methods import WITH_PUBLIC, clips_groups, rows_per_record
 from fedpose.shared.flower.messages import Refusal, RefusalCode
 
 if TYPE_CHECKING:  # torch is imported where it is used
@@ -113,7 +113,8 @@ def blank_chunk_cost(model: Any, trainable: list[str], *, input_size: tuple[int,
 
 
 def _grouped(policy: SitePolicy, images: str = "raw") -> bool:
-    return policy.unit == "patient" or policy.augment_multiplicity > 1 or images == "raw+psi"
+    """Whether the policy's step clips groups of rows (``DPSpec.grouped`` of the spec the site will build)."""
+    return clips_groups(policy.unit, rows_per_record(images, policy.augment_multiplicity))
 
 
 def round_chunk(request: Any, policy: SitePolicy, model: torch.nn.Module, trainable: list[str]) -> int:

@@ -43,3 +43,15 @@ def raw_psi_conflict(images: str, method: str, unit: str, multiplicity: int) -> 
                 f"or proj at record level without augmentation multiplicity; method is {method!r}, privacy.unit "
                 f"{unit!r}, augment_multiplicity {multiplicity}")
     return None
+
+
+def rows_per_record(images: str, augment_multiplicity: int) -> int:
+    """The rows one sampled record gives a private step: its image and psi of its crop under ``train.images``
+    raw+psi, else its ``augment_multiplicity`` augmented copies."""
+    return 2 if images == "raw+psi" else augment_multiplicity
+
+
+def clips_groups(unit: str, rows: int) -> bool:
+    """True when the step clips groups of rows as one: a patient's records, or a record's ``rows`` (above 1) as
+    one mean. The one rule the step's spec and a site's memory sizing read."""
+    return unit == "patient" or rows > 1

@@ -32,7 +32,7 @@ from fedpose.shared.training.chunk_memory import chunk_for
 from fedpose.shared.training.batches import assembly_device, make_psi_from, psi_on, to_device
 from fedpose.shared.privacy.step.subspace import column_major, public_basis_at, public_scaled_basis_at, public_scales_at
 from fedpose.shared.configuration.schema import PrivacyConfig, TrainConfig
-from fedpose.shared.configuration.methods import Method, raw_psi_conflict
+from fedpose.shared.configuration.methods import Method, raw_psi_conflict, rows_per_record
 from fedpose.shared.data.dataset import PoseDataset
 from fedpose.shared.data.patients import PatientGroups
 from fedpose.shared.errors import ConfigError, NonFinitePublicGradients
@@ -129,7 +129,7 @@ def step_spec(method: Method, train: TrainConfig, privacy: PrivacyConfig, *, sig
         unit=unit,
         without_noise=private and sigma == 0 and privacy.noise_multiplier == 0,
         # raw+psi: a record's image and psi of its crop are two rows of one group, clipped as one mean
-        multiplicity=(2 if train.images == "raw+psi" else privacy.augment_multiplicity) if private else 1,
+        multiplicity=rows_per_record(train.images, privacy.augment_multiplicity) if private else 1,
     )
 
 

@@ -65,7 +65,8 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from fedpose.shared.configuration.methods import METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method, Unit
+from fedpose.shared.configuration.methods import (METHODS, PROJECTED, UNITS, WITH_PUBLIC, Method, Unit,
+                                                 clips_groups)
 from fedpose.shared.privacy.step import bookkeeping
 from fedpose.shared.privacy.step.bookkeeping import per_sample_chunks
 from fedpose.shared.privacy.step.noise import add_noise_and_scale_
@@ -175,7 +176,7 @@ class DPSpec:
     def grouped(self) -> bool:
         """True when the step clips groups of rows as one (a patient, or a record's augmented copies or raw+psi
         pair): sum_g clip(mean_{i in g} g_i, C) (``clipped_group_sum``)."""
-        return self.unit == "patient" or self.multiplicity > 1
+        return clips_groups(self.unit, self.multiplicity)
 
 
 @dataclass(frozen=True)
