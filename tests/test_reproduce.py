@@ -482,6 +482,10 @@ def test_the_readmes_records_paragraph_is_rendered_from_the_scale_dp_and_epsilon
     assert "0.40 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (one seed each), and 0.47 clipped without " \
            "noise" in brief, brief
     seeds = render.render_records_brief((scale, dp, [*eps, _study_record("proj", 40.0, epsilon=0.8)]))
-    assert "keeps 0.45 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (1 to 2 seeds)" in seeds, seeds  # a mean
+    assert "keeps 0.45 of the gain at epsilon 0.8 and 0.45 at epsilon 16 (2 seeds at epsilon 0.8, one at " \
+           "epsilon 16)" in seeds, seeds  # a mean
+    mixed = render.render_records_brief(([*scale, _sized("proj", 40.0, 6400, kits)], dp, eps))
+    assert "recipe keeps 0.40 of the non-private gain at 400 records per site, 0.30 at 1,600 and 0.17 at 6,400 " \
+           "(3 seeds at 400 and 1,600, one at 6,400)" in mixed, mixed
     half = render.render_records_brief(([*scale, _sized("proj", 70.0, 6400, kits)], dp, eps))
     assert "measured on this ward at epsilon 0.8: from 6,400 per site." in half, half

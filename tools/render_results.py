@@ -682,11 +682,18 @@ def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], 
     return "\n".join(lines)
 
 
-def _seeds_said(counts: set[int], *, each: bool) -> str:
-    """"3 seeds each", "one seed", or "1 to 3 seeds": how many seeds stand behind a row's figures."""
-    if len(counts) > 1:
-        return f"{min(counts)} to {max(counts)} seeds"
-    n = next(iter(counts))
+def _seeds_said(counts: dict[str, int], *, each: bool) -> str:
+    """How many seeds stand behind a sentence's figures, ``counts`` being each figure's place (as the sentence
+    says it, in its order) and its seeds: "3 seeds each", "one seed", or "3 seeds at 400 and 1,600, one at 6,400"."""
+    if len(set(counts.values())) > 1:
+        places: dict[int, list[str]] = {}
+        for place, n in counts.items():
+            places.setdefault(n, []).append(place)
+        parts = [f"{'one' if n == 1 else n}{(' seed' if n == 1 else ' seeds') if i == 0 else ''} at "
+                 f"{' and '.join([', '.join(at[:-1]), at[-1]] if len(at) > 1 else at)}"
+                 for i, (n, at) in enumerate(places.items())]
+        return ", ".join(parts)
+    n = next(iter(counts.values()))
     return ("one seed" if n == 1 else f"{n} seeds") + (" each" if each else "")
 
 
@@ -701,7 +708,7 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
     best = _size_shares(points, _best_record_level(points, _scale_rows(scale), sizes))
     if not (kits and best):
         return "_The data-scale study has not run the site kits' recipe yet._"
-    seeds = {len(points[(KITS_ROW, n)]) for n in kits}
+    seeds = {f"{n:,}": len(points[(KITS_ROW, n)]) for n in kits}
     said = ("The site kits' record-level recipe keeps "
             f"{_at_sizes(kits, ' of the non-private gain', ' records per site')} "
             f"({_seeds_said(seeds, each=len(kits) > 1)}); "
@@ -734,7 +741,7 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
         said += (f" A larger budget {'buys it' if share[high] >= HALF else 'does not buy it either'}: at "
                  f"{sizes[0]:,} records per site the kits' recipe keeps {share[low]:.2f} of the gain at epsilon "
                  f"{low:g} and {share[high]:.2f} at epsilon {high:g}")
-        said += f" ({_seeds_said({len(v) for v in private.values()}, each=True)})"
+        said += f" ({_seeds_said({f'epsilon {e:g}': len(v) for e, v in sorted(private.items())}, each=True)})"
         if ceiling:
             clipped = _gain_share(statistics.mean(ceiling), start, top)
             said += f", and {clipped:.2f} clipped without noise"
