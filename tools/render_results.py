@@ -741,7 +741,7 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
         said += (f" A larger budget {'buys it' if share[high] >= HALF else 'does not buy it either'}: at "
                  f"{sizes[0]:,} records per site the kits' recipe keeps {share[low]:.2f} of the gain at epsilon "
                  f"{low:g} and {share[high]:.2f} at epsilon {high:g}")
-        said += f" ({_seeds_said({f'epsilon {e:g}': len(v) for e, v in sorted(private.items())}, each=True)})"
+        said += f" ({_seeds_said({f'epsilon {e:g}': len(private[e]) for e in (low, high)}, each=True)})"
         if ceiling:
             clipped = _gain_share(statistics.mean(ceiling), start, top)
             said += f", and {clipped:.2f} clipped without noise"
