@@ -609,11 +609,15 @@ def _kits_recipe(records: list[dict[str, Any]]) -> dict[str, list[float]]:
                                variant=KITS)}
 
 
+def _listed(parts: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _at_sizes(shares: dict[int, float], what: str = "", unit: str = "") -> str:
     """0.89{what} at 400{unit}, 0.84 at 1,600 and 0.97 at 6,400."""
-    parts = [f"{share:.2f}{what if i == 0 else ''} at {n:,}{unit if i == 0 else ''}" for i, (n, share) in
-             enumerate(shares.items())]
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return _listed([f"{share:.2f}{what if i == 0 else ''} at {n:,}{unit if i == 0 else ''}" for i, (n, share) in
+                    enumerate(shares.items())])
 
 
 def render_summary(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]) -> str:
@@ -689,8 +693,7 @@ def _seeds_said(counts: dict[str, int], *, each: bool) -> str:
         places: dict[int, list[str]] = {}
         for place, n in counts.items():
             places.setdefault(n, []).append(place)
-        parts = [f"{'one' if n == 1 else n}{(' seed' if n == 1 else ' seeds') if i == 0 else ''} at "
-                 f"{' and '.join([', '.join(at[:-1]), at[-1]] if len(at) > 1 else at)}"
+        parts = [f"{'one' if n == 1 else n}{(' seed' if n == 1 else ' seeds') if i == 0 else ''} at {_listed(at)}"
                  for i, (n, at) in enumerate(places.items())]
         return ", ".join(parts)
     n = next(iter(counts.values()))
