@@ -221,9 +221,35 @@ def test_the_data_scale_table_shows_every_recorded_recipe_even_one_it_has_no_nam
     rows = [line for line in table.splitlines() if line.startswith("| proj")]
     assert rows[0] == "| proj, 3e-3, V from clipped gradients | record-level DP | - | - |", rows
     assert rows[1].startswith("| proj, the site kits' recipe") and rows[1].endswith(" | - | - |"), rows
-    assert rows[2] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
-    assert rows[3] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
+    assert rows[2].startswith("| proj, the site kits' recipe, federated") and rows[2].endswith(" | - | - |"), rows
+    assert rows[3] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
+    assert rows[4] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
     assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3); 1,600: 0.20 (proj, SGD momentum 0.9, 3e-3)." in table
+
+
+def test_the_data_scale_table_has_the_kits_recipe_federated_as_its_own_row_placed_by_its_ward():
+    """The kits' recipe federated (three sites, each accounting for its own records against the server) is a row of
+    its own with the guarantee it carries, whatever rounds x local steps its schedule ran. A federated cell's
+    metrics count no site's records (the server never learns them), so its size is its ward's: the one its variant
+    names, or the study's own. It is not pooled, so it never stands as the best pooled row."""
+    render = _render()
+    kits = render.SCALE_KITS + ", federation.site_optimizer=keep"
+
+    def federated(pckh, size):
+        record = _sized("proj", pckh, size, f"{kits}, federation.rounds=20, federation.local_steps=150",
+                        setting="federated")
+        record["metrics"]["data"] = {"digest": f"server-{size}", "records": {"public": 600, "val": 240}}
+        return record
+
+    records = [_sized("nonprivate", 50.0, 400), _sized("proj", 36.0, 400, render.RECIPE),
+               _sized("nonprivate", 70.0, 6400), _sized("proj", 40.0, 6400, render.SCALE_KITS),
+               federated(34.0, 400), federated(45.0, 6400)]
+    table = render.render_scale(records)
+    row = [line for line in table.splitlines() if line.startswith("| proj, the site kits' recipe, federated")]
+    assert row == ["| proj, the site kits' recipe, federated | record-level DP at each site, the server untrusted | "
+                   "34.00 (1 seed) | 45.00 (1 seed) |"], table
+    assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3); 6,400: 0.25 (proj, the site kits' recipe (each" in table
+    assert "Federated, the site kits' recipe keeps 0.20 of the gain at 400 and 0.38 at 6,400" in table, table
 
 
 def test_a_scale_cell_recorded_before_the_data_counts_takes_its_size_from_a_cell_of_the_same_data():

@@ -568,6 +568,9 @@ KITS = BEST + ", federation.site_optimizer=keep"  # the same, federated: what th
 # older cells ran so): today's defaults put back, as the kits run it
 SCALE_KITS = "train.task_weights=auto, privacy.basis_rows=clipped, " + BEST
 KITS_ROW = "proj, the site kits' recipe (each image clipped with its blurred copy)"  # its data-scale row
+FEDERATED = "setting=federated"  # how a data-scale cell's recipe says it ran federated (``_scale_recipe``)
+KITS_FEDERATED_ROW = "proj, the site kits' recipe, federated"
+PER_SITE = "record-level DP at each site, the server untrusted"  # a federated row's guarantee
 SETTING_ORDER = ("centralized", "reference", "federated")
 SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
@@ -764,6 +767,7 @@ _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                 "record-level DP"),
                ("dpsgd", "train.lr=0.0001", "dpsgd, Adam 1e-4", "record-level DP"),
                ("proj", SCALE_KITS, KITS_ROW, "record-level DP"),
+               ("proj", f"{FEDERATED}, {SCALE_KITS}, federation.site_optimizer=keep", KITS_FEDERATED_ROW, PER_SITE),
                ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))  # the recipe: last
 
 
@@ -781,10 +785,22 @@ def _scale_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]
     """The named rows, then one per other (method, recipe) the study recorded, labelled with what it changes."""
     named = {(method, variant) for method, variant, _, _ in _SCALE_ROWS}
     guarantees = {method: guarantee for method, _, _, guarantee in _SCALE_ROWS}
-    others = sorted({(r["cell"]["method"], _recipe_part(r)) for r in records
-                     if r["cell"]["method"] != "pretrained" and r["cell"]["setting"] == "centralized"} - named)
+    others = sorted({(r["cell"]["method"], _scale_recipe(r)) for r in records
+                     if r["cell"]["method"] != "pretrained" and r["cell"]["setting"] in ("centralized", "federated")}
+                    - named)
     return [*_SCALE_ROWS, *((method, variant, ", ".join(p for p in (method, variant) if p),
-                             guarantees.get(method, "record-level DP")) for method, variant in others)]
+                             PER_SITE if variant.startswith(FEDERATED) else guarantees.get(method, "record-level DP"))
+                            for method, variant in others)]
+
+
+def _scale_recipe(record: dict[str, Any]) -> str:
+    """A data-scale cell's recipe: what it changes in the training, led by ``FEDERATED`` when the sites trained it
+    federated; without the federation's schedule (rounds x local steps: 30 epochs per record, as every cell)."""
+    parts = [p for p in _recipe_part(record).split(", ") if p and not p.startswith(_SCHEDULE_KEYS)]
+    return ", ".join([FEDERATED] * (record["cell"]["setting"] == "federated") + parts)
+
+
+_SCHEDULE_KEYS = ("federation.rounds=", "federation.local_steps=")
 
 
 def _sizes_by_digest(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -798,9 +814,14 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
     points: dict[tuple[str, int], list[float]] = {}
     rows = _scale_rows(records)
     by_digest = _sizes_by_digest(records)
+    own = {size for r in _own_ward(records) if (size := _per_site(r, by_digest)) is not None}
     for r in records:
-        size = _per_site(r, by_digest)
-        if size is None or r["cell"]["setting"] != "centralized":
+        if r["cell"]["setting"] == "federated":  # the server counts no site's records: the size its ward has
+            named = re.search(r"data\.synth\.per_site=(\d+)", r["cell"]["variant"])
+            size = int(named.group(1)) if named else (min(own) if len(own) == 1 else None)
+        else:
+            size = _per_site(r, by_digest) if r["cell"]["setting"] == "centralized" else None
+        if size is None:
             continue
         if r["metrics"].get("initial_pckh_mean") is not None and r["cell"]["seed"] is not None:
             points.setdefault(("start", size), [])
@@ -808,7 +829,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
             if start not in points[("start", size)]:
                 points[("start", size)].append(start)
         for method, variant, label, _ in rows:
-            if r["cell"]["method"] == method and _recipe_part(r) == variant:
+            if r["cell"]["method"] == method and _scale_recipe(r) == variant:
                 points.setdefault((label, size), []).append(float(r["metrics"]["pckh"]["mean"]))
     return points
 
@@ -847,7 +868,8 @@ def render_scale(records: list[dict[str, Any]]) -> str:
     shares = _size_shares(points, best)
     notes = ["PCKh@0.5 on the 240-image validation split, mean ± std (seeds), centralized on the three sites' "
              "records at epsilon 0.8 (delta 1e-5), 30 epochs per record; the start is each run's own (the public "
-             "split is the same at every size)."]
+             "split is the same at every size). A federated row trained across the three sites, each accounting for "
+             "its own records against the server, for as many epochs of its records, in rounds of local steps."]
     if shares:
         notes.append("The best record-level row's share of the gain at each size: "
                      + "; ".join(f"{n:,}: {share:.2f} ({best[n]})" for n, share in shares.items()) + ".")
@@ -855,6 +877,8 @@ def render_scale(records: list[dict[str, Any]]) -> str:
         notes.append(f"It keeps half of the gain from {enough[0]:,} records per site." if enough else
                      f"It keeps half of the gain at none of the sizes where both ran (up to {max(shares):,} "
                      "per site).")
+    if federated := _row_shares(points, KITS_FEDERATED_ROW):
+        notes.append(f"Federated, the site kits' recipe keeps {_at_sizes(federated, ' of the gain')}.")
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
 
 
@@ -900,16 +924,18 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = _scale_points(records)
-    colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:purple", "tab:brown", "tab:orange")
+    colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:purple", "tab:brown", "tab:brown", "tab:orange")
     assert len(colours) == len(_SCALE_ROWS), "one colour per named row"
     fig, ax = plt.subplots(figsize=(7, 5))
-    for (_, _, label, guarantee), colour in zip(_SCALE_ROWS, colours):
+    for (_, variant, label, guarantee), colour in zip(_SCALE_ROWS, colours):
         sizes = sorted(n for (name, n) in points if name == label)
         if sizes:
             values = [points[(label, n)] for n in sizes]
+            federated = variant.startswith(FEDERATED)  # the same colour as its pooled row, a hollow square
             ax.errorbar(sizes, [statistics.mean(v) for v in values],
-                        yerr=[statistics.stdev(v) if len(v) > 1 else 0.0 for v in values], marker="o", capsize=3,
-                        color=colour, label=f"{label}: {guarantee}")
+                        yerr=[statistics.stdev(v) if len(v) > 1 else 0.0 for v in values],
+                        marker="s" if federated else "o", markerfacecolor="none" if federated else colour,
+                        linestyle="--" if federated else "-", capsize=3, color=colour, label=f"{label}: {guarantee}")
     sizes = sorted(n for (name, n) in points if name == "start")
     if sizes:
         ax.plot(sizes, [statistics.mean(points[("start", n)]) for n in sizes], linestyle="-.", marker="x", color="gray",
@@ -917,7 +943,7 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xticks(sorted({n for _, n in points}), [f"{n:,}" for n in sorted({n for _, n in points})])
     ax.minorticks_off()  # the log axis's own minor labels (6 x 10^2, ...) would crowd the sizes
-    ax.set_xlabel("records per site (3 sites, pooled; 30 epochs per record)")
+    ax.set_xlabel("records per site (3 sites, pooled unless federated; 30 epochs per record)")
     ax.set_ylabel("PCKh@0.5 (mean ± std over seeds)")
     ax.set_title("Accuracy against data, epsilon 0.8 per record")
     ax.grid(alpha=0.3)
