@@ -515,3 +515,12 @@ def test_the_readmes_records_paragraph_is_rendered_from_the_scale_dp_and_epsilon
            "(3 seeds at 400 and 1,600, one at 6,400)" in mixed, mixed
     half = render.render_records_brief(([*scale, _sized("proj", 70.0, 6400, kits)], dp, eps))
     assert "measured on this ward at epsilon 0.8: from 6,400 per site." in half, half
+    assert "federated" not in brief
+    federated = _sized("proj", 48.0, 6400, f"{kits}, federation.site_optimizer=keep, federation.rounds=20",
+                       setting="federated")
+    federated["metrics"]["data"] = {"records": {"public": 600, "val": 240}}  # the server counts no site's records
+    sites = render.render_records_brief(([*scale, federated], dp, eps))
+    assert "full-dimension DP-SGD on 6,400 records per site keeps 0.03; federated across the three sites, each " \
+           "accounting for its own records against an untrusted server, the kits' recipe keeps 0.30 at 6,400 " \
+           "(one seed)." in sites, sites
+    assert "measured on this ward at epsilon 0.8: more than 6,400 per site." in sites, sites  # pooled decides

@@ -730,6 +730,10 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
         kept = _gain_share(statistics.mean(full[n]), *_reference(points, n))
         said += f", and full-dimension DP-SGD on {n:,} records per site keeps {kept:.2f}"
         best[n] = max(best.get(n, kept), kept)
+    if federated := _row_shares(points, KITS_FEDERATED_ROW):
+        counts = {f"{n:,}": len(points[(KITS_FEDERATED_ROW, n)]) for n in federated}
+        said += ("; federated across the three sites, each accounting for its own records against an untrusted "
+                 f"server, the kits' recipe keeps {_at_sizes(federated)} ({_seeds_said(counts, each=len(counts) > 1)})")
     half = [n for n, share in sorted(best.items()) if share >= HALF]
     verdict = f"from {half[0]:,} per site" if half else f"more than {max(best):,} per site"
     said = ("How many records a site needs before record-level DP pays off, measured on this ward at epsilon 0.8: "
