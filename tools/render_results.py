@@ -930,7 +930,7 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     points = _scale_points(records)
     colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:purple", "tab:brown", "tab:brown", "tab:orange")
     assert len(colours) == len(_SCALE_ROWS), "one colour per named row"
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(7, 7))
     for (_, variant, label, guarantee), colour in zip(_SCALE_ROWS, colours):
         sizes = sorted(n for (name, n) in points if name == label)
         if sizes:
@@ -951,9 +951,9 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("PCKh@0.5 (mean ± std over seeds)")
     ax.set_title("Accuracy against data, epsilon 0.8 per record")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)  # one column: no label cut
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})
+    fig.savefig(path, dpi=100, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
 
 
