@@ -133,6 +133,29 @@ def test_quick_without_a_quick_section_is_refused(tmp_path):
         load_study(write_study(tmp_path, study_text()), quick=True)
 
 
+def test_the_epsilon_figure_draws_only_panels_it_has_points_for(tmp_path):
+    """The figure draws the grid's default-variant cells (each variant is a recipe of its own, not a point of the
+    epsilon curve). A study whose private cells all change the recipe, or whose federated cells do, gets no empty
+    figure or panel, and no legend warning."""
+    import warnings
+
+    from fedpose.shared.experiments.study_report import eps_figures
+
+    def row(setting, variant="", method="proj"):
+        return {"method": method, "setting": setting, "strategy": "full", "clip": 1.0, "epsilon": 0.8, "seed": 1,
+                "ablation": "", "variant": variant, "mean": 38.0}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert eps_figures(tmp_path, [row("federated", "train.lr=0.003")]) == []
+        written = eps_figures(tmp_path, [row("centralized"), row("federated", "train.lr=0.003")])
+    assert [p.name for p in written] == ["pckh_vs_eps_full_C1.png"]
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(written[0]).shape[:2]
+    assert width < 1.5 * height  # one panel (centralized), not an empty federated one beside it
+
+
 def test_gap_recovered_per_point_with_the_centralized_reference_for_federations():
     from fedpose.shared.experiments.study_report import gap_rows
 

@@ -255,10 +255,10 @@ def eps_figures(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
 
     grid = [r for r in rows if not r["ablation"]]
     groups = by_point(grid)
-    panels = sorted({(p[2], p[4]) for p in groups if p[1] in PRIVATE}, key=str)
-    settings = [s for s in SETTING_ORDER if any(p[0] == s and p[1] in PRIVATE for p in groups)]
+    drawn = [p for p in groups if p[1] in PRIVATE and not p[6]]  # a variant is a recipe, not a point of the curve
     written = []
-    for strategy, clip in panels:
+    for strategy, clip in sorted({(p[2], p[4]) for p in drawn}, key=str):
+        settings = [s for s in SETTING_ORDER if any(p[0] == s and p[2] == strategy and p[4] == clip for p in drawn)]
         fig, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 4), sharey=True, squeeze=False)
         for ax, setting in zip(axes[0], settings):
             for method in PRIVATE:
