@@ -822,7 +822,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
     for r in records:
         if r["cell"]["setting"] == "federated":  # the server counts no site's records: the size its ward has
             named = re.search(r"data\.synth\.per_site=(\d+)", r["cell"]["variant"])
-            size = int(named.group(1)) if named else (min(own) if len(own) == 1 else None)
+            size = int(named.group(1)) if named else (next(iter(own)) if len(own) == 1 else None)
         else:
             size = _per_site(r, by_digest) if r["cell"]["setting"] == "centralized" else None
         if size is None:
