@@ -262,8 +262,8 @@ def eps_figures(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
         fig, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 4), sharey=True, squeeze=False)
         for ax, setting in zip(axes[0], settings):
             for method in PRIVATE:
-                pts = sorted((p[3], g) for p, g in groups.items()
-                             if p[0] == setting and p[1] == method and p[2] == strategy and p[4] == clip and not p[6])
+                pts = sorted((p[3], groups[p]) for p in drawn
+                             if p[0] == setting and p[1] == method and p[2] == strategy and p[4] == clip)
                 if not pts:
                     continue
                 xs = [e for e, _ in pts]
