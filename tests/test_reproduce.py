@@ -222,8 +222,9 @@ def test_the_data_scale_table_shows_every_recorded_recipe_even_one_it_has_no_nam
     assert rows[0] == "| proj, 3e-3, V from clipped gradients | record-level DP | - | - |", rows
     assert rows[1].startswith("| proj, the site kits' recipe") and rows[1].endswith(" | - | - |"), rows
     assert rows[2].startswith("| proj, the site kits' recipe, federated") and rows[2].endswith(" | - | - |"), rows
-    assert rows[3] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
-    assert rows[4] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
+    assert rows[3].startswith("| proj, the site kits' recipe, reference") and rows[3].endswith(" | - | - |"), rows
+    assert rows[4] == "| proj, SGD momentum 0.9, 3e-3 | record-level DP | 36.00 (1 seed) | 38.00 (1 seed) |", rows
+    assert rows[5] == f"| proj, {grown} | record-level DP | - | 35.50 (1 seed) |", rows
     assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3); 1,600: 0.20 (proj, SGD momentum 0.9, 3e-3)." in table
 
 
@@ -250,6 +251,28 @@ def test_the_data_scale_table_has_the_kits_recipe_federated_as_its_own_row_place
                    "34.00 (1 seed) | 45.00 (1 seed) |"], table
     assert "400: 0.30 (proj, SGD momentum 0.9, 3e-3); 6,400: 0.25 (proj, the site kits' recipe (each" in table
     assert "Federated, the site kits' recipe keeps 0.20 of the gain at 400 and 0.38 at 6,400" in table, table
+
+
+def test_the_data_scale_table_has_the_federations_reference_for_the_kits_recipe_beside_its_federated_row():
+    """The federation's reachable reference (the pooled records with the noise the sites' own accounting puts into
+    the federation's average) is a row of its own, placed by the records it pooled, named for what it is and for
+    the curator it trusts, never the best pooled row; the notes split the federated row's distance to the pooled
+    one at each size where all three ran."""
+    render = _render()
+    kits = render.SCALE_KITS + ", federation.site_optimizer=keep"
+    schedule = "federation.rounds=20, federation.local_steps=150"
+    federated = _sized("proj", 38.0, 6400, f"{kits}, {schedule}", setting="federated")
+    federated["metrics"]["data"] = {"digest": "server", "records": {"public": 600, "val": 240}}
+    records = [_sized("nonprivate", 70.0, 6400), _sized("proj", 40.0, 6400, render.SCALE_KITS), federated,
+               _sized("proj", 45.0, 6400, f"{kits}, {schedule}", setting="reference")]
+    table = render.render_scale(records)
+    row = [line for line in table.splitlines() if line.startswith("| proj, the site kits' recipe, reference")]
+    assert row == ["| proj, the site kits' recipe, reference (pooled, the federation's noise) | record-level DP, "
+                   "pooled by a trusted curator: a diagnostic | 45.00 (1 seed) |"], table
+    assert "6,400: 0.25 (proj, the site kits' recipe (each" in table, table  # not the reference's 0.38
+    assert ("At 6,400 records per site the federated row ends 2.00 points below the pooled one: the price of not "
+            "trusting the server (reference - pooled) +5.00, the federation's own (federated - reference) -7.00."
+            in table), table
 
 
 def test_a_scale_cell_recorded_before_the_data_counts_takes_its_size_from_a_cell_of_the_same_data():

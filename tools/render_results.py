@@ -571,6 +571,9 @@ KITS_ROW = "proj, the site kits' recipe (each image clipped with its blurred cop
 FEDERATED = "setting=federated"  # how a data-scale cell's recipe says it ran federated (``_scale_recipe``)
 KITS_FEDERATED_ROW = "proj, the site kits' recipe, federated"
 PER_SITE = "record-level DP at each site, the server untrusted"  # a federated row's guarantee
+REFERENCE = "setting=reference"  # a data-scale cell of the federation's reachable reference (``_scale_recipe``)
+KITS_REFERENCE_ROW = "proj, the site kits' recipe, reference (pooled, the federation's noise)"
+CURATOR = "record-level DP, pooled by a trusted curator: a diagnostic"  # the reference row's guarantee
 SETTING_ORDER = ("centralized", "reference", "federated")
 SETTING_LABEL = {"reference": "reference (pooled, the federation's noise)", "federated": "federated"}
 
@@ -772,6 +775,7 @@ _SCALE_ROWS = (("nonprivate", "", "non-private", "none (no DP)"),
                ("dpsgd", "train.lr=0.0001", "dpsgd, Adam 1e-4", "record-level DP"),
                ("proj", SCALE_KITS, KITS_ROW, "record-level DP"),
                ("proj", f"{FEDERATED}, {SCALE_KITS}, federation.site_optimizer=keep", KITS_FEDERATED_ROW, PER_SITE),
+               ("proj", f"{REFERENCE}, {SCALE_KITS}, federation.site_optimizer=keep", KITS_REFERENCE_ROW, CURATOR),
                ("proj", RECIPE, "proj, SGD momentum 0.9, 3e-3", "record-level DP"))  # the recipe: last
 
 
@@ -790,18 +794,20 @@ def _scale_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]
     named = {(method, variant) for method, variant, _, _ in _SCALE_ROWS}
     guarantees = {method: guarantee for method, _, _, guarantee in _SCALE_ROWS}
     others = sorted({(r["cell"]["method"], _scale_recipe(r)) for r in records
-                     if r["cell"]["method"] != "pretrained" and r["cell"]["setting"] in ("centralized", "federated")}
-                    - named)
+                     if r["cell"]["method"] != "pretrained"} - named)
     return [*_SCALE_ROWS, *((method, variant, ", ".join(p for p in (method, variant) if p),
-                             PER_SITE if variant.startswith(FEDERATED) else guarantees.get(method, "record-level DP"))
+                             PER_SITE if variant.startswith(FEDERATED) else CURATOR if variant.startswith(REFERENCE)
+                             else guarantees.get(method, "record-level DP"))
                             for method, variant in others)]
 
 
 def _scale_recipe(record: dict[str, Any]) -> str:
     """A data-scale cell's recipe: what it changes in the training, led by ``FEDERATED`` when the sites trained it
-    federated; without the federation's schedule (rounds x local steps: 30 epochs per record, as every cell)."""
+    federated (``REFERENCE`` for the federation's reference); without the federation's schedule (rounds x local
+    steps: 30 epochs per record, as every cell)."""
     parts = [p for p in _recipe_part(record).split(", ") if p and not p.startswith(_SCHEDULE_KEYS)]
-    return ", ".join([FEDERATED] * (record["cell"]["setting"] == "federated") + parts)
+    lead = {"federated": [FEDERATED], "reference": [REFERENCE]}.get(record["cell"]["setting"], [])
+    return ", ".join(lead + parts)
 
 
 _SCHEDULE_KEYS = ("federation.rounds=", "federation.local_steps=")
@@ -824,7 +830,7 @@ def _scale_points(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[f
             named = re.search(r"data\.synth\.per_site=(\d+)", r["cell"]["variant"])
             size = int(named.group(1)) if named else (next(iter(own)) if len(own) == 1 else None)
         else:
-            size = _per_site(r, by_digest) if r["cell"]["setting"] == "centralized" else None
+            size = _per_site(r, by_digest)  # pooled: the centralized cells and the federation's reference
         if size is None:
             continue
         if r["metrics"].get("initial_pckh_mean") is not None and r["cell"]["seed"] is not None:
@@ -883,7 +889,24 @@ def render_scale(records: list[dict[str, Any]]) -> str:
                      "per site).")
     if federated := _row_shares(points, KITS_FEDERATED_ROW):
         notes.append(f"Federated, the site kits' recipe keeps {_at_sizes(federated, ' of the gain')}.")
+    notes.extend(_federation_split(points))
     return "\n".join(lines + ["", " ".join(notes), "", _study_provenance(records, SCALE)])
+
+
+def _federation_split(points: dict[tuple[str, int], list[float]]) -> list[str]:
+    """At each size where the kits' recipe ran pooled, federated and as the federation's reference, how far the
+    federated row ends from the pooled one, split into the price of not trusting the server (reference - pooled)
+    and the federation's own (federated - reference)."""
+    said = []
+    for n in sorted(n for name, n in points if name == KITS_REFERENCE_ROW):
+        rows = [points.get((label, n)) for label in (KITS_ROW, KITS_FEDERATED_ROW, KITS_REFERENCE_ROW)]
+        if all(rows):
+            pooled, federated, reference = (statistics.mean(v) for v in rows)
+            said.append(f"At {n:,} records per site the federated row ends {abs(federated - pooled):.2f} points "
+                        f"{'below' if federated < pooled else 'above'} the pooled one: the price of not trusting "
+                        f"the server (reference - pooled) {reference - pooled:+.2f}, the federation's own (federated "
+                        f"- reference) {federated - reference:+.2f}.")
+    return said
 
 
 HALF = 0.5  # the share of the gain the data-scale study asks for: from how many records a guarantee keeps half
@@ -928,18 +951,21 @@ def figure_scale(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = _scale_points(records)
-    colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:purple", "tab:brown", "tab:brown", "tab:orange")
+    colours = ("black", "tab:green", "tab:blue", "tab:red", "tab:purple", "tab:brown", "tab:brown", "tab:brown",
+               "tab:orange")
     assert len(colours) == len(_SCALE_ROWS), "one colour per named row"
     fig, ax = plt.subplots(figsize=(7, 7))
     for (_, variant, label, guarantee), colour in zip(_SCALE_ROWS, colours):
         sizes = sorted(n for (name, n) in points if name == label)
         if sizes:
             values = [points[(label, n)] for n in sizes]
-            federated = variant.startswith(FEDERATED)  # the same colour as its pooled row, a hollow square
+            # the same colour as its pooled row: federated a hollow square, the federation's reference a diamond
+            marker, line = ("s", "--") if variant.startswith(FEDERATED) else ("D", ":") \
+                if variant.startswith(REFERENCE) else ("o", "-")
             ax.errorbar(sizes, [statistics.mean(v) for v in values],
                         yerr=[statistics.stdev(v) if len(v) > 1 else 0.0 for v in values],
-                        marker="s" if federated else "o", markerfacecolor="none" if federated else colour,
-                        linestyle="--" if federated else "-", capsize=3, color=colour, label=f"{label}: {guarantee}")
+                        marker=marker, markerfacecolor="none" if marker == "s" else colour, linestyle=line,
+                        capsize=3, color=colour, label=f"{label}: {guarantee}")
     sizes = sorted(n for (name, n) in points if name == "start")
     if sizes:
         ax.plot(sizes, [statistics.mean(points[("start", n)]) for n in sizes], linestyle="-.", marker="x", color="gray",
