@@ -9,6 +9,10 @@ falls as 1 / n at a fixed sampling rate and budget, so the curve measured on the
 what non-private training gains that the best record-level recipe kept, at each measured size) tells a site
 about where it stands and about how many records would keep half of the gain. The curve is measured, not a
 model: it only says what the reference ward's runs did (docs/results/index.md, "How many records a site needs").
+
+A site trains in a federation, accounting for its own records against a server it does not trust; the same study
+measured the site kits' recipe so, across the reference ward's three sites, at each size. That second curve is
+read in records per site (``federated_share``): it is what a site of that size in such a federation kept.
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ CURVE: tuple[CurvePoint, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class FederatedPoint:
+    """One measured size of the federated curve: records per site, the share of the gain kept and its seeds."""
+
+    per_site: int
+    share: float
+    seeds: int
+
+
+# The site kits' recipe federated across the reference ward's three sites (each accounting for its own records
+# against an untrusted server, 30 epochs of its records) at epsilon 0.8, from the results page's rows.
+FEDERATED_CURVE: tuple[FederatedPoint, ...] = (
+    FederatedPoint(400, 0.29, 1),
+    FederatedPoint(1_600, 0.18, 1),
+    FederatedPoint(6_400, 0.13, 1),
+)
+
+
 def noise_to_signal(*, sigma: float, expected_batch: float, steps: int, weights: int = REFERENCE_WEIGHTS,
                     signal: float = SIGNAL) -> float:
     """sigma sqrt(p) / (B sqrt(T)) / signal: the norm of the noise a run averages over the mean clipped gradient's."""
@@ -62,6 +84,21 @@ def share_kept(figure: float, curve: tuple[CurvePoint, ...] = CURVE) -> float:
     for low, high in zip(points, points[1:]):
         if figure <= high.noise_to_signal:
             t = math.log(figure / low.noise_to_signal) / math.log(high.noise_to_signal / low.noise_to_signal)
+            return low.share + t * (high.share - low.share)
+    return points[-1].share
+
+
+def federated_share(per_site: int, curve: tuple[FederatedPoint, ...] = FEDERATED_CURVE) -> float:
+    """The share of the gain the federated curve kept at ``per_site`` records per site: linear in log(records)
+    between measured sizes, the nearest measured size's share beyond them (nothing outside what was measured)."""
+    if per_site < 1:
+        raise ValueError(f"need at least one record per site, got {per_site}")
+    points = sorted(curve, key=lambda p: p.per_site)
+    if per_site <= points[0].per_site:
+        return points[0].share
+    for low, high in zip(points, points[1:]):
+        if per_site <= high.per_site:
+            t = math.log(per_site / low.per_site) / math.log(high.per_site / low.per_site)
             return low.share + t * (high.share - low.share)
     return points[-1].share
 
@@ -101,4 +138,16 @@ def outlook(*, records: int, sigma: float, expected_batch: float, steps: int, ep
                  f"{best.recipe})")
     else:
         text += f"about {half:,} {unit} would keep half"
-    return text + f" ({PAGE})"
+    return text + f" ({PAGE})\n" + _federated_line(records)
+
+
+def _federated_line(per_site: int) -> str:
+    """The federated curve at this site's records: the setting a site trains in."""
+    sizes = [f"{p.per_site:,}" for p in FEDERATED_CURVE]
+    seeds = sorted({p.seeds for p in FEDERATED_CURVE})
+    runs = (f"{seeds[0]} seed{'s' * (seeds[0] > 1)} each" if len(seeds) == 1 else
+            "seeds: " + ", ".join(str(p.seeds) for p in FEDERATED_CURVE))
+    return (f"federated outlook: across three sites of {per_site:,} records, each accounting for its own records "
+            f"against an untrusted server, the site kits' recipe kept about {federated_share(per_site):.2f} of the "
+            f"gain at {per_site:,} records per site on the reference ward (measured at {', '.join(sizes[:-1])} and "
+            f"{sizes[-1]} per site, {runs}; {PAGE})")

@@ -52,24 +52,37 @@ def test_site_check_prints_the_outlook_with_the_page_it_comes_from(tmp_path, cap
                              steps=policy.lifetime_rounds * policy.steps_per_round)
     assert f"{figure:.2f} times the mean clipped gradient" in line
     assert PAGE in line and f"eps {policy.epsilon:g}" in line
+    # the setting the site runs in: federated, each site accounting for its own records against the server
+    import re
+
+    from fedpose.client.outlook import federated_share
+
+    units = int(re.search(r"checked: (\d+) records", out).group(1))
+    federated = next(row for row in out.splitlines() if row.startswith("federated outlook"))
+    assert f"at {units:,} records per site" in federated
+    assert f"kept about {federated_share(units):.2f} of the gain" in federated and PAGE in federated
+
+
+def test_the_federated_curve_is_read_in_records_per_site_between_measured_sizes_and_never_beyond_them():
+    from fedpose.client.outlook import FederatedPoint, federated_share
+
+    curve = (FederatedPoint(400, 0.3, 1), FederatedPoint(1_600, 0.2, 1), FederatedPoint(6_400, 0.1, 3))
+    assert federated_share(400, curve) == pytest.approx(0.3)
+    assert federated_share(800, curve) == pytest.approx(0.25)  # halfway in log between 400 and 1,600
+    assert federated_share(100, curve) == pytest.approx(0.3) and federated_share(10**6, curve) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="record per site"):
+        federated_share(0, curve)
 
 
 def test_the_curve_is_what_the_data_scale_studys_records_say():
     """Each point of the outlook's curve is the data-scale study's best record-level row at that size, from its
     committed records: the share of the gain it kept and the noise-to-signal figure of the run that ran (its sigma,
     batch and steps), so the outlook cannot drift from the page it names."""
-    import importlib.util
     import statistics
-    import sys
-    from pathlib import Path
 
     from fedpose.client.outlook import CURVE, noise_to_signal
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "render_results.py"
-    spec = importlib.util.spec_from_file_location("render_results_outlook", path)
-    render = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = render
-    spec.loader.exec_module(render)
+    render = _render()
     records = render.load_artefact("study-scale")
     points, rows = render._scale_points(records), render._scale_rows(records)
     sizes = sorted({n for (_, n) in points})
@@ -85,3 +98,32 @@ def test_the_curve_is_what_the_data_scale_studys_records_say():
         m = ran[0]
         figure = noise_to_signal(sigma=m["sigma"], expected_batch=m["sample_rate"] * 3 * n, steps=m["steps"])
         assert point.noise_to_signal == pytest.approx(figure, rel=0.01)
+
+
+def test_the_federated_curve_is_what_the_data_scale_studys_federated_row_says():
+    """Each point of the federated outlook is the data-scale study's federated row of the site kits' recipe at that
+    size (three sites, each accounting for its own records against the server): its share of the gain and its
+    number of seeds, from the committed records."""
+    from fedpose.client.outlook import FEDERATED_CURVE
+
+    render = _render()
+    records = render.load_artefact("study-scale")
+    points = render._scale_points(records)
+    shares = render._row_shares(points, render.KITS_FEDERATED_ROW)
+    assert [p.per_site for p in FEDERATED_CURVE] == sorted(shares)
+    for point in FEDERATED_CURVE:
+        assert point.share == pytest.approx(shares[point.per_site], abs=0.005)
+        assert point.seeds == len(points[(render.KITS_FEDERATED_ROW, point.per_site)])
+
+
+def _render():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "render_results.py"
+    spec = importlib.util.spec_from_file_location("render_results_outlook", path)
+    render = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = render
+    spec.loader.exec_module(render)
+    return render
