@@ -78,14 +78,7 @@ def noise_to_signal(*, sigma: float, expected_batch: float, steps: int, weights:
 def share_kept(figure: float, curve: tuple[CurvePoint, ...] = CURVE) -> float:
     """The share of the gain the curve kept at this noise-to-signal figure: linear in log(figure) between measured
     points, the nearest measured point's share beyond them (the curve says nothing outside what was measured)."""
-    points = sorted(curve, key=lambda p: p.noise_to_signal)
-    if figure <= points[0].noise_to_signal:
-        return points[0].share
-    for low, high in zip(points, points[1:]):
-        if figure <= high.noise_to_signal:
-            t = math.log(figure / low.noise_to_signal) / math.log(high.noise_to_signal / low.noise_to_signal)
-            return low.share + t * (high.share - low.share)
-    return points[-1].share
+    return _read_in_log(figure, [(p.noise_to_signal, p.share) for p in curve])
 
 
 def federated_share(per_site: int, curve: tuple[FederatedPoint, ...] = FEDERATED_CURVE) -> float:
@@ -93,14 +86,18 @@ def federated_share(per_site: int, curve: tuple[FederatedPoint, ...] = FEDERATED
     between measured sizes, the nearest measured size's share beyond them (nothing outside what was measured)."""
     if per_site < 1:
         raise ValueError(f"need at least one record per site, got {per_site}")
-    points = sorted(curve, key=lambda p: p.per_site)
-    if per_site <= points[0].per_site:
-        return points[0].share
-    for low, high in zip(points, points[1:]):
-        if per_site <= high.per_site:
-            t = math.log(per_site / low.per_site) / math.log(high.per_site / low.per_site)
-            return low.share + t * (high.share - low.share)
-    return points[-1].share
+    return _read_in_log(per_site, [(p.per_site, p.share) for p in curve])
+
+
+def _read_in_log(x: float, measured: list[tuple[float, float]]) -> float:
+    """y at x from measured (x, y) points: linear in log(x) between them, the nearest point's y beyond them."""
+    points = sorted(measured)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return points[-1][1]
 
 
 def records_for(share: float, *, records: int, figure: float,
