@@ -547,3 +547,12 @@ def test_the_readmes_records_paragraph_is_rendered_from_the_scale_dp_and_epsilon
            "accounting for its own records against an untrusted server, the kits' recipe keeps 0.30 at 6,400 " \
            "(one seed)." in sites, sites
     assert "measured on this ward at epsilon 0.8: more than 6,400 per site." in sites, sites  # pooled decides
+    # the kits' recipe clipped without noise at the larger sizes (study-recordlevel-dp): its ceiling at each
+    ceiling = "train.images=raw+psi, train.lr=0.003, privacy.noise_multiplier=0.0"
+    ceilings = [_sized("proj", 45.5, 1600, ceiling), _sized("proj", 40.0, 6400, ceiling)]
+    larger = render.render_records_brief((scale, [*dp, *ceilings], eps))
+    assert "and 0.47 clipped without noise (0.31 at 1,600 records per site and 0.17 at 6,400, one seed each): its " \
+           "step, not the noise, is what holds it." in larger, larger
+    noisy = render.render_records_brief((scale, [*dp, _sized("proj", 60.0, 1600, ceiling)], eps))
+    assert "and 0.47 clipped without noise (0.60 at 1,600 records per site, one seed): the noise takes the " \
+           "difference." in noisy, noisy

@@ -709,7 +709,8 @@ def _seeds_said(counts: dict[str, int], *, each: bool) -> str:
 def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]) -> str:
     """The README's "how many records a site needs": from the data-scale study (the site kits' recipe and the best
     record-level run at each size), full-dimension DP-SGD at its largest size (study-recordlevel-dp) and the kits'
-    recipe against epsilon with its clipped ceiling (study-recordlevel-eps), each as a share of the gain."""
+    recipe against epsilon with its clipped ceiling (study-recordlevel-eps; the same ceiling at larger sizes from
+    study-recordlevel-dp), each as a share of the gain."""
     scale, dp, eps = artefacts
     points = _scale_points(scale)
     sizes = sorted({n for _, n in points})
@@ -758,11 +759,32 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
         if ceiling:
             clipped = _gain_share(statistics.mean(ceiling), start, top)
             said += f", and {clipped:.2f} clipped without noise"
-            said += (": its step, not the noise, is what holds it." if clipped - share[low] < 0.1 else
+            larger = _kits_ceilings(dp, points, by_digest)
+            if larger:
+                counts = {f"{n:,}": len(v) for n, v in larger.items()}
+                shares = {n: _gain_share(statistics.mean(v), *_reference(points, n)) for n, v in larger.items()}
+                said += (f" ({_at_sizes(shares, unit=' records per site')}, "
+                         f"{_seeds_said(counts, each=len(counts) > 1)})")
+            gaps = [clipped - share[low], *(_gain_share(statistics.mean(v), *_reference(points, n)) - kits[n]
+                                            for n, v in larger.items() if n in kits)]
+            said += (": its step, not the noise, is what holds it." if max(gaps) < 0.1 else
                      ": the noise takes the difference.")
         else:
             said += "."
     return said
+
+
+def _kits_ceilings(dp: list[dict[str, Any]], points: dict[tuple[str, int], list[float]],
+                   by_digest: dict[str, int]) -> dict[int, list[float]]:
+    """The kits' recipe clipped without noise (proj, each image with its blurred copy, sigma 0) at the sizes
+    study-recordlevel-dp ran it, where the data-scale study gives that size's start and non-private run."""
+    ceilings: dict[int, list[float]] = {}
+    for r in dp:
+        n = _per_site(r, by_digest)
+        if (r["cell"]["method"] == "proj" and _diagnostic(r) and "privacy.noise_multiplier=0.0" in r["cell"]["variant"]
+                and "train.images=raw+psi" in r["cell"]["variant"] and n is not None and _reference(points, n)):
+            ceilings.setdefault(n, []).append(float(r["metrics"]["pckh"]["mean"]))
+    return dict(sorted(ceilings.items()))
 
 
 SCALE = ("fedpose study --config configs/study-scale.yaml --out runs/study-scale --threads 1 "
