@@ -173,6 +173,21 @@ def test_a_record_level_table_names_the_federation_and_its_reference_apart_from_
     assert rows[2].startswith("| federated, proj, x=1 | record-level DP | 34.00 (1 seed) | 0.20 |"), rows
 
 
+def test_a_record_level_table_gives_a_clipped_run_without_noise_no_guarantee():
+    """A cell clipped without noise (privacy.noise_multiplier 0, a ceiling) carries no guarantee: its row says so
+    and gives its epsilon as unbounded, where a row at a fixed sigma above 0 keeps the accountant's epsilon."""
+    render = _render()
+    ceiling = _study_record("proj", 39.0, variant="privacy.noise_multiplier=0.0")
+    ceiling["metrics"]["epsilon"] = float("inf")
+    probe = _study_record("dpsgd", 33.0, variant="privacy.noise_multiplier=0.4026")
+    probe["metrics"]["epsilon"] = 90.9
+    table = render.render_recordlevel([_study_record("pretrained", 30.0), _study_record("nonprivate", 50.0),
+                                       ceiling, probe])
+    assert "| proj, privacy.noise_multiplier=0.0 | none (diagnostic; clipped, no noise) | 39.00 (1 seed) | 0.45 | " \
+           "unbounded |" in table, table
+    assert "| dpsgd, privacy.noise_multiplier=0.4026 | record-level DP | 33.00 (1 seed) | 0.15 | 90.9000 |" in table
+
+
 def test_a_record_level_table_orders_its_rows_the_same_in_every_process():
     """Rows that tie on method, variant and epsilon (two strategies, or two clips) come in one order whatever the
     process's string hashing: ``render_results --check`` compares the page with a fresh render in another process."""

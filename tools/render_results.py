@@ -355,6 +355,9 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
         values = [float(r["metrics"]["pckh"]["mean"]) for r in rows]
         eps = [r["metrics"].get("epsilon") for r in rows]
         eps_text = f"{max(eps):.4f}" if all(e is not None for e in eps) else ""
+        guarantee = _guarantee(method)
+        if eps_text and math.isinf(max(eps)):  # clipped without noise: a ceiling, no guarantee
+            eps_text, guarantee = "unbounded", "none (diagnostic; clipped, no noise)"
         sigma = {round(float(r["metrics"]["sigma"]), 4) for r in rows if r["metrics"].get("sigma")}
         steps = {int(r["metrics"]["steps"]) for r in rows if r["metrics"].get("steps")}
         minutes = statistics.mean(float(r["metrics"]["seconds"]) for r in rows) / 60
@@ -363,7 +366,7 @@ def render_recordlevel(records: list[dict[str, Any]], command: str = RECORDLEVEL
                            *([f"eps {epsilon:g}"] if epsilon not in (None, 0.8) else []),
                            *([strategy_of] if strategy_of != strategy else []),
                            *([f"C = {clip:g}"] if clip not in (None, 1.0) else []), *([variant] if variant else [])])
-        lines.append(f"| {label} | {_guarantee(method)} | {_stat(values)} | {share:.2f} | {eps_text} | "
+        lines.append(f"| {label} | {guarantee} | {_stat(values)} | {share:.2f} | {eps_text} | "
                      f"{', '.join(f'{v:g}' for v in sorted(sigma))} | {', '.join(map(str, sorted(steps)))} | "
                      f"{minutes:.1f} |")
     notes = [f"PCKh@0.5 on {validation}, mean ± std (seeds); the gain is non-private minus the "
