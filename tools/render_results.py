@@ -763,13 +763,12 @@ def render_records_brief(artefacts: tuple[list[dict[str, Any]], list[dict[str, A
             clipped = _gain_share(statistics.mean(ceiling), start, top)
             said += f", and {clipped:.2f} clipped without noise"
             larger = _kits_ceilings(dp, points, by_digest)
+            shares = {n: _gain_share(statistics.mean(v), *_reference(points, n)) for n, v in larger.items()}
             if larger:
                 counts = {f"{n:,}": len(v) for n, v in larger.items()}
-                shares = {n: _gain_share(statistics.mean(v), *_reference(points, n)) for n, v in larger.items()}
                 said += (f" ({_at_sizes(shares, unit=' records per site')}, "
                          f"{_seeds_said(counts, each=len(counts) > 1)})")
-            gaps = [clipped - share[low], *(_gain_share(statistics.mean(v), *_reference(points, n)) - kits[n]
-                                            for n, v in larger.items() if n in kits)]
+            gaps = [clipped - share[low], *(shares[n] - kits[n] for n in shares if n in kits)]
             said += (": its step, not the noise, is what holds it." if max(gaps) < 0.1 else
                      ": the noise takes the difference.")
         else:
@@ -784,7 +783,7 @@ def _kits_ceilings(dp: list[dict[str, Any]], points: dict[tuple[str, int], list[
     ceilings: dict[int, list[float]] = {}
     for r in dp:
         n = _per_site(r, by_digest)
-        if (r["cell"]["method"] == "proj" and _diagnostic(r) and "privacy.noise_multiplier=0.0" in r["cell"]["variant"]
+        if (r["cell"]["method"] == "proj" and "privacy.noise_multiplier=0.0" in r["cell"]["variant"]
                 and "train.images=raw+psi" in r["cell"]["variant"] and n is not None and _reference(points, n)):
             ceilings.setdefault(n, []).append(float(r["metrics"]["pckh"]["mean"]))
     return dict(sorted(ceilings.items()))
